@@ -1,0 +1,44 @@
+# dscache developer entry points. Run `make help` for the list.
+SHELL := bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: help install tools test test-unit test-integration bench bench-quick demo e2e crds clean
+
+help:
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed ## Python virtualenv with every extra (.venv)
+
+tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
+	bash e2e/cluster/tools.sh s3 s5cmd etcd kube-apiserver
+
+# pytest exits 5 when it collects nothing; for us that is a broken suite, not a pass.
+define run_pytest
+	@$(PY) -m pytest $(1); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests in '$(1)': treating as failure" >&2; exit 1; fi; \
+	exit $$rc
+endef
+
+test: install tools ## Unit + integration tests (real S3 server, real kube-apiserver)
+	$(call run_pytest,tests)
+
+test-unit: install ## Unit tests only (no servers)
+	$(call run_pytest,tests/unit)
+
+bench: install tools ## Benchmarks, full size; the last line of each is JSON
+	$(PY) bench/stager.py
+
+bench-quick: install tools ## Benchmarks, quick mode (under 10 minutes)
+	$(PY) bench/stager.py --quick
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,127 @@
+"""List a prefix as a stream of objects, fanning out by sub-prefix.
+
+Listing overlaps copying: objects flow to the copier page by page, so the
+first bytes move within a second even on prefixes with millions of keys.
+While the first flat listing streams, one delimiter listing discovers the
+sub-prefixes; the flat stream then stops at the first sub-prefix it has not
+reached and one lister per remaining sub-prefix takes over, in parallel.
+S3 returns keys in UTF-8 byte order, which is Python's str order, so the
+ranges neither overlap nor leave gaps.
+
+Measured on a loopback versitygw (4,000 keys): boto3 spends 0.17 ms of CPU
+per key listed plus 0.5 s to import and build a client; obstore (Rust
+object_store) 0.045 ms per key, all of it waiting on the server. boto3 would
+hold the GIL the copier needs, so obstore lists. Its paths are normalised:
+ - a trailing '/' is dropped, so a directory marker ``a/`` shows up as an empty
+   object ``a``; the copier settles empty objects with a HEAD (see sync.py);
+ - keys it cannot represent (empty segments, '.', '..', control characters)
+   abort the listing. They are unsafe for us too, so we list again with boto3,
+   which passes every key through, and the error names them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import obstore
+from obstore.exceptions import InvalidPathError
+from obstore.store import S3Store
+
+from .source import S3Source
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteObject:
+    key: str
+    size: int
+    etag: str
+
+
+class UnrepresentableKeys(Exception):
+    """obstore met a key it cannot represent; see :func:`list_keys_raw`."""
+
+
+def _objects(batch: list[dict]) -> list[RemoteObject]:
+    return [RemoteObject(o["path"], o["size"], (o.get("e_tag") or "").strip('"')) for o in batch]
+
+
+async def list_objects(store: S3Store, prefix: str, fan_out: bool = True) -> AsyncIterator[list[RemoteObject]]:
+    """Yield batches of objects under ``prefix``, each object exactly once."""
+    out: asyncio.Queue[list[RemoteObject] | BaseException | None] = asyncio.Queue(maxsize=64)
+    state = {"last": "", "stop_at": None}
+
+    async def flat() -> None:
+        async for batch in obstore.list(store, prefix=prefix or None, chunk_size=1000):
+            objs = _objects(batch)
+            stop_at = state["stop_at"]
+            if stop_at is not None:
+                objs = [o for o in objs if o.key < stop_at]
+            if objs:
+                state["last"] = objs[-1].key
+                await out.put(objs)
+            if stop_at is not None and len(objs) < len(batch):
+                return
+
+    async def sub(p: str) -> None:
+        async for batch in obstore.list(store, prefix=p, chunk_size=1000):
+            await out.put(_objects(batch))
+
+    async def discover() -> list[asyncio.Task]:
+        listing = await obstore.list_with_delimiter_async(store, prefix=prefix or None)
+        # Sub-prefixes the flat stream has not reached yet go to parallel
+        # listers; the flat stream stops at the first of them.
+        rest = sorted(p + "/" for p in listing["common_prefixes"] if p + "/" > state["last"])
+        if not rest:
+            return []
+        state["stop_at"] = rest[0]
+        top = [o for o in _objects(listing["objects"]) if o.key >= rest[0]]
+        if top:
+            await out.put(top)
+        return [asyncio.create_task(sub(p)) for p in rest]
+
+    async def run() -> None:
+        try:
+            flat_task = asyncio.create_task(flat())
+            subs: list[asyncio.Task] = []
+            if fan_out:
+                disc = asyncio.create_task(discover())
+                done, _ = await asyncio.wait({flat_task, disc}, return_when=asyncio.FIRST_COMPLETED)
+                if flat_task in done and not disc.done():
+                    disc.cancel()
+                else:
+                    subs = await disc
+            await flat_task
+            for t in subs:
+                await t
+            await out.put(None)
+        except InvalidPathError as e:
+            await out.put(UnrepresentableKeys(str(e)))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await out.put(e)
+
+    runner = asyncio.create_task(run())
+    try:
+        while (item := await out.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        runner.cancel()
+
+
+def list_keys_raw(source: S3Source) -> list[str]:
+    """Every key under the prefix, verbatim, through boto3 (slow but exact)."""
+    import boto3
+    from botocore.config import Config
+
+    style = source.addressing_style or ("path" if source.endpoint_url else "virtual")
+    client = boto3.client(
+        "s3", endpoint_url=source.endpoint_url, region_name=source.region,
+        config=Config(s3={"addressing_style": style}, retries={"mode": "adaptive", "max_attempts": 10}),
+    )
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=source.bucket, Prefix=source.prefix):
+        keys.extend(o["Key"] for o in page.get("Contents", []))
+    return keys

@@ -1,0 +1,99 @@
+"""Operations on the local tree under DEST that never step outside it.
+
+DEST belongs to the stager, so anything in the way of the bucket's shape
+(a stale file where a directory must go, a symlink left by someone else) is
+removed rather than followed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+
+from .keys import RESERVED_TOP
+
+
+class LocalTree:
+    def __init__(self, dest: str) -> None:
+        self.dest = dest
+        self._dirs: set[str] = {""}
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.dest, rel)
+
+    def ensure_parent(self, rel: str) -> None:
+        """Create the directories above ``rel`` as real directories, never via symlinks."""
+        parent = rel.rpartition("/")[0]
+        if parent in self._dirs:
+            return
+        done = ""
+        for part in parent.split("/"):
+            done = f"{done}/{part}" if done else part
+            if done in self._dirs:
+                continue
+            full = self.path(done)
+            try:
+                os.mkdir(full, 0o755)
+            except FileExistsError:
+                st = os.lstat(full)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(full)  # a stale file or a symlink: never follow it
+                    os.mkdir(full, 0o755)
+            self._dirs.add(done)
+
+    def place(self, tmp: str, rel: str) -> None:
+        """Atomically move a finished temp file to its final name."""
+        final = self.path(rel)
+        try:
+            os.rename(tmp, final)
+        except IsADirectoryError:
+            # A stale directory where the bucket now has a file.
+            shutil.rmtree(final)
+            os.rename(tmp, final)
+
+    def is_current(self, rel: str, size: int) -> bool:
+        """True if ``rel`` is a regular file (not a symlink) of ``size`` bytes."""
+        try:
+            st = os.lstat(self.path(rel))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
+
+    def walk_files(self) -> Iterator[str]:
+        """Relative paths of every non-directory entry, without following symlinks."""
+        stack = [""]
+        while stack:
+            rel_dir = stack.pop()
+            with os.scandir(self.path(rel_dir) if rel_dir else self.dest) as it:
+                for e in it:
+                    rel = f"{rel_dir}/{e.name}" if rel_dir else e.name
+                    if rel == RESERVED_TOP:
+                        continue
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(rel)
+                    else:
+                        yield rel
+
+    def prune(self, keep: set[str]) -> int:
+        """Delete every file not in ``keep``, then directories left empty. Returns files deleted."""
+        deleted = 0
+        for rel in list(self.walk_files()):
+            if rel not in keep:
+                os.unlink(self.path(rel))
+                deleted += 1
+        if deleted:
+            self._remove_empty_dirs()
+        return deleted
+
+    def _remove_empty_dirs(self) -> None:
+        for root, _, _ in os.walk(self.dest, topdown=False, followlinks=False):
+            rel = os.path.relpath(root, self.dest)
+            if rel == "." or rel.split(os.sep)[0] == RESERVED_TOP:
+                continue
+            try:
+                os.rmdir(root)  # only succeeds when empty
+            except OSError:
+                pass
+            self._dirs.discard(rel)

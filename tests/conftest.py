@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.s3server import S3Server
+
+_bucket_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One real S3 server (versitygw) for the whole test session."""
+    server = S3Server(root=tmp_path_factory.mktemp("s3root")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server) -> str:
+    """A fresh, empty bucket on the session's S3 server."""
+    name = f"b{next(_bucket_ids)}-test"
+    s3_server.make_bucket(name)
+    return name
+
+
+# --- operator integration tier: one kube-apiserver + etcd + operator per session --------
+
+_ns_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def kube_api(tmp_path_factory: pytest.TempPathFactory):
+    """A real kube-apiserver + etcd (no kubelet, no controllers) for the session."""
+    from tests.support.kubeapi import KubeAPI
+    api = KubeAPI(workdir=tmp_path_factory.mktemp("kubeapi")).start()
+    yield api
+    api.stop()
+
+
+@pytest.fixture(scope="session")
+def dscache_operator(kube_api, tmp_path_factory: pytest.TempPathFactory):
+    """CRD + RBAC + MutatingWebhookConfiguration installed from the repo, and
+    the controller and webhook running as their own ServiceAccounts."""
+    from tests.support.kubeapi import Operator
+    op = Operator(kube=kube_api, workdir=tmp_path_factory.mktemp("operator")).install()
+    op.start("webhook")
+    op.start("controller")
+    yield op
+    op.stop("controller")
+    op.stop("webhook")
+
+
+@pytest.fixture
+def opted_ns(kube_api) -> str:
+    """A fresh namespace labelled dscache.io/injection=enabled."""
+    return kube_api.namespace(f"ml-{next(_ns_ids)}", {"dscache.io/injection": "enabled"})
