@@ -53,6 +53,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def entry() -> None:
+    """Console-script entry: run, flush, and leave without interpreter teardown.
+
+    obstore's Rust runtime keeps worker threads; tearing the interpreter down
+    under them aborts the process now and then (SIGABRT after the work is
+    done and reported). Everything is written and flushed by then, so skip it.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     log = args.termination_log or (DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None)

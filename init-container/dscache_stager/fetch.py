@@ -16,13 +16,40 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 from dataclasses import dataclass
 
 import obstore
+from obstore.exceptions import BaseError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store
 
 SMALL_LIMIT = 16 << 20  # objects up to this size are one GET
 PART_SIZE = 16 << 20
+# obstore retries each request; a connection dropped mid-body surfaces to us,
+# so the whole object is retried too, with jittered backoff.
+OBJECT_ATTEMPTS = 5
+
+
+class ObjectGone(Exception):
+    """The object was deleted after it was listed (obstore raises a bare FileNotFoundError)."""
+
+
+FATAL = (ObjectGone, PermissionDeniedError, UnauthenticatedError, PreconditionError)
+
+
+async def get(store: S3Store, key: str, **kw):
+    try:
+        return await obstore.get_async(store, key, **kw)
+    except FileNotFoundError as e:
+        raise ObjectGone(key) from e
+
+
+async def exists(store: S3Store, key: str) -> bool:
+    try:
+        await obstore.head_async(store, key)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 @dataclass(slots=True)
@@ -47,20 +74,22 @@ class Fetcher:
 
     async def fetch(self, key: str, size: int, etag: str) -> tuple[str, Fetched]:
         """Fetch ``key`` into a new temp file; return its path and what was fetched."""
-        tmp = self._tmp_path()
-        try:
-            if size <= SMALL_LIMIT:
-                got = await self._fetch_whole(key, tmp)
-            else:
-                got = await self._fetch_parts(key, size, etag, tmp)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        return tmp, got
+        for attempt in range(1, OBJECT_ATTEMPTS + 1):
+            tmp = self._tmp_path()
+            try:
+                if size <= SMALL_LIMIT:
+                    return tmp, await self._fetch_whole(key, tmp)
+                return tmp, await self._fetch_parts(key, size, etag, tmp)
+            except BaseException as e:
+                _unlink_quietly(tmp)
+                if not isinstance(e, BaseError) or isinstance(e, FATAL) or attempt == OBJECT_ATTEMPTS:
+                    raise
+                await asyncio.sleep(random.uniform(0, 0.2 * 2**attempt))
+        raise AssertionError("unreachable")
 
     async def _fetch_whole(self, key: str, tmp: str) -> Fetched:
         async with self.requests:
-            result = await obstore.get_async(self.store, key)
+            result = await get(self.store, key)
             data = await result.bytes_async()
         meta = result.meta
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -93,7 +122,7 @@ class Fetcher:
                 if etag:
                     options["if_match"] = f'"{etag}"'
                 async with self.requests:
-                    result = await obstore.get_async(self.store, key, options=options)
+                    result = await get(self.store, key, options=options)
                     offset = start
                     async for chunk in result.stream(min_chunk_size=1 << 20):
                         n = len(chunk)

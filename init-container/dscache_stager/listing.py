@@ -22,11 +22,12 @@ hold the GIL the copier needs, so obstore lists. Its paths are normalised:
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import obstore
-from obstore.exceptions import InvalidPathError
+from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 
 from .source import S3Source
@@ -47,14 +48,43 @@ def _objects(batch: list[dict]) -> list[RemoteObject]:
     return [RemoteObject(o["path"], o["size"], (o.get("e_tag") or "").strip('"')) for o in batch]
 
 
+LIST_ATTEMPTS = 8
+
+
+async def _pages(store: S3Store, prefix: str | None) -> AsyncIterator[list[RemoteObject]]:
+    """One listing, resumed after the last key seen when a page fails mid-body.
+
+    obstore retries failed requests, but not a connection dropped while a
+    page's body streams; S3's start-after lets us pick up exactly there.
+    """
+    last: str | None = None
+    failures = 0
+    while True:
+        try:
+            async for batch in obstore.list(store, prefix=prefix, offset=last, chunk_size=1000):
+                objs = _objects(batch)
+                if objs:
+                    last = objs[-1].key
+                    failures = 0
+                    yield objs
+            return
+        except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
+            raise
+        except BaseError as e:
+            failures += 1
+            if failures >= LIST_ATTEMPTS or "NoSuchBucket" in str(e):
+                raise
+            await asyncio.sleep(random.uniform(0, 0.1 * 2**failures))
+
+
 async def list_objects(store: S3Store, prefix: str, fan_out: bool = True) -> AsyncIterator[list[RemoteObject]]:
     """Yield batches of objects under ``prefix``, each object exactly once."""
     out: asyncio.Queue[list[RemoteObject] | BaseException | None] = asyncio.Queue(maxsize=64)
     state = {"last": "", "stop_at": None}
 
     async def flat() -> None:
-        async for batch in obstore.list(store, prefix=prefix or None, chunk_size=1000):
-            objs = _objects(batch)
+        async for batch in _pages(store, prefix or None):
+            objs = batch
             stop_at = state["stop_at"]
             if stop_at is not None:
                 objs = [o for o in objs if o.key < stop_at]
@@ -65,8 +95,8 @@ async def list_objects(store: S3Store, prefix: str, fan_out: bool = True) -> Asy
                 return
 
     async def sub(p: str) -> None:
-        async for batch in obstore.list(store, prefix=p, chunk_size=1000):
-            await out.put(_objects(batch))
+        async for batch in _pages(store, p):
+            await out.put(batch)
 
     async def discover() -> list[asyncio.Task]:
         listing = await obstore.list_with_delimiter_async(store, prefix=prefix or None)
@@ -81,24 +111,35 @@ async def list_objects(store: S3Store, prefix: str, fan_out: bool = True) -> Asy
             await out.put(top)
         return [asyncio.create_task(sub(p)) for p in rest]
 
+    tasks: list[asyncio.Task] = []
+
     async def run() -> None:
         try:
             flat_task = asyncio.create_task(flat())
-            subs: list[asyncio.Task] = []
+            tasks.append(flat_task)
+            listers = [flat_task]
             if fan_out:
                 disc = asyncio.create_task(discover())
+                tasks.append(disc)
                 done, _ = await asyncio.wait({flat_task, disc}, return_when=asyncio.FIRST_COMPLETED)
                 if flat_task in done and not disc.done():
                     disc.cancel()
+                    await asyncio.gather(disc, return_exceptions=True)
                 else:
-                    subs = await disc
-            await flat_task
-            for t in subs:
+                    try:
+                        subs = await disc
+                    except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
+                        raise
+                    except BaseError:
+                        subs = []  # fan-out is an optimisation; the flat stream covers everything
+                    tasks.extend(subs)
+                    listers.extend(subs)
+            for t in listers:
                 await t
             await out.put(None)
         except InvalidPathError as e:
             await out.put(UnrepresentableKeys(str(e)))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
             await out.put(e)
 
     runner = asyncio.create_task(run())
@@ -108,7 +149,10 @@ async def list_objects(store: S3Store, prefix: str, fan_out: bool = True) -> Asy
                 raise item
             yield item
     finally:
-        runner.cancel()
+        # Leave no listing in flight: obstore futures must not outlive the loop.
+        for t in (runner, *tasks):
+            t.cancel()
+        await asyncio.gather(runner, *tasks, return_exceptions=True)
 
 
 def list_keys_raw(source: S3Source) -> list[str]:

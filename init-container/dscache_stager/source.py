@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from obstore.store import S3Store
 
-from .errors import UsageError
+from .errors import SourceError, UsageError
 
 AddressingStyle = Literal["path", "virtual"]
 
@@ -39,6 +41,20 @@ class S3Source:
     def relative(self, key: str) -> str:
         """The path of ``key`` under DEST: the key minus the prefix."""
         return key[len(self.prefix):]
+
+    def check_reachable(self, timeout: float = 5.0) -> None:
+        """Fail in seconds, not after a minute of retries, when a custom endpoint is down."""
+        if not self.endpoint_url:
+            return
+        url = urlsplit(self.endpoint_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise UsageError(f"--endpoint-url must look like https://HOST[:PORT], got {self.endpoint_url!r}")
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout).close()
+        except OSError as e:
+            raise SourceError(f"cannot reach the S3 endpoint {self.endpoint_url}: {e.strerror or e}; "
+                              f"check the endpoint URL and that the network allows it") from e
 
     def open_store(self, concurrency: int) -> S3Store:
         """An obstore client with pooled connections and retries with jittered backoff.

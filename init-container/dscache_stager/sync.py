@@ -10,15 +10,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import obstore
-from obstore.exceptions import (
-    BaseError, NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError,
-)
+from obstore.exceptions import BaseError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
 from .errors import (
     DestinationError, HostileKeysError, NoSpaceError, SourceError, StageError, TransientError,
 )
-from .fetch import Fetcher
+from .fetch import Fetcher, ObjectGone, exists
 from .keys import Filters, TreeShape, unsafe_reason
 from .layout import Entry, Layout
 from .listing import RemoteObject, UnrepresentableKeys, list_keys_raw, list_objects
@@ -109,6 +106,7 @@ class _Run:
         self.entries: dict[str, Entry] = {}
         self.hostile: list[tuple[str, str]] = []
         self.empties: list[RemoteObject] = []
+        self.fetched_bytes = 0
         self.started = time.monotonic()
 
     async def run(self) -> Summary:
@@ -122,6 +120,7 @@ class _Run:
             raise _destination_error(e, str(self.opts.dest)) from e
         self.free = st.f_bavail * st.f_frsize
         self.needed = 0
+        self.source.check_reachable()
         store = self.source.open_store(self.opts.concurrency)
         self.fetcher = Fetcher(store, str(layout.tmp), asyncio.Semaphore(self.opts.concurrency), self.progress.add_bytes)
         queue: asyncio.Queue[RemoteObject | None] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
@@ -158,6 +157,7 @@ class _Run:
         accepts, relative, progress = self.opts.filters.accepts, self.source.relative, self.progress
         try:
             async for batch in list_objects(store, self.source.prefix):
+                fetch: list[RemoteObject] = []
                 for obj in batch:
                     rel = relative(obj.key)
                     if not rel or not accepts(rel):
@@ -178,11 +178,13 @@ class _Run:
                         self.entries[rel] = old
                         progress.skipped += 1
                         continue
-                    self._reserve(obj.size)
-                    progress.to_fetch_objects += 1
-                    progress.to_fetch_bytes += obj.size
+                    fetch.append(obj)
+                # Space is reserved a page at a time, so a short listing is
+                # judged on its exact total before any of it is fetched.
+                self._reserve(fetch)
+                for obj in fetch:
                     await queue.put(obj)
-        except UnrepresentableKeys:
+        except UnrepresentableKeys as e:
             # obstore refused a key; list verbatim with boto3 to name them all.
             keys = await asyncio.to_thread(list_keys_raw, self.source)
             for key in keys:
@@ -190,11 +192,13 @@ class _Run:
                 if rel and not key.endswith("/") and accepts(rel) and (reason := unsafe_reason(rel)):
                     self.hostile.append((key, reason))
             if not self.hostile:
-                raise
+                raise HostileKeysError(f"a key under {self.source.uri} cannot be copied: {e}") from e
         progress.listing_done = True
 
-    def _reserve(self, size: int) -> None:
-        self.needed += -(-size // BLOCK) * BLOCK
+    def _reserve(self, objs: list[RemoteObject]) -> None:
+        self.needed += sum(-(-o.size // BLOCK) * BLOCK for o in objs)
+        self.progress.to_fetch_objects += len(objs)
+        self.progress.to_fetch_bytes += sum(o.size for o in objs)
         if self.needed > self.free:
             more = "" if self.progress.listing_done else "at least "
             raise NoSpaceError(
@@ -206,9 +210,7 @@ class _Run:
     async def _settle_empties(self, store) -> None:
         """Empty objects: a real empty file, or a directory marker ``a/`` that obstore shows as ``a``."""
         async def settle(obj: RemoteObject) -> None:
-            try:
-                await obstore.head_async(store, obj.key)
-            except NotFoundError:
+            if not await exists(store, obj.key):
                 return  # only "key/" exists: a directory marker, skipped quietly
             rel = self.source.relative(obj.key)
             if rel in self.entries:
@@ -233,11 +235,12 @@ class _Run:
             rel = relative(obj.key)
             try:
                 tmp, got = await fetcher.fetch(obj.key, obj.size, obj.etag)
-            except NotFoundError:
+            except ObjectGone:
                 continue  # deleted since it was listed: it no longer belongs in the copy
             tree.ensure_parent(rel)
             tree.place(tmp, rel)
             self._record(Entry(obj.key, rel, got.size, got.etag))
+            self.fetched_bytes += got.size
             self.progress.fetched_objects += 1
 
     def _record(self, entry: Entry) -> None:
@@ -255,7 +258,7 @@ class _Run:
     def _summary(self, deleted: int) -> Summary:
         return Summary(
             objects=len(self.entries), bytes=sum(e.size for e in self.entries.values()),
-            skipped=self.progress.skipped, fetched_bytes=self.progress.fetched_bytes, deleted=deleted,
+            skipped=self.progress.skipped, fetched_bytes=self.fetched_bytes, deleted=deleted,
             seconds=time.monotonic() - self.started,
         )
 
@@ -292,7 +295,7 @@ def _source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
     if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "AccessDenied" in str(e) or "403" in text:
         return SourceError(f"access denied to {where}: check the credentials Secret (or the pod's IAM role) "
                            f"and that the bucket policy allows ListBucket and GetObject ({text})")
-    if "NoSuchBucket" in str(e) or (isinstance(e, NotFoundError) and fetched == 0):
+    if "NoSuchBucket" in str(e):
         return SourceError(f"no such bucket: {source.bucket} at {source.endpoint_url or 'AWS S3'}; "
                            f"check the bucket name, region and endpoint")
     if isinstance(e, PreconditionError):

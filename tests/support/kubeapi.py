@@ -315,7 +315,7 @@ class Operator:
         k.apply_yaml_docs(load_yaml_docs(REPO / "crds" / "datasetcache.yaml"))
         k.wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in
                                (k.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                                      "datasetcaches.dscache.io").get("status") or {}).get("conditions", [])),
+                                      "datasetcaches.dscache.io").get("status") or {}).get("conditions") or []),
                    what="CRD established")
         k.apply_yaml_docs(load_yaml_docs(REPO / "operator" / "deploy" / "rbac.yaml"))
         self.webhook_port = free_port()

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from dscache_stager.keys import Filters, TreeShape, unsafe_reason
+from dscache_stager.source import S3Source
+from dscache_stager.errors import UsageError
+
+
+@pytest.mark.parametrize("rel, why", [
+    ("", "empty name"),
+    ("/etc/passwd", "absolute path"),
+    ("a//b", "empty path segment"),
+    ("a/", "empty path segment"),
+    ("../x", "'..' segment"),
+    ("a/../../x", "'..' segment"),
+    ("a/./b", "'.' segment"),
+    ("a/" + "n" * 256, "segment longer than 255 bytes"),
+    ("é" * 128, "segment longer than 255 bytes"),  # 256 bytes in UTF-8
+    ("tab\there", "control character"),
+    ("nul\x00", "control character"),
+    (".dscache/manifest.jsonl", "reserved name '.dscache'"),
+])
+def test_unsafe_keys_are_named(rel: str, why: str):
+    assert unsafe_reason(rel) == why
+
+
+@pytest.mark.parametrize("rel", ["a.bin", "a/b/c.bin", "sp ace/é+%.txt", "n" * 255, "x/.dscache", "..a", "a.."])
+def test_safe_keys(rel: str):
+    assert unsafe_reason(rel) is None
+
+
+def test_filters_include_any_then_exclude_any():
+    f = Filters(include=["train/*", "*.json"], exclude=["*.tmp"])
+    assert f.accepts("train/a/b.rec")  # '*' crosses '/'
+    assert f.accepts("meta.json")
+    assert not f.accepts("train/x.tmp")
+    assert not f.accepts("val/a.rec")
+    assert Filters().accepts("anything")
+    assert not Filters(exclude=["*"]).accepts("x")
+
+
+def test_tree_shape_finds_file_directory_clashes_both_ways():
+    s = TreeShape()
+    assert s.clash("a/b") is None
+    assert s.clash("a") == "a/"        # 'a' is already a directory
+    assert s.clash("a/b/c") == "a/b"   # 'a/b' is already a file
+    assert s.clash("a/c") is None
+
+
+@pytest.mark.parametrize("uri, bucket, prefix", [
+    ("s3://b", "b", ""), ("s3://b/", "b", ""), ("s3://b/a/b", "b", "a/b/"), ("s3://b/a/b/", "b", "a/b/"),
+])
+def test_source_uri(uri: str, bucket: str, prefix: str):
+    s = S3Source.parse(uri)
+    assert (s.bucket, s.prefix) == (bucket, prefix)
+    assert s.relative(prefix + "x/y") == "x/y"
+
+
+@pytest.mark.parametrize("uri", ["b/x", "s3:///x", "gs://b/x"])
+def test_bad_source_uri(uri: str):
+    with pytest.raises(UsageError, match="s3://BUCKET"):
+        S3Source.parse(uri)
