@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -120,16 +121,29 @@ def test_concurrent_stagers_copy_once(s3_server: S3Server, bucket: str, tmp_path
     files = {f"c/{i}.bin": os.urandom(50_000) for i in range(200)}
     s3_server.put_tree(bucket, files)
     dest = tmp_path / "c"
+    (dest / ".dscache").mkdir(parents=True)
     cmd = stage_cmd("sync", f"s3://{bucket}/c/", str(dest), "--endpoint-url", s3_server.endpoint)
-    procs = [subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    # Hold the lock so that all three pods of the "Job" start while it is taken.
+    with open(dest / ".dscache/lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        procs = [subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(3)]
+        deadline = time.monotonic() + 30
+        while _lock_waiters(dest / ".dscache/lock") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1] for o in outs]
     summaries = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
     total = sum(len(v) for v in files.values())
     assert sorted(s["fetched_bytes"] for s in summaries) == [0, 0, total]
-    assert sum("waiting for it" in o[1] for o in outs) == 2
+    assert sum("reusing the copy another stager just completed" in o[1] for o in outs) == 2
     assert data_tree(dest) == expected_tree(files, "c/")
+
+
+def _lock_waiters(path: Path) -> int:
+    """Processes blocked in flock() on path, from /proc/locks ('->' lines)."""
+    inode = os.stat(path).st_ino
+    return sum(1 for line in open("/proc/locks") if "->" in line and line.split()[-3].endswith(f":{inode}"))
 
 
 def test_directory_markers_are_skipped_and_empty_files_kept(s3_server: S3Server, bucket: str, tmp_path: Path):
