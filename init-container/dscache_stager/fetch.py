@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import obstore
@@ -59,27 +60,32 @@ class Fetched:
 
 
 class Fetcher:
-    """Downloads one object at a time into ``tmp_dir``; callers place the file."""
+    """Downloads objects into temp files under ``tree``'s tmp dir and moves them into place."""
 
-    def __init__(self, store: S3Store, tmp_dir: str, requests: asyncio.Semaphore, on_bytes) -> None:
+    def __init__(self, store: S3Store, tree, tmp_dir: str, requests: asyncio.Semaphore, on_bytes,
+                 writers: ThreadPoolExecutor | None) -> None:
         self.store = store
+        self.tree = tree
         self.tmp_dir = tmp_dir
         self.requests = requests
         self.on_bytes = on_bytes
+        self.writers = writers
         self._seq = 0
 
     def _tmp_path(self) -> str:
         self._seq += 1
         return os.path.join(self.tmp_dir, f"{os.getpid()}-{self._seq}")
 
-    async def fetch(self, key: str, size: int, etag: str) -> tuple[str, Fetched]:
-        """Fetch ``key`` into a new temp file; return its path and what was fetched."""
+    async def fetch(self, key: str, rel: str, size: int, etag: str) -> Fetched:
+        """Fetch ``key`` and place it at ``rel``, whole or not at all."""
         for attempt in range(1, OBJECT_ATTEMPTS + 1):
             tmp = self._tmp_path()
             try:
                 if size <= SMALL_LIMIT:
-                    return tmp, await self._fetch_whole(key, tmp)
-                return tmp, await self._fetch_parts(key, size, etag, tmp)
+                    return await self._fetch_whole(key, rel, tmp)
+                got = await self._fetch_parts(key, size, etag, tmp)
+                self._place(tmp, rel)
+                return got
             except BaseException as e:
                 _unlink_quietly(tmp)
                 if not isinstance(e, BaseError) or isinstance(e, FATAL) or attempt == OBJECT_ATTEMPTS:
@@ -87,11 +93,20 @@ class Fetcher:
                 await asyncio.sleep(random.uniform(0, 0.2 * 2**attempt))
         raise AssertionError("unreachable")
 
-    async def _fetch_whole(self, key: str, tmp: str) -> Fetched:
+    async def _fetch_whole(self, key: str, rel: str, tmp: str) -> Fetched:
         async with self.requests:
             result = await get(self.store, key)
             data = await result.bytes_async()
-        meta = result.meta
+        if self.writers:
+            # Creating a file costs the kernel more than fetching it over
+            # pooled connections; threads spread that over the cores.
+            await asyncio.get_running_loop().run_in_executor(self.writers, self._write_and_place, tmp, data, rel)
+        else:
+            self._write_and_place(tmp, data, rel)
+        self.on_bytes(len(data))
+        return Fetched(len(data), (result.meta.get("e_tag") or "").strip('"'))
+
+    def _write_and_place(self, tmp: str, data, rel: str) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(data)
@@ -99,8 +114,11 @@ class Fetcher:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
-        self.on_bytes(len(data))
-        return Fetched(len(data), (meta.get("e_tag") or "").strip('"'))
+        self._place(tmp, rel)
+
+    def _place(self, tmp: str, rel: str) -> None:
+        self.tree.ensure_parent(rel)
+        self.tree.place(tmp, rel)
 
     async def _fetch_parts(self, key: str, size: int, etag: str, tmp: str) -> Fetched:
         """Parallel ranged GETs written in place with pwrite.

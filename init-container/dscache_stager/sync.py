@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -122,7 +123,10 @@ class _Run:
         self.needed = 0
         self.source.check_reachable()
         store = self.source.open_store(self.opts.concurrency)
-        self.fetcher = Fetcher(store, str(layout.tmp), asyncio.Semaphore(self.opts.concurrency), self.progress.add_bytes)
+        n_writers = int(os.environ.get("DSCACHE_WRITERS", "4"))
+        writers = ThreadPoolExecutor(n_writers, thread_name_prefix="writer") if n_writers else None
+        self.fetcher = Fetcher(store, self.tree, str(layout.tmp), asyncio.Semaphore(self.opts.concurrency),
+                               self.progress.add_bytes, writers)
         queue: asyncio.Queue[RemoteObject | None] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
         workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 
@@ -230,15 +234,13 @@ class _Run:
     # --- copying ------------------------------------------------------------
 
     async def _worker(self, queue: asyncio.Queue) -> None:
-        fetcher, tree, relative = self.fetcher, self.tree, self.source.relative
+        fetcher, relative = self.fetcher, self.source.relative
         while (obj := await queue.get()) is not None:
             rel = relative(obj.key)
             try:
-                tmp, got = await fetcher.fetch(obj.key, obj.size, obj.etag)
+                got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag)
             except ObjectGone:
                 continue  # deleted since it was listed: it no longer belongs in the copy
-            tree.ensure_parent(rel)
-            tree.place(tmp, rel)
             self._record(Entry(obj.key, rel, got.size, got.etag))
             self.fetched_bytes += got.size
             self.progress.fetched_objects += 1
