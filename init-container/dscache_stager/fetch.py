@@ -15,14 +15,19 @@ jittered backoff built in, and a 4 ms import where boto3 takes 300 ms.
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 
 import obstore
-from obstore.exceptions import BaseError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store
+
+from . import rawhttp
 
 SMALL_LIMIT = 16 << 20  # objects up to this size are one GET
 PART_SIZE = 16 << 20
@@ -63,8 +68,10 @@ class Fetcher:
     """Downloads objects into temp files under ``tree``'s tmp dir and moves them into place."""
 
     def __init__(self, store: S3Store, tree, tmp_dir: str, requests: asyncio.Semaphore, on_bytes,
-                 writers: ThreadPoolExecutor | None) -> None:
+                 writers: ThreadPoolExecutor | None, zero_copy: bool) -> None:
         self.store = store
+        self.zero_copy = zero_copy and rawhttp.available()
+        self.splicers = ThreadPoolExecutor(16, thread_name_prefix="splice")
         self.tree = tree
         self.tmp_dir = tmp_dir
         self.requests = requests
@@ -121,39 +128,78 @@ class Fetcher:
         self.tree.place(tmp, rel)
 
     async def _fetch_parts(self, key: str, size: int, etag: str, tmp: str) -> Fetched:
-        """Parallel ranged GETs written in place with pwrite.
+        """Parallel ranged GETs written in place.
 
         If-Match pins every part to the listed ETag, so an object replaced
         mid-download fails instead of being stitched from two versions.
+        Every part runs to its end (or error) before the file is closed.
         """
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)  # ENOSPC now, not halfway
             except OSError as e:
-                if e.errno not in (95,):  # EOPNOTSUPP: tmpfs on old kernels etc.
+                if e.errno != errno.EOPNOTSUPP:
                     raise
-
-            async def part(start: int) -> None:
-                end = min(start + PART_SIZE, size)
-                options = {"range": (start, end)}
-                if etag:
-                    options["if_match"] = f'"{etag}"'
-                async with self.requests:
-                    result = await get(self.store, key, options=options)
-                    offset = start
-                    async for chunk in result.stream(min_chunk_size=1 << 20):
-                        n = len(chunk)
-                        await asyncio.to_thread(os.pwrite, fd, chunk, offset)
-                        offset += n
-                        self.on_bytes(n)
-                if offset != end:
-                    raise OSError(f"short read of {key} bytes {start}-{end}: got {offset - start}")
-
-            await asyncio.gather(*(part(s) for s in range(0, size, PART_SIZE)))
+            if self.zero_copy:
+                url = await obstore.sign_async(self.store, "GET", key, timedelta(hours=6))
+                part = functools.partial(self._splice_part, url, fd, etag)
+            else:
+                part = functools.partial(self._stream_part, key, fd, etag)
+            ranges = [(s, min(s + PART_SIZE, size)) for s in range(0, size, PART_SIZE)]
+            results = await asyncio.gather(*(part(s, e) for s, e in ranges), return_exceptions=True)
+            if errors := [r for r in results if isinstance(r, BaseException)]:
+                raise errors[0]
         finally:
             os.close(fd)
         return Fetched(size, etag)
+
+    async def _stream_part(self, key: str, fd: int, etag: str, start: int, end: int) -> None:
+        options: dict = {"range": (start, end)}
+        if etag:
+            options["if_match"] = f'"{etag}"'
+        async with self.requests:
+            result = await get(self.store, key, options=options)
+            offset = start
+            async for chunk in result.stream(min_chunk_size=1 << 20):
+                os.pwrite(fd, chunk, offset)
+                offset += len(chunk)
+                self.on_bytes(len(chunk))
+        if offset != end:
+            raise GenericError(f"short read of {key} bytes {start}-{end}: got {offset - start}")
+
+    async def _splice_part(self, url: str, fd: int, etag: str, start: int, end: int) -> None:
+        for attempt in range(1, OBJECT_ATTEMPTS + 1):
+            # The thread gets its own descriptor, so it can never write
+            # through a number this coroutine has closed and the OS reused.
+            own = os.dup(fd)
+            job = self.splicers.submit(_splice_owned, url, start, end, own, etag)
+            job.add_done_callback(lambda f, own=own: f.cancelled() and os.close(own))
+            try:
+                async with self.requests:
+                    await asyncio.wrap_future(job)
+                self.on_bytes(end - start)
+                return
+            except rawhttp.HttpStatus as e:
+                if e.status == 404:
+                    raise ObjectGone(url) from e
+                if e.status in (401, 403):
+                    raise PermissionDeniedError(str(e)) from e
+                if e.status == 412:
+                    raise PreconditionError(str(e)) from e
+                if e.status < 500 and e.status not in (0, 206, 429) or attempt == OBJECT_ATTEMPTS:
+                    raise GenericError(str(e)) from e
+            except rawhttp.PeerError as e:
+                if attempt == OBJECT_ATTEMPTS:
+                    raise GenericError(str(e)) from e
+            await asyncio.sleep(random.uniform(0, 0.2 * 2**attempt))
+
+
+def _splice_owned(url: str, start: int, end: int, fd: int, etag: str) -> None:
+    try:
+        rawhttp.get_range_into(url, start, end, fd, etag)
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:

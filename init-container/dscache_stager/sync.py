@@ -126,7 +126,8 @@ class _Run:
         n_writers = int(os.environ.get("DSCACHE_WRITERS", "4"))
         writers = ThreadPoolExecutor(n_writers, thread_name_prefix="writer") if n_writers else None
         self.fetcher = Fetcher(store, self.tree, str(layout.tmp), asyncio.Semaphore(self.opts.concurrency),
-                               self.progress.add_bytes, writers)
+                               self.progress.add_bytes, writers,
+                               zero_copy=(self.source.endpoint_url or "").startswith("http://"))
         queue: asyncio.Queue[RemoteObject | None] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
         workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 

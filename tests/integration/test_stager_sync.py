@@ -180,3 +180,29 @@ def test_unreachable_endpoint_fails_fast(s3_server: S3Server, tmp_path: Path):
 def test_bad_usage(s3_server: S3Server, tmp_path: Path):
     r = run_stage(s3_server, "sync", "bucket/x", str(tmp_path / "c"))
     assert r.code == 2 and "s3://BUCKET/PREFIX" in r.stderr
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["splice", "obstore-stream"])
+def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, tmp_path: Path, zero_copy: bool,
+                                              monkeypatch: pytest.MonkeyPatch):
+    """Both large-object paths: splice (plain-HTTP endpoints) and obstore streaming (HTTPS)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dscache_stager.fetch import PART_SIZE, Fetcher
+    from dscache_stager.source import S3Source
+    from dscache_stager.tree import LocalTree
+
+    body = os.urandom(2 * PART_SIZE + 12345)
+    s3_server.put_tree(bucket, {"big/blob": body})
+    etag = s3_server.client().head_object(Bucket=bucket, Key="big/blob")["ETag"].strip('"')
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    store = S3Source.parse(f"s3://{bucket}/big/", endpoint_url=s3_server.endpoint).open_store(8)
+    (tmp_path / "tmp").mkdir()
+    fetcher = Fetcher(store, LocalTree(str(tmp_path)), str(tmp_path / "tmp"), asyncio.Semaphore(8), lambda n: None,
+                      ThreadPoolExecutor(2), zero_copy=zero_copy)
+    got = asyncio.run(fetcher.fetch("big/blob", "out/blob", len(body), etag))
+    assert (got.size, got.etag) == (len(body), etag)
+    assert (tmp_path / "out" / "blob").read_bytes() == body
+    assert os.listdir(tmp_path / "tmp") == []

@@ -308,6 +308,8 @@ class Operator:
     workdir: Path
     extra_env: dict[str, str] = field(default_factory=dict)
     webhook_port: int = 0
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    health_ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
 
     def install(self) -> "Operator":
@@ -319,6 +321,8 @@ class Operator:
                    what="CRD established")
         k.apply_yaml_docs(load_yaml_docs(REPO / "operator" / "deploy" / "rbac.yaml"))
         self.webhook_port = free_port()
+        self.metrics_ports = {"controller": free_port(), "webhook": free_port()}
+        self.health_ports = {"controller": free_port(), "webhook": free_port()}
         (mwc,) = load_yaml_docs(REPO / "operator" / "deploy" / "webhook.yaml")
         for hook in mwc["webhooks"]:
             path = hook["clientConfig"]["service"]["path"]
@@ -354,7 +358,8 @@ class Operator:
             "DSCACHE_STAGER_IMAGE": "dscache-stager:test",
             "DSCACHE_RECONCILE_INTERVAL": "1",
             "DSCACHE_SOURCE_RETRY_INTERVAL": "3",
-            "DSCACHE_HEALTH_PORT": "0",
+            "DSCACHE_HEALTH_PORT": str(self.health_ports.get(role, 0)),
+            "DSCACHE_METRICS_PORT": str(self.metrics_ports.get(role, 0)),
             "DSCACHE_WEBHOOK_ADDR": "127.0.0.1",
             "DSCACHE_WEBHOOK_PORT": str(self.webhook_port),
             "DSCACHE_WEBHOOK_CERT": str(self.kube.certs / "webhook.crt"),
@@ -391,6 +396,16 @@ class Operator:
     def alive(self, role: str) -> bool:
         proc = self.procs.get(role)
         return proc is not None and proc.poll() is None
+
+    def metrics(self, role: str) -> str:
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[role]}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def healthz(self, role: str) -> int:
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.health_ports[role]}/healthz", timeout=5) as r:
+            return r.status
 
     def log(self, role: str) -> str:
         return (self.workdir / f"{role}.log").read_text(errors="replace")

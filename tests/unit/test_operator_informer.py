@@ -1,0 +1,86 @@
+"""The list+watch cache of consumer pods/Jobs, and the controller's readiness gate."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dscache_operator import controller
+from dscache_operator.informer import Gone, Informer, MultiInformer
+
+
+def pod(uid, ns, cache, rv="1", node="n1"):
+    return {"metadata": {"uid": uid, "namespace": ns, "name": uid, "resourceVersion": rv,
+                         "annotations": {"dscache.io/cache": cache}},
+            "spec": {"nodeName": node}, "status": {"phase": "Running"}}
+
+
+class FakeKube:
+    server = "https://x"
+
+    def __init__(self, pages):
+        self.pages = pages
+        self.calls = []
+
+    async def request(self, method, path, params=None, **_):
+        self.calls.append(params)
+        return self.pages[len(self.calls) - 1]
+
+
+def test_list_pages_then_watch_events_update_the_view():
+    pages = [{"items": [pod("a", "ml", "c1")], "metadata": {"continue": "tok", "resourceVersion": ""}},
+             {"items": [pod("b", "ml", "c1", node="n2")], "metadata": {"resourceVersion": "10"}}]
+    kube = FakeKube(pages)
+    inf = Informer(kube, "/api/v1/pods", "dscache.io/consumer=true", controller._pod_extract)
+    rv = asyncio.run(inf._list())
+    assert rv == "10" and len(inf) == 2
+    assert kube.calls[1]["continue"] == "tok" and kube.calls[0]["labelSelector"] == "dscache.io/consumer=true"
+    assert sorted(p.node for p in inf.get(("ml", "c1"))) == ["n1", "n2"]
+    # MODIFIED moves nothing but updates the value; DELETED removes; BOOKMARK advances rv.
+    m = pod("a", "ml", "c1", rv="11")
+    m["status"]["phase"] = "Succeeded"
+    assert inf._handle({"type": "MODIFIED", "object": m}, rv) == "11"
+    assert {p.name: p.phase for p in inf.get(("ml", "c1"))} == {"a": "Succeeded", "b": "Running"}
+    inf._handle({"type": "DELETED", "object": pod("b", "ml", "c1", rv="12")}, "11")
+    assert [p.name for p in inf.get(("ml", "c1"))] == ["a"]
+    assert inf._handle({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "20"}}}, "12") == "20"
+    with pytest.raises(Gone):
+        inf._handle({"type": "ERROR", "object": {"code": 410}}, "20")
+
+
+def test_a_failed_relist_keeps_the_last_good_view():
+    class Broken(FakeKube):
+        async def request(self, *a, **k):
+            raise OSError("apiserver down")
+    inf = Informer(FakeKube([{"items": [pod("a", "ml", "c")], "metadata": {"resourceVersion": "5"}}]),
+                   "/p", "l", controller._pod_extract)
+    asyncio.run(inf._list())
+    inf.kube = Broken([])
+    with pytest.raises(OSError):
+        asyncio.run(inf._list())
+    assert len(inf) == 1
+
+
+def test_empty_informers_count_as_ready():
+    """Regression: an informer with no objects has len 0 (falsy) but is ready;
+    with zero Jobs in the cluster nothing was ever planned or wiped."""
+    pods = MultiInformer(FakeKube([]), "/api/v1", "pods", (), "l", controller._pod_extract)
+    jobs = MultiInformer(FakeKube([]), "/apis/batch/v1", "jobs", (), "l", controller._job_extract)
+    for m in (pods, jobs):
+        for i in m.informers.values():
+            i.ready.set()
+    old = controller.Consumers.pods, controller.Consumers.jobs
+    try:
+        controller.Consumers.pods, controller.Consumers.jobs = pods, jobs
+        assert len(pods) == 0 and controller.Consumers.ready()
+    finally:
+        controller.Consumers.pods, controller.Consumers.jobs = old
+
+
+def test_per_namespace_informers_route_by_namespace():
+    m = MultiInformer(FakeKube([]), "/api/v1", "pods", ("a", "b"), "l", controller._pod_extract)
+    assert set(m.informers) == {"a", "b"}
+    assert m.informers["a"].path == "/api/v1/namespaces/a/pods"
+    m.informers["b"]._upsert(pod("x", "b", "c"))
+    assert [p.name for p in m.get(("b", "c"))] == ["x"] and m.get(("a", "c")) == []

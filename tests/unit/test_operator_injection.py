@@ -1,0 +1,251 @@
+"""Injection logic and the webhook handler, called directly (no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import jsonpatch
+import kopf
+import pytest
+
+from dscache_operator import injection, webhook
+from dscache_operator.common import Runtime
+from dscache_operator.injection import INIT_NAME, VOLUME_NAME, InjectionError, inject_object
+from dscache_operator.models import DatasetCacheSpec
+from dscache_operator.settings import Settings
+
+SETTINGS = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:test")
+
+
+def spec(**extra) -> DatasetCacheSpec:
+    base = {"source": {"uri": "s3://bkt/imagenet/", "endpoint": "http://s3.local:9000",
+                       "region": "eu-west-1", "addressingStyle": "path",
+                       "credentials": {"secretRef": {"name": "s3-keys"}},
+                       "include": ["*.tar"], "exclude": ["tmp/*"]},
+            "mountPath": "/data"}
+    base.update(extra)
+    return DatasetCacheSpec.model_validate(base)
+
+
+def job(annotate_template: bool = False, containers=None) -> dict:
+    meta = {"name": "train", "namespace": "ml"}
+    tmeta: dict = {}
+    if annotate_template:
+        tmeta["annotations"] = {"dscache.io/cache": "imagenet"}
+    else:
+        meta["annotations"] = {"dscache.io/cache": "imagenet"}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+            "spec": {"template": {"metadata": tmeta, "spec": {
+                "restartPolicy": "Never",
+                "containers": containers or [
+                    {"name": "train", "image": "trainer:1"},
+                    {"name": "logger", "image": "logger:1",
+                     "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}],
+                "volumes": [{"name": "scratch", "emptyDir": {}}]}}}}
+
+
+def pod_spec(obj):
+    return obj["spec"]["template"]["spec"]
+
+
+def test_injects_exactly_once_and_is_idempotent():
+    obj = job()
+    assert inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                         settings=SETTINGS, mode="HostPath")
+    once = copy.deepcopy(obj)
+    assert not inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                             settings=SETTINGS, mode="HostPath")
+    assert obj == once
+    ps = pod_spec(obj)
+    assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME]
+    assert [v for v in ps["volumes"] if v["name"] == VOLUME_NAME] == [{
+        "name": VOLUME_NAME,
+        "hostPath": {"path": "/mnt/nvme/dscache/ml/imagenet", "type": "DirectoryOrCreate"}}]
+    for c in ps["containers"]:
+        mounts = [m for m in c["volumeMounts"] if m["name"] == VOLUME_NAME]
+        assert mounts == [{"name": VOLUME_NAME, "mountPath": "/data", "readOnly": True}]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["DSCACHE_DIR"] == "/data"
+        assert env["DSCACHE_MANIFEST"] == "/data/.dscache/manifest.jsonl"
+        assert not any("valueFrom" in e for e in c["env"]), "credentials leaked into a training container"
+    assert obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/cache"] == "imagenet"
+    # Labelled for the controller's server-side filtered watches: the Job and its pods.
+    assert obj["spec"]["template"]["metadata"]["labels"]["dscache.io/consumer"] == "true"
+    assert obj["metadata"]["labels"]["dscache.io/consumer"] == "true"
+
+
+def test_init_container_args_credentials_and_privileges():
+    obj = job()
+    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                  settings=SETTINGS, mode="HostPath")
+    (init,) = pod_spec(obj)["initContainers"]
+    assert init["image"] == "stager:test"
+    assert init["command"] == ["dscache-stage"]
+    assert init["args"] == ["sync", "s3://bkt/imagenet/", "/dscache",
+                            "--endpoint-url", "http://s3.local:9000", "--region", "eu-west-1",
+                            "--addressing-style", "path", "--include", "*.tar",
+                            "--exclude", "tmp/*", "--termination-log", "/dev/termination-log"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in init["env"] if "valueFrom" in e}
+    assert refs["AWS_ACCESS_KEY_ID"] == {"name": "s3-keys", "key": "AWS_ACCESS_KEY_ID", "optional": False}
+    assert refs["AWS_SESSION_TOKEN"]["optional"] is True
+    sc = init["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert init["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/dscache"}]
+
+
+def test_emptydir_mode_runs_non_root():
+    obj = job()
+    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                  settings=SETTINGS, mode="EmptyDir")
+    ps = pod_spec(obj)
+    assert {"name": VOLUME_NAME, "emptyDir": {}} in ps["volumes"]
+    sc = ps["initContainers"][0]["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0
+    assert obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/volume"] == "EmptyDir"
+
+
+def test_no_credentials_means_no_secret_refs():
+    s = spec(source={"uri": "s3://bkt/x/"})
+    obj = job()
+    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=s,
+                  settings=SETTINGS, mode="HostPath")
+    assert pod_spec(obj)["initContainers"][0]["env"] == []
+
+
+def test_mount_path_clash_is_refused_with_cache_and_fix():
+    obj = job(containers=[{"name": "train", "image": "t",
+                           "volumeMounts": [{"name": "other", "mountPath": "/data/"}]}])
+    with pytest.raises(InjectionError) as e:
+        inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                      settings=SETTINGS, mode="HostPath")
+    msg = str(e.value)
+    assert "imagenet" in msg and "/data" in msg and "spec.mountPath" in msg
+
+
+def test_pod_injection_and_requested_cache():
+    pod = {"metadata": {"name": "p", "namespace": "ml",
+                        "annotations": {"dscache.io/cache": "imagenet"}},
+           "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    assert injection.requested_cache(pod, "Pod") == "imagenet"
+    assert injection.requested_cache(job(annotate_template=True), "Job") == "imagenet"
+    assert injection.requested_cache({"metadata": {}}, "Pod") is None
+    inject_object(pod, kind="Pod", namespace="ml", cache_name="imagenet", spec=spec(),
+                  settings=SETTINGS, mode="HostPath")
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == [INIT_NAME]
+
+
+# --- the kopf handler itself, with a real kopf.Patch --------------------------------
+
+class FakeIndex(dict):
+    """kopf.Index maps keys to stores (iterables of values)."""
+
+
+def view(phase="Ready", reason="Listed", message="", deleting=False):
+    return webhook.CacheView(spec(), phase, reason, message, deleting)
+
+
+def run_mutate(obj, index, kind="jobs", mode="HostPath"):
+    body = kopf.Body(copy.deepcopy(obj))
+    patch = kopf.Patch(body=body)
+    resource = kopf.Resource("batch" if kind == "jobs" else "", "v1", kind)
+    Runtime.settings = SETTINGS
+    asyncio.run(webhook.mutate(mode=mode, body=body, patch=patch, namespace="ml",
+                               resource=resource, dscache_caches=index))
+    ops = patch.as_json_patch()
+    return ops, jsonpatch.apply_patch(copy.deepcopy(obj), ops)
+
+
+def test_handler_injects_through_a_json_patch():
+    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view()]}))
+    assert ops
+    assert [c["name"] for c in pod_spec(result)["initContainers"]] == [INIT_NAME]
+    # Re-running on the result (reinvocation) changes nothing.
+    ops2, result2 = run_mutate(result, FakeIndex({("ml", "imagenet"): [view()]}))
+    assert ops2 == [] and result2 == result
+
+
+def test_handler_ignores_objects_that_did_not_opt_in():
+    obj = job()
+    del obj["metadata"]["annotations"]
+    ops, result = run_mutate(obj, FakeIndex())
+    assert ops == [] and result == obj
+
+
+def test_handler_refuses_unknown_cache(monkeypatch):
+    async def no_cache(ns, name):
+        return None
+
+    class K:
+        get_cache = staticmethod(no_cache)
+    monkeypatch.setattr(Runtime, "kube", K())
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(job(), FakeIndex())
+    assert "DatasetCache ml/imagenet does not exist" in str(e.value)
+    assert "dscache.io/cache" in str(e.value)
+
+
+def test_handler_cold_index_falls_back_to_the_api(monkeypatch):
+    async def found(ns, name):
+        return {"metadata": {"name": name, "namespace": ns},
+                "spec": spec().model_dump(exclude_none=True), "status": {"phase": "Ready"}}
+
+    class K:
+        get_cache = staticmethod(found)
+    monkeypatch.setattr(Runtime, "kube", K())
+    ops, result = run_mutate(job(), FakeIndex())
+    assert [c["name"] for c in pod_spec(result)["initContainers"]] == [INIT_NAME]
+
+
+def test_handler_refuses_broken_and_deleting_caches():
+    broken = view(phase="Failed", reason="NoSuchBucket", message="bucket 'bkt' does not exist")
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(job(), FakeIndex({("ml", "imagenet"): [broken]}))
+    assert "ml/imagenet is broken: NoSuchBucket" in str(e.value)
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(deleting=True)]}))
+    assert "being deleted" in str(e.value)
+
+
+def test_handler_refuses_mount_clash():
+    obj = job(containers=[{"name": "train", "image": "t",
+                           "volumeMounts": [{"name": "x", "mountPath": "/data"}]}])
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(obj, FakeIndex({("ml", "imagenet"): [view()]}))
+    assert "clashes" in str(e.value)
+
+
+def _api_returns(monkeypatch, phase, reason=None, message=None):
+    async def get_cache(ns, name):
+        status = {"phase": phase}
+        if reason:
+            status["conditions"] = [{"type": "SourceReady", "status": "False", "reason": reason,
+                                     "message": message}]
+        return {"metadata": {"name": name, "namespace": ns},
+                "spec": spec().model_dump(exclude_none=True), "status": status}
+
+    class K:
+        pass
+    K.get_cache = staticmethod(get_cache)
+    monkeypatch.setattr(Runtime, "kube", K())
+
+
+def test_pending_cache_is_admitted(monkeypatch):
+    _api_returns(monkeypatch, "Pending")
+    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}))
+    assert ops
+
+
+def test_pending_in_index_is_rechecked_against_the_api(monkeypatch):
+    _api_returns(monkeypatch, "Failed", "NoSuchBucket", "bucket 'bkt' does not exist")
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}))
+    assert "NoSuchBucket" in str(e.value)
+
+
+def test_api_unreachable_on_a_miss_fails_closed(monkeypatch):
+    monkeypatch.setattr(Runtime, "kube", None)
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(job(), FakeIndex())
+    assert "retry" in str(e.value)
