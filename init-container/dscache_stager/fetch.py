@@ -19,6 +19,7 @@ import errno
 import functools
 import os
 import random
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +29,7 @@ from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, P
 from obstore.store import S3Store
 
 from . import rawhttp
+from .tree import LocalTree
 
 SMALL_LIMIT = 16 << 20  # objects up to this size are one GET
 PART_SIZE = 16 << 20
@@ -67,17 +69,23 @@ class Fetched:
 class Fetcher:
     """Downloads objects into temp files under ``tree``'s tmp dir and moves them into place."""
 
-    def __init__(self, store: S3Store, tree, tmp_dir: str, requests: asyncio.Semaphore, on_bytes,
-                 writers: ThreadPoolExecutor | None, zero_copy: bool) -> None:
+    def __init__(self, store: S3Store, tree: LocalTree, tmp_dir: str, requests: asyncio.Semaphore,
+                 on_bytes: Callable[[int], None], writers: int, zero_copy: bool) -> None:
         self.store = store
         self.zero_copy = zero_copy and rawhttp.available()
         self.splicers = ThreadPoolExecutor(16, thread_name_prefix="splice")
+        self.writers = ThreadPoolExecutor(writers, thread_name_prefix="writer") if writers else None
         self.tree = tree
         self.tmp_dir = tmp_dir
         self.requests = requests
         self.on_bytes = on_bytes
-        self.writers = writers
         self._seq = 0
+
+    def close(self) -> None:
+        # Splice threads own their descriptors, so they need not be waited for.
+        self.splicers.shutdown(wait=False, cancel_futures=True)
+        if self.writers:
+            self.writers.shutdown(wait=True, cancel_futures=True)
 
     def _tmp_path(self) -> str:
         self._seq += 1

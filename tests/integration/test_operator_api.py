@@ -640,3 +640,32 @@ def test_webhook_down_blocks_only_what_asked_for_a_cache_and_cold_start_admits(k
         op.start("webhook")  # returns as soon as the port listens: the index may still be cold
     job = create_job(k, ns, job_body("asked", name))
     assert _injected_counts(job["spec"]["template"]["spec"]) == (1, 1, [1])
+
+
+def test_namespaced_mode(kube_api, dscache_operator, s3_server, s3_bucket):
+    """DSCACHE_WATCH_NAMESPACES: kopf and the informers watch only those namespaces (same RBAC)."""
+    k = kube_api
+    op = dscache_operator
+    mine = k.namespace("ml-watched", {"dscache.io/injection": "enabled"})
+    other = k.namespace("ml-unwatched", {"dscache.io/injection": "enabled"})
+    op.stop("controller")
+    op.extra_env["DSCACHE_WATCH_NAMESPACES"] = mine
+    try:
+        op.start("controller")
+        for ns in (mine, other):
+            make_cache(k, ns, "ds", f"s3://{s3_bucket}/data/", s3_server.endpoint, with_keys(k, ns))
+        wait_phase(k, mine, "ds", "Ready")
+        job = create_job(k, mine, job_body("train", "ds"))
+        pod = start_job_pod(k, mine, job, "node-n")
+        kubelet_status(k, mine, pod["metadata"]["name"], phase="Succeeded", init="done",
+                       message=json.dumps(SUMMARY))
+        complete_job(k, mine, "train")
+        helper = k.wait_for(lambda: helper_for(k, mine, "ds"), what="helper")[0]
+        kubelet_runs_helper(k, helper)
+        k.wait_for(lambda: (node_entry(k, mine, "ds", "node-n") or {}).get("state") == "Wiped", what="Wiped")
+        assert (get_cache(k, other, "ds").get("status") or {}).get("phase") is None, "unwatched ns reconciled"
+        assert "orbidden" not in op.log("controller")
+    finally:
+        op.stop("controller")
+        op.extra_env.pop("DSCACHE_WATCH_NAMESPACES", None)
+        op.start("controller")

@@ -187,7 +187,6 @@ def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, 
                                               monkeypatch: pytest.MonkeyPatch):
     """Both large-object paths: splice (plain-HTTP endpoints) and obstore streaming (HTTPS)."""
     import asyncio
-    from concurrent.futures import ThreadPoolExecutor
 
     from dscache_stager.fetch import PART_SIZE, Fetcher
     from dscache_stager.source import S3Source
@@ -201,8 +200,11 @@ def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, 
     store = S3Source.parse(f"s3://{bucket}/big/", endpoint_url=s3_server.endpoint).open_store(8)
     (tmp_path / "tmp").mkdir()
     fetcher = Fetcher(store, LocalTree(str(tmp_path)), str(tmp_path / "tmp"), asyncio.Semaphore(8), lambda n: None,
-                      ThreadPoolExecutor(2), zero_copy=zero_copy)
-    got = asyncio.run(fetcher.fetch("big/blob", "out/blob", len(body), etag))
+                      writers=2, zero_copy=zero_copy)
+    try:
+        got = asyncio.run(fetcher.fetch("big/blob", "out/blob", len(body), etag))
+    finally:
+        fetcher.close()
     assert (got.size, got.etag) == (len(body), etag)
     assert (tmp_path / "out" / "blob").read_bytes() == body
     assert os.listdir(tmp_path / "tmp") == []
