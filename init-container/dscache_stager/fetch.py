@@ -70,11 +70,10 @@ class Fetcher:
     """Downloads objects into temp files under ``tree``'s tmp dir and moves them into place."""
 
     def __init__(self, store: S3Store, tree: LocalTree, tmp_dir: str, requests: asyncio.Semaphore,
-                 on_bytes: Callable[[int], None], writers: int, zero_copy: bool) -> None:
+                 on_bytes: Callable[[int], None], zero_copy: bool) -> None:
         self.store = store
         self.zero_copy = zero_copy and rawhttp.available()
         self.splicers = ThreadPoolExecutor(16, thread_name_prefix="splice")
-        self.writers = ThreadPoolExecutor(writers, thread_name_prefix="writer") if writers else None
         self.tree = tree
         self.tmp_dir = tmp_dir
         self.requests = requests
@@ -84,8 +83,6 @@ class Fetcher:
     def close(self) -> None:
         # Splice threads own their descriptors, so they need not be waited for.
         self.splicers.shutdown(wait=False, cancel_futures=True)
-        if self.writers:
-            self.writers.shutdown(wait=True, cancel_futures=True)
 
     def _tmp_path(self) -> str:
         self._seq += 1
@@ -112,12 +109,9 @@ class Fetcher:
         async with self.requests:
             result = await get(self.store, key)
             data = await result.bytes_async()
-        if self.writers:
-            # Creating a file costs the kernel more than fetching it over
-            # pooled connections; threads spread that over the cores.
-            await asyncio.get_running_loop().run_in_executor(self.writers, self._write_and_place, tmp, data, rel)
-        else:
-            self._write_and_place(tmp, data, rel)
+        # Written inline on the event loop: handing files to writer threads
+        # measured no faster (2-8 threads, 4,000 x 64 KiB, 6 runs each).
+        self._write_and_place(tmp, data, rel)
         self.on_bytes(len(data))
         return Fetched(len(data), (result.meta.get("e_tag") or "").strip('"'))
 

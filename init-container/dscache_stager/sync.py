@@ -24,10 +24,6 @@ from .source import S3Source
 from .tree import LocalTree
 
 BLOCK = 4096
-# Threads that create files: the kernel's cost of creating a file here
-# (~0.1-0.3 ms on ext4) exceeds the cost of fetching 64 KiB over a pooled
-# connection, so file creation must not serialise on the event loop.
-WRITER_THREADS = int(os.environ.get("DSCACHE_WRITER_THREADS", "4"))
 MAX_KEYS_SHOWN = 20
 
 
@@ -127,8 +123,7 @@ class _Run:
         self.source.check_reachable()
         store = self.source.open_store(self.opts.concurrency)
         self.fetcher = Fetcher(store, self.tree, str(layout.tmp), asyncio.Semaphore(self.opts.concurrency),
-                               self.progress.add_bytes, writers=WRITER_THREADS,
-                               zero_copy=(self.source.endpoint_url or "").startswith("http://"))
+                               self.progress.add_bytes, zero_copy=(self.source.endpoint_url or "").startswith("http://"))
         queue: asyncio.Queue[RemoteObject | None] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
         workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 

@@ -200,7 +200,7 @@ def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, 
     store = S3Source.parse(f"s3://{bucket}/big/", endpoint_url=s3_server.endpoint).open_store(8)
     (tmp_path / "tmp").mkdir()
     fetcher = Fetcher(store, LocalTree(str(tmp_path)), str(tmp_path / "tmp"), asyncio.Semaphore(8), lambda n: None,
-                      writers=2, zero_copy=zero_copy)
+                      zero_copy=zero_copy)
     try:
         got = asyncio.run(fetcher.fetch("big/blob", "out/blob", len(body), etag))
     finally:
