@@ -31,7 +31,9 @@ from obstore.store import S3Store
 from . import rawhttp
 from .tree import LocalTree
 
-SMALL_LIMIT = 16 << 20  # objects up to this size are one GET
+# Objects up to SMALL_LIMIT are one GET held in memory, so memory stays under
+# concurrency x SMALL_LIMIT (64 MiB by default). Larger ones stream in parts.
+SMALL_LIMIT = 1 << 20
 PART_SIZE = 16 << 20
 # obstore retries each request; a connection dropped mid-body surfaces to us,
 # so the whole object is retried too, with jittered backoff.
