@@ -58,13 +58,17 @@ async def _pages(store: S3Store, prefix: str | None) -> AsyncIterator[list[Remot
     page's body streams; S3's start-after lets us pick up exactly there.
     """
     last: str | None = None
+    # obstore strips a directory marker's trailing '/', which can move it in
+    # the order; after a resume, drop anything the previous page already gave.
+    previous: set[str] = set()
     failures = 0
     while True:
         try:
             async for batch in obstore.list(store, prefix=prefix, offset=last, chunk_size=1000):
-                objs = _objects(batch)
+                objs = [o for o in _objects(batch) if o.key not in previous] if failures else _objects(batch)
                 if objs:
                     last = objs[-1].key
+                    previous = {o.key for o in objs}
                     failures = 0
                     yield objs
             return
