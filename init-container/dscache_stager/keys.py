@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 
 # Linux NAME_MAX: one path component may not exceed this many bytes.
 NAME_MAX = 255
 # Our own bookkeeping lives here; no object may land in it.
 RESERVED_TOP = ".dscache"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def unsafe_reason(rel: str) -> str | None:
@@ -17,7 +19,7 @@ def unsafe_reason(rel: str) -> str | None:
         return "empty name"
     if rel.startswith("/"):
         return "absolute path"
-    if any(c < " " or c == "\x7f" for c in rel):
+    if _CONTROL.search(rel):
         return "control character"
     parts = rel.split("/")
     for part in parts:

@@ -107,14 +107,24 @@ class _Run:
         self.hostile: list[tuple[str, str]] = []
         self.empties: list[RemoteObject] = []
         self.fetched_bytes = 0
+        self.modified = False
         self.started = time.monotonic()
+
+    def _modifying(self) -> None:
+        """Withdraw the completion marker before the first change to DEST.
+
+        A sync that changes nothing never withdraws it, so training pods
+        already reading a retained copy never see it flicker.
+        """
+        if not self.modified:
+            self.layout.mark_incomplete()
+            self.modified = True
 
     async def run(self) -> Summary:
         layout = self.layout
         try:
             layout.clear_tmp()
             known = layout.known_entries()
-            layout.mark_incomplete()
             st = os.statvfs(self.opts.dest)
         except OSError as e:
             raise _destination_error(e, str(self.opts.dest)) from e
@@ -139,10 +149,16 @@ class _Run:
                 await self._settle_empties(store)
                 if self.hostile:
                     raise HostileKeysError(self._hostile_message())
-                deleted = self.tree.prune(set(self.entries))
-                summary = self._summary(deleted)
-                layout.mark_complete(sorted(self.entries.values(), key=lambda e: e.rel),
-                                     {**summary.to_dict(), "fingerprint": self.opts.fingerprint()})
+                stale = self.tree.stale(set(self.entries))
+                if stale:
+                    self._modifying()
+                    self.tree.remove(stale)
+                summary = self._summary(len(stale))
+                marker = layout.read_complete()
+                if self.modified or not marker or marker.get("fingerprint") != self.opts.fingerprint():
+                    self._modifying()
+                    layout.mark_complete(sorted(self.entries.values(), key=lambda e: e.rel),
+                                         {**summary.to_dict(), "fingerprint": self.opts.fingerprint()})
                 return summary
         except OSError as e:
             raise _destination_error(e, str(self.opts.dest)) from e
@@ -220,6 +236,7 @@ class _Run:
             if clash := self.shape.clash(rel):
                 self.hostile.append((obj.key, f"file and directory at once ({clash})"))
                 return
+            self._modifying()
             self.tree.ensure_parent(rel)
             tmp = os.path.join(self.layout.tmp, f"empty-{len(self.entries)}-{id(obj)}")
             open(tmp, "wb").close()
@@ -235,6 +252,7 @@ class _Run:
         fetcher, relative = self.fetcher, self.source.relative
         while (obj := await queue.get()) is not None:
             rel = relative(obj.key)
+            self._modifying()
             try:
                 got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag)
             except ObjectGone:

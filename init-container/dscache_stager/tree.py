@@ -76,16 +76,15 @@ class LocalTree:
                     else:
                         yield rel
 
-    def prune(self, keep: set[str]) -> int:
-        """Delete every file not in ``keep``, then directories left empty. Returns files deleted."""
-        deleted = 0
-        for rel in list(self.walk_files()):
-            if rel not in keep:
-                os.unlink(self.path(rel))
-                deleted += 1
-        if deleted:
-            self._remove_empty_dirs()
-        return deleted
+    def stale(self, keep: set[str]) -> list[str]:
+        """Files under DEST (bookkeeping aside) that are not in ``keep``."""
+        return [rel for rel in self.walk_files() if rel not in keep]
+
+    def remove(self, rels: list[str]) -> None:
+        """Delete these files (symlinks themselves, never their targets), then directories left empty."""
+        for rel in rels:
+            os.unlink(self.path(rel))
+        self._remove_empty_dirs()
 
     def _remove_empty_dirs(self) -> None:
         for root, _, _ in os.walk(self.dest, topdown=False, followlinks=False):

@@ -311,7 +311,7 @@ def test_pod_identity_without_operator_identity_is_not_verifiable(kube_api, dsca
         {"name": "AWS_REGION", "value": "us-east-1"}]
 
 
-def test_secret_in_unwatched_namespace_is_forbidden_not_leaked(kube_api, dscache_operator, s3_server,
+def test_secret_without_rolebinding_is_forbidden(kube_api, dscache_operator, s3_server,
                                                                 s3_bucket, opted_ns):
     """Without the per-namespace RoleBinding the controller cannot read Secrets."""
     from tests.support.s3server import ACCESS_KEY, SECRET_KEY
@@ -407,6 +407,19 @@ def test_emptydir_namespace(kube_api, dscache_operator, s3_server, s3_bucket):
     (vol,) = [v for v in spec["volumes"] if v["name"] == "dscache-data"]
     assert vol == {"name": "dscache-data", "emptyDir": {}}
     assert spec["initContainers"][0]["securityContext"]["runAsNonRoot"] is True
+    # The kubelet removes emptyDir copies with their pods: Wiped without a helper pod.
+    pod = start_job_pod(kube_api, ns, job, "node-e")
+    kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Running", init="done",
+                   message=json.dumps(SUMMARY))
+    e = kube_api.wait_for(lambda: (lambda n: n if n and n["state"] == "Ready" else None)(
+        node_entry(kube_api, ns, "ds", "node-e")), what="Ready")
+    assert e["volume"] == "EmptyDir"
+    kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Succeeded", init="done",
+                   message=json.dumps(SUMMARY))
+    complete_job(kube_api, ns, "train")
+    kube_api.wait_for(lambda: (node_entry(kube_api, ns, "ds", "node-e") or {}).get("state") == "Wiped",
+                      what="Wiped")
+    assert helper_for(kube_api, ns, "ds") == []
 
 
 # --- lifecycle: node state, wipe, deletion, restart ---------------------------------------

@@ -208,3 +208,16 @@ def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, 
     assert (got.size, got.etag) == (len(body), etag)
     assert (tmp_path / "out" / "blob").read_bytes() == body
     assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_unchanged_resync_never_withdraws_the_completion_marker(s3_server: S3Server, bucket: str, tmp_path: Path):
+    s3_server.put_tree(bucket, {"u/a": b"a", "u/b/c": b"c"})
+    dest = tmp_path / "c"
+    assert run_stage(s3_server, "sync", f"s3://{bucket}/u/", str(dest)).code == 0
+    before = (dest / ".dscache/complete").stat().st_ino
+    r = run_stage(s3_server, "sync", f"s3://{bucket}/u/", str(dest))
+    assert r.code == 0 and r.summary["skipped"] == 2
+    assert (dest / ".dscache/complete").stat().st_ino == before  # not even rewritten
+    r = run_stage(s3_server, "sync", f"s3://{bucket}/u/", str(dest), "--exclude", "b/*")
+    assert r.code == 0 and set(data_tree(dest)) == {"a"}
+    assert (dest / ".dscache/complete").stat().st_ino != before

@@ -132,3 +132,14 @@ def test_wipe_helper_pod_is_pinned_tolerant_and_confined():
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert spec["volumes"] == [{"name": "cache-root", "hostPath": {
         "path": "/mnt/nvme/dscache", "type": "DirectoryOrCreate"}}]
+
+
+def test_long_wiped_nodes_without_pods_are_forgotten():
+    recent = NodeStatus(node="n1", state="Wiped", wipedAt="2026-11-21T11:30:00Z")
+    old = NodeStatus(node="n2", state="Wiped", wipedAt="2026-11-21T09:00:00Z")
+    old_with_pod = NodeStatus(node="n3", state="Wiped", wipedAt="2026-11-21T09:00:00Z")
+    plans = plan_nodes([recent, old, old_with_pod],
+                       [pod(node="n3", phase="Succeeded", started="2026-11-21T08:00:00Z")],
+                       jobs(train=True), WIPE, NOW)
+    assert sorted(plans) == ["n1", "n3"]
+    assert not plans["n3"].wipe and plans["n3"].entry.state == "Wiped"

@@ -249,3 +249,16 @@ def test_api_unreachable_on_a_miss_fails_closed(monkeypatch):
     with pytest.raises(kopf.AdmissionError) as e:
         run_mutate(job(), FakeIndex())
     assert "retry" in str(e.value)
+
+
+def test_reinjection_keeps_the_original_mode():
+    obj = job()
+    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                  settings=SETTINGS, mode="HostPath")
+    pod = {"metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
+           "spec": copy.deepcopy(obj["spec"]["template"]["spec"])}
+    before = copy.deepcopy(pod)
+    # The namespace switched to emptyDir mode between the Job and its pod.
+    assert not inject_object(pod, kind="Pod", namespace="ml", cache_name="imagenet", spec=spec(),
+                             settings=SETTINGS, mode="EmptyDir")
+    assert pod == before and pod["metadata"]["annotations"]["dscache.io/volume"] == "HostPath"

@@ -25,11 +25,14 @@ def test_place_replaces_a_stale_directory(tmp_path: Path):
     assert (tmp_path / "d").read_bytes() == b"new"
 
 
-def test_prune_deletes_unlisted_files_and_empty_dirs_but_not_bookkeeping(tmp_path: Path):
+def test_stale_files_and_empty_dirs_are_removed_but_not_bookkeeping(tmp_path: Path):
     for rel in ["keep/a", "gone/deep/b", "c", ".dscache/manifest.jsonl"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(rel)
     (tmp_path / "link").symlink_to("/etc")
-    assert LocalTree(str(tmp_path)).prune({"keep/a"}) == 3
+    tree = LocalTree(str(tmp_path))
+    stale = tree.stale({"keep/a"})
+    assert sorted(stale) == ["c", "gone/deep/b", "link"]
+    tree.remove(stale)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
         ".dscache", ".dscache/manifest.jsonl", "keep", "keep/a"]

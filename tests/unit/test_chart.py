@@ -1,0 +1,481 @@
+"""The Helm chart (charts/dscache): `helm lint`, golden `helm template` output,
+and targeted checks that the chart templates exactly what the operator's plain
+manifests (operator/deploy/*.yaml) and settings (DSCACHE_* variables) say.
+
+Goldens live in tests/golden/chart/<value set>.yaml, with the generated
+certificates replaced by placeholders. Regenerate them after a deliberate
+chart change with:
+
+    UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_chart.py
+
+(the same run also re-copies crds/datasetcache.yaml into the chart).
+No cluster is needed: `helm template` runs offline.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.support.tools import tool_bin
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "dscache"
+GOLDEN = REPO / "tests" / "golden" / "chart"
+DEPLOY = REPO / "operator" / "deploy"
+UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+# The Kubernetes version the e2e cluster runs; `helm template` needs it because
+# Chart.yaml's kubeVersion is checked against it.
+KUBE_VERSION = "1.34.4"
+NS = "dscache-system"
+
+# Value sets rendered to goldens: name -> (namespace, values, extra helm args).
+VALUE_SETS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
+    # The install command of the product brief, as is (no -n: namespace "default").
+    "product-command": ("default", {"cacheRoot": "/mnt/nvme/dscache"}, []),
+    "defaults": (NS, {}, []),
+    "watch-namespaces": (NS, {
+        "watchNamespaces": ["ml-team", "research"],
+        "sourceCheck": {"secretNamespaces": ["shared-data"]},
+        "rbac": {"scopeToWatchNamespaces": True},
+        "stager": {"image": {"repository": "registry.example/dscache-stager", "tag": "1.2.3",
+                             "pullPolicy": "Always"},
+                   "concurrency": 64,
+                   "resources": {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}},
+        "wipe": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                 "priorityClassName": "system-node-critical"},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "controller": {"serviceAccount": {"annotations": {
+            "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/dscache"}}},
+        "webhook": {"replicas": 3, "timeoutSeconds": 10},
+        "imagePullSecrets": [{"name": "regcred"}],
+    }, ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]),
+    "cert-manager": (NS, {"certManager": {"enabled": True}}, ["--api-versions", "cert-manager.io/v1"]),
+    "minimal": ("ops", {
+        "fullnameOverride": "dsc",
+        "crds": {"install": False},
+        "metrics": {"enabled": False},
+        "webhook": {"podDisruptionBudget": {"enabled": False}},
+        "certManager": {"enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer",
+                                                        "group": "cert-manager.io"}},
+    }, ["--api-versions", "cert-manager.io/v1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    return str(tool_bin("helm") / "helm")
+
+
+def run_helm(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([helm, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "HELM_CACHE_HOME": tempfile.gettempdir() + "/dscache-helm-cache",
+                               "HELM_CONFIG_HOME": tempfile.gettempdir() + "/dscache-helm-config"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def template(helm: str, namespace: str = NS, values: dict[str, Any] | None = None,
+             extra: list[str] | None = None, check: bool = True,
+             kube_version: str = KUBE_VERSION) -> subprocess.CompletedProcess:
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(values or {}, f)
+        f.flush()
+        return run_helm(helm, "template", "dscache", str(CHART), "--namespace", namespace,
+                        "--kube-version", kube_version, "-f", f.name, *(extra or []), check=check)
+
+
+def docs_of(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    return found[0]
+
+
+def normalise(text: str) -> str:
+    """Replace what is random in every render (generated keys and certificates)."""
+    text = re.sub(r"(caBundle|ca\.crt|tls\.crt|tls\.key): \S+", r"\1: <GENERATED>", text)
+    return re.sub(r'(dscache\.io/tls-not-after): "\d+"', r'\1: "<GENERATED>"', text)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+@pytest.fixture(scope="module")
+def default_docs(helm: str) -> list[dict[str, Any]]:
+    return docs_of(template(helm).stdout)
+
+
+# --- lint and goldens -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_lint_strict(helm: str, name: str, tmp_path: Path):
+    namespace, values, _ = VALUE_SETS[name]
+    vf = tmp_path / "values.yaml"
+    vf.write_text(yaml.safe_dump(values))
+    for strict in ([], ["--strict"]):
+        out = run_helm(helm, "lint", str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION,
+                       "-f", str(vf), *strict)
+        assert "0 chart(s) failed" in out.stdout, out.stdout
+        assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_template_matches_golden(helm: str, name: str):
+    namespace, values, extra = VALUE_SETS[name]
+    rendered = normalise(template(helm, namespace, values, extra).stdout)
+    golden = GOLDEN / f"{name}.yaml"
+    if UPDATE:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(rendered)
+    assert golden.exists(), f"{golden} is missing; create it with UPDATE_GOLDEN=1"
+    assert rendered == golden.read_text(), (
+        f"`helm template` output for value set {name!r} differs from {golden.relative_to(REPO)}; "
+        "if the change is intended, regenerate with UPDATE_GOLDEN=1 and review the diff")
+
+
+def test_chart_crd_is_the_generated_one():
+    """The chart renders files/datasetcache.yaml; it must be crds/datasetcache.yaml."""
+    source, copy = REPO / "crds" / "datasetcache.yaml", CHART / "files" / "datasetcache.yaml"
+    if UPDATE:
+        shutil.copyfile(source, copy)
+    assert copy.read_text() == source.read_text(), (
+        "charts/dscache/files/datasetcache.yaml differs from crds/datasetcache.yaml; "
+        "run `cp crds/datasetcache.yaml charts/dscache/files/` (or UPDATE_GOLDEN=1)")
+
+
+# --- the admission webhook ------------------------------------------------------------------
+
+
+def test_webhook_entries_are_operator_deploy_webhook_yaml(default_docs):
+    """Same entries, in the same order, as operator/deploy/webhook.yaml; only the
+    Service's name/namespace and the caBundle are the chart's."""
+    (expected,) = docs_of((DEPLOY / "webhook.yaml").read_text())
+    rendered = one(default_docs, "MutatingWebhookConfiguration", "dscache")
+    assert [h["name"] for h in rendered["webhooks"]] == [h["name"] for h in expected["webhooks"]]
+
+    def canon(hook: dict[str, Any]) -> dict[str, Any]:
+        hook = json.loads(json.dumps(hook))
+        hook["clientConfig"].pop("caBundle", None)
+        for cond in hook.get("matchConditions", []):
+            cond["expression"] = " ".join(cond["expression"].split())
+        return hook
+
+    for got, want in zip(rendered["webhooks"], expected["webhooks"]):
+        assert canon(got) == canon(want), got["name"]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_webhook_safety_settings(helm: str, name: str):
+    namespace, values, extra = VALUE_SETS[name]
+    docs = docs_of(template(helm, namespace, values, extra).stdout)
+    (mwc,) = find(docs, "MutatingWebhookConfiguration")
+    (svc,) = [s for s in find(docs, "Service") if s["spec"]["ports"][0]["port"] == 443]
+    assert len(mwc["webhooks"]) == 6
+    for hook in mwc["webhooks"]:
+        exprs = hook["namespaceSelector"]["matchExpressions"]
+        assert {"key": "dscache.io/injection", "operator": "In", "values": ["enabled"]} in exprs
+        assert hook["failurePolicy"] == "Fail"
+        assert hook["sideEffects"] == "None"
+        assert 1 <= hook["timeoutSeconds"] <= 10
+        assert hook["reinvocationPolicy"] == "IfNeeded"
+        assert hook["rules"][0]["operations"] == ["CREATE"]
+        assert "dscache.io/cache" in hook["matchConditions"][0]["expression"]
+        ref = hook["clientConfig"]["service"]
+        assert (ref["name"], ref["namespace"], ref["port"]) == (
+            svc["metadata"]["name"], namespace, 443)
+        assert ref["path"] in ("/dscache-hostpath", "/dscache-emptydir")
+
+
+def test_generated_certificate_is_consistent(default_docs, tmp_path: Path):
+    """caBundle == the Secret's ca.crt, which signed tls.crt, valid for the Service's DNS names."""
+    secret = one(default_docs, "Secret", "dscache-webhook-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    mwc = one(default_docs, "MutatingWebhookConfiguration")
+    bundles = {h["clientConfig"]["caBundle"] for h in mwc["webhooks"]}
+    assert len(bundles) == 1
+    assert base64.b64decode(bundles.pop()) == data["ca.crt"]
+    for key, blob in data.items():
+        (tmp_path / key).write_bytes(blob)
+    subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt")],
+                   check=True, capture_output=True)
+    text = subprocess.run(["openssl", "x509", "-in", str(tmp_path / "tls.crt"), "-noout", "-text"],
+                          check=True, capture_output=True, text=True).stdout
+    for dns in ("dscache-webhook.dscache-system.svc", "dscache-webhook.dscache-system.svc.cluster.local"):
+        assert f"DNS:{dns}" in text
+    # The key matches the certificate.
+    pub = [subprocess.run(["openssl", *args], check=True, capture_output=True).stdout for args in (
+        ["x509", "-in", str(tmp_path / "tls.crt"), "-noout", "-pubkey"],
+        ["pkey", "-in", str(tmp_path / "tls.key"), "-pubout"])]
+    assert pub[0] == pub[1]
+    # The webhook pods mount this Secret and point the process at it.
+    deploy = one(default_docs, "Deployment", "dscache-webhook")
+    (vol,) = [v for v in deploy["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert vol["secret"]["secretName"] == "dscache-webhook-tls"
+    env = env_of(deploy["spec"]["template"]["spec"]["containers"][0])
+    assert env["DSCACHE_WEBHOOK_CERT"].endswith("/tls.crt") and env["DSCACHE_WEBHOOK_KEY"].endswith("/tls.key")
+
+
+def test_cert_manager_mode(helm: str):
+    namespace, values, extra = VALUE_SETS["cert-manager"]
+    docs = docs_of(template(helm, namespace, values, extra).stdout)
+    assert not find(docs, "Secret"), "cert-manager writes the serving Secret, not the chart"
+    mwc = one(docs, "MutatingWebhookConfiguration")
+    assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NS}/dscache-webhook"
+    assert all("caBundle" not in h["clientConfig"] for h in mwc["webhooks"]), \
+        "an empty caBundle in the template would erase the injected one on every upgrade"
+    cert = one(docs, "Certificate", "dscache-webhook")
+    assert cert["spec"]["secretName"] == "dscache-webhook-tls"
+    assert "dscache-webhook.dscache-system.svc" in cert["spec"]["dnsNames"]
+    assert cert["spec"]["issuerRef"]["name"] == "dscache-ca"
+    ca = one(docs, "Certificate", "dscache-webhook-ca")
+    assert ca["spec"]["isCA"] is True
+    assert one(docs, "Issuer", "dscache-ca")["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    # An existing issuer: no chart PKI.
+    namespace, values, extra = VALUE_SETS["minimal"]
+    docs = docs_of(template(helm, namespace, values, extra).stdout)
+    assert not find(docs, "Issuer")
+    assert one(docs, "Certificate")["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
+    # Without cert-manager in the cluster: a clear refusal.
+    proc = template(helm, NS, {"certManager": {"enabled": True}}, check=False)
+    assert proc.returncode != 0 and "does not serve cert-manager.io/v1" in proc.stderr
+
+
+# --- workloads ------------------------------------------------------------------------------
+
+
+def test_controller_deployment(default_docs):
+    deploy = one(default_docs, "Deployment", "dscache-controller")
+    spec = deploy["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["serviceAccountName"] == "dscache-controller"
+    (c,) = pod["containers"]
+    assert c["command"] + c["args"] == ["python", "-m", "dscache_operator", "controller"]
+    env = env_of(c)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["health"] == int(env["DSCACHE_HEALTH_PORT"]) == 8080
+    assert ports["metrics"] == int(env["DSCACHE_METRICS_PORT"]) == 9090
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_webhook_deployment_pdb_and_service(default_docs):
+    deploy = one(default_docs, "Deployment", "dscache-webhook")
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = deploy["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] + c["args"] == ["python", "-m", "dscache_operator", "webhook"]
+    env = env_of(c)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["https"] == int(env["DSCACHE_WEBHOOK_PORT"]) == 9443
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["tcpSocket"] == {"port": "https"}
+
+    pdb = one(default_docs, "PodDisruptionBudget", "dscache-webhook")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    svc = one(default_docs, "Service", "dscache-webhook")
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"}]
+    # The controller pod is not behind the webhook Service.
+    controller = one(default_docs, "Deployment", "dscache-controller")["spec"]["template"]["metadata"]["labels"]
+    assert not svc["spec"]["selector"].items() <= controller.items()
+
+
+def test_env_names_are_the_operator_settings(default_docs):
+    """Every DSCACHE_* variable the chart sets is one settings.py reads, and the
+    chart sets every one except those with no chart meaning."""
+    known = set(re.findall(r'"(DSCACHE_[A-Z_]+)"', (REPO / "operator" / "dscache_operator" / "settings.py").read_text()))
+    assert len(known) > 10
+    webhook_only = {"DSCACHE_WEBHOOK_ADDR", "DSCACHE_WEBHOOK_PORT", "DSCACHE_WEBHOOK_CERT", "DSCACHE_WEBHOOK_KEY"}
+    optional = {"DSCACHE_STAGER_CONCURRENCY", "DSCACHE_WIPE_PRIORITY_CLASS"}  # set only when given
+    for name, wanted in (("dscache-controller", known - webhook_only - optional),
+                         ("dscache-webhook", known - optional)):
+        (c,) = one(default_docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        env = env_of(c)
+        assert set(env) <= known, set(env) - known
+        assert wanted <= set(env), wanted - set(env)
+        assert env["DSCACHE_CACHE_ROOT"] == "/var/lib/dscache"
+        assert env["DSCACHE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        assert json.loads(env["DSCACHE_STAGER_RESOURCES"]) == {
+            "requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+        assert json.loads(env["DSCACHE_WIPE_TOLERATIONS"]) == [{"operator": "Exists"}]
+        assert env["DSCACHE_STAGER_IMAGE"] == "dscache-stager:0.1.0"
+
+
+def test_values_reach_the_env(helm: str):
+    namespace, values, extra = VALUE_SETS["watch-namespaces"]
+    docs = docs_of(template(helm, namespace, values, extra).stdout)
+    for name in ("dscache-controller", "dscache-webhook"):
+        (c,) = one(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        env = env_of(c)
+        assert env["DSCACHE_WATCH_NAMESPACES"] == "ml-team,research"
+        assert env["DSCACHE_STAGER_IMAGE"] == "registry.example/dscache-stager:1.2.3"
+        assert env["DSCACHE_STAGER_PULL_POLICY"] == "Always"
+        assert env["DSCACHE_STAGER_CONCURRENCY"] == "64"
+        assert json.loads(env["DSCACHE_STAGER_RESOURCES"])["limits"] == {"memory": "4Gi"}
+        assert json.loads(env["DSCACHE_WIPE_TOLERATIONS"]) == values["wipe"]["tolerations"]
+        assert env["DSCACHE_WIPE_PRIORITY_CLASS"] == "system-node-critical"
+    assert one(docs, "Deployment", "dscache-webhook")["spec"]["replicas"] == 3
+    assert one(docs, "ServiceMonitor")["metadata"]["labels"]["release"] == "prom"
+    # product command: cacheRoot as given.
+    docs = docs_of(template(helm, "default", {"cacheRoot": "/mnt/nvme/dscache/"}).stdout)
+    (c,) = one(docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]["containers"]
+    assert env_of(c)["DSCACHE_CACHE_ROOT"] == "/mnt/nvme/dscache"
+
+
+def test_operator_pods_run_restricted(helm: str):
+    for name, (namespace, values, extra) in VALUE_SETS.items():
+        docs = docs_of(template(helm, namespace, values, extra).stdout)
+        for deploy in find(docs, "Deployment"):
+            pod = deploy["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            for c in pod["containers"]:
+                sc = c["securityContext"]
+                assert sc["readOnlyRootFilesystem"] is True
+                assert sc["allowPrivilegeEscalation"] is False
+                assert sc["capabilities"]["drop"] == ["ALL"]
+                assert "add" not in sc["capabilities"]
+                assert "resources" in c and c["resources"]["limits"]["memory"]
+            for vol in pod.get("volumes", []):
+                assert "hostPath" not in vol, f"{name}: operator pods never mount host paths"
+
+
+# --- RBAC -----------------------------------------------------------------------------------
+
+
+def _rules(doc: dict[str, Any]) -> list[tuple]:
+    return sorted((tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(sorted(r["verbs"])))
+                  for r in doc["rules"])
+
+
+def test_rbac_rules_are_operator_deploy_rbac_yaml(default_docs):
+    expected = docs_of((DEPLOY / "rbac.yaml").read_text())
+    for kind in ("ClusterRole", "Role"):
+        want = {d["metadata"]["name"]: _rules(d) for d in find(expected, kind)}
+        got = {d["metadata"]["name"]: _rules(d) for d in find(default_docs, kind)}
+        assert got == want, kind
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        want = {(d["metadata"]["name"], d["roleRef"]["name"],
+                 tuple((s["name"], s["namespace"]) for s in d["subjects"])) for d in find(expected, kind)}
+        got = {(d["metadata"]["name"], d["roleRef"]["name"],
+                tuple((s["name"], s["namespace"]) for s in d["subjects"])) for d in find(default_docs, kind)}
+        assert got == want, kind
+
+
+def test_rbac_least_privilege(helm: str):
+    for name, (namespace, values, extra) in VALUE_SETS.items():
+        docs = docs_of(template(helm, namespace, values, extra).stdout)
+        roles = {(d["kind"], d["metadata"]["name"]): d for d in find(docs, "ClusterRole") + find(docs, "Role")}
+        for doc in roles.values():
+            for rule in doc["rules"]:
+                assert "*" not in rule["verbs"] and "*" not in rule["resources"], (name, rule)
+                if "secrets" in rule["resources"]:
+                    assert rule["verbs"] == ["get"], (name, rule)
+        # Secrets are never granted cluster-wide.
+        for crb in find(docs, "ClusterRoleBinding"):
+            role = roles[("ClusterRole", crb["roleRef"]["name"])]
+            assert not any("secrets" in r["resources"] for r in role["rules"]), (name, crb)
+        # Pod writes only in the release namespace.
+        for rb in find(docs, "RoleBinding"):
+            ref = rb["roleRef"]
+            role = roles.get((ref["kind"], ref["name"]))
+            if role and any("create" in r["verbs"] and "pods" in r["resources"] for r in role["rules"]):
+                assert rb["metadata"]["namespace"] == namespace, (name, rb)
+
+
+def test_rbac_watch_namespaces(helm: str):
+    namespace, values, extra = VALUE_SETS["watch-namespaces"]
+    docs = docs_of(template(helm, namespace, values, extra).stdout)
+    secret_ns = sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", "dscache-source-check"))
+    assert secret_ns == ["ml-team", "research", "shared-data"]
+    # Scoped: the operator's rules are bound in the watched namespaces only...
+    for sa in ("dscache-controller", "dscache-webhook"):
+        assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", sa)) == ["ml-team", "research"]
+        assert not find(docs, "ClusterRoleBinding", sa)
+    # ...and only kopf's read-only discovery of cluster-scoped objects stays cluster-wide.
+    assert _rules(one(docs, "ClusterRole", "dscache-discovery")) == [
+        (("",), ("namespaces",), ("list", "watch")),
+        (("apiextensions.k8s.io",), ("customresourcedefinitions",), ("list", "watch"))]
+    # rbac.scopeToWatchNamespaces=false: the bindings of operator/deploy/rbac.yaml.
+    docs = docs_of(template(helm, values={"watchNamespaces": ["ml-team"],
+                                          "rbac": {"scopeToWatchNamespaces": False}}).stdout)
+    for sa in ("dscache-controller", "dscache-webhook"):
+        assert one(docs, "ClusterRoleBinding", sa)["roleRef"]["name"] == sa
+        assert not find(docs, "RoleBinding", sa)
+    assert not find(docs, "ClusterRole", "dscache-discovery")
+    assert one(docs, "RoleBinding", "dscache-source-check")["metadata"]["namespace"] == "ml-team"
+    # Cluster-wide default: no Secret access at all unless asked for.
+    docs = docs_of(template(helm).stdout)
+    assert not find(docs, "RoleBinding", "dscache-source-check")
+
+
+# --- CRD ------------------------------------------------------------------------------------
+
+
+def test_crd_rendered_from_the_generated_file(default_docs, helm: str):
+    (want,) = docs_of((REPO / "crds" / "datasetcache.yaml").read_text())
+    got = one(default_docs, "CustomResourceDefinition", "datasetcaches.dscache.io")
+    assert got["spec"] == want["spec"]
+    assert got["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    docs = docs_of(template(helm, values={"crds": {"install": False}}).stdout)
+    assert not find(docs, "CustomResourceDefinition")
+    assert not (CHART / "crds").exists(), "the CRD is a template (upgradable), not in Helm's crds/ dir"
+
+
+# --- values.schema.json and input checks ----------------------------------------------------
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"cacheRoot": "relative/dir"}, "at '/cacheRoot': 'relative/dir' does not match pattern"),
+    ({"cacheRoot": "/var/../etc"}, "at '/cacheRoot'"),
+    ({"cacheRoot": "/"}, "at '/cacheRoot'"),
+    ({"cacheRoot": 5}, "at '/cacheRoot'"),
+    ({"cacheRoot": "/var"}, 'cacheRoot "/var" is a system directory'),
+    ({"cacheRoot": "/var/lib/"}, 'cacheRoot "/var/lib/" is a system directory'),
+    ({"webhook": {"timeoutSeconds": 30}}, "at '/webhook/timeoutSeconds': maximum: got 30, want 10"),
+    ({"webhook": {"replicas": 0}}, "at '/webhook/replicas'"),
+    ({"watchNamespaces": ["Not_A_Namespace"]}, "at '/watchNamespaces/0'"),
+    ({"watchNamespaces": ["a", "a"]}, "at '/watchNamespaces'"),
+    ({"stager": {"image": {"pullPolicy": "Sometimes"}}}, "at '/stager/image/pullPolicy'"),
+    ({"stager": {"concurrency": 0}}, "at '/stager/concurrency'"),
+    ({"wipe": {"tolerations": [{"operator": "Maybe"}]}}, "at '/wipe/tolerations/0/operator'"),
+    ({"metrics": {"port": 70000}}, "at '/metrics/port'"),
+    ({"cacheroot": "/mnt/nvme"}, "additional properties 'cacheroot' not allowed"),
+])
+def test_bad_values_are_refused_clearly(helm: str, values: dict[str, Any], message: str):
+    proc = template(helm, values=values, check=False)
+    assert proc.returncode != 0, f"{values} was accepted"
+    assert message in proc.stderr, proc.stderr
+
+
+def test_kube_version_constraint(helm: str):
+    proc = template(helm, kube_version="1.29.0", check=False)
+    assert proc.returncode != 0 and "kubeVersion" in proc.stderr
+    assert template(helm, kube_version="v1.34.2-eks-abcdef").returncode == 0
