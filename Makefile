@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed ## Python virtualenv with every extra (.venv)
 
 tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
-	bash e2e/cluster/tools.sh s3 s5cmd etcd kube-apiserver
+	bash e2e/cluster/tools.sh s3 s5cmd etcd kube-apiserver helm
 
 # pytest exits 5 when it collects nothing; for us that is a broken suite, not a pass.
 define run_pytest

@@ -1,0 +1,166 @@
+{{/*
+Names. With the documented release name ("dscache") the objects get the names
+of operator/deploy/*.yaml: dscache-controller, dscache-webhook, ...
+*/}}
+{{- define "dscache.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "dscache.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Suffixed names; the base is cut to 52 characters so that "-source-check" still fits in 63. */}}
+{{- define "dscache.controller.fullname" -}}
+{{- printf "%s-controller" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
+{{- end }}
+{{- define "dscache.webhook.fullname" -}}
+{{- printf "%s-webhook" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
+{{- end }}
+{{- define "dscache.webhook.tlsSecret" -}}
+{{- printf "%s-webhook-tls" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "dscache.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "dscache.labels" -}}
+helm.sh/chart: {{ include "dscache.chart" . }}
+{{ include "dscache.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dscache
+{{- end }}
+
+{{- define "dscache.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dscache.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Usage: include "dscache.componentLabels" (list $ "controller") */}}
+{{- define "dscache.componentLabels" -}}
+{{ include "dscache.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+{{- define "dscache.componentSelectorLabels" -}}
+{{ include "dscache.selectorLabels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* Images: tag defaults to the chart's appVersion. */}}
+{{- define "dscache.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- define "dscache.stagerImage" -}}
+{{- printf "%s:%s" .Values.stager.image.repository (default .Chart.AppVersion .Values.stager.image.tag) }}
+{{- end }}
+
+{{/*
+cacheRoot, normalised as the operator does (trailing "/" removed). The schema
+already demands an absolute path; this refuses the directories whose
+<cacheRoot>/<namespace>/<cache> could name a system directory (a namespace
+"lib" and a cache "kubelet" under cacheRoot=/var would wipe /var/lib/kubelet).
+*/}}
+{{- define "dscache.cacheRoot" -}}
+{{- $root := .Values.cacheRoot | trimSuffix "/" }}
+{{- $forbidden := list "" "/bin" "/boot" "/dev" "/etc" "/home" "/lib" "/lib32" "/lib64" "/media" "/mnt" "/opt" "/proc" "/root" "/run" "/sbin" "/srv" "/sys" "/tmp" "/usr" "/usr/local" "/var" "/var/lib" "/var/log" "/var/run" "/var/tmp" }}
+{{- if has $root $forbidden }}
+{{- fail (printf "cacheRoot %q is a system directory: wipes delete <cacheRoot>/<namespace>/<cache>, so use a directory dedicated to dscache, e.g. /mnt/nvme/dscache or /var/lib/dscache" .Values.cacheRoot) }}
+{{- end }}
+{{- $root }}
+{{- end }}
+
+{{/* Namespaces where the controller may `get` Secrets: watched + sourceCheck.secretNamespaces. */}}
+{{- define "dscache.secretNamespaces" -}}
+{{- concat .Values.watchNamespaces .Values.sourceCheck.secretNamespaces | uniq | toJson }}
+{{- end }}
+
+{{/* Whether roles are bound per watched namespace instead of cluster-wide. */}}
+{{- define "dscache.rbacNamespaced" -}}
+{{- if and .Values.rbac.scopeToWatchNamespaces .Values.watchNamespaces }}true{{ end }}
+{{- end }}
+
+{{/*
+Environment of both processes (operator/dscache_operator/settings.py). The
+controller and the webhook get the same settings: the webhook injects the
+stager with them and the controller runs the wipe helpers with them.
+*/}}
+{{- define "dscache.env" -}}
+- name: DSCACHE_CACHE_ROOT
+  value: {{ include "dscache.cacheRoot" . | quote }}
+- name: DSCACHE_STAGER_IMAGE
+  value: {{ include "dscache.stagerImage" . | quote }}
+- name: DSCACHE_STAGER_PULL_POLICY
+  value: {{ .Values.stager.image.pullPolicy | quote }}
+- name: DSCACHE_STAGER_RESOURCES
+  value: {{ .Values.stager.resources | toJson | quote }}
+{{- if not (kindIs "invalid" .Values.stager.concurrency) }}
+- name: DSCACHE_STAGER_CONCURRENCY
+  value: {{ .Values.stager.concurrency | int | toString | quote }}
+{{- end }}
+- name: DSCACHE_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: DSCACHE_WATCH_NAMESPACES
+  value: {{ join "," .Values.watchNamespaces | quote }}
+- name: DSCACHE_WIPE_TOLERATIONS
+  value: {{ .Values.wipe.tolerations | toJson | quote }}
+{{- with .Values.wipe.priorityClassName }}
+- name: DSCACHE_WIPE_PRIORITY_CLASS
+  value: {{ . | quote }}
+{{- end }}
+- name: DSCACHE_RECONCILE_INTERVAL
+  value: {{ .Values.controller.reconcileIntervalSeconds | toString | quote }}
+- name: DSCACHE_SOURCE_RETRY_INTERVAL
+  value: {{ .Values.sourceCheck.retryIntervalSeconds | toString | quote }}
+- name: DSCACHE_HEALTH_PORT
+  value: {{ .Values.health.port | int | toString | quote }}
+- name: DSCACHE_METRICS_PORT
+  value: {{ ternary (.Values.metrics.port | int) 0 .Values.metrics.enabled | toString | quote }}
+{{- end }}
+
+{{/* Pod scheduling and security shared by both Deployments. Usage: include "dscache.podCommon" (list $ .Values.controller) */}}
+{{- define "dscache.podCommon" -}}
+{{- $root := index . 0 }}
+{{- $c := index . 1 }}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+{{- with $c.priorityClassName }}
+priorityClassName: {{ . | quote }}
+{{- end }}
+{{- with $c.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Probes on kopf's liveness endpoint (/healthz on DSCACHE_HEALTH_PORT). */}}
+{{- define "dscache.livenessProbe" -}}
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: health
+  initialDelaySeconds: 5
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end }}
