@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Benchmark the dscache operator against a real kube-apiserver + etcd + S3 server.
+
+1. Webhook: AdmissionReviews (a Job asking for a Ready cache) over TLS on
+   loopback at a fixed rate (default 200/s, open loop), latency p50/p99.
+2. Controller: RSS while it watches N DatasetCaches (each source-checked
+   against a real versitygw bucket) and M pods carrying dscache.io/cache,
+   spread over nodes, once everything has converged.
+
+    python bench/operator.py [--quick] [--caches N] [--pods M] [--rate R] [--seconds S]
+
+The last line of output is one JSON object:
+{"webhook_rps", "webhook_p50_ms", "webhook_p99_ms", "caches", "pods", "operator_rss_mib", ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import ssl
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "operator"))
+
+from tests.support.kubeapi import ApiError, KubeAPI, Operator  # noqa: E402
+from tests.support.s3server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def hwm_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    import os
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- webhook load ---------------------------------------------------------------------
+
+def admission_review(ns: str, cache: str) -> bytes:
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "train", "namespace": ns, "annotations": {"dscache.io/cache": cache}},
+           "spec": {"template": {"metadata": {}, "spec": {
+               "restartPolicy": "Never",
+               "containers": [{"name": "train", "image": "trainer:1", "command": ["python", "train.py"]}]}}}}
+    return json.dumps({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": str(uuid.uuid4()), "kind": {"group": "batch", "version": "v1", "kind": "Job"},
+                    "resource": {"group": "batch", "version": "v1", "resource": "jobs"},
+                    "requestKind": {"group": "batch", "version": "v1", "kind": "Job"},
+                    "namespace": ns, "operation": "CREATE", "name": "train",
+                    "userInfo": {"username": "bench"}, "object": job, "oldObject": None,
+                    "dryRun": False, "options": {}}}).encode()
+
+
+async def drive_webhook(url: str, cafile: Path, body: bytes, rate: float, seconds: float,
+                        concurrency: int = 32) -> dict:
+    import aiohttp
+    ctx = ssl.create_default_context(cafile=str(cafile))
+    latencies: list[float] = []
+    errors = 0
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=concurrency)) as s:
+        # Warm up the connections and the handler.
+        for _ in range(20):
+            async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                data = await r.json()
+                assert data["response"]["allowed"], data
+                assert data["response"].get("patch"), "the webhook did not mutate"
+
+        async def one() -> None:
+            nonlocal errors
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                        data = await r.json()
+                        if r.status != 200 or not data["response"]["allowed"]:
+                            errors += 1
+                except Exception:  # noqa: BLE001
+                    errors += 1
+                latencies.append((time.perf_counter() - t0) * 1000)
+
+        tasks = []
+        start = time.perf_counter()
+        n = int(rate * seconds)
+        for i in range(n):
+            target = start + i / rate
+            delay = target - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    latencies.sort()
+    return {"requests": n, "errors": errors, "rps": n / elapsed,
+            "p50_ms": statistics.median(latencies),
+            "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+            "max_ms": latencies[-1]}
+
+
+# --- cluster population ------------------------------------------------------------------
+
+def populate(k: KubeAPI, s3: S3Server, bucket: str, caches: int, pods: int, namespaces: int,
+             nodes: int) -> list[tuple[str, str]]:
+    import base64
+    from tests.support.kubeapi import REPO as R, load_yaml_docs
+    (rb,) = load_yaml_docs(R / "operator" / "deploy" / "rbac-secrets.yaml")
+    names = []
+    for i in range(namespaces):
+        ns = k.namespace(f"bench-{i}")
+        k.create(f"/api/v1/namespaces/{ns}/secrets", {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-keys"},
+            "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(ACCESS_KEY.encode()).decode(),
+                     "AWS_SECRET_ACCESS_KEY": base64.b64encode(SECRET_KEY.encode()).decode()}})
+        k.apply_yaml_docs([{**rb, "metadata": {**rb["metadata"], "namespace": ns}}])
+    for c in range(caches):
+        ns = f"bench-{c % namespaces}"
+        names.append((ns, f"ds-{c}"))
+
+    def make_cache(item):
+        ns, name = item
+        k.create(f"/apis/dscache.io/v1alpha1/namespaces/{ns}/datasetcaches", {
+            "apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache", "metadata": {"name": name},
+            "spec": {"source": {"uri": f"s3://{bucket}/data/", "endpoint": s3.endpoint,
+                                "region": "us-east-1", "addressingStyle": "path",
+                                "credentials": {"secretRef": {"name": "s3-keys"}}},
+                     "mountPath": "/data"}})
+
+    def make_pod(i):
+        ns, cache = names[i % len(names)]
+        k.create(f"/api/v1/namespaces/{ns}/pods", {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"train-{i}", "annotations": {"dscache.io/cache": cache,
+                                                                "dscache.io/volume": "HostPath"},
+                         # as the webhook leaves them:
+                         "labels": {"app": "train", "dscache.io/consumer": "true"}},
+            "spec": {"nodeName": f"gpu-{(i + i // len(names)) % nodes}",
+                     "containers": [{"name": "train", "image": "trainer:1",
+                                     "command": ["python", "train.py"],
+                                     "env": [{"name": "DSCACHE_DIR", "value": "/data"}]}]}})
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(make_cache, names))
+    log(f"created {caches} DatasetCaches in {time.monotonic() - t0:.1f}s")
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(make_pod, range(pods)))
+    log(f"created {pods} pods in {time.monotonic() - t0:.1f}s")
+    return names
+
+
+def count_converged(k: KubeAPI, want_nodes: bool) -> tuple[int, int]:
+    items = k.request("GET", "/apis/dscache.io/v1alpha1/datasetcaches")["items"]
+    ready = sum(1 for c in items if (c.get("status") or {}).get("phase") == "Ready")
+    with_nodes = sum(1 for c in items if (c.get("status") or {}).get("nodes"))
+    return ready, with_nodes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="shorter webhook run (still >= targets' scale)")
+    ap.add_argument("--caches", type=int, default=1000)
+    ap.add_argument("--pods", type=int, default=5000)
+    ap.add_argument("--namespaces", type=int, default=10)
+    ap.add_argument("--nodes", type=int, default=50)
+    ap.add_argument("--rate", type=float, default=200.0, help="AdmissionReviews per second")
+    ap.add_argument("--seconds", type=float, default=None, help="webhook load duration")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir")
+    ap.add_argument("--profile-memory", action="store_true",
+                    help="tracemalloc in the controller; print its top allocations (slow)")
+    args = ap.parse_args()
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
+    seconds = args.seconds or (15.0 if args.quick else 60.0)
+
+    work = Path(tempfile.mkdtemp(prefix="dscache-bench-operator-"))
+    k = KubeAPI(workdir=work / "kube")
+    s3 = S3Server(root=work / "s3")
+    op = None
+    result: dict = {}
+    try:
+        t0 = time.monotonic()
+        s3.start()
+        bucket = "bench"
+        s3.make_bucket(bucket)
+        s3.put_tree(bucket, {f"data/f{i}.bin": b"x" * 1024 for i in range(10)})
+        k.start()
+        log(f"kube-apiserver + etcd + versitygw up in {time.monotonic() - t0:.1f}s")
+        op = Operator(kube=k, workdir=work, extra_env={"DSCACHE_RECONCILE_INTERVAL": "10"}).install()
+
+        # 1. Webhook latency, on its own (the controller is not running yet).
+        op.start("webhook")
+        k.namespace("bench-hook", {"dscache.io/injection": "enabled"})
+        k.create("/apis/dscache.io/v1alpha1/namespaces/bench-hook/datasetcaches", {
+            "apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache", "metadata": {"name": "hot"},
+            "spec": {"source": {"uri": f"s3://{bucket}/data/"}, "mountPath": "/data"}})
+        k.merge_patch("/apis/dscache.io/v1alpha1/namespaces/bench-hook/datasetcaches/hot/status",
+                      {"status": {"phase": "Ready"}})
+        time.sleep(1.0)
+        url = f"https://127.0.0.1:{op.webhook_port}/dscache-hostpath"
+        log(f"driving {args.rate:.0f} AdmissionReviews/s for {seconds:.0f}s at {url}")
+        hook_pid = op.procs["webhook"].pid
+        hook_cpu0 = cpu_seconds(hook_pid)
+        stats = asyncio.run(drive_webhook(url, k.certs / "ca.crt", admission_review("bench-hook", "hot"),
+                                          args.rate, seconds))
+        hook_cpu = cpu_seconds(hook_pid) - hook_cpu0
+        load_during = float(Path("/proc/loadavg").read_text().split()[0])
+        log(f"webhook: {json.dumps({k_: round(v, 2) for k_, v in stats.items()})}, "
+            f"cpu {hook_cpu:.1f}s, rss {rss_mib(hook_pid):.0f} MiB")
+        if stats["errors"]:
+            raise RuntimeError(f"{stats['errors']} AdmissionReviews failed")
+
+        # 2. Controller RSS at scale.
+        populate(k, s3, bucket, args.caches, args.pods, args.namespaces, args.nodes)
+        if args.profile_memory:  # tracemalloc: slows the controller down a lot
+            op.extra_env["DSCACHE_DEBUG_MEMORY"] = "1"
+        t0 = time.monotonic()
+        proc = op.start("controller")
+        peak = 0.0
+        deadline = time.monotonic() + 420
+        ready = with_nodes = 0
+        while time.monotonic() < deadline:
+            time.sleep(3)
+            peak = max(peak, rss_mib(proc.pid))
+            ready, with_nodes = count_converged(k, True)
+            log(f"controller: {ready}/{args.caches} Ready, {with_nodes} with node entries, "
+                f"rss {rss_mib(proc.pid):.0f} MiB, cpu {cpu_seconds(proc.pid):.0f}s")
+            if ready >= args.caches and with_nodes >= min(args.caches, args.pods):
+                break
+        converge_s = time.monotonic() - t0
+        # Steady state: a few reconcile rounds after convergence.
+        samples = []
+        cpu0 = cpu_seconds(proc.pid)
+        for _ in range(10):
+            time.sleep(2)
+            samples.append(rss_mib(proc.pid))
+        steady_cpu = (cpu_seconds(proc.pid) - cpu0) / 20
+        rss = max(samples)
+        if args.profile_memory:
+            import os, signal
+            os.kill(proc.pid, signal.SIGUSR2)  # top allocations into the controller log
+            time.sleep(5)
+            print("\n".join(l for l in op.log("controller").splitlines() if "dscache.memory" in l or l.startswith("  ")))
+        log(f"controller converged in {converge_s:.0f}s; steady RSS {rss:.0f} MiB (peak {hwm_mib(proc.pid):.0f}), "
+            f"steady CPU {steady_cpu * 100:.0f}% of a core")
+        result = {
+            "webhook_rps": round(stats["rps"], 1),
+            "webhook_p50_ms": round(stats["p50_ms"], 2),
+            "webhook_p99_ms": round(stats["p99_ms"], 2),
+            "caches": args.caches if ready >= args.caches else ready,
+            "pods": args.pods,
+            "operator_rss_mib": round(rss, 1),
+            "operator_peak_rss_mib": round(hwm_mib(proc.pid), 1),
+            "operator_converge_s": round(converge_s, 1),
+            "operator_steady_cpu": round(steady_cpu, 3),
+            "webhook_rss_mib": round(rss_mib(hook_pid), 1),
+            # Intrinsic cost, meaningful even on a busy machine (latency is not):
+            "webhook_cpu_ms_per_review": round(hook_cpu * 1000 / (stats["requests"] + 20), 2),
+            "loadavg_1m_during_webhook": load_during,
+            "webhook_requests": stats["requests"],
+        }
+    finally:
+        if op is not None:
+            for role in list(op.procs):
+                op.stop(role)
+        k.stop()
+        s3.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            log(f"kept {work}")
+    print(json.dumps(result))
+    return 0 if result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

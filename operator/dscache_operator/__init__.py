@@ -1,0 +1,1 @@
+"""dscache operator: DatasetCache controller and admission webhook (kopf)."""

@@ -1,0 +1,267 @@
+"""The DatasetCache API (dscache.io/v1alpha1): the single source of truth.
+
+``crds/datasetcache.yaml`` is generated from these models by
+``python -m dscache_operator.crdgen``; a unit test fails when the two drift.
+Every field carries a description, so ``kubectl explain`` is useful.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+GROUP = "dscache.io"
+VERSION = "v1alpha1"
+KIND = "DatasetCache"
+PLURAL = "datasetcaches"
+SINGULAR = "datasetcache"
+SHORT_NAMES = ["dsc"]
+
+#: Annotation on a Job or a pod template (or a bare Pod) that asks for a cache.
+CACHE_ANNOTATION = f"{GROUP}/cache"
+#: Namespace label that opts a namespace into injection.
+INJECTION_LABEL = f"{GROUP}/injection"
+#: Label the webhook puts on what it injects (Jobs and pods), so that the
+#: controller's watches are filtered by the API server.
+CONSUMER_LABEL = f"{GROUP}/consumer"
+#: Our finalizer on DatasetCaches (never on users' objects).
+FINALIZER = f"{GROUP}/wipe"
+
+# Kubernetes' own int-or-string (resource quantities).
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema({"x-kubernetes-int-or-string": True,
+                    "anyOf": [{"type": "integer"}, {"type": "string"}],
+                    "pattern": r"^[0-9.]+([eE][-+]?[0-9]+|[mkKMGTPE]i?)?$"}),
+]
+Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-time"})]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class SecretRef(_Model):
+    name: str = Field(
+        description="Name of a Secret in the DatasetCache's namespace with keys "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and optionally "
+                    "AWS_SESSION_TOKEN). Only the init container receives them.",
+        min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+class Credentials(_Model):
+    secretRef: SecretRef | None = Field(
+        default=None,
+        description="Secret holding static S3 keys. Omit to use the pod's own "
+                    "identity (IRSA, workload identity or an instance role).")
+
+
+class Source(_Model):
+    uri: str = Field(
+        description="Where the dataset lives: s3://BUCKET/PREFIX/. Everything "
+                    "under PREFIX is staged (after include/exclude).",
+        pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", max_length=1024)
+    endpoint: str | None = Field(
+        default=None,
+        description="S3 endpoint URL for S3-compatible stores (MinIO, Ceph RGW, "
+                    "OBS, OSS, GCS). Omit for AWS S3.",
+        pattern=r"^https?://[^\s]+$", max_length=512)
+    region: str | None = Field(
+        default=None, description="Region of the bucket, e.g. us-east-1.",
+        max_length=64)
+    addressingStyle: Literal["path", "virtual"] | None = Field(
+        default=None,
+        description="S3 addressing style: 'path' (http://endpoint/bucket/key) "
+                    "or 'virtual' (http://bucket.endpoint/key). Omit for the "
+                    "client's default.")
+    credentials: Credentials | None = Field(
+        default=None,
+        description="How the stager authenticates. Omit (or leave secretRef "
+                    "empty) for pod identity.")
+    include: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list, max_length=64,
+        description="Glob patterns (relative to PREFIX); when set, only "
+                    "matching keys are staged.")
+    exclude: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list, max_length=64,
+        description="Glob patterns (relative to PREFIX) of keys never staged; "
+                    "exclude wins over include.")
+
+    @property
+    def bucket(self) -> str:
+        return self.uri[len("s3://"):].split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        rest = self.uri[len("s3://"):].split("/", 1)
+        return rest[1] if len(rest) > 1 else ""
+
+    @property
+    def secret_name(self) -> str | None:
+        if self.credentials and self.credentials.secretRef:
+            return self.credentials.secretRef.name
+        return None
+
+
+class Retention(_Model):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": "has(self.ttlAfterLastUse) == (self.policy == 'RetainWhileUsed')",
+            "message": "ttlAfterLastUse is required with policy RetainWhileUsed "
+                       "and not allowed with WipeOnJobCompletion",
+        }]},
+    )
+    policy: Literal["WipeOnJobCompletion", "RetainWhileUsed"] = Field(
+        default="WipeOnJobCompletion",
+        description="WipeOnJobCompletion: a node's copy is wiped as soon as the "
+                    "Jobs that used it complete or fail and no other consumer on "
+                    "that node is alive. RetainWhileUsed: the copy stays for later "
+                    "Jobs and is wiped ttlAfterLastUse after its last consumer ended.")
+    ttlAfterLastUse: str | None = Field(
+        default=None,
+        description="With RetainWhileUsed: how long an unused copy is kept, as a "
+                    "duration such as 30m, 12h or 1h30m (units s, m, h, d).",
+        pattern=r"^([0-9]+[smhd])+$", max_length=32)
+
+
+class ResourceRequirements(_Model):
+    requests: dict[str, Quantity] | None = Field(
+        default=None, description="Minimum resources of the stager init container, "
+                                  "e.g. {cpu: 500m, memory: 256Mi}.")
+    limits: dict[str, Quantity] | None = Field(
+        default=None, description="Maximum resources of the stager init container.")
+
+
+class DatasetCacheSpec(_Model):
+    source: Source = Field(description="The S3 dataset to stage.")
+    mountPath: str = Field(
+        description="Absolute path where training containers see the dataset, "
+                    "read-only. Must not clash with another mount in the pod.",
+        pattern=r"^/[^\x00]*$", max_length=512,
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": "!self.split('/').exists(p, p == '..' || p == '.') && self != '/'",
+            "message": "mountPath must be an absolute path without '.' or '..' "
+                       "segments and not '/'",
+        }]})
+    retention: Retention = Field(
+        default_factory=Retention,
+        description="When a node's copy is wiped.")
+    resources: ResourceRequirements | None = Field(
+        default=None,
+        description="Resources of the injected init container (defaults come "
+                    "from the operator's configuration).")
+
+
+class Condition(_Model):
+    """A metav1.Condition."""
+
+    type: str = Field(description="Type of condition in CamelCase, e.g. SourceReady.",
+                      max_length=316)
+    status: Literal["True", "False", "Unknown"] = Field(
+        description="Status of the condition: True, False or Unknown.")
+    observedGeneration: int | None = Field(
+        default=None, ge=0,
+        description="The .metadata.generation this condition was set for.")
+    lastTransitionTime: Timestamp = Field(
+        description="Last time the condition changed status.")
+    reason: str = Field(
+        description="Machine-readable CamelCase reason, e.g. NoSuchBucket, "
+                    "AccessDenied, EndpointUnreachable, SecretNotFound.",
+        max_length=1024, min_length=1)
+    message: str = Field(default="", description="Human-readable details and the fix.",
+                         max_length=32768)
+
+
+class NodeStatus(_Model):
+    node: str = Field(description="Node name.")
+    state: Literal["Staging", "Ready", "Failed", "Wiped"] = Field(
+        description="Staging: an init container is copying; Ready: the copy is "
+                    "complete; Failed: the last copy failed (see message); Wiped: "
+                    "the copy was removed from the node.")
+    volume: Literal["HostPath", "EmptyDir"] = Field(
+        default="HostPath",
+        description="HostPath: a node-level copy under the operator's cacheRoot "
+                    "(wiped by a helper pod); EmptyDir: a per-pod copy that the "
+                    "kubelet removes with the pod.")
+    bytes: int | None = Field(default=None, ge=0,
+                              description="Bytes of the dataset on the node.")
+    objects: int | None = Field(default=None, ge=0,
+                                description="Objects of the dataset on the node.")
+    seconds: float | None = Field(default=None, ge=0,
+                                  description="Seconds the last copy took.")
+    consumers: int = Field(default=0, ge=0,
+                           description="Live pods on the node that use this cache.")
+    lastUsed: Timestamp | None = Field(
+        default=None, description="When the set of consumers on the node last changed.")
+    wipedAt: Timestamp | None = Field(
+        default=None, description="When the node's copy was last wiped.")
+    message: str | None = Field(default=None, description="Details of a failure or of a wipe.",
+                                max_length=4096)
+
+
+class DatasetCacheStatus(_Model):
+    phase: Literal["Pending", "Ready", "Failed", "Deleting"] | None = Field(
+        default=None,
+        description="Pending: the source is not checked yet; Ready: the source "
+                    "is readable; Failed: see the SourceReady condition; "
+                    "Deleting: node copies are being wiped.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Conditions in the metav1.Condition shape (SourceReady).",
+        json_schema_extra={"x-kubernetes-list-type": "map",
+                           "x-kubernetes-list-map-keys": ["type"]})
+    observedGeneration: int | None = Field(
+        default=None, ge=0, description="The .metadata.generation last checked.")
+    objects: int | None = Field(default=None, ge=0,
+                                description="Objects in the source (after include/exclude).")
+    bytes: int | None = Field(default=None, ge=0,
+                              description="Total bytes in the source (after include/exclude).")
+    size: str | None = Field(default=None, description="bytes, human-readable.")
+    readyNodes: int = Field(default=0, ge=0, description="Nodes with state Ready.")
+    nodes: list[NodeStatus] = Field(
+        default_factory=list, description="Per-node state of the copy.",
+        json_schema_extra={"x-kubernetes-list-type": "map",
+                           "x-kubernetes-list-map-keys": ["node"]})
+
+
+class DatasetCache(_Model):
+    """Stage an S3 dataset onto nodes' local disks for annotated workloads."""
+
+    apiVersion: Literal["dscache.io/v1alpha1"] = Field(
+        default="dscache.io/v1alpha1", description="dscache.io/v1alpha1")
+    kind: Literal["DatasetCache"] = Field(default="DatasetCache", description="DatasetCache")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
+    spec: DatasetCacheSpec = Field(description="What to stage and how.")
+    status: DatasetCacheStatus | None = Field(default=None, description="Observed state.")
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Objects", "type": "integer", "jsonPath": ".status.objects"},
+    {"name": "Size", "type": "string", "jsonPath": ".status.size"},
+    {"name": "Ready nodes", "type": "integer", "jsonPath": ".status.readyNodes"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def human_bytes(n: int | None) -> str | None:
+    if n is None:
+        return None
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return None  # unreachable
+
+
+def parse_duration(text: str) -> float:
+    """'1h30m' -> 5400.0 (units s, m, h, d)."""
+    import re
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    parts = re.findall(r"([0-9]+)([smhd])", text)
+    if not parts or "".join(a + b for a, b in parts) != text:
+        raise ValueError(f"bad duration {text!r}")
+    return float(sum(int(n) * units[u] for n, u in parts))

@@ -1,0 +1,113 @@
+"""Operator configuration, read once from environment variables.
+
+The Helm chart sets these; each field documents its variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    cache_root: str = "/var/lib/dscache"
+    """``DSCACHE_CACHE_ROOT``: host directory under which node copies live, as
+    ``<cacheRoot>/<namespace>/<cache name>``. Only the admin chooses it."""
+
+    stager_image: str = "dscache-stager:0.1.0"
+    """``DSCACHE_STAGER_IMAGE``: image of the init container and of the wipe
+    helper pods (it provides ``dscache-stage``)."""
+
+    stager_pull_policy: str = "IfNotPresent"
+    """``DSCACHE_STAGER_PULL_POLICY``: imagePullPolicy of injected/helper containers."""
+
+    stager_resources: dict[str, Any] = dataclasses.field(default_factory=lambda: {
+        "requests": {"cpu": "500m", "memory": "256Mi"},
+        "limits": {"memory": "1Gi"}})
+    """``DSCACHE_STAGER_RESOURCES``: JSON resources of the init container when
+    the DatasetCache sets none."""
+
+    stager_concurrency: int | None = None
+    """``DSCACHE_STAGER_CONCURRENCY``: ``--concurrency`` of the stager (unset: its default)."""
+
+    namespace: str = "dscache-system"
+    """``DSCACHE_NAMESPACE``: the operator's own namespace, where wipe helper pods run."""
+
+    watch_namespaces: tuple[str, ...] = ()
+    """``DSCACHE_WATCH_NAMESPACES``: comma-separated namespaces to watch;
+    empty means cluster-wide."""
+
+    webhook_addr: str = "0.0.0.0"
+    """``DSCACHE_WEBHOOK_ADDR``: address the webhook listens on."""
+
+    webhook_port: int = 9443
+    """``DSCACHE_WEBHOOK_PORT``: HTTPS port of the admission webhook."""
+
+    webhook_cert: str | None = None
+    """``DSCACHE_WEBHOOK_CERT``: PEM serving certificate (reloaded when it changes)."""
+
+    webhook_key: str | None = None
+    """``DSCACHE_WEBHOOK_KEY``: PEM private key of the serving certificate."""
+
+    wipe_tolerations: tuple[dict[str, Any], ...] = ({"operator": "Exists"},)
+    """``DSCACHE_WIPE_TOLERATIONS``: JSON list of tolerations of wipe helper
+    pods; the default tolerates every taint so that every node can be wiped."""
+
+    wipe_priority_class: str | None = None
+    """``DSCACHE_WIPE_PRIORITY_CLASS``: priorityClassName of wipe helper pods."""
+
+    reconcile_interval: float = 10.0
+    """``DSCACHE_RECONCILE_INTERVAL``: seconds between level-based
+    reconciliations of each DatasetCache (consumers, node states, wipes)."""
+
+    source_retry_interval: float = 60.0
+    """``DSCACHE_SOURCE_RETRY_INTERVAL``: seconds before a failed source check is retried."""
+
+    health_port: int = 8080
+    """``DSCACHE_HEALTH_PORT``: port of the liveness endpoint (``/healthz``); 0 disables it."""
+
+    metrics_port: int = 9090
+    """``DSCACHE_METRICS_PORT``: port of the Prometheus endpoint (``/metrics``); 0 disables it."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
+        env = dict(os.environ if env is None else env)
+        d = cls()
+        get = env.get
+
+        def opt(name: str) -> str | None:
+            value = get(name, "").strip()
+            return value or None
+
+        return cls(
+            cache_root=(opt("DSCACHE_CACHE_ROOT") or d.cache_root).rstrip("/") or "/",
+            stager_image=opt("DSCACHE_STAGER_IMAGE") or d.stager_image,
+            stager_pull_policy=opt("DSCACHE_STAGER_PULL_POLICY") or d.stager_pull_policy,
+            stager_resources=(json.loads(get("DSCACHE_STAGER_RESOURCES"))
+                              if opt("DSCACHE_STAGER_RESOURCES") else d.stager_resources),
+            stager_concurrency=int(get("DSCACHE_STAGER_CONCURRENCY")) if opt("DSCACHE_STAGER_CONCURRENCY") else None,
+            namespace=opt("DSCACHE_NAMESPACE") or d.namespace,
+            watch_namespaces=tuple(_csv(get("DSCACHE_WATCH_NAMESPACES", ""))),
+            webhook_addr=opt("DSCACHE_WEBHOOK_ADDR") or d.webhook_addr,
+            webhook_port=int(opt("DSCACHE_WEBHOOK_PORT") or d.webhook_port),
+            webhook_cert=opt("DSCACHE_WEBHOOK_CERT"),
+            webhook_key=opt("DSCACHE_WEBHOOK_KEY"),
+            wipe_tolerations=(tuple(json.loads(get("DSCACHE_WIPE_TOLERATIONS")))
+                              if opt("DSCACHE_WIPE_TOLERATIONS") else d.wipe_tolerations),
+            wipe_priority_class=opt("DSCACHE_WIPE_PRIORITY_CLASS"),
+            reconcile_interval=float(opt("DSCACHE_RECONCILE_INTERVAL") or d.reconcile_interval),
+            source_retry_interval=float(opt("DSCACHE_SOURCE_RETRY_INTERVAL") or d.source_retry_interval),
+            health_port=int(opt("DSCACHE_HEALTH_PORT") or d.health_port),
+            metrics_port=int(opt("DSCACHE_METRICS_PORT") or d.metrics_port),
+        )
+
+    def cache_dir(self, namespace: str, name: str) -> str:
+        """Host directory of one cache's node copy."""
+        return f"{self.cache_root.rstrip('/')}/{namespace}/{name}"

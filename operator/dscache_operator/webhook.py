@@ -1,0 +1,173 @@
+"""The mutating admission webhook (served by kopf.WebhookServer over TLS).
+
+Two endpoints, one per volume mode; the MutatingWebhookConfiguration chooses
+by namespace labels (see operator/deploy/webhook.yaml):
+- ``/dscache-hostpath``: a node-level copy under cacheRoot (the default);
+- ``/dscache-emptydir``: a per-pod emptyDir, for namespaces labelled
+  ``dscache.io/volume=emptyDir`` or enforcing Pod Security baseline/restricted.
+
+Cold index: the DatasetCache index fills after the server starts listening.
+A miss in the index (cold, or a cache created a moment ago) falls through to
+one GET from the API server, so a valid cache is never refused and an unknown
+one is always refused. A cache the index still sees as unchecked (Pending)
+is also read fresh, so a source check that just failed is not missed. If the
+API server cannot be asked, the request is
+refused with a retryable message (fail closed: a Job that asks for a cache
+never starts without it).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from typing import Any, NamedTuple
+
+import kopf
+import pydantic
+
+from . import common
+from .common import Runtime
+from .injection import InjectionError, inject_object, requested_cache
+from .kube import ApiError
+from .metrics import METRICS
+from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec
+
+registry = kopf.OperatorRegistry()
+
+HOSTPATH_ID = "dscache-hostpath"
+EMPTYDIR_ID = "dscache-emptydir"
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+class CacheView(NamedTuple):
+    spec: DatasetCacheSpec | None
+    phase: str | None
+    reason: str | None
+    message: str | None
+    deleting: bool
+    invalid: str | None = None
+
+
+def cache_view(body: Any) -> CacheView:
+    status = body.get("status") or {}
+    cond = next((c for c in status.get("conditions") or [] if c.get("type") == "SourceReady"), {})
+    deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
+    try:
+        spec = DatasetCacheSpec.model_validate(dict(body.get("spec") or {}))
+        invalid = None
+    except pydantic.ValidationError as e:
+        spec, invalid = None, str(e).splitlines()[0]
+    return CacheView(spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid)
+
+
+@kopf.on.startup(registry=registry)
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    common.configure_kopf(settings)
+    # This process only indexes DatasetCaches and has no deletion handler; with
+    # the controller's finalizer name, kopf would "clean up" that finalizer as
+    # its own stale one. A name it never finds keeps it read-only.
+    settings.persistence.finalizer = f"{GROUP}/webhook-never-set"
+    s = Runtime.settings
+    settings.admission.server = kopf.WebhookServer(
+        addr=s.webhook_addr, port=s.webhook_port, certfile=s.webhook_cert, pkeyfile=s.webhook_key)
+    await common.start_metrics()
+
+
+@kopf.on.login(registry=registry)
+async def login(**kwargs: Any) -> kopf.AiohttpSession:
+    return await common.login(**kwargs)
+
+
+@kopf.on.cleanup(registry=registry)
+async def cleanup(**_: Any) -> None:
+    await common.shutdown()
+
+
+@kopf.index(GROUP, VERSION, PLURAL, registry=registry)
+def dscache_caches(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): cache_view(body)}
+
+
+async def lookup(namespace: str, name: str, index: Any) -> CacheView | None:
+    store = index.get((namespace, name)) if index is not None else None
+    if store:
+        view = next(iter(store))
+        if view.phase not in (None, "Pending"):
+            return view
+        # Not checked yet (as far as the index knows): ask the API server, whose
+        # answer may already say Ready or Failed.
+    try:
+        body = await common.kube().get_cache(namespace, name)
+    except (ApiError, OSError, kopf.TemporaryError) as e:
+        raise kopf.AdmissionError(
+            f"DatasetCache {namespace}/{name}: dscache could not look it up ({e}); retry shortly.",
+            code=503)
+    return cache_view(body) if body is not None else None
+
+
+def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
+    ref = f"DatasetCache {namespace}/{name}"
+    if view is None:
+        return (f"{ref} does not exist. Create it (kubectl apply -f <datasetcache.yaml> -n {namespace}) "
+                f"or fix the annotation {CACHE_ANNOTATION}.")
+    if view.deleting:
+        return f"{ref} is being deleted; recreate it or point {CACHE_ANNOTATION} at another cache."
+    if view.invalid or view.spec is None:
+        return f"{ref} has an invalid spec ({view.invalid}); fix the DatasetCache."
+    if view.phase == "Failed":
+        return (f"{ref} is broken: {view.reason}: {view.message} "
+                f"(see kubectl describe datasetcache {name} -n {namespace}).")
+    return None
+
+
+async def mutate(*, mode: str, body: kopf.Body, patch: kopf.Patch, namespace: str | None,
+                 resource: kopf.Resource, dscache_caches: Any = None, **_: Any) -> None:
+    kind = "Job" if resource.plural == "jobs" else "Pod"
+    raw = copy.deepcopy(dict(body))
+    cache_name = requested_cache(raw, kind)
+    if cache_name is None:
+        return  # the object did not opt in
+    namespace = namespace or (raw.get("metadata") or {}).get("namespace") or ""
+    if not _DNS1123.match(cache_name):
+        raise kopf.AdmissionError(
+            f"{CACHE_ANNOTATION}: {cache_name!r} is not a DatasetCache name; use the name of one "
+            f"DatasetCache in namespace {namespace}.", code=400)
+    view = await lookup(namespace, cache_name, dscache_caches)
+    reason = refusal(namespace, cache_name, view)
+    if reason:
+        raise kopf.AdmissionError(reason, code=400)
+    assert view is not None and view.spec is not None
+    try:
+        changed = inject_object(raw, kind=kind, namespace=namespace, cache_name=cache_name,
+                                spec=view.spec, settings=Runtime.settings, mode=mode)
+    except InjectionError as e:
+        raise kopf.AdmissionError(str(e), code=400)
+    if changed:
+        def apply(target: dict[str, Any]) -> None:
+            target.clear()
+            target.update(raw)
+        patch.fns.append(apply)
+
+
+def _register(handler_id: str, mode: str) -> None:
+    async def handler(**kwargs: Any) -> None:
+        started = time.perf_counter()
+        result = "error"
+        try:
+            await mutate(mode=mode, **kwargs)
+            result = "admitted"
+        except kopf.AdmissionError:
+            result = "refused"
+            raise
+        finally:
+            METRICS.observe_admission(time.perf_counter() - started)
+            METRICS.inc("dscache_admission_reviews_total", "AdmissionReviews by outcome.",
+                        mode=mode, result=result)
+    handler.__name__ = handler_id.replace("-", "_")
+    for resource in (("batch", "v1", "jobs"), ("", "v1", "pods")):
+        kopf.on.mutate(*resource, id=handler_id, operations=["CREATE"], registry=registry)(handler)
+
+
+_register(HOSTPATH_ID, "HostPath")
+_register(EMPTYDIR_ID, "EmptyDir")
