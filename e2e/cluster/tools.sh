@@ -146,6 +146,20 @@ ensure_cni() {
   echo /usr/lib/cni
 }
 
+build_helm() {
+  # Stamped like helm's own Makefile: without k8sVersion*, `helm template`
+  # and `helm lint` assume Kubernetes v1.20 (Capabilities.KubeVersion), which
+  # fails charts with a kubeVersion constraint. The minor comes from helm's
+  # own client-go requirement, as upstream does it.
+  local out=$1 modfile minor
+  modfile=$(cd /tmp && go mod download -json "helm.sh/helm/v3@$HELM_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+  minor=$(sed -n 's#^\s*k8s.io/client-go v0\.\([0-9]*\)\..*#\1#p' "$modfile" | head -n1)
+  GO_LDFLAGS="-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean
+    -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$minor
+    -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor" \
+    go_install "$out" helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm
+}
+
 build_pause() {
   # The sandbox ("pause") image from Kubernetes' own pause.c, compiled static
   # and wrapped as a one-layer FROM-scratch OCI archive. No registry needed.
@@ -167,7 +181,7 @@ tool_version() {
     kubernetes) echo "kubernetes-$K8S_VERSION" ;;
     containerd) echo "containerd-$CONTAINERD_VERSION" ;;
     runc) echo "runc-$RUNC_VERSION" ;;
-    helm) echo "helm-$HELM_VERSION" ;;
+    helm) echo "helm-$HELM_VERSION-stamped" ;;   # -stamped: see build_helm
     pause) echo "pause-$PAUSE_VERSION-$K8S_VERSION" ;;
     *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause)" >&2; exit 2 ;;
   esac
@@ -177,30 +191,34 @@ build_tool() {
   local tool=$1 dir
   if [ "$tool" = cni ]; then ensure_cni; return; fi
   dir="$CACHE/$(tool_version "$tool")"
-  if [ -f "$dir/.done" ]; then echo "$dir/bin"; return; fi
-  # The full Kubernetes set contains the apiserver: never build it twice.
+  # The full Kubernetes set contains the apiserver and kubectl: never build them twice.
   local k8s="$CACHE/$(tool_version kubernetes)"
   if [ "$tool" = kube-apiserver ] && [ -f "$k8s/.done" ]; then echo "$k8s/bin"; return; fi
+  if [ -f "$dir/.done" ] && { [ "$tool" != kube-apiserver ] || [ -x "$dir/bin/kubectl" ]; }; then
+    echo "$dir/bin"; return
+  fi
   rm -rf "$dir.tmp"; mkdir -p "$dir.tmp/bin"
   local out="$dir.tmp/bin" start=$SECONDS
   case $tool in
     s3) go_install "$out" github.com/versity/versitygw "$VERSITYGW_VERSION" github.com/versity/versitygw/cmd/versitygw ;;
     s5cmd) go_install "$out" github.com/peak/s5cmd/v2 "$S5CMD_VERSION" github.com/peak/s5cmd/v2 ;;
     etcd) build_etcd "$out" ;;
-    kube-apiserver) build_k8s "$out" kube-apiserver ;;
+    # The integration tier's control plane: the apiserver, and kubectl to poke it.
+    kube-apiserver) build_k8s "$out" kube-apiserver kubectl ;;
     kubernetes)
       local cmds=(kube-controller-manager kube-scheduler kube-proxy kubectl kubelet)
       local api="$CACHE/$(tool_version kube-apiserver)"
-      if [ -f "$api/.done" ]; then
-        log "reusing $api/bin/kube-apiserver"
-        cp "$api/bin/kube-apiserver" "$out/"
+      if [ -f "$api/.done" ] && [ -x "$api/bin/kubectl" ]; then
+        log "reusing $api/bin/kube-apiserver and kubectl"
+        cp "$api/bin/kube-apiserver" "$api/bin/kubectl" "$out/"
+        cmds=(kube-controller-manager kube-scheduler kube-proxy kubelet)
       else
         cmds=(kube-apiserver "${cmds[@]}")
       fi
       build_k8s "$out" "${cmds[@]}" ;;
     containerd) build_containerd "$out" ;;
     runc) build_runc "$out" ;;
-    helm) go_install "$out" helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm ;;
+    helm) build_helm "$out" ;;
     pause) build_pause "$out" ;;
   esac
   echo "$((SECONDS - start))" >"$dir.tmp/build-seconds"

@@ -49,6 +49,12 @@ class TransientError(StageError):
     exit_code = 7
 
 
+class BusyError(StageError):
+    """A stager is filling the copy right now; the wipe was not done and can be retried later."""
+
+    exit_code = 8
+
+
 EXIT_CODES: dict[int, str] = {
     0: "success",
     1: "internal error (a bug: please report it with the log)",
@@ -58,4 +64,5 @@ EXIT_CODES: dict[int, str] = {
     5: HostileKeysError.__doc__ or "",
     6: DestinationError.__doc__ or "",
     7: TransientError.__doc__ or "",
+    8: BusyError.__doc__ or "",
 }

@@ -15,12 +15,13 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from .errors import DestinationError
 from .keys import RESERVED_TOP
 
 
@@ -53,20 +54,30 @@ class Layout:
             os.chmod(d, 0o755)
 
     @contextmanager
-    def locked(self, on_wait: "callable[[], None] | None" = None) -> Iterator[None]:
+    def locked(self, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
         """Hold an exclusive kernel lock on DEST for the duration.
 
         flock() dies with its holder, so a killed stager never leaves a stale
-        lock behind; the next one simply gets it.
+        lock behind. A wipe deletes DEST while holding the lock; a stager that
+        waited through it finds its lock file unlinked and starts over.
         """
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
+        while True:
+            try:
+                self.prepare()
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise DestinationError(f"cannot create {self.dest}: {e.strerror}; "
+                                       f"check the cache volume and its permissions") from e
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 if on_wait:
                     on_wait()
                 fcntl.flock(fd, fcntl.LOCK_EX)
+            if _still_linked(fd, self.lock_path):
+                break
+            os.close(fd)
+        try:
             yield
         finally:
             os.close(fd)
@@ -127,6 +138,13 @@ class Layout:
 
     def open_journal(self) -> IO[str]:
         return open(self.journal_path, "a", buffering=1 << 16)
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def boot_time() -> float:

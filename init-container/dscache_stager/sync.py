@@ -67,10 +67,6 @@ class Summary:
 def sync(opts: SyncOptions, progress: Progress | None = None) -> Summary:
     progress = progress or Progress()
     layout = Layout(opts.dest)
-    try:
-        layout.prepare()
-    except OSError as e:
-        raise DestinationError(f"cannot create {opts.dest}: {e.strerror}; check the volume and its permissions") from e
     started = time.time()
     waited = False
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import stat
 
-from .errors import UsageError
+from .errors import BusyError, UsageError
+from .keys import RESERVED_TOP
 
 
 def wipe(directory: str, root: str) -> bool:
@@ -34,8 +36,31 @@ def wipe(directory: str, root: str) -> bool:
             return False
         if stat.S_ISLNK(st.st_mode):
             raise UsageError(f"refusing to wipe {directory!r}: {current!r} is a symlink")
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(current)
-    else:
+    if not stat.S_ISDIR(st.st_mode):
         os.unlink(current)
+        return True
+    lock = _try_lock(current)
+    try:
+        shutil.rmtree(current)
+    finally:
+        if lock is not None:
+            os.close(lock)
     return True
+
+
+def _try_lock(directory: str) -> int | None:
+    """Take the stagers' lock on a copy, or refuse: never delete data being staged.
+
+    A stager that was waiting on this lock finds its lock file unlinked once
+    we release it, and starts over in a fresh directory (layout.Layout.locked).
+    """
+    try:
+        fd = os.open(os.path.join(directory, RESERVED_TOP, "lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # never staged, or not by us: nothing to coordinate with
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise BusyError(f"{directory} is being staged by a running stager; not wiped, retry once it is done")
+    return fd

@@ -19,6 +19,7 @@ import copy
 import pytest
 
 from tests.support.kubeapi import OPERATOR_NS, ApiError, KubeAPI
+from tests.support.tools import kubectl
 
 pytestmark = pytest.mark.integration
 
@@ -187,7 +188,7 @@ class HelperWatch:
         self.added: list[tuple[str, str]] = []
         rv = k.request("GET", f"/api/v1/namespaces/{OPERATOR_NS}/pods")["metadata"]["resourceVersion"]
         self.proc = subprocess.Popen(
-            ["kubectl", "--kubeconfig", str(k.kubeconfig), "get", "--raw",
+            [kubectl(), "--kubeconfig", str(k.kubeconfig), "get", "--raw",
              f"/api/v1/namespaces/{OPERATOR_NS}/pods?watch=1&resourceVersion={rv}"
              f"&labelSelector=app.kubernetes.io%2Fname%3Ddscache-wipe"],
             stdout=subprocess.PIPE, text=True)
@@ -230,7 +231,7 @@ def ready_cache(kube_api, dscache_operator, s3_server, s3_bucket, opted_ns):
 # --- the API -----------------------------------------------------------------------------
 
 def test_crd_installs_and_explains(kube_api, dscache_operator):
-    out = subprocess.run(["kubectl", "--kubeconfig", str(kube_api.kubeconfig), "explain",
+    out = subprocess.run([kubectl(), "--kubeconfig", str(kube_api.kubeconfig), "explain",
                           "datasetcache.spec.retention"], check=True, capture_output=True, text=True).stdout
     assert "WipeOnJobCompletion" in out and "ttlAfterLastUse" in out
     crd = kube_api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/datasetcaches.dscache.io")

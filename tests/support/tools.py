@@ -22,3 +22,8 @@ def tool_bin(tool: str) -> Path:
         check=True, stdout=subprocess.PIPE, text=True,
     ).stdout.strip().splitlines()[-1]
     return Path(out)
+
+
+def kubectl() -> str:
+    """kubectl built with the test apiserver (don't rely on the host having one)."""
+    return str(tool_bin("kube-apiserver") / "kubectl")

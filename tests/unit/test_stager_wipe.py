@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from dscache_stager.errors import UsageError
+from dscache_stager.errors import BusyError, UsageError
+from dscache_stager.layout import Layout
 from dscache_stager.wipe import wipe
 
 
@@ -77,3 +82,33 @@ def test_cli_exit_codes_and_json(root: Path, outside: Path, tmp_path: Path):
     bad = run(str(outside), "--root", str(root), "--termination-log", str(tmp_path / "t"))
     assert bad.returncode == 2 and "not inside the cache root" in bad.stderr
     assert (tmp_path / "t").read_text().startswith("error: refusing to wipe")
+
+
+def test_wipe_refuses_while_a_stager_holds_the_lock_and_a_waiting_stager_starts_over(root: Path):
+    copy = root / "ns" / "ds"
+    layout = Layout(copy)
+    with layout.locked():
+        with pytest.raises(BusyError, match="being staged"):
+            wipe(str(copy), str(root))
+    assert (copy / "sub" / "f.bin").exists()
+
+    # A wipe holding the lock; a stager waiting on it must end up in a fresh,
+    # linked directory, not in the deleted one.
+    fd = os.open(layout.lock_path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    entered = threading.Event()
+
+    def stager() -> None:
+        with layout.locked():
+            (copy / "marker").write_text("after")
+            entered.set()
+
+    t = threading.Thread(target=stager)
+    t.start()
+    time.sleep(0.3)
+    assert not entered.is_set()
+    shutil.rmtree(copy)  # what wipe does while it holds the lock
+    os.close(fd)
+    t.join(10)
+    assert entered.is_set() and (copy / "marker").read_text() == "after"
+    assert (copy / ".dscache" / "lock").exists()
