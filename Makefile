@@ -36,9 +36,11 @@ test-unit: install ## Unit tests only (no servers)
 
 bench: install tools ## Benchmarks, full size; the last line of each is JSON
 	$(PY) bench/stager.py
+	$(PY) bench/operator.py
 
-bench-quick: install tools ## Benchmarks, quick mode (under 10 minutes)
+bench-quick: install tools ## Benchmarks, quick mode (each under 10 minutes)
 	$(PY) bench/stager.py --quick
+	$(PY) bench/operator.py --quick
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
