@@ -11,6 +11,27 @@ import os
 from typing import Any
 
 
+# <cacheRoot>/<namespace>/<cache> is deleted by wipes, so cacheRoot must be a
+# directory of dscache's own: under /var, a namespace "lib" and a cache
+# "kubelet" would name /var/lib/kubelet. The Helm chart refuses the same list.
+SYSTEM_DIRS = frozenset({
+    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt",
+    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/local", "/var", "/var/lib",
+    "/var/log", "/var/run", "/var/tmp",
+})
+
+
+def _cache_root(value: str) -> str:
+    root = value.rstrip("/") or "/"
+    if not root.startswith("/"):
+        raise ValueError(f"DSCACHE_CACHE_ROOT must be an absolute path, got {value!r}")
+    if root in SYSTEM_DIRS:
+        raise ValueError(f"DSCACHE_CACHE_ROOT={value!r} is a system directory: wipes delete "
+                         f"<cacheRoot>/<namespace>/<cache>, so use a directory dedicated to dscache, "
+                         f"e.g. /mnt/nvme/dscache or /var/lib/dscache")
+    return root
+
+
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -87,7 +108,7 @@ class Settings:
             return value or None
 
         return cls(
-            cache_root=(opt("DSCACHE_CACHE_ROOT") or d.cache_root).rstrip("/") or "/",
+            cache_root=_cache_root(opt("DSCACHE_CACHE_ROOT") or d.cache_root),
             stager_image=opt("DSCACHE_STAGER_IMAGE") or d.stager_image,
             stager_pull_policy=opt("DSCACHE_STAGER_PULL_POLICY") or d.stager_pull_policy,
             stager_resources=(json.loads(get("DSCACHE_STAGER_RESOURCES"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 
+import pytest
+
 from dscache_operator import sourcecheck
 from dscache_operator.settings import Settings
 
@@ -51,3 +53,15 @@ def test_secret_problems_are_precise():
     ok = sourcecheck.credentials_from_secret(
         {"data": {"AWS_ACCESS_KEY_ID": _b64("k"), "AWS_SECRET_ACCESS_KEY": _b64("s")}}, "ml", "s3")
     assert ok == {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+
+
+@pytest.mark.parametrize("root", ["/", "/var", "/var/lib/", "/etc", "relative/dir"])
+def test_cache_root_refuses_system_and_relative_dirs(root: str):
+
+    with pytest.raises(ValueError, match="DSCACHE_CACHE_ROOT"):
+        Settings.from_env({"DSCACHE_CACHE_ROOT": root})
+
+
+def test_cache_root_is_normalised():
+
+    assert Settings.from_env({"DSCACHE_CACHE_ROOT": "/mnt/nvme/dscache/"}).cache_root == "/mnt/nvme/dscache"
