@@ -185,6 +185,7 @@ def main() -> int:
         + (f", {med['awscli'] / med['dscache']:.1f}x aws-cli (target 5)" if "awscli" in med else ""))
     log(f"large: {lmed['s5cmd'] / lmed['dscache']:.2f}x s5cmd (target 0.9), {lmed['dd'] / lmed['dscache']:.2f}x dd (target 0.8)")
     log(f"warm: {med['dscache'] / result['warm_s']:.1f}x faster than cold (target 50)")
+    log(f"load average at the end: {os.getloadavg()[0]:.1f} (noise from other work on the machine)")
     print(json.dumps(result), flush=True)
     return 0
 
