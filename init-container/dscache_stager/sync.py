@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -142,7 +141,7 @@ class _Run:
         try:
             with layout.open_journal() as self.journal:
                 await _gather_or_cancel([asyncio.create_task(c) for c in (feed(), *workers)])
-                await self._settle_empties(store)
+                await self._settle_empties(store, known)
                 if self.hostile:
                     raise HostileKeysError(self._hostile_message())
                 stale = self.tree.stale(set(self.entries))
@@ -221,7 +220,7 @@ class _Run:
                 f"({human_bytes(self.free)}) are free; free space on the node's cache disk, "
                 f"narrow the source with include/exclude, or use a larger disk")
 
-    async def _settle_empties(self, store) -> None:
+    async def _settle_empties(self, store, known: dict[str, Entry]) -> None:
         """Empty objects: a real empty file, or a directory marker ``a/`` that obstore shows as ``a``."""
         async def settle(obj: RemoteObject) -> None:
             if not await exists(store, obj.key):
@@ -231,6 +230,11 @@ class _Run:
                 return  # "key" and "key/" both exist; the real object already won
             if clash := self.shape.clash(rel):
                 self.hostile.append((obj.key, f"file and directory at once ({clash})"))
+                return
+            old = known.get(rel)
+            if old and old.size == 0 and old.etag == obj.etag and self.tree.is_current(rel, 0):
+                self.entries[rel] = old
+                self.progress.skipped += 1
                 return
             self._modifying()
             self.tree.ensure_parent(rel)

@@ -151,6 +151,8 @@ def test_directory_markers_are_skipped_and_empty_files_kept(s3_server: S3Server,
     r = run_stage(s3_server, "sync", f"s3://{bucket}/m/", str(tmp_path / "c"))
     assert r.code == 0, r.stderr
     assert data_tree(tmp_path / "c") == expected_tree({"m/dir/f.bin": b"data", "m/empty.txt": b""}, "m/")
+    again = run_stage(s3_server, "sync", f"s3://{bucket}/m/", str(tmp_path / "c"))
+    assert again.code == 0 and again.summary["skipped"] == 2 and again.summary["fetched_bytes"] == 0
 
 
 def test_no_such_bucket(s3_server: S3Server, tmp_path: Path):
