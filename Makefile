@@ -5,10 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install tools test test-unit test-integration bench bench-quick demo e2e crds clean
+.PHONY: help install tools test test-unit bench bench-quick demo e2e cluster-down clean
 
 help:
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,15 @@ bench: install tools ## Benchmarks, full size; the last line of each is JSON
 bench-quick: install tools ## Benchmarks, quick mode (each under 10 minutes)
 	$(PY) bench/stager.py --quick
 	$(PY) bench/operator.py --quick
+
+e2e: install ## End-to-end suite on a real local cluster (root); writes build/e2e-result.json
+	bash e2e/run.sh
+
+demo: install ## Throwaway cluster, sample bucket, a training Job staged end to end, then wiped
+	bash e2e/demo.sh
+
+cluster-down: ## Stop the local cluster and leave the machine clean
+	bash e2e/cluster/down
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
