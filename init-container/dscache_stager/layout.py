@@ -50,8 +50,11 @@ class Layout:
 
     def prepare(self) -> None:
         self.meta.mkdir(parents=True, exist_ok=True)
-        for d in (self.dest, self.meta):
-            os.chmod(d, 0o755)
+        os.chmod(self.meta, 0o755)
+        try:
+            os.chmod(self.dest, 0o755)  # training containers may run as any uid
+        except PermissionError:
+            pass  # not ours (a kubelet-made emptyDir, mode 0777): leave it as it is
 
     @contextmanager
     def locked(self, on_wait: Callable[[], None] | None = None) -> Iterator[None]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import kopf
 
-from .kube import Kube, kopf_session
+from .kube import Kube, connection_info, kopf_session
 from .models import FINALIZER, GROUP
 from .settings import Settings
 
@@ -55,9 +55,7 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
 async def login(**kwargs: Any) -> kopf.AiohttpSession:
     """In-cluster service account first, then KUBECONFIG (as kopf does), served
     to kopf through a session with a bounded connection pool."""
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-    if info is None:
-        raise kopf.LoginError("no service account token and no kubeconfig found")
+    info = connection_info(**kwargs)
     if Runtime.kube is None:
         Runtime.kube = Kube(info)
     # Watch streams: DatasetCaches (+ CRD discovery) per namespace, or cluster-wide.

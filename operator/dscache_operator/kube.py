@@ -7,7 +7,9 @@ wipe helper pods) without pulling a full client library into memory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from typing import Any
 
 import aiohttp
@@ -105,10 +107,20 @@ class Kube:
         return data.get("items", [])
 
 
-def connection_info() -> kopf.ConnectionInfo:
-    """The same credentials kopf would pick: in-cluster first, then KUBECONFIG."""
-    settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+def connection_info(**kwargs: Any) -> kopf.ConnectionInfo:
+    """In-cluster service account first, then KUBECONFIG, as kopf does.
+
+    In cluster, the API server is addressed as client-go does, by
+    KUBERNETES_SERVICE_HOST/PORT: kopf's own choice, kubernetes.default.svc,
+    needs cluster DNS, which not every cluster runs.
+    """
+    kwargs.setdefault("settings", kopf.OperatorSettings())
+    info = kopf.login_with_service_account(**kwargs)
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+    if info is not None and host and port:
+        host = f"[{host}]" if ":" in host else host
+        info = dataclasses.replace(info, server=f"https://{host}:{port}")
+    info = info or kopf.login_with_kubeconfig(**kwargs)
     if info is None:
         raise kopf.LoginError("no service account token and no kubeconfig found")
     return info

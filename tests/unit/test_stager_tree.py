@@ -36,3 +36,33 @@ def test_stale_files_and_empty_dirs_are_removed_but_not_bookkeeping(tmp_path: Pa
     tree.remove(stale)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
         ".dscache", ".dscache/manifest.jsonl", "keep", "keep/a"]
+
+
+def test_a_destination_owned_by_someone_else_is_used_as_it_is(tmp_path: Path):
+    """An emptyDir is root-owned 0777; a non-root stager must not need to chmod it."""
+    import os
+    import shutil
+    import tempfile
+
+    from dscache_stager.layout import Layout
+
+    # pytest's tmp_path is private to root; uid 65532 must be able to reach it.
+    base = Path(tempfile.mkdtemp(prefix="dscache-emptydir-"))
+    os.chmod(base, 0o755)
+    dest = base / "emptydir"
+    dest.mkdir()
+    os.chmod(dest, 0o777)
+    pid = os.fork()
+    if pid == 0:  # the stager, as uid 65532
+        code = 1
+        try:
+            os.setgid(65532)
+            os.setuid(65532)
+            layout = Layout(dest)
+            layout.prepare()
+            code = 0 if layout.meta.stat().st_mode & 0o777 == 0o755 and layout.meta.stat().st_uid == 65532 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    shutil.rmtree(base)
+    assert os.waitstatus_to_exitcode(status) == 0
