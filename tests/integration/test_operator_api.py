@@ -81,6 +81,12 @@ def node_entry(k: KubeAPI, ns: str, name: str, node: str) -> dict | None:
     return next((n for n in (c.get("status") or {}).get("nodes", []) if n["node"] == node), None)
 
 
+def wait_node_state(k: KubeAPI, ns: str, name: str, node: str, state: str, timeout: float = 30) -> dict:
+    """Wait until the cache's status shows ``node`` in ``state``; return that entry."""
+    return k.wait_for(lambda: (lambda n: n if n and n["state"] == state else None)(node_entry(k, ns, name, node)),
+                      timeout=timeout, what=f"{node} {state}")
+
+
 def job_body(name: str, cache: str | None, *, template_annotation: bool = False, mounts=None) -> dict:
     meta: dict = {"name": name}
     tmeta: dict = {}
@@ -412,14 +418,12 @@ def test_emptydir_namespace(kube_api, dscache_operator, s3_server, s3_bucket):
     pod = start_job_pod(kube_api, ns, job, "node-e")
     kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Running", init="done",
                    message=json.dumps(SUMMARY))
-    e = kube_api.wait_for(lambda: (lambda n: n if n and n["state"] == "Ready" else None)(
-        node_entry(kube_api, ns, "ds", "node-e")), what="Ready")
+    e = wait_node_state(kube_api, ns, "ds", "node-e", "Ready")
     assert e["volume"] == "EmptyDir"
     kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Succeeded", init="done",
                    message=json.dumps(SUMMARY))
     complete_job(kube_api, ns, "train")
-    kube_api.wait_for(lambda: (node_entry(kube_api, ns, "ds", "node-e") or {}).get("state") == "Wiped",
-                      what="Wiped")
+    wait_node_state(kube_api, ns, "ds", "node-e", "Wiped")
     assert helper_for(kube_api, ns, "ds") == []
 
 
@@ -433,12 +437,10 @@ def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
         job = create_job(k, ns, job_body("train", name))
         pod = start_job_pod(k, ns, job, "node-a")
         kubelet_status(k, ns, pod["metadata"]["name"], phase="Pending", init="running")
-        k.wait_for(lambda: (node_entry(k, ns, name, "node-a") or {}).get("state") == "Staging",
-                   what="node-a Staging")
+        wait_node_state(k, ns, name, "node-a", "Staging")
         kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done",
                        message=json.dumps(SUMMARY))
-        e = k.wait_for(lambda: (lambda n: n if n and n["state"] == "Ready" else None)(
-            node_entry(k, ns, name, "node-a")), what="node-a Ready")
+        e = wait_node_state(k, ns, name, "node-a", "Ready")
         assert (e["bytes"], e["objects"], e["seconds"], e["consumers"]) == (35, 3, 0.42, 1)
         assert get_cache(k, ns, name)["status"]["readyNodes"] == 1
 
@@ -460,8 +462,7 @@ def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
             "wipe", f"/var/lib/dscache-test/{ns}/{name}", "--root", "/var/lib/dscache-test"]
         time.sleep(2.5)  # several reconciliations while the helper runs: no second helper
         kubelet_runs_helper(k, helper)
-        k.wait_for(lambda: (node_entry(k, ns, name, "node-a") or {}).get("state") == "Wiped",
-                   what="node-a Wiped")
+        wait_node_state(k, ns, name, "node-a", "Wiped")
         k.wait_for(lambda: not helper_for(k, ns, name), what="helper pod deleted")
         time.sleep(3)
         assert watch.for_cache(ns, name) == ["node-a"], watch.added
@@ -479,8 +480,7 @@ def test_failed_stager_shows_failed_node(kube_api, ready_cache):
     pod = start_job_pod(k, ns, job, "node-f")
     kubelet_status(k, ns, pod["metadata"]["name"], phase="Failed", init="done", exit_code=4,
                    message="error: not enough free space: need 35 bytes, 0 free")
-    e = k.wait_for(lambda: (lambda n: n if n and n["state"] == "Failed" else None)(
-        node_entry(k, ns, name, "node-f")), what="node-f Failed")
+    e = wait_node_state(k, ns, name, "node-f", "Failed")
     assert "not enough free space" in e["message"]
     events = k.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
     assert any(ev["reason"] == "NodeFailed" for ev in events)
@@ -492,7 +492,7 @@ def test_deleting_the_cache_runs_the_finalizer(kube_api, ready_cache):
     job = create_job(k, ns, job_body("train", name))
     pod = start_job_pod(k, ns, job, "node-d")
     kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
-    k.wait_for(lambda: (node_entry(k, ns, name, "node-d") or {}).get("state") == "Ready", what="Ready")
+    wait_node_state(k, ns, name, "node-d", "Ready")
     k.delete(f"{DSC.format(ns=ns)}/{name}")
     # A live consumer blocks the wipe; the cache waits in Deleting.
     k.wait_for(lambda: get_cache(k, ns, name)["status"]["phase"] == "Deleting", what="Deleting")
@@ -524,7 +524,7 @@ def test_failed_wipe_is_retried(kube_api, ready_cache):
     again = k.wait_for(lambda: [p for p in helper_for(k, ns, name) if p["metadata"]["uid"] != uid],
                        what="a new helper after the failed one")[0]
     kubelet_runs_helper(k, again)
-    k.wait_for(lambda: (node_entry(k, ns, name, "node-r") or {}).get("state") == "Wiped", what="Wiped")
+    wait_node_state(k, ns, name, "node-r", "Wiped")
 
 
 def test_operator_restart_converges(kube_api, dscache_operator, ready_cache):
@@ -537,13 +537,13 @@ def test_operator_restart_converges(kube_api, dscache_operator, ready_cache):
         pod = start_job_pod(k, ns, job, "node-x")
         kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done",
                        message=json.dumps(SUMMARY))
-        k.wait_for(lambda: (node_entry(k, ns, name, "node-x") or {}).get("state") == "Ready", what="Ready")
+        wait_node_state(k, ns, name, "node-x", "Ready")
         # Another Job keeps node-y busy across the restart.
         job2 = create_job(k, ns, job_body("busy", name))
         pod2 = start_job_pod(k, ns, job2, "node-y")
         kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done",
                        message=json.dumps(SUMMARY))
-        k.wait_for(lambda: (node_entry(k, ns, name, "node-y") or {}).get("state") == "Ready", what="Ready")
+        wait_node_state(k, ns, name, "node-y", "Ready")
 
         op.stop("controller", kill=True)  # SIGKILL: no cleanup at all
         kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done",
@@ -559,8 +559,7 @@ def test_operator_restart_converges(kube_api, dscache_operator, ready_cache):
         op.stop("controller", kill=True)
         kubelet_runs_helper(k, helper)
         op.start("controller")
-        k.wait_for(lambda: (node_entry(k, ns, name, "node-x") or {}).get("state") == "Wiped",
-                   timeout=40, what="Wiped after second restart")
+        wait_node_state(k, ns, name, "node-x", "Wiped", timeout=40)
         k.wait_for(lambda: not helper_for(k, ns, name), what="helper deleted")
         time.sleep(3)
         assert watch.for_cache(ns, name) == ["node-x"], watch.added
@@ -593,13 +592,13 @@ def test_bare_pod_completion_wipes(kube_api, ready_cache):
         "spec": {"nodeName": "node-p", "containers": [{"name": "train", "image": "t"}]}})
     assert pod["metadata"]["labels"]["dscache.io/consumer"] == "true"
     kubelet_status(k, ns, "worker-0", phase="Running", init="done", message=json.dumps(SUMMARY))
-    k.wait_for(lambda: (node_entry(k, ns, name, "node-p") or {}).get("state") == "Ready", what="Ready")
+    wait_node_state(k, ns, name, "node-p", "Ready")
     assert helper_for(k, ns, name) == []
     kubelet_status(k, ns, "worker-0", phase="Succeeded", init="done", message=json.dumps(SUMMARY))
     helper = k.wait_for(lambda: helper_for(k, ns, name), what="helper")[0]
     assert helper["spec"]["nodeName"] == "node-p"
     kubelet_runs_helper(k, helper)
-    k.wait_for(lambda: (node_entry(k, ns, name, "node-p") or {}).get("state") == "Wiped", what="Wiped")
+    wait_node_state(k, ns, name, "node-p", "Wiped")
 
 
 def test_retain_while_used_keeps_then_expires(kube_api, dscache_operator, s3_server, s3_bucket, opted_ns):
@@ -618,7 +617,7 @@ def test_retain_while_used_keeps_then_expires(kube_api, dscache_operator, s3_ser
     assert helper_for(k, opted_ns, "kept") == [], "wiped before ttlAfterLastUse"
     helper = k.wait_for(lambda: helper_for(k, opted_ns, "kept"), timeout=20, what="helper after the TTL")[0]
     kubelet_runs_helper(k, helper)
-    k.wait_for(lambda: (node_entry(k, opted_ns, "kept", "node-k") or {}).get("state") == "Wiped", what="Wiped")
+    wait_node_state(k, opted_ns, "kept", "node-k", "Wiped")
 
 
 def test_prometheus_metrics(kube_api, dscache_operator, s3_server, opted_ns):
@@ -676,7 +675,7 @@ def test_namespaced_mode(kube_api, dscache_operator, s3_server, s3_bucket):
         complete_job(k, mine, "train")
         helper = k.wait_for(lambda: helper_for(k, mine, "ds"), what="helper")[0]
         kubelet_runs_helper(k, helper)
-        k.wait_for(lambda: (node_entry(k, mine, "ds", "node-n") or {}).get("state") == "Wiped", what="Wiped")
+        wait_node_state(k, mine, "ds", "node-n", "Wiped")
         assert (get_cache(k, other, "ds").get("status") or {}).get("phase") is None, "unwatched ns reconciled"
         assert "orbidden" not in op.log("controller")
     finally:
