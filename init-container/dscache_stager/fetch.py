@@ -187,7 +187,8 @@ class Fetcher:
                     raise PermissionDeniedError(str(e)) from e
                 if e.status == 412:
                     raise PreconditionError(str(e)) from e
-                if e.status < 500 and e.status not in (0, 206, 429) or attempt == OBJECT_ATTEMPTS:
+                # 5xx, 429 and a 206 with the wrong framing are worth another try.
+                if e.status < 500 and e.status not in (206, 429) or attempt == OBJECT_ATTEMPTS:
                     raise GenericError(str(e)) from e
             except rawhttp.PeerError as e:
                 if attempt == OBJECT_ATTEMPTS:

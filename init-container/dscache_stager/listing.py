@@ -81,7 +81,7 @@ async def _pages(store: S3Store, prefix: str | None) -> AsyncIterator[list[Remot
             await asyncio.sleep(random.uniform(0, 0.1 * 2**failures))
 
 
-async def list_objects(store: S3Store, prefix: str, fan_out: bool = True) -> AsyncIterator[list[RemoteObject]]:
+async def list_objects(store: S3Store, prefix: str) -> AsyncIterator[list[RemoteObject]]:
     """Yield batches of objects under ``prefix``, each object exactly once."""
     out: asyncio.Queue[list[RemoteObject] | BaseException | None] = asyncio.Queue(maxsize=64)
     state = {"last": "", "stop_at": None}
@@ -122,22 +122,21 @@ async def list_objects(store: S3Store, prefix: str, fan_out: bool = True) -> Asy
             flat_task = asyncio.create_task(flat())
             tasks.append(flat_task)
             listers = [flat_task]
-            if fan_out:
-                disc = asyncio.create_task(discover())
-                tasks.append(disc)
-                done, _ = await asyncio.wait({flat_task, disc}, return_when=asyncio.FIRST_COMPLETED)
-                if flat_task in done and not disc.done():
-                    disc.cancel()
-                    await asyncio.gather(disc, return_exceptions=True)
-                else:
-                    try:
-                        subs = await disc
-                    except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
-                        raise
-                    except BaseError:
-                        subs = []  # fan-out is an optimisation; the flat stream covers everything
-                    tasks.extend(subs)
-                    listers.extend(subs)
+            disc = asyncio.create_task(discover())
+            tasks.append(disc)
+            done, _ = await asyncio.wait({flat_task, disc}, return_when=asyncio.FIRST_COMPLETED)
+            if flat_task in done and not disc.done():
+                disc.cancel()
+                await asyncio.gather(disc, return_exceptions=True)
+            else:
+                try:
+                    subs = await disc
+                except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
+                    raise
+                except BaseError:
+                    subs = []  # fan-out is an optimisation; the flat stream covers everything
+                tasks.extend(subs)
+                listers.extend(subs)
             for t in listers:
                 await t
             await out.put(None)

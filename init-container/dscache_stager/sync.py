@@ -27,9 +27,8 @@ MAX_KEYS_SHOWN = 20
 
 
 def default_concurrency() -> int:
-    # Requests in flight. Small objects are latency-bound, so many more than
-    # cores; measured flat from 32 to 128 on loopback, and real S3's ~50 ms
-    # first-byte latency wants the upper end.
+    # Requests in flight. Small objects are latency-bound (real S3 answers in
+    # tens of ms), so many more than cores; memory stays under this x 1 MiB.
     return min(256, max(64, 32 * (os.cpu_count() or 2)))
 
 
