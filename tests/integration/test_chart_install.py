@@ -46,6 +46,8 @@ MWC = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/dscac
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory):
+    # An API server of its own, not the session's kube_api: there the operator
+    # fixture has already installed the CRD and RBAC, which helm would refuse to adopt.
     k = KubeAPI(workdir=tmp_path_factory.mktemp("chart-kubeapi")).start()
     yield k
     k.stop()
