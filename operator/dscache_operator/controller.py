@@ -100,10 +100,7 @@ async def check_source(namespace: str, spec: DatasetCacheSpec) -> sourcecheck.Ch
             secret = await common.kube().get_secret(namespace, secret_name)
         except ApiError as e:
             if e.status == 403:
-                return sourcecheck.CheckResult(
-                    False, "SecretForbidden",
-                    f"the operator may not read Secret {namespace}/{secret_name}; install the chart "
-                    f"with this namespace among the watched namespaces (it grants 'get' on Secrets there).")
+                return sourcecheck.secret_forbidden(namespace, secret_name, Runtime.settings.namespace)
             raise kopf.TemporaryError(f"reading Secret {namespace}/{secret_name}: {e}", delay=5)
         got = sourcecheck.credentials_from_secret(secret, namespace, secret_name)
         if isinstance(got, sourcecheck.CheckResult):

@@ -51,6 +51,22 @@ def credentials_from_secret(secret: dict | None, namespace: str, name: str) -> d
     return out
 
 
+def secret_forbidden(namespace: str, name: str, operator_namespace: str) -> CheckResult:
+    """The API server refused our `get` on the Secret: the chart narrowed Secret
+    reading (sourceCheck.secretNamespaces) or turned it off (readSecrets=false).
+    Name the chart values that grant it, not the watched namespaces: changing
+    those would switch the operator to namespaced mode."""
+    upgrade = f"helm upgrade dscache charts/dscache -n {operator_namespace} --reuse-values"
+    return CheckResult(
+        False, "SecretForbidden",
+        f"the operator may not read Secret {namespace}/{name} (spec.source.credentials.secretRef), so it "
+        f"cannot list the bucket with the cache's keys. The chart's sourceCheck values forbid it: let it "
+        f"read Secrets in every namespace it serves with `{upgrade} --set sourceCheck.readSecrets=true "
+        f"--set 'sourceCheck.secretNamespaces={{}}'`, or add {namespace} to the namespaces already listed "
+        f"with `{upgrade} --set 'sourceCheck.secretNamespaces={{<listed>,{namespace}}}'` (use your release "
+        f"name and chart path). The check is retried on its own.")
+
+
 def selected(rel: str, include: list[str], exclude: list[str]) -> bool:
     """Same rule as the stager: any include (or none), and no exclude."""
     if include and not any(fnmatch.fnmatchcase(rel, g) for g in include):

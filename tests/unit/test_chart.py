@@ -8,7 +8,9 @@ chart change with:
 
     UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_chart.py
 
-(the same run also re-copies crds/datasetcache.yaml into the chart).
+(the same run also re-copies crds/datasetcache.yaml into the chart). That run
+FAILS for every golden it had to rewrite: a regeneration is never a pass. Review
+`git diff tests/golden`, then run again without UPDATE_GOLDEN.
 No cluster is needed: `helm template` runs offline.
 """
 
@@ -18,7 +20,6 @@ import base64
 import json
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -61,6 +62,9 @@ VALUE_SETS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
         "imagePullSecrets": [{"name": "regcred"}],
     }, ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]),
     "cert-manager": (NS, {"certManager": {"enabled": True}}, ["--api-versions", "cert-manager.io/v1"]),
+    # Secret reading narrowed to two namespaces, and turned off.
+    "secret-namespaces": (NS, {"sourceCheck": {"secretNamespaces": ["ml", "shared-data"]}}, []),
+    "no-secrets": (NS, {"sourceCheck": {"readSecrets": False}}, []),
     "minimal": ("ops", {
         "fullnameOverride": "dsc",
         "crds": {"install": False},
@@ -120,6 +124,24 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
+def refresh(path: Path, content: str) -> None:
+    """UPDATE_GOLDEN=1: rewrite ``path`` if it is stale, and fail the test that did it.
+
+    Writing the expected output from the actual one and then comparing them
+    would pass by construction; a rewritten golden is reported as a failure so
+    the run that produced it is never green. The next run (without the
+    variable) compares against the reviewed file as usual."""
+    if not UPDATE:
+        return
+    old = path.read_text() if path.exists() else None
+    if old == content:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    pytest.fail(f"UPDATE_GOLDEN: {path.relative_to(REPO)} was {'stale' if old is not None else 'missing'} "
+                "and has been rewritten; review `git diff` and run again without UPDATE_GOLDEN")
+
+
 @pytest.fixture(scope="module")
 def default_docs(helm: str) -> list[dict[str, Any]]:
     return docs_of(template(helm).stdout)
@@ -145,9 +167,7 @@ def test_template_matches_golden(helm: str, name: str):
     namespace, values, extra = VALUE_SETS[name]
     rendered = normalise(template(helm, namespace, values, extra).stdout)
     golden = GOLDEN / f"{name}.yaml"
-    if UPDATE:
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(rendered)
+    refresh(golden, rendered)
     assert golden.exists(), f"{golden} is missing; create it with UPDATE_GOLDEN=1"
     assert rendered == golden.read_text(), (
         f"`helm template` output for value set {name!r} differs from {golden.relative_to(REPO)}; "
@@ -157,8 +177,7 @@ def test_template_matches_golden(helm: str, name: str):
 def test_chart_crd_is_the_generated_one():
     """The chart renders files/datasetcache.yaml; it must be crds/datasetcache.yaml."""
     source, copy = REPO / "crds" / "datasetcache.yaml", CHART / "files" / "datasetcache.yaml"
-    if UPDATE:
-        shutil.copyfile(source, copy)
+    refresh(copy, source.read_text())
     assert copy.read_text() == source.read_text(), (
         "charts/dscache/files/datasetcache.yaml differs from crds/datasetcache.yaml; "
         "run `cp crds/datasetcache.yaml charts/dscache/files/` (or UPDATE_GOLDEN=1)")
@@ -376,7 +395,9 @@ def _rules(doc: dict[str, Any]) -> list[tuple]:
 
 
 def test_rbac_rules_are_operator_deploy_rbac_yaml(default_docs):
-    expected = docs_of((DEPLOY / "rbac.yaml").read_text())
+    """The default render == rbac.yaml + the cluster-wide Secret `get` binding."""
+    expected = docs_of((DEPLOY / "rbac.yaml").read_text()) + docs_of(
+        (DEPLOY / "rbac-secrets-clusterwide.yaml").read_text())
     for kind in ("ClusterRole", "Role"):
         want = {d["metadata"]["name"]: _rules(d) for d in find(expected, kind)}
         got = {d["metadata"]["name"]: _rules(d) for d in find(default_docs, kind)}
@@ -398,10 +419,18 @@ def test_rbac_least_privilege(helm: str):
                 assert "*" not in rule["verbs"] and "*" not in rule["resources"], (name, rule)
                 if "secrets" in rule["resources"]:
                     assert rule["verbs"] == ["get"], (name, rule)
-        # Secrets are never granted cluster-wide.
+        # Secrets cluster-wide only in the cluster-wide default (readSecrets, no
+        # secretNamespaces): never when Secret reading is narrowed, off, or scoped.
+        sc = values.get("sourceCheck", {})
+        clusterwide_ok = (sc.get("readSecrets", True) and not sc.get("secretNamespaces")
+                          and not values.get("watchNamespaces"))
         for crb in find(docs, "ClusterRoleBinding"):
             role = roles[("ClusterRole", crb["roleRef"]["name"])]
-            assert not any("secrets" in r["resources"] for r in role["rules"]), (name, crb)
+            if any("secrets" in r["resources"] for r in role["rules"]):
+                assert clusterwide_ok, (name, crb)
+                assert [(s["kind"], s["name"]) for s in crb["subjects"]] == [
+                    ("ServiceAccount", "dscache-controller" if "fullnameOverride" not in values
+                     else f"{values['fullnameOverride']}-controller")], (name, crb)
         # Pod writes only in the release namespace.
         for rb in find(docs, "RoleBinding"):
             ref = rb["roleRef"]
@@ -413,8 +442,9 @@ def test_rbac_least_privilege(helm: str):
 def test_rbac_watch_namespaces(helm: str):
     namespace, values, extra = VALUE_SETS["watch-namespaces"]
     docs = docs_of(template(helm, namespace, values, extra).stdout)
+    # sourceCheck.secretNamespaces narrows Secret reading to exactly the namespaces listed.
     secret_ns = sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", "dscache-source-check"))
-    assert secret_ns == ["ml-team", "research", "shared-data"]
+    assert secret_ns == ["shared-data"]
     # Scoped: the operator's rules are bound in the watched namespaces only...
     for sa in ("dscache-controller", "dscache-webhook"):
         assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", sa)) == ["ml-team", "research"]
@@ -430,10 +460,45 @@ def test_rbac_watch_namespaces(helm: str):
         assert one(docs, "ClusterRoleBinding", sa)["roleRef"]["name"] == sa
         assert not find(docs, "RoleBinding", sa)
     assert not find(docs, "ClusterRole", "dscache-discovery")
+    # Namespaced without secretNamespaces: Secret reading in the watched namespaces.
     assert one(docs, "RoleBinding", "dscache-source-check")["metadata"]["namespace"] == "ml-team"
-    # Cluster-wide default: no Secret access at all unless asked for.
+    assert not find(docs, "ClusterRoleBinding", "dscache-source-check")
+
+
+def test_secret_reading_values(helm: str):
+    """The README path: by default the controller may `get` Secrets wherever it serves."""
     docs = docs_of(template(helm).stdout)
+    crb = one(docs, "ClusterRoleBinding", "dscache-source-check")
+    assert crb["roleRef"]["name"] == "dscache-source-check"
+    assert _rules(one(docs, "ClusterRole", "dscache-source-check")) == [(("",), ("secrets",), ("get",))]
     assert not find(docs, "RoleBinding", "dscache-source-check")
+    # Narrowed: RoleBindings in exactly the listed namespaces, nothing cluster-wide.
+    namespace, values, extra = VALUE_SETS["secret-namespaces"]
+    docs = docs_of(template(helm, namespace, values, extra).stdout)
+    assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", "dscache-source-check")) == [
+        "ml", "shared-data"]
+    assert not find(docs, "ClusterRoleBinding", "dscache-source-check")
+    # Off: no binding to the Secret role anywhere, and NOTES say how to turn it on.
+    namespace, values, extra = VALUE_SETS["no-secrets"]
+    proc = template(helm, namespace, values, extra)
+    docs = docs_of(proc.stdout)
+    assert not find(docs, "RoleBinding", "dscache-source-check")
+    assert not find(docs, "ClusterRoleBinding", "dscache-source-check")
+    notes = run_helm(helm, "install", "dscache", str(CHART), "--dry-run=client", "--namespace", NS,
+                     "--kube-version", KUBE_VERSION, "--set", "sourceCheck.readSecrets=false").stdout
+    assert "--set sourceCheck.readSecrets=true" in notes, notes[-1500:]
+
+
+def test_secret_forbidden_message_names_the_chart_values():
+    """The SecretForbidden message points at sourceCheck, with a runnable upgrade line."""
+    from dscache_operator.sourcecheck import secret_forbidden
+    got = secret_forbidden("ml", "s3-keys", "dscache-system")
+    assert (got.ok, got.reason) == (False, "SecretForbidden")
+    assert "ml/s3-keys" in got.message
+    assert "helm upgrade dscache charts/dscache -n dscache-system --reuse-values" in got.message
+    assert "--set sourceCheck.readSecrets=true" in got.message
+    assert "sourceCheck.secretNamespaces={<listed>,ml}" in got.message
+    assert "watchNamespaces" not in got.message and "watched namespaces" not in got.message
 
 
 # --- CRD ------------------------------------------------------------------------------------

@@ -80,9 +80,18 @@ already demands an absolute path; this refuses the directories whose
 {{- $root }}
 {{- end }}
 
-{{/* Namespaces where the controller may `get` Secrets: watched + sourceCheck.secretNamespaces. */}}
+{{/*
+Where the controller may `get` Secrets (the source check), as JSON: ["*"] for
+cluster-wide (the default in cluster-wide mode), a list of namespaces, or []
+(sourceCheck.readSecrets=false). sourceCheck.secretNamespaces, when set,
+narrows it to exactly those namespaces.
+*/}}
 {{- define "dscache.secretNamespaces" -}}
-{{- concat .Values.watchNamespaces .Values.sourceCheck.secretNamespaces | uniq | toJson }}
+{{- if not .Values.sourceCheck.readSecrets }}[]
+{{- else if .Values.sourceCheck.secretNamespaces }}{{ .Values.sourceCheck.secretNamespaces | uniq | toJson }}
+{{- else if .Values.watchNamespaces }}{{ .Values.watchNamespaces | uniq | toJson }}
+{{- else }}["*"]
+{{- end }}
 {{- end }}
 
 {{/* Whether roles are bound per watched namespace instead of cluster-wide. */}}
