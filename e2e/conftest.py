@@ -329,8 +329,9 @@ def host_copy(cfg: Config, ns: str, cache: str) -> str:
     return f"{cfg.cache_root}/{ns}/{cache}"
 
 
-def wait_wiped(cfg: Config, kube: Kube, ns: str, cache: str, timeout: float = 90) -> None:
+def wait_wiped(cfg: Config, kube: Kube, ns: str, cache: str, timeout: float = 90,
+               node: str | None = None) -> None:
     path = host_copy(cfg, ns, cache)
-    wait_for(f"the node's copy {path} to be wiped", lambda: not node_path_exists(path), timeout=timeout,
+    wait_for(f"the node's copy {path} to be wiped", lambda: not node_path_exists(path, node), timeout=timeout,
              describe=lambda: json.dumps(cache_status(kube, ns, cache), indent=1) + "\n" + kube.kubectl(
                  "get", "pods", "-n", RELEASE_NS, "-o", "wide", check=False).stdout)

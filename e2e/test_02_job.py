@@ -33,8 +33,9 @@ def test_annotated_job_gets_data_and_copy_is_wiped(cfg, kube, cache_factory, dat
 
     # While the pod runs: the copy is on the node's disk under cacheRoot, complete.
     path = host_copy(cfg, ns, name)
-    assert node_path_exists(f"{path}/.dscache/complete"), path
-    count = node_sh(f"wc -l < {path}/.dscache/manifest.jsonl").stdout.strip()
+    node = pod["spec"]["nodeName"]
+    assert node_path_exists(f"{path}/.dscache/complete", node), path
+    count = node_sh(f"wc -l < {path}/.dscache/manifest.jsonl", node=node).stdout.strip()
     assert count == str(dataset.objects)
 
     summary = init_summary(kube.get("pod", pod_name, ns))
@@ -54,8 +55,8 @@ def test_annotated_job_gets_data_and_copy_is_wiped(cfg, kube, cache_factory, dat
     assert_complete(kube, ns, job)
 
     # Job complete: the node's copy is wiped from the host filesystem.
-    wait_wiped(cfg, kube, ns, name)
-    assert not node_path_exists(path)
+    wait_wiped(cfg, kube, ns, name, node=node)
+    assert not node_path_exists(path, node)
     entry = wait_for("node state Wiped in the status",
                      lambda: (e := node_entry(kube, ns, name)).get("state") == "Wiped" and e, timeout=30)
     assert entry["bytes"] == dataset.bytes and entry["seconds"] > 0 and entry.get("wipedAt"), entry

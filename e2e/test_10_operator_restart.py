@@ -1,18 +1,31 @@
-"""6. The operator's controller pod is killed mid-Job; the node's copy is still wiped afterwards."""
+"""6. The operator's controller process is killed mid-Job; the node's copy is still wiped afterwards.
+
+The kill is a SIGKILL sent on the node to the controller container's processes
+(found by the container ID in the pod status): no API delete, no SIGTERM from
+the kubelet, no graceful kopf shutdown. The kubelet then restarts the
+container in the same pod; its lastState shows exit 137 (128 + SIGKILL).
+"""
 
 import json
 
 from conftest import (assert_complete, RELEASE_NS, cache_status, host_copy, node_entry, send_go, wait_verified,
                       wait_wiped)
 from support import workloads as w
-from support.kube import node_path_exists, wait_for
+from support.kube import node_path_exists, node_pids_of_container, node_sh, wait_for
 
 CONTROLLER = "app.kubernetes.io/component=controller"
 
 
-def _controller_pods(kube):
-    return [p for p in kube.items("pods", namespace=RELEASE_NS, selector=CONTROLLER)
+def _controller_pod(kube) -> dict:
+    pods = [p for p in kube.items("pods", namespace=RELEASE_NS, selector=CONTROLLER)
             if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
+
+
+def _status(pod: dict) -> dict:
+    (cs,) = pod["status"]["containerStatuses"]
+    return cs
 
 
 def test_wipe_survives_controller_kill(cfg, kube, cache_factory, dataset):
@@ -20,23 +33,30 @@ def test_wipe_survives_controller_kill(cfg, kube, cache_factory, dataset):
     ns, name = cache["namespace"], cache["name"]
     kube.create(w.training_job("train-restart", ns, name, cfg.stager_image, dataset, wait=True))
     pod = wait_verified(kube, ns, "train-restart")
+    node = pod["spec"]["nodeName"]
     wait_for("node Ready in the status", lambda: node_entry(kube, ns, name).get("state") == "Ready", timeout=30)
-    assert node_path_exists(f"{host_copy(cfg, ns, name)}/.dscache/complete")
+    assert node_path_exists(f"{host_copy(cfg, ns, name)}/.dscache/complete", node)
 
-    old = _controller_pods(kube)
-    assert len(old) == 1, [p["metadata"]["name"] for p in old]
-    old_name = old[0]["metadata"]["name"]
-    # Kill it hard, mid-Job (no graceful kopf shutdown).
-    kube.kubectl("delete", "pod", old_name, "-n", RELEASE_NS, "--grace-period=0", "--force", "--wait=false")
-    # The Job finishes while no controller runs (or a new one is still starting).
+    ctl = _controller_pod(kube)
+    ctl_name, ctl_node = ctl["metadata"]["name"], ctl["spec"]["nodeName"]
+    before = _status(ctl)
+    assert before.get("ready") and before.get("containerID"), before
+    pids = node_pids_of_container(before["containerID"], ctl_node)
+    assert pids, f"no processes found for the controller container {before['containerID']}"
+    # SIGKILL, by PID, on the node (the e2e suite runs as root there).
+    kill = node_sh("kill -KILL " + " ".join(str(p) for p in pids), node=ctl_node)
+    assert kill.returncode == 0, kill.stderr
+
+    # The Job finishes while no controller runs (or while it restarts).
     send_go(kube, ns, pod["metadata"]["name"])
     assert_complete(kube, ns, "train-restart")
 
-    wait_wiped(cfg, kube, ns, name, timeout=150)
-    new = wait_for("a new controller pod, Ready", lambda: [
-        p for p in _controller_pods(kube) if p["metadata"]["name"] != old_name and any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in p["status"].get("conditions", []))],
-        timeout=120)
-    assert new
+    wait_wiped(cfg, kube, ns, name, timeout=150, node=node)
+    # The same pod, its container restarted by the kubelet after a SIGKILL (exit 137).
+    after = wait_for("the controller container restarted and Ready", lambda: (
+        (cs := _status(kube.get("pod", ctl_name, RELEASE_NS))).get("restartCount", 0) > before.get("restartCount", 0)
+        and cs.get("ready") and cs), timeout=120)
+    last = (after.get("lastState") or {}).get("terminated") or {}
+    assert last.get("exitCode") == 137, f"the controller did not die of SIGKILL: {last}"
     wait_for("node state Wiped in the status", lambda: node_entry(kube, ns, name).get("state") == "Wiped",
              timeout=60, describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))

@@ -96,8 +96,8 @@ def wait_for(what: str, fn: Callable[[], T], timeout: float = 120, interval: flo
             value = fn()
             if value:
                 return value
-        except AssertionError:
-            raise
+        except (AssertionError, NodeExecError):
+            raise  # a failed check, or a node we cannot look at: retrying would only hide it
         except Exception as e:  # noqa: BLE001 - transient kubectl/API errors are retried
             last_exc = e
         if time.monotonic() > deadline:
@@ -112,14 +112,57 @@ def wait_for(what: str, fn: Callable[[], T], timeout: float = 120, interval: flo
         time.sleep(interval)
 
 
-def node_exec_prefix() -> list[str]:
-    """How to run a command on the (single) node: locally, or e.g. `docker exec <kind node>`."""
-    return shlex.split(os.environ.get("DSCACHE_E2E_NODE_EXEC", ""))
+class NodeExecError(RuntimeError):
+    """A command could not be run on the node: never read as "the path is absent"."""
 
 
-def node_sh(script: str, check: bool = False) -> subprocess.CompletedProcess:
-    return run([*node_exec_prefix(), "sh", "-c", script], check=check, timeout=60)
+def node_exec_prefix(node: str | None = None) -> list[str]:
+    """How to run a command on a node.
+
+    ``DSCACHE_E2E_NODE_EXEC`` is a command prefix, e.g. ``docker exec {node}``
+    on kind; ``{node}`` is replaced by the node's name (multi-node clusters).
+    Empty (the local cluster): the node is this machine.
+    """
+    template = os.environ.get("DSCACHE_E2E_NODE_EXEC", "")
+    if "{node}" in template:
+        if not node:
+            raise NodeExecError(f"DSCACHE_E2E_NODE_EXEC={template!r} needs a node name; pass node=")
+        template = template.replace("{node}", shlex.quote(node))
+    return shlex.split(template)
 
 
-def node_path_exists(path: str) -> bool:
-    return node_sh(f"test -e {shlex.quote(path)}").returncode == 0
+def node_sh(script: str, check: bool = False, node: str | None = None) -> subprocess.CompletedProcess:
+    return run([*node_exec_prefix(node), "sh", "-c", script], check=check, timeout=60)
+
+
+def node_path_exists(path: str, node: str | None = None) -> bool:
+    """Whether ``path`` exists on the node; raises NodeExecError when that cannot be told.
+
+    The script prints one of two words: any other outcome (the exec prefix
+    fails, the node is gone, sh is missing) is an error, not "absent", so a
+    "the copy was wiped" assertion cannot pass because node exec is broken.
+    """
+    p = node_sh(f"if [ -e {shlex.quote(path)} ]; then echo present; else echo absent; fi", node=node)
+    answer = p.stdout.strip()
+    if p.returncode != 0 or answer not in ("present", "absent"):
+        raise NodeExecError(f"cannot tell whether {path} exists on node {node or '(local)'}: exit "
+                            f"{p.returncode}, stdout {p.stdout[-300:]!r}, stderr {p.stderr[-300:]!r}")
+    return answer == "present"
+
+
+def node_pids_of_container(container_id: str, node: str | None = None) -> list[int]:
+    """Host PIDs of the processes in one container (by its runtime ID, from the pod status).
+
+    Found through /proc/<pid>/cgroup, which names the container's cgroup; the
+    ID is 64 hex digits, so it matches no other container.
+    """
+    cid = container_id.split("://", 1)[-1]
+    if not cid or not all(c in "0123456789abcdef" for c in cid):
+        raise NodeExecError(f"not a container ID: {container_id!r}")
+    p = node_sh(f"for d in /proc/[0-9]*; do grep -qs {cid} $d/cgroup && echo ${{d#/proc/}}; done; echo end",
+                node=node)
+    lines = p.stdout.split()
+    if p.returncode != 0 or not lines or lines[-1] != "end":
+        raise NodeExecError(f"cannot list the processes of container {cid[:12]} on {node or '(local)'}: "
+                            f"{p.stderr[-300:]}")
+    return [int(x) for x in lines[:-1]]

@@ -22,7 +22,7 @@ SIGNAL_DIR = "/signal"
 # emptyDir, written with kubectl exec) so the test can look at the node while
 # the pod still runs.
 TRAIN_SCRIPT = r'''
-import hashlib, json, os, sys, time
+import errno, hashlib, json, os, sys, time
 print("TRAIN_START %.3f" % time.time(), flush=True)
 def fail(msg):
     print("TRAIN_FAIL " + msg, flush=True)
@@ -56,11 +56,15 @@ digest = hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()
 want = os.environ.get("EXPECT_DIGEST")
 if want and digest != want:
     fail("dataset digest %s != expected %s (%d objects, %d bytes)" % (digest, want, n, total))
+# Read-only means EROFS from the kernel. Any other error (EACCES: a root-owned
+# 0755 directory refuses uid 1000 even on a writable mount) proves nothing.
 try:
     open(os.path.join(d, "written-by-training"), "w")
     fail("the dataset mount is writable")
-except OSError:
-    pass
+except OSError as e:
+    if e.errno != errno.EROFS:
+        fail("writing into the dataset mount failed with %s, not EROFS: the mount is not read-only"
+             % errno.errorcode.get(e.errno, e.errno))
 print("VERIFIED objects=%d bytes=%d uid=%d digest=%s" % (n, total, os.getuid(), digest), flush=True)
 sig = os.environ.get("WAIT_FOR")
 if sig:
@@ -121,7 +125,8 @@ def upload(s3: Any, ds: Dataset) -> None:
 
 
 def dataset_cache(name: str, namespace: str, ds: Dataset, endpoint: str, secret: str | None,
-                  mount_path: str = "/data", retention: dict[str, Any] | None = None) -> dict[str, Any]:
+                  mount_path: str = "/data", retention: dict[str, Any] | None = None,
+                  resources: dict[str, Any] | None = None) -> dict[str, Any]:
     source: dict[str, Any] = {"uri": ds.uri, "endpoint": endpoint, "region": "us-east-1",
                               "addressingStyle": "path"}
     if secret:
@@ -129,6 +134,8 @@ def dataset_cache(name: str, namespace: str, ds: Dataset, endpoint: str, secret:
     spec: dict[str, Any] = {"source": source, "mountPath": mount_path}
     if retention:
         spec["retention"] = retention
+    if resources:
+        spec["resources"] = resources
     return {"apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache",
             "metadata": {"name": name, "namespace": namespace}, "spec": spec}
 
@@ -186,7 +193,8 @@ def training_job(name: str, namespace: str, cache: str | None, image: str, ds: D
                                                      "spec": train_pod_spec(image, ds, wait)}}}
 
 
-def bare_pod(name: str, namespace: str, cache: str, image: str, ds: Dataset) -> dict[str, Any]:
+def bare_pod(name: str, namespace: str, cache: str, image: str, ds: Dataset,
+             wait: bool = False) -> dict[str, Any]:
     """A Pod as a Kubeflow-style operator creates it from a replica spec's pod template:
     the annotation sits on the pod itself, no Job owns it."""
     return {"apiVersion": "v1", "kind": "Pod",
@@ -195,4 +203,4 @@ def bare_pod(name: str, namespace: str, cache: str, image: str, ds: Dataset) -> 
                                     "training.kubeflow.org/replica-type": "master",
                                     "training.kubeflow.org/replica-index": "0"},
                          "annotations": {"dscache.io/cache": cache}},
-            "spec": train_pod_spec(image, ds)}
+            "spec": train_pod_spec(image, ds, wait)}
