@@ -10,18 +10,23 @@ overhead_s = (training container start - Job create) - the stager's own copy sec
 - Training start: the first line the training program prints (time.time(), the
   node's clock, which is this machine's clock on the local cluster).
 
-The figure is written to $DSCACHE_E2E_RESULTS/timeline.json for e2e/run.sh.
+Three cold runs, each on a fresh cache; overhead_s is their median and
+overhead_runs lists every run's figure. Both are written to
+$DSCACHE_E2E_RESULTS/timeline.json, which e2e/run.sh copies into
+build/e2e-result.json.
 """
 
 import datetime
 import json
 import re
+import statistics
 import time
 
 from conftest import assert_complete, init_summary, job_pods
 from support import workloads as w
 
 TARGET_S = 3.0
+RUNS = 3   # odd, so the median is one real run
 
 
 def _ts(text: str) -> float:
@@ -61,18 +66,19 @@ def _measure(cfg, kube, ns, cache, dataset, job):
 
 
 def test_timeline_overhead(cfg, kube, cache_factory, dataset):
-    cache = cache_factory("timeline")
-    ns, name = cache["namespace"], cache["name"]
-    runs = [_measure(cfg, kube, ns, name, dataset, "timeline-1")]
-    # A second cold run on a fresh cache: the figure reported is the better of the two
-    # (the first may pay one-off costs such as page-cache misses on the images).
-    cache2 = cache_factory("timeline")
-    runs.append(_measure(cfg, kube, ns, cache2["name"], dataset, "timeline-2"))
+    """overhead_s is the MEDIAN of RUNS cold runs, each on a fresh cache; every run's
+    figure is in overhead_runs (e2e/run.sh copies both into build/e2e-result.json)."""
+    runs = []
+    for i in range(1, RUNS + 1):
+        cache = cache_factory("timeline")
+        runs.append(_measure(cfg, kube, cache["namespace"], cache["name"], dataset, f"timeline-{i}"))
     for r in runs:
         assert r["copied_bytes"] == dataset.bytes, r   # a real copy was timed, not a reuse
-    best = min(runs, key=lambda r: r["overhead_s"])
-    result = {"overhead_s": best["overhead_s"], "target_s": TARGET_S, "runs": runs}
+    overheads = [r["overhead_s"] for r in runs]
+    median = round(statistics.median(overheads), 3)
+    result = {"overhead_s": median, "overhead_runs": overheads, "overhead_statistic": "median",
+              "target_s": TARGET_S, "runs": runs}
     cfg.results.mkdir(parents=True, exist_ok=True)
     (cfg.results / "timeline.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
-    assert best["overhead_s"] <= TARGET_S, f"overhead {best['overhead_s']} s > {TARGET_S} s: {result}"
+    assert median <= TARGET_S, f"median overhead {median} s > {TARGET_S} s: {result}"
