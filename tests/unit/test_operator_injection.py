@@ -244,13 +244,6 @@ def test_pending_in_index_is_rechecked_against_the_api(monkeypatch):
     assert "NoSuchBucket" in str(e.value)
 
 
-def test_api_unreachable_on_a_miss_fails_closed(monkeypatch):
-    monkeypatch.setattr(Runtime, "kube", None)
-    with pytest.raises(kopf.AdmissionError) as e:
-        run_mutate(job(), FakeIndex())
-    assert "retry" in str(e.value)
-
-
 def test_reinjection_keeps_the_original_mode():
     obj = job()
     inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
