@@ -72,6 +72,16 @@ class KubeAPI:
         return f"https://127.0.0.1:{self.port}"
 
     @property
+    def audit_log(self) -> Path:
+        """JSON lines, one audit event per request of the operator's ServiceAccounts."""
+        return self.workdir / "audit.log"
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        if not self.audit_log.exists():
+            return []
+        return [json.loads(line) for line in self.audit_log.read_text().splitlines() if line.strip()]
+
+    @property
     def kubeconfig(self) -> Path:
         return self.workdir / "kubeconfig"
 
@@ -106,6 +116,13 @@ class KubeAPI:
             stdout=etcd_log, stderr=subprocess.STDOUT))
 
         self.port = free_port()
+        # Audit: every request of the operator's two ServiceAccounts, at Metadata
+        # level, so tests can assert what each process did (e.g. the webhook never writes).
+        (self.workdir / "audit-policy.yaml").write_text(json.dumps({
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+            "rules": [{"level": "Metadata", "users": [f"system:serviceaccount:{OPERATOR_NS}:dscache-webhook",
+                                                      f"system:serviceaccount:{OPERATOR_NS}:dscache-controller"]},
+                      {"level": "None"}]}))
         api_log = open(self.workdir / "kube-apiserver.log", "wb")
         self.procs.append(subprocess.Popen(
             [str(tool_bin("kube-apiserver") / "kube-apiserver"),
@@ -125,6 +142,8 @@ class KubeAPI:
              "--disable-admission-plugins=ServiceAccount",
              "--allow-privileged=true",
              "--profiling=false",
+             f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
+             f"--audit-log-path={self.audit_log}", "--audit-log-format=json", "--audit-log-mode=blocking",
              "--v=1"],
             stdout=api_log, stderr=subprocess.STDOUT))
 

@@ -1,0 +1,387 @@
+"""Operator behaviours that had no test, or a test that could not fail.
+
+Real kube-apiserver + etcd (with an audit log), real S3 server, the controller
+and webhook as subprocesses with the shipped RBAC (see test_operator_api.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_operator_api import (
+    DSC, SUMMARY, ApiError, complete_job, condition, create_job, get_cache, grant_secret_read, helper_for,
+    job_body, kubelet_runs_helper, kubelet_status, make_cache, make_secret, now_rfc3339, start_job_pod,
+    wait_node_state, wait_phase, with_keys)
+from tests.support.kubeapi import REPO, wait_port
+from tests.support.s3server import ACCESS_KEY, SECRET_KEY, free_port
+
+pytestmark = pytest.mark.integration
+
+WEBHOOK_USER = "system:serviceaccount:dscache-system:dscache-webhook"
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+DATA = {"data/a.bin": b"a" * 10, "data/b.bin": b"b" * 20}
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text format (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$', line)
+        if not m or m.group(1) != name:
+            continue
+        got = ",".join(sorted(p for p in (m.group(2) or "").split(",") if p))
+        if got == want:
+            return float(m.group(3))
+    return 0.0
+
+
+def test_prometheus_metrics(kube_api, dscache_operator, s3_server, opted_ns):
+    """Values, not names: counters move by exactly what the test did, gauges count what exists."""
+    k, op = kube_api, dscache_operator
+    ctl0, hook0 = op.metrics("controller"), op.metrics("webhook")
+    refused0 = metric(hook0, "dscache_admission_reviews_total", mode="HostPath", result="refused")
+    admitted0 = metric(hook0, "dscache_admission_reviews_total", mode="HostPath", result="admitted")
+    hist0 = metric(hook0, "dscache_admission_seconds_count")
+    nobucket0 = metric(ctl0, "dscache_source_checks_total", reason="NoSuchBucket")
+
+    make_cache(k, opted_ns, "gone", "s3://no-such-bucket-m/x/", s3_server.endpoint, with_keys(k, opted_ns))
+    wait_phase(k, opted_ns, "gone", "Failed")
+    with pytest.raises(ApiError):
+        create_job(k, opted_ns, job_body("train", "gone"))
+    create_job(k, opted_ns, job_body("plain", None))   # not annotated: never reaches the webhook
+
+    text = k.wait_for(lambda: (lambda t: t if metric(t, "dscache_datasetcaches", phase="Failed") >= 1 else None)(
+        op.metrics("controller")), what="controller metrics")
+    assert metric(text, "dscache_source_checks_total", reason="NoSuchBucket") >= nobucket0 + 1
+    # The gauge counts the caches in phase Failed right now, cluster-wide.
+    failed = sum(1 for ns in [opted_ns] for c in k.get(DSC.format(ns=ns))["items"]
+                 if (c.get("status") or {}).get("phase") == "Failed")
+    assert metric(text, "dscache_datasetcaches", phase="Failed") >= failed >= 1
+    hook = op.metrics("webhook")
+    assert metric(hook, "dscache_admission_reviews_total", mode="HostPath", result="refused") == refused0 + 1
+    assert metric(hook, "dscache_admission_reviews_total", mode="HostPath", result="admitted") == admitted0
+    assert metric(hook, "dscache_admission_seconds_count") == hist0 + 1
+    # The histogram's +Inf bucket is its count, and the refusal took under the API server's timeout.
+    assert metric(hook, "dscache_admission_seconds_bucket", le="+Inf") == hist0 + 1
+    assert metric(hook, "dscache_admission_seconds_sum") < 5 + metric(hook0, "dscache_admission_seconds_sum")
+    assert op.healthz("controller") == 200 and op.healthz("webhook") == 200
+
+
+# --- the webhook never writes, observed in the API server's audit log --------------------
+
+def test_webhook_process_never_writes(kube_api, dscache_operator, s3_server, s3_bucket_truth, opted_ns):
+    """Every request the webhook's ServiceAccount made this session, from the audit log:
+    reads only. The log is live (it shows the webhook's own reads, and the controller's
+    writes), so an empty answer cannot come from a broken observation."""
+    k = kube_api
+    make_cache(k, opted_ns, "audited", f"s3://{s3_bucket_truth}/data/", s3_server.endpoint, with_keys(k, opted_ns))
+    wait_phase(k, opted_ns, "audited", "Ready")
+    job = create_job(k, opted_ns, job_body("train", "audited"))     # admitted: index hit
+    assert job["spec"]["template"]["spec"]["initContainers"]
+    with pytest.raises(ApiError):
+        create_job(k, opted_ns, job_body("train2", "no-such-cache"))   # refused: a GET on the miss
+    time.sleep(1)
+    events = k.audit_events()
+    mine = [e for e in events if e["user"]["username"] == WEBHOOK_USER]
+    controller = [e for e in events if e["user"]["username"].endswith(":dscache-controller")]
+    assert any(e["verb"] in ("list", "watch") and e["objectRef"].get("resource") == "datasetcaches" for e in mine), \
+        "the audit log shows no webhook request at all: the observation is broken"
+    assert any(e["verb"] == "get" and e["objectRef"].get("name") == "no-such-cache" for e in mine), \
+        "the webhook's GET on an index miss is not in the audit log"
+    assert any(e["verb"] in WRITE_VERBS for e in controller), "the controller's writes are not audited either"
+    writes = [(e["verb"], e["requestURI"], e["responseStatus"].get("code")) for e in mine if e["verb"] in WRITE_VERBS]
+    assert writes == [], writes
+
+
+@pytest.fixture
+def s3_bucket_truth(s3_server, bucket):
+    s3_server.put_tree(bucket, DATA)
+    return bucket
+
+
+# --- source check: Failed, then fixed, then Ready ----------------------------------------
+
+def test_source_check_recovers_from_failed_to_ready(kube_api, dscache_operator, s3_server, opted_ns):
+    k = kube_api
+    # 1. SecretForbidden (no Secret access in this namespace), fixed by granting it.
+    make_secret(k, opted_ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
+    make_cache(k, opted_ns, "later", "s3://recovering-bucket/data/", s3_server.endpoint, "s3-keys")
+    c = wait_phase(k, opted_ns, "later", "Failed")
+    cond = condition(c)
+    assert cond["reason"] == "SecretForbidden", cond
+    assert "helm upgrade" in cond["message"] and "sourceCheck" in cond["message"], cond
+    with pytest.raises(ApiError) as refused:
+        create_job(k, opted_ns, job_body("early", "later"))
+    assert "SecretForbidden" in refused.value.body
+    grant_secret_read(k, opted_ns)
+    # 2. Now the keys are read, but the bucket does not exist yet: NoSuchBucket.
+    k.wait_for(lambda: condition(get_cache(k, opted_ns, "later"))["reason"] == "NoSuchBucket", timeout=30,
+               what="NoSuchBucket after the Secret became readable")
+    assert get_cache(k, opted_ns, "later")["status"]["phase"] == "Failed"
+    # 3. The bucket appears: the retry (DSCACHE_SOURCE_RETRY_INTERVAL=3 s here) turns it Ready.
+    s3_server.make_bucket("recovering-bucket")
+    s3_server.put_tree("recovering-bucket", DATA)
+    c = wait_phase(k, opted_ns, "later", "Ready", timeout=30)
+    cond = condition(c)
+    assert (cond["status"], cond["reason"]) == ("True", "Listed"), cond
+    assert (c["status"]["objects"], c["status"]["bytes"]) == (2, 30), c["status"]
+    job = create_job(k, opted_ns, job_body("late", "later"))
+    assert [i["name"] for i in job["spec"]["template"]["spec"]["initContainers"]] == ["dscache-stage"]
+
+
+# --- a stale wipe helper is deleted, not run -----------------------------------------------
+
+def test_stale_wipe_helper_is_deleted(kube_api, dscache_operator, s3_server, s3_bucket_truth, opted_ns):
+    """A helper created for a wipe, then overtaken by a new stager on that node: the
+    controller deletes it (its wipe would be judged on stale state) and starts a new one."""
+    k = kube_api
+    make_cache(k, opted_ns, "st", f"s3://{s3_bucket_truth}/data/", s3_server.endpoint, with_keys(k, opted_ns))
+    wait_phase(k, opted_ns, "st", "Ready")
+    job1 = create_job(k, opted_ns, job_body("one", "st"))
+    pod1 = start_job_pod(k, opted_ns, job1, "node-s")
+    kubelet_status(k, opted_ns, pod1["metadata"]["name"], phase="Succeeded", init="done",
+                   message=json.dumps(SUMMARY))
+    complete_job(k, opted_ns, "one")
+    stale = k.wait_for(lambda: helper_for(k, opted_ns, "st"), what="the first helper")[0]
+    stale_uid = stale["metadata"]["uid"]
+    # The helper never runs (as if its node were slow to start it); a new Job's stager
+    # starts on that node after the helper was created...
+    time.sleep(1.2)   # creationTimestamp has whole seconds
+    job2 = create_job(k, opted_ns, job_body("two", "st"))
+    pod2 = start_job_pod(k, opted_ns, job2, "node-s")
+    kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Running", init="done",
+                   message=json.dumps(SUMMARY), started=now_rfc3339())
+    wait_node_state(k, opted_ns, "st", "node-s", "Ready")
+    # ...and finishes: the wipe is due again, and the old helper is stale.
+    kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Succeeded", init="done",
+                   message=json.dumps(SUMMARY), started=now_rfc3339(-1))
+    complete_job(k, opted_ns, "two")
+    fresh = k.wait_for(lambda: [p for p in helper_for(k, opted_ns, "st") if p["metadata"]["uid"] != stale_uid],
+                       timeout=30, what="the stale helper replaced by a new one")[0]
+    assert fresh["spec"]["nodeName"] == "node-s"
+    assert all(p["metadata"]["uid"] != stale_uid for p in helper_for(k, opted_ns, "st")), "stale helper kept"
+    kubelet_runs_helper(k, fresh)
+    wait_node_state(k, opted_ns, "st", "node-s", "Wiped")
+
+
+# --- the informer relists after a real 410 Gone -----------------------------------------
+
+def test_informer_relists_after_410_gone(kube_api, opted_ns):
+    import kopf
+    from dscache_operator.informer import Gone, Informer
+    from dscache_operator.kube import Kube
+
+    k = kube_api
+    info = kopf.ConnectionInfo(server=k.server, ca_path=str(k.certs / "ca.crt"),
+                               certificate_path=str(k.certs / "admin.crt"),
+                               private_key_path=str(k.certs / "admin.key"))
+
+    def pod(name: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "labels": {"dscache.io/consumer": "true"}},
+                "spec": {"nodeName": "node-i", "containers": [{"name": "c", "image": "x"}]}}
+
+    k.create(f"/api/v1/namespaces/{opted_ns}/pods", pod("before"))
+
+    async def scenario() -> tuple[list[str], list[str], set[str]]:
+        kube = Kube(info)
+        inf = Informer(kube, f"/api/v1/namespaces/{opted_ns}/pods", "dscache.io/consumer=true",
+                       lambda b: ("pods", b["metadata"]["name"]))
+        lists: list[str] = []
+        gone: list[str] = []
+        real_list, real_watch = inf._list, inf._watch
+
+        async def list_then_too_old() -> str:
+            rv = await real_list()
+            lists.append(rv)
+            # The first list's resourceVersion is replaced by one etcd compacted long
+            # ago, as if the list were old: the real API server answers 410 Gone.
+            return "1" if len(lists) == 1 else rv
+
+        async def watch(rv: str) -> str:
+            try:
+                return await real_watch(rv)
+            except Gone:
+                gone.append(rv)
+                raise
+        inf._list, inf._watch = list_then_too_old, watch
+        task = asyncio.create_task(inf.run())
+        try:
+            for _ in range(100):
+                if len(lists) >= 2:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.to_thread(k.create, f"/api/v1/namespaces/{opted_ns}/pods", pod("after"))
+            for _ in range(100):
+                if inf.get("pods") and set(inf.get("pods")) >= {"before", "after"}:
+                    break
+                await asyncio.sleep(0.1)
+            return lists, gone, set(inf.get("pods"))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await kube.close()
+
+    lists, gone, names = asyncio.run(scenario())
+    assert gone == ["1"], f"the API server did not answer 410 Gone to resourceVersion 1: {gone}"
+    assert len(lists) >= 2, f"no relist after 410 Gone: {lists}"
+    assert names >= {"before", "after"}, names   # the relisted informer keeps watching
+
+
+# --- the webhook with the API server really unreachable ---------------------------------
+
+class Tunnel:
+    """A TCP tunnel to the API server that can be cut: while cut, nothing listens on its
+    port (connections are refused) and every open connection is closed."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.port = free_port()
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.listener: socket.socket | None = None
+        self.restore()
+
+    def restore(self) -> None:
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind(("127.0.0.1", self.port))
+        ls.listen(64)
+        self.listener = ls
+        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+
+    def _accept(self, ls: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = ls.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        assert self.listener is not None
+        self.listener.close()
+        self.listener = None
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def review(ns: str, cache: str) -> dict:
+    body = job_body(f"j-{uuid.uuid4().hex[:6]}", cache)
+    body["metadata"]["namespace"] = ns
+    gvk = {"group": "batch", "version": "v1", "kind": "Job"}
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": str(uuid.uuid4()), "kind": gvk, "requestKind": gvk,
+        "resource": {"group": "batch", "version": "v1", "resource": "jobs"},
+        "requestResource": {"group": "batch", "version": "v1", "resource": "jobs"},
+        "name": body["metadata"]["name"], "namespace": ns, "operation": "CREATE",
+        "userInfo": {"username": "tester"}, "object": body, "oldObject": None, "dryRun": False,
+        "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}}}
+
+
+def test_webhook_with_the_api_server_unreachable(kube_api, dscache_operator, s3_server, s3_bucket_truth,
+                                                 opted_ns, tmp_path: Path):
+    """A webhook whose only way to the API server is a tunnel we cut: an unknown cache is
+    refused with a retryable message (fail closed, answered in time), a cache already in
+    its index is still served; once the tunnel is back, the API's answer is used again."""
+    k, op = kube_api, dscache_operator
+    make_cache(k, opted_ns, "known", f"s3://{s3_bucket_truth}/data/", s3_server.endpoint, with_keys(k, opted_ns))
+    wait_phase(k, opted_ns, "known", "Ready")
+
+    tunnel = Tunnel(("127.0.0.1", k.port))
+    kc = json.loads((op.workdir / "kubeconfig-webhook").read_text())
+    kc["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{tunnel.port}"
+    (tmp_path / "kubeconfig").write_text(json.dumps(kc))
+    port = free_port()
+    env = {**op.env("webhook"), "KUBECONFIG": str(tmp_path / "kubeconfig"), "DSCACHE_WEBHOOK_PORT": str(port),
+           "DSCACHE_METRICS_PORT": "0", "DSCACHE_HEALTH_PORT": "0"}
+    log = open(tmp_path / "webhook.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "dscache_operator", "webhook"], env=env, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT)
+    ctx = ssl.create_default_context(cafile=str(k.certs / "ca.crt"))
+
+    def ask(cache: str) -> tuple[dict, float]:
+        t0 = time.monotonic()
+        req = urllib.request.Request(f"https://127.0.0.1:{port}/dscache-hostpath",
+                                     data=json.dumps(review(opted_ns, cache)).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, context=ctx, timeout=30) as r:
+            return json.loads(r.read())["response"], time.monotonic() - t0
+
+    try:
+        wait_port("127.0.0.1", port)
+        # Through the tunnel: the index fills, the known cache is admitted with a patch.
+        k.wait_for(lambda: ask("known")[0].get("patch"), timeout=30, what="the webhook's index through the tunnel")
+
+        tunnel.cut()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", tunnel.port), timeout=2)
+        resp, took = ask("never-created")
+        assert resp["allowed"] is False, resp
+        msg = resp["status"]["message"]
+        assert "could not look it up" in msg and "retry" in msg, msg
+        assert resp["status"]["code"] == 503, resp
+        assert took < 10, f"answered after {took:.1f} s: the API server (timeoutSeconds <= 10) gave up before"
+        # A cache the index already holds does not need the API server.
+        resp, _ = ask("known")
+        assert resp["allowed"] is True and resp.get("patch"), resp
+        assert proc.poll() is None, (tmp_path / "webhook.log").read_text()[-2000:]
+
+        tunnel.restore()
+        resp, _ = k.wait_for(lambda: (lambda r: r if "does not exist" in (r[0].get("status") or {}).get(
+            "message", "") else None)(ask("never-created")), timeout=30, what="the API's answer after restore")
+        assert resp["allowed"] is False
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        if tunnel.listener is not None:
+            tunnel.cut()
