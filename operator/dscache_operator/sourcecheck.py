@@ -62,7 +62,7 @@ def secret_forbidden(namespace: str, name: str, operator_namespace: str) -> Chec
         f"the operator may not read Secret {namespace}/{name} (spec.source.credentials.secretRef), so it "
         f"cannot list the bucket with the cache's keys. The chart's sourceCheck values forbid it: let it "
         f"read Secrets in every namespace it serves with `{upgrade} --set sourceCheck.readSecrets=true "
-        f"--set 'sourceCheck.secretNamespaces={{}}'`, or add {namespace} to the namespaces already listed "
+        f"--set-json 'sourceCheck.secretNamespaces=[]'`, or add {namespace} to the namespaces already listed "
         f"with `{upgrade} --set 'sourceCheck.secretNamespaces={{<listed>,{namespace}}}'` (use your release "
         f"name and chart path). The check is retried on its own.")
 

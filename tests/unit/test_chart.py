@@ -507,6 +507,19 @@ def render_notes(helm: str, values: dict[str, Any]) -> str:
         return yaml.safe_load(out)["notes"]
 
 
+def test_secret_forbidden_upgrade_lines_render(helm: str):
+    """The two `helm upgrade` fixes the SecretForbidden message gives do what it says."""
+    docs = docs_of(run_helm(helm, "template", "dscache", str(CHART), "--namespace", NS, "--kube-version",
+                            KUBE_VERSION, "--set", "sourceCheck.readSecrets=false",
+                            "--set", "sourceCheck.readSecrets=true",
+                            "--set-json", "sourceCheck.secretNamespaces=[]").stdout)
+    assert one(docs, "ClusterRoleBinding", "dscache-source-check")
+    docs = docs_of(run_helm(helm, "template", "dscache", str(CHART), "--namespace", NS, "--kube-version",
+                            KUBE_VERSION, "--set", "sourceCheck.secretNamespaces={team-a,ml}").stdout)
+    assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", "dscache-source-check")) == [
+        "ml", "team-a"]
+
+
 def test_secret_forbidden_message_names_the_chart_values():
     """The SecretForbidden message points at sourceCheck, with a runnable upgrade line."""
     from dscache_operator.sourcecheck import secret_forbidden
@@ -514,7 +527,7 @@ def test_secret_forbidden_message_names_the_chart_values():
     assert (got.ok, got.reason) == (False, "SecretForbidden")
     assert "ml/s3-keys" in got.message
     assert "helm upgrade dscache charts/dscache -n dscache-system --reuse-values" in got.message
-    assert "--set sourceCheck.readSecrets=true" in got.message
+    assert "--set sourceCheck.readSecrets=true --set-json 'sourceCheck.secretNamespaces=[]'" in got.message
     assert "sourceCheck.secretNamespaces={<listed>,ml}" in got.message
     assert "watchNamespaces" not in got.message and "watched namespaces" not in got.message
 
