@@ -174,15 +174,38 @@ def test_stale_wipe_helper_is_deleted(kube_api, dscache_operator, s3_server, s3_
     time.sleep(1.2)   # creationTimestamp has whole seconds
     job2 = create_job(k, opted_ns, job_body("two", "st"))
     pod2 = start_job_pod(k, opted_ns, job2, "node-s")
+    started2 = now_rfc3339()   # after the helper's creationTimestamp
+    assert started2 > stale["metadata"]["creationTimestamp"], (started2, stale["metadata"])
     kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Running", init="done",
-                   message=json.dumps(SUMMARY), started=now_rfc3339())
+                   message=json.dumps(SUMMARY), started=started2)
     wait_node_state(k, opted_ns, "st", "node-s", "Ready")
     # ...and finishes: the wipe is due again, and the old helper is stale.
     kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Succeeded", init="done",
-                   message=json.dumps(SUMMARY), started=now_rfc3339(-1))
+                   message=json.dumps(SUMMARY), started=started2)
     complete_job(k, opted_ns, "two")
-    fresh = k.wait_for(lambda: [p for p in helper_for(k, opted_ns, "st") if p["metadata"]["uid"] != stale_uid],
-                       timeout=30, what="the stale helper replaced by a new one")[0]
+    # The controller deletes the stale helper (a pod that never started goes at once;
+    # one still Terminating would wait for its node's kubelet: play that kubelet) and
+    # starts a new one.
+
+    def replaced():
+        helpers = helper_for(k, opted_ns, "st")
+        for p in helpers:
+            if p["metadata"]["uid"] == stale_uid and p["metadata"].get("deletionTimestamp"):
+                k.request("DELETE", f"/api/v1/namespaces/dscache-system/pods/{p['metadata']['name']}",
+                          {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                           "preconditions": {"uid": stale_uid}})
+        if any(p["metadata"]["uid"] == stale_uid for p in helpers):
+            return None
+        return [p for p in helpers if p["metadata"]["uid"] != stale_uid]
+    try:
+        fresh = k.wait_for(replaced, timeout=30, what="the stale helper deleted and replaced")[0]
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nstatus: {json.dumps(get_cache(k, opted_ns, 'st').get('status'), indent=1)}\n"
+                             f"helpers: {[p['metadata'] for p in helper_for(k, opted_ns, 'st')]}") from None
+    # The audit log shows the controller's DELETE of the stale helper (the test never ran it).
+    deletes = [e for e in k.audit_events() if e["verb"] == "delete" and e["user"]["username"].endswith(
+        ":dscache-controller") and e.get("objectRef", {}).get("name") == stale["metadata"]["name"]]
+    assert deletes, "no DELETE of the stale helper by the controller in the audit log"
     assert fresh["spec"]["nodeName"] == "node-s"
     assert all(p["metadata"]["uid"] != stale_uid for p in helper_for(k, opted_ns, "st")), "stale helper kept"
     kubelet_runs_helper(k, fresh)
