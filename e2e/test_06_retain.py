@@ -15,25 +15,27 @@ def test_retained_copy_is_reused(cfg, kube, cache_factory, dataset):
 
     kube.create(w.training_job("retain-1", ns, name, cfg.stager_image, dataset))
     assert_complete(kube, ns, "retain-1")
-    first = init_summary(job_pods(kube, ns, "retain-1")[0])
+    pod1 = job_pods(kube, ns, "retain-1")[0]
+    node = pod1["spec"]["nodeName"]
+    first = init_summary(pod1)
     assert first["fetched_bytes"] == dataset.bytes, first
     # No consumer left: the controller has seen that (consumers 0) and still keeps the copy.
     wait_for("consumers 0 in the status", lambda: node_entry(kube, ns, name).get("consumers") == 0
              and node_entry(kube, ns, name).get("state") == "Ready", timeout=30,
              describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
     time.sleep(5)  # more than two reconcile intervals (2 s in the e2e install)
-    assert node_path_exists(f"{path}/.dscache/complete"), "RetainWhileUsed copy was wiped"
+    assert node_path_exists(f"{path}/.dscache/complete", node), "RetainWhileUsed copy was wiped"
     assert node_entry(kube, ns, name)["state"] == "Ready"
 
     kube.create(w.training_job("retain-2", ns, name, cfg.stager_image, dataset))
     assert_complete(kube, ns, "retain-2")
     second = init_summary(job_pods(kube, ns, "retain-2")[0])
     assert second["skipped"] == dataset.objects and second["fetched_bytes"] == 0, second
-    assert node_path_exists(f"{path}/.dscache/complete")
+    assert node_path_exists(f"{path}/.dscache/complete", node)
 
     # Deleting the DatasetCache wipes the retained copy and then lets it go.
     kube.kubectl("delete", "jobs", "retain-1", "retain-2", "-n", ns, "--cascade=foreground", "--wait=true",
                  timeout=120)
     kube.delete("datasetcache", name, ns)
-    wait_wiped(cfg, kube, ns, name)
+    wait_wiped(cfg, kube, ns, name, node=node)
     wait_for("the DatasetCache to be deleted", lambda: kube.get("datasetcache", name, ns) is None, timeout=60)

@@ -26,7 +26,7 @@ def test_emptydir_in_baseline_namespace(cfg, kube, cache_factory, dataset, names
     summary = init_summary(pod)
     assert summary["fetched_bytes"] == dataset.bytes
     # Nothing on the host under cacheRoot for this namespace.
-    assert not node_path_exists(host_copy(cfg, ns, name))
+    assert not node_path_exists(host_copy(cfg, ns, name), pod["spec"]["nodeName"])
     entry = wait_for("an EmptyDir node entry", lambda: (e := node_entry(kube, ns, name)).get("volume") == "EmptyDir"
                      and e.get("state") == "Wiped" and e, timeout=30,
                      describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
