@@ -10,7 +10,8 @@ Configuration (environment; e2e/run.sh sets these):
   DSCACHE_E2E_S3_ENV            file with AWS_ENDPOINT_URL/keys, default /var/lib/dscache-e2e/s3.env
                                 (AWS_ENDPOINT_URL etc. in the environment win)
   DSCACHE_E2E_S3_ENDPOINT_POD   the endpoint as pods see it (default: AWS_ENDPOINT_URL)
-  DSCACHE_E2E_NODE_EXEC         prefix to run a command on the node (kind: "docker exec <node>");
+  DSCACHE_E2E_NODE_EXEC         prefix to run a command on a node (kind: "docker exec <node>", or
+                                "docker exec {node}" for several nodes: {node} is the pod's node);
                                 empty: the node is this machine
   DSCACHE_E2E_RESULTS           directory for timeline.json (default build/)
   DSCACHE_E2E_REUSE_RELEASE=1   keep an installed release instead of reinstalling (development only)
