@@ -9,7 +9,7 @@
 2. Controller: RSS while it watches N DatasetCaches (each source-checked
    against a real versitygw bucket) and M pods carrying dscache.io/cache,
    spread over nodes, once everything has converged. If it has not converged
-   within 420 s the JSON says so ("converged": false) and the exit code is 2.
+   within --converge-timeout (420 s) the JSON says so ("converged": false) and the exit code is 2.
 
     python bench/operator.py [--quick] [--caches N] [--pods M] [--rate R] [--seconds S]
 
@@ -199,6 +199,8 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=50)
     ap.add_argument("--rate", type=float, default=200.0, help="AdmissionReviews per second")
     ap.add_argument("--seconds", type=float, default=None, help="webhook load duration")
+    ap.add_argument("--converge-timeout", type=float, default=420.0,
+                    help="seconds the controller gets to converge (default 420); exit 2 if it does not")
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
     ap.add_argument("--profile-memory", action="store_true",
                     help="tracemalloc in the controller; print its top allocations (slow)")
@@ -251,7 +253,7 @@ def main() -> int:
         t0 = time.monotonic()
         proc = op.start("controller")
         peak = 0.0
-        deadline = time.monotonic() + 420
+        deadline = time.monotonic() + args.converge_timeout
         ready = with_nodes = 0
         while time.monotonic() < deadline:
             time.sleep(3)
