@@ -284,7 +284,7 @@ def main() -> int:
             os.kill(proc.pid, signal.SIGUSR2)  # top allocations into the controller log
             time.sleep(5)
             print("\n".join(l for l in op.log("controller").splitlines() if "dscache.memory" in l or l.startswith("  ")))
-        log(f"controller converged in {converge_s:.0f}s; steady RSS {rss:.0f} MiB (peak {hwm_mib(proc.pid):.0f}), "
+        log(f"controller {'converged' if converged else 'had NOT converged'} in {converge_s:.0f}s; steady RSS {rss:.0f} MiB (peak {hwm_mib(proc.pid):.0f}), "
             f"steady CPU {steady_cpu * 100:.0f}% of a core")
         result = {
             "webhook_rps": round(stats["rps"], 1),
