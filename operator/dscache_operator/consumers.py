@@ -18,7 +18,8 @@ import json
 from typing import Any, Callable, Iterable, NamedTuple
 
 from .injection import INIT_NAME, MODE_ANNOTATION
-from .models import CACHE_ANNOTATION, NodeStatus, Retention, parse_duration
+from .models import (CACHE_ANNOTATION, NodeState, NodeStatus, PodPhase, Retention, RetentionPolicy,
+                     VolumeMode, parse_duration)
 
 
 class PodInfo(NamedTuple):
@@ -63,9 +64,9 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
     return PodInfo(
         name=meta.get("name", ""),
         node=spec.get("nodeName") or None,
-        phase=status.get("phase") or "Pending",
+        phase=status.get("phase") or PodPhase.PENDING,
         job=_owner_job(meta),
-        mode=annotations.get(MODE_ANNOTATION, "HostPath"),
+        mode=annotations.get(MODE_ANNOTATION, VolumeMode.HOST_PATH),
         init=init, started=started, message=(message or "").strip() or None,
     )
 
@@ -91,7 +92,7 @@ def is_consumer(pod: PodInfo, job_state: Callable[[str], bool | None]) -> bool:
     A running (or pending) pod does. A finished pod does while its Job is
     known and not finished yet (the Job may start another pod there).
     """
-    if pod.phase not in ("Succeeded", "Failed"):
+    if pod.phase not in (PodPhase.SUCCEEDED, PodPhase.FAILED):
         return True
     if pod.job is not None:
         return job_state(pod.job) is False
@@ -146,28 +147,28 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo],
     if prior is None and not relevant:
         return None  # only old, finished pods: nothing of theirs is on the node any more
     entry = (prior.model_copy(deep=True) if prior is not None
-             else NodeStatus(node=node, state="Staging"))
+             else NodeStatus(node=node, state=NodeState.STAGING))
 
     if relevant:
-        if any(p.mode == "HostPath" for p in relevant):
-            entry.volume = "HostPath"
+        if any(p.mode == VolumeMode.HOST_PATH for p in relevant):
+            entry.volume = VolumeMode.HOST_PATH
         else:
-            entry.volume = "EmptyDir"
+            entry.volume = VolumeMode.EMPTY_DIR
         ok = [p for p in relevant if p.init == "ok"]
         failed = [p for p in relevant if p.init == "failed"]
         pending = [p for p in consumers if p.init in (None, "waiting", "running")]
         if ok:
             best = max(ok, key=lambda p: p.started or "")
             summary = termination_summary(best.message)
-            entry.state, entry.message = "Ready", None
+            entry.state, entry.message = NodeState.READY, None
             for field in ("bytes", "objects", "seconds"):
                 if isinstance(summary.get(field), (int, float)):
                     setattr(entry, field, summary[field])
         elif pending:
-            entry.state, entry.message = "Staging", None
+            entry.state, entry.message = NodeState.STAGING, None
         elif failed:
             last = max(failed, key=lambda p: p.started or "")
-            entry.state = "Failed"
+            entry.state = NodeState.FAILED
             entry.message = (last.message or "the stager failed; see kubectl logs -c " + INIT_NAME)[:4096]
 
     if len(consumers) != entry.consumers or (prior is None and relevant):
@@ -175,17 +176,17 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo],
     entry.consumers = len(consumers)
 
     wipe = False
-    holds_copy = entry.state != "Wiped" and (prior is not None or bool(relevant))
+    holds_copy = entry.state != NodeState.WIPED and (prior is not None or bool(relevant))
     if holds_copy and not consumers:
-        if deleting or retention.policy == "WipeOnJobCompletion":
+        if deleting or retention.policy == RetentionPolicy.WIPE_ON_JOB_COMPLETION:
             wipe = True
         else:
             last = parse_time(entry.lastUsed) or now
             ttl = parse_duration(retention.ttlAfterLastUse or "0s")
             wipe = (now - last).total_seconds() >= ttl
-    if wipe and entry.volume == "EmptyDir":
+    if wipe and entry.volume == VolumeMode.EMPTY_DIR:
         # The kubelet removes emptyDir volumes with their pods: nothing of ours remains.
-        entry.state, entry.wipedAt, wipe = "Wiped", fmt_time(now), False
+        entry.state, entry.wipedAt, wipe = NodeState.WIPED, fmt_time(now), False
     newest = max((parse_time(p.started) for p in relevant if p.started), default=None)
     return NodePlan(entry, wipe, newest)
 
@@ -202,7 +203,7 @@ def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo],
     plans = {}
     for node in sorted(set(by_node) | set(prior_by_node)):
         old = prior_by_node.get(node)
-        if old is not None and node not in by_node and old.state == "Wiped":
+        if old is not None and node not in by_node and old.state == NodeState.WIPED:
             wiped = parse_time(old.wipedAt)
             if wiped is None or (now - wiped).total_seconds() > keep_wiped:
                 continue  # keep status bounded: forget long-wiped nodes no pod refers to

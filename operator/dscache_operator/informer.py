@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any, Callable, Hashable
 
 import aiohttp
@@ -42,6 +43,8 @@ class Informer:
         self.page_size = page_size
         self.watch_timeout = watch_timeout
         self.ready = asyncio.Event()
+        #: monotonic time since when the API server refuses our credentials (None: it does not).
+        self.auth_failing_since: float | None = None
         self._by_uid: dict[str, Hashable] = {}
         self._by_key: dict[Hashable, dict[str, Any]] = {}
 
@@ -103,7 +106,8 @@ class Informer:
                   "labelSelector": self.label_selector, "timeoutSeconds": str(self.watch_timeout)}
         session = await self.kube.watch_session()
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.watch_timeout + 30)
-        async with session.get(self.kube.server + self.path, params=params, timeout=timeout) as resp:
+        async with session.get(self.kube.server + self.path, params=params, timeout=timeout,
+                               headers=self.kube.auth_headers()) as resp:
             if resp.status == 410:
                 raise Gone()
             if resp.status >= 400:
@@ -139,12 +143,32 @@ class Informer:
                     if not self.ready.is_set():
                         logger.info(f"listed {len(self)} objects at {self.path} ({self.label_selector})")
                     self.ready.set()
+                    self.auth_failing_since = None
                     delay = 0.5
                 rv = await self._watch(rv)
             except asyncio.CancelledError:
                 raise
             except Gone:
                 rv = ""
+            except ApiError as e:
+                if e.status not in (401, 403):
+                    logger.warning(f"watching {self.path} failed ({e!r}); retrying in {delay:.1f}s")
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 30)
+                    continue
+                # Unauthorised: the view can no longer follow the cluster, so it
+                # stops claiming to be ready (the controller then makes no node
+                # decision on it), and lists afresh once a (rotated) token works.
+                rv = ""
+                self.ready.clear()
+                if self.auth_failing_since is None:
+                    self.auth_failing_since = time.monotonic()
+                if self.kube.reload_token():
+                    continue
+                logger.warning(f"watching {self.path}: {e.status} {'unauthorised' if e.status == 401 else 'forbidden'}; "
+                               f"the view is not ready until it can list again (retrying in {delay:.1f}s)")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30)
             except Exception as e:  # noqa: BLE001 - keep watching; state stays as last known
                 logger.warning(f"watching {self.path} failed ({e!r}); retrying in {delay:.1f}s")
                 await asyncio.sleep(delay)
@@ -178,6 +202,11 @@ class MultiInformer:
     @property
     def ready(self) -> bool:
         return all(i.ready.is_set() for i in self.informers.values())
+
+    def auth_failing_for(self) -> float:
+        """Seconds since the API server started refusing our credentials (0: it does not)."""
+        since = [i.auth_failing_since for i in self.informers.values() if i.auth_failing_since is not None]
+        return time.monotonic() - min(since) if since else 0.0
 
     def get(self, key: tuple) -> list[Any]:
         informer = self.informers.get(key[0]) or self.informers.get(None)

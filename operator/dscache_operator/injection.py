@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copy
 import posixpath
-from typing import Any, Literal
+from typing import Any
 
-from .models import CACHE_ANNOTATION, CONSUMER_LABEL, DatasetCacheSpec
+from .models import CACHE_ANNOTATION, CONSUMER_LABEL, DatasetCacheSpec, VolumeMode
 from .settings import Settings
 
 INIT_NAME = "dscache-stage"
@@ -21,7 +21,7 @@ STAGE_DIR = "/dscache"
 MODE_ANNOTATION = "dscache.io/volume"
 NONROOT_UID = 65532
 
-Mode = Literal["HostPath", "EmptyDir"]
+Mode = VolumeMode
 
 
 class InjectionError(Exception):
@@ -69,7 +69,7 @@ def stager_security_context(mode: Mode) -> dict[str, Any]:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    if mode == "HostPath":
+    if mode == VolumeMode.HOST_PATH:
         ctx.update(runAsUser=0, runAsGroup=0, runAsNonRoot=False)
     else:
         ctx.update(runAsUser=NONROOT_UID, runAsGroup=NONROOT_UID, runAsNonRoot=True)
@@ -106,7 +106,7 @@ def init_container(namespace: str, name: str, spec: DatasetCacheSpec,
 
 
 def volume(namespace: str, name: str, settings: Settings, mode: Mode) -> dict[str, Any]:
-    if mode == "HostPath":
+    if mode == VolumeMode.HOST_PATH:
         return {"name": VOLUME_NAME, "hostPath": {
             "path": settings.cache_dir(namespace, name), "type": "DirectoryOrCreate"}}
     return {"name": VOLUME_NAME, "emptyDir": {}}
@@ -175,12 +175,12 @@ def inject_object(obj: dict[str, Any], *, kind: str, namespace: str, cache_name:
     existing = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == VOLUME_NAME), None)
     if existing is not None:
         # Already injected (e.g. a Job's pod): keep the mode it was injected with.
-        mode = "HostPath" if "hostPath" in existing else "EmptyDir"
+        mode = VolumeMode.HOST_PATH if "hostPath" in existing else VolumeMode.EMPTY_DIR
     changed = inject(pod_spec, namespace=namespace, name=cache_name, spec=spec,
                      settings=settings, mode=mode)
     annotations = meta.get("annotations") or {}
     # The pods carry the cache name (for the controller's consumer index) and the mode.
-    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: mode}
+    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: VolumeMode(mode).value}
     if any(annotations.get(k) != v for k, v in wanted.items()):
         meta["annotations"] = {**annotations, **wanted}
         changed = True

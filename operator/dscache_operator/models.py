@@ -7,6 +7,7 @@ Every field carries a description, so ``kubectl explain`` is useful.
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
@@ -28,6 +29,46 @@ CONSUMER_LABEL = f"{GROUP}/consumer"
 #: Our finalizer on DatasetCaches (never on users' objects).
 FINALIZER = f"{GROUP}/wipe"
 
+
+
+# --- the API vocabulary (str enums: they compare equal to, and serialise as, their value) ---
+
+class Phase(str, enum.Enum):
+    """status.phase of a DatasetCache."""
+    PENDING = "Pending"
+    READY = "Ready"
+    FAILED = "Failed"
+    DELETING = "Deleting"
+
+
+class NodeState(str, enum.Enum):
+    """status.nodes[].state: what one node's copy is."""
+    STAGING = "Staging"
+    READY = "Ready"
+    FAILED = "Failed"
+    WIPED = "Wiped"
+
+
+class VolumeMode(str, enum.Enum):
+    """Where a pod's copy lives: a node-level hostPath under cacheRoot, or a per-pod emptyDir."""
+    HOST_PATH = "HostPath"
+    EMPTY_DIR = "EmptyDir"
+
+
+class RetentionPolicy(str, enum.Enum):
+    WIPE_ON_JOB_COMPLETION = "WipeOnJobCompletion"
+    RETAIN_WHILE_USED = "RetainWhileUsed"
+
+
+class PodPhase(str, enum.Enum):
+    """Kubernetes' own pod phases (read, never written)."""
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    UNKNOWN = "Unknown"
+
+
 # Kubernetes' own int-or-string (resource quantities).
 Quantity = Annotated[
     int | str,
@@ -39,7 +80,8 @@ Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-tim
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # use_enum_values: model_dump() yields plain strings for the API server.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_enum_values=True)
 
 
 class SecretRef(_Model):
@@ -106,15 +148,15 @@ class Source(_Model):
 
 class Retention(_Model):
     model_config = ConfigDict(
-        extra="forbid",
+        extra="forbid", use_enum_values=True,
         json_schema_extra={"x-kubernetes-validations": [{
             "rule": "has(self.ttlAfterLastUse) == (self.policy == 'RetainWhileUsed')",
             "message": "ttlAfterLastUse is required with policy RetainWhileUsed "
                        "and not allowed with WipeOnJobCompletion",
         }]},
     )
-    policy: Literal["WipeOnJobCompletion", "RetainWhileUsed"] = Field(
-        default="WipeOnJobCompletion",
+    policy: RetentionPolicy = Field(
+        default=RetentionPolicy.WIPE_ON_JOB_COMPLETION,
         description="WipeOnJobCompletion: a node's copy is wiped as soon as the "
                     "Jobs that used it complete or fail and no other consumer on "
                     "that node is alive. RetainWhileUsed: the copy stays for later "
@@ -176,12 +218,12 @@ class Condition(_Model):
 
 class NodeStatus(_Model):
     node: str = Field(description="Node name.")
-    state: Literal["Staging", "Ready", "Failed", "Wiped"] = Field(
+    state: NodeState = Field(
         description="Staging: an init container is copying; Ready: the copy is "
                     "complete; Failed: the last copy failed (see message); Wiped: "
                     "the copy was removed from the node.")
-    volume: Literal["HostPath", "EmptyDir"] = Field(
-        default="HostPath",
+    volume: VolumeMode = Field(
+        default=VolumeMode.HOST_PATH,
         description="HostPath: a node-level copy under the operator's cacheRoot "
                     "(wiped by a helper pod); EmptyDir: a per-pod copy that the "
                     "kubelet removes with the pod.")
@@ -202,7 +244,7 @@ class NodeStatus(_Model):
 
 
 class DatasetCacheStatus(_Model):
-    phase: Literal["Pending", "Ready", "Failed", "Deleting"] | None = Field(
+    phase: Phase | None = Field(
         default=None,
         description="Pending: the source is not checked yet; Ready: the source "
                     "is readable; Failed: see the SourceReady condition; "

@@ -19,8 +19,13 @@ import dataclasses
 import fnmatch
 import hashlib
 import threading
+import time
+from typing import Any
 
-from .models import Source
+import kopf
+
+from .kube import ApiError, Kube
+from .models import DatasetCacheSpec, Phase, Source
 
 KEY_ID = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -159,3 +164,36 @@ async def check(source: Source, creds: dict[str, str] | None, timeout: float = 2
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sourcecheck")
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_executor, _list_sync, source, creds, timeout)
+
+
+# --- the controller's glue: credentials from the spec's Secret, and when to check -------------
+
+async def check_source(kube: Kube, namespace: str, spec: DatasetCacheSpec) -> CheckResult:
+    """Read the spec's Secret (if any) with the operator's client, then list the source."""
+    creds = None
+    secret_name = spec.source.secret_name
+    if secret_name:
+        try:
+            secret = await kube.get_secret(namespace, secret_name)
+        except ApiError as e:
+            if e.status == 403:
+                return CheckResult(
+                    False, "SecretForbidden",
+                    f"the operator may not read Secret {namespace}/{secret_name}; install the chart "
+                    f"with this namespace among the watched namespaces (it grants 'get' on Secrets there).")
+            raise kopf.TemporaryError(f"reading Secret {namespace}/{secret_name}: {e}", delay=5)
+        got = credentials_from_secret(secret, namespace, secret_name)
+        if isinstance(got, CheckResult):
+            return got
+        creds = got
+    return await check(spec.source, creds)
+
+
+def source_due(meta: Any, status: dict[str, Any], memo: Any, retry_interval: float) -> bool:
+    """On create and spec change; and again every retry_interval while it fails."""
+    if status.get("observedGeneration") != meta.get("generation"):
+        return True
+    if status.get("phase") == Phase.FAILED:
+        last = getattr(memo, "last_check", 0.0)
+        return time.monotonic() - last >= retry_interval
+    return False

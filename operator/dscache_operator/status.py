@@ -6,7 +6,7 @@ import datetime
 from typing import Any
 
 from .consumers import fmt_time
-from .models import NodeStatus, human_bytes
+from .models import NodeState, NodeStatus, human_bytes
 
 SOURCE_READY = "SourceReady"
 
@@ -32,7 +32,7 @@ def get_condition(status: dict[str, Any], type: str) -> dict[str, Any] | None:
 
 def nodes_fragment(entries: list[NodeStatus]) -> dict[str, Any]:
     nodes = [e.model_dump(exclude_none=True) for e in sorted(entries, key=lambda e: e.node)]
-    return {"nodes": nodes, "readyNodes": sum(1 for e in entries if e.state == "Ready")}
+    return {"nodes": nodes, "readyNodes": sum(1 for e in entries if e.state == NodeState.READY)}
 
 
 def source_fragment(objects: int | None, nbytes: int | None) -> dict[str, Any]:

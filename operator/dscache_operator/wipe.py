@@ -12,12 +12,23 @@ The precedent is local-path-provisioner's helper pods. The pod:
 
 from __future__ import annotations
 
+import datetime
 import enum
 import hashlib
 from typing import Any
 
+import kopf
+
+from .consumers import fmt_time, parse_time
 from .injection import stager_security_context
+from .kube import Kube
+from .metrics import METRICS
+from .models import NodeState, NodeStatus, PodPhase, VolumeMode
 from .settings import Settings
+
+#: A helper pod that is still Pending after this long (unschedulable node, image
+#: pull failing, node gone) is deleted with a Warning Event, and retried later.
+PENDING_TIMEOUT = 120.0
 
 WIPE_LABEL = "dscache.io/wipe"
 APP_LABEL = "app.kubernetes.io/name"
@@ -48,7 +59,7 @@ def helper_pod(namespace: str, name: str, node: str, settings: Settings) -> dict
             "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
                           "limits": {"memory": "128Mi"}},
             # uid 0 owns the kubelet-created directories; no capability is needed.
-            "securityContext": stager_security_context("HostPath"),
+            "securityContext": stager_security_context(VolumeMode.HOST_PATH),
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }],
         "volumes": [{"name": "cache-root", "hostPath": {"path": root, "type": "DirectoryOrCreate"}}],
@@ -70,6 +81,7 @@ def helper_pod(namespace: str, name: str, node: str, settings: Settings) -> dict
 
 class WipeState(enum.Enum):
     ABSENT = "absent"
+    PENDING = "pending"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -79,10 +91,12 @@ def helper_state(pod: dict[str, Any] | None) -> WipeState:
     if pod is None:
         return WipeState.ABSENT
     phase = (pod.get("status") or {}).get("phase")
-    if phase == "Succeeded":
+    if phase == PodPhase.SUCCEEDED:
         return WipeState.SUCCEEDED
-    if phase == "Failed":
+    if phase == PodPhase.FAILED:
         return WipeState.FAILED
+    if phase in (None, PodPhase.PENDING):
+        return WipeState.PENDING
     return WipeState.RUNNING
 
 
@@ -94,3 +108,75 @@ def helper_message(pod: dict[str, Any]) -> str:
         if term:
             return f"exit code {term.get('exitCode')}"
     return (pod.get("status") or {}).get("message") or "unknown"
+
+
+# --- the driver: one step of one node's wipe per reconciliation -------------------------
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name: str,
+                entry: NodeStatus, newest_use: datetime.datetime | None, logger: Any,
+                now: datetime.datetime | None = None) -> bool:
+    """Drive one node's wipe one step; True once the copy is gone (entry updated)."""
+    now = now or _now()
+    pod_name = helper_name(namespace, name, entry.node)
+    pod = await kube.get_pod(settings.namespace, pod_name)
+    state = helper_state(pod)
+    created = parse_time(((pod or {}).get("metadata") or {}).get("creationTimestamp"))
+    if state is not WipeState.ABSENT and newest_use and created and newest_use > created:
+        # A stager started after this helper was created: its result is stale.
+        await kube.delete_pod(settings.namespace, pod_name)
+        return False
+    if state is WipeState.ABSENT:
+        created_pod = await kube.create_pod(settings.namespace, helper_pod(namespace, name, entry.node, settings))
+        if created_pod is not None:
+            METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="started")
+            logger.info(f"wiping the copy on node {entry.node} with pod {pod_name}")
+            kopf.event(body, type="Normal", reason="Wiping",
+                       message=f"wiping the copy on node {entry.node} (helper pod "
+                               f"{settings.namespace}/{pod_name})")
+        return False
+    if state is WipeState.PENDING:
+        if created and (now - created).total_seconds() > PENDING_TIMEOUT:
+            # Never wait forever on a helper that cannot start: say why, and retry.
+            why = (pod.get("status") or {}).get("message") or _waiting_reason(pod) or "not started"
+            METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="timeout")
+            kopf.event(body, type="Warning", reason="WipeStuck",
+                       message=f"the wipe helper {settings.namespace}/{pod_name} on node {entry.node} "
+                               f"was still Pending after {PENDING_TIMEOUT:.0f} s ({why}); deleted, "
+                               f"will retry")
+            entry.message = f"wipe helper stuck Pending: {why}"
+            await kube.delete_pod(settings.namespace, pod_name)
+        return False
+    if state is WipeState.RUNNING:
+        return False
+    if state is WipeState.FAILED:
+        msg = helper_message(pod)
+        METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="failed")
+        kopf.event(body, type="Warning", reason="WipeFailed",
+                   message=f"wiping node {entry.node} failed: {msg}; retrying")
+        entry.message = f"wipe failed: {msg}"
+        await kube.delete_pod(settings.namespace, pod_name)
+        return False
+    # Succeeded.
+    entry.state = NodeState.WIPED
+    entry.wipedAt = fmt_time(created) if created else fmt_time(now)
+    entry.message = None
+    METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="succeeded")
+    kopf.event(body, type="Normal", reason="Wiped", message=f"wiped the copy on node {entry.node}")
+    await kube.delete_pod(settings.namespace, pod_name)
+    return True
+
+
+def _waiting_reason(pod: dict[str, Any]) -> str | None:
+    status = pod.get("status") or {}
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason"):
+            return f"{waiting['reason']}: {waiting.get('message') or ''}".strip(": ")
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"{cond.get('reason')}: {cond.get('message') or ''}".strip(": ")
+    return None

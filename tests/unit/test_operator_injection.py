@@ -10,7 +10,7 @@ import kopf
 import pytest
 
 from dscache_operator import injection, webhook
-from dscache_operator.common import Runtime
+from dscache_operator.common import Context, memo_for
 from dscache_operator.injection import INIT_NAME, VOLUME_NAME, InjectionError, inject_object
 from dscache_operator.models import DatasetCacheSpec
 from dscache_operator.settings import Settings
@@ -146,13 +146,13 @@ def view(phase="Ready", reason="Listed", message="", deleting=False):
     return webhook.CacheView(spec(), phase, reason, message, deleting)
 
 
-def run_mutate(obj, index, kind="jobs", mode="HostPath"):
+def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
     body = kopf.Body(copy.deepcopy(obj))
     patch = kopf.Patch(body=body)
     resource = kopf.Resource("batch" if kind == "jobs" else "", "v1", kind)
-    Runtime.settings = SETTINGS
-    asyncio.run(webhook.mutate(mode=mode, body=body, patch=patch, namespace="ml",
-                               resource=resource, dscache_caches=index))
+    memo = memo_for(Context(settings=SETTINGS, kube=kube))
+    asyncio.run(webhook.mutate(mode=webhook.VolumeMode(mode), body=body, patch=patch, namespace="ml",
+                               resource=resource, memo=memo, dscache_caches=index))
     ops = patch.as_json_patch()
     return ops, jsonpatch.apply_patch(copy.deepcopy(obj), ops)
 
@@ -179,9 +179,8 @@ def test_handler_refuses_unknown_cache(monkeypatch):
 
     class K:
         get_cache = staticmethod(no_cache)
-    monkeypatch.setattr(Runtime, "kube", K())
     with pytest.raises(kopf.AdmissionError) as e:
-        run_mutate(job(), FakeIndex())
+        run_mutate(job(), FakeIndex(), kube=K())
     assert "DatasetCache ml/imagenet does not exist" in str(e.value)
     assert "dscache.io/cache" in str(e.value)
 
@@ -193,8 +192,7 @@ def test_handler_cold_index_falls_back_to_the_api(monkeypatch):
 
     class K:
         get_cache = staticmethod(found)
-    monkeypatch.setattr(Runtime, "kube", K())
-    ops, result = run_mutate(job(), FakeIndex())
+    ops, result = run_mutate(job(), FakeIndex(), kube=K())
     assert [c["name"] for c in pod_spec(result)["initContainers"]] == [INIT_NAME]
 
 
@@ -228,26 +226,25 @@ def _api_returns(monkeypatch, phase, reason=None, message=None):
     class K:
         pass
     K.get_cache = staticmethod(get_cache)
-    monkeypatch.setattr(Runtime, "kube", K())
+    return K()
 
 
 def test_pending_cache_is_admitted(monkeypatch):
-    _api_returns(monkeypatch, "Pending")
-    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}))
+    kube = _api_returns(monkeypatch, "Pending")
+    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}), kube=kube)
     assert ops
 
 
 def test_pending_in_index_is_rechecked_against_the_api(monkeypatch):
-    _api_returns(monkeypatch, "Failed", "NoSuchBucket", "bucket 'bkt' does not exist")
+    kube = _api_returns(monkeypatch, "Failed", "NoSuchBucket", "bucket 'bkt' does not exist")
     with pytest.raises(kopf.AdmissionError) as e:
-        run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}))
+        run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}), kube=kube)
     assert "NoSuchBucket" in str(e.value)
 
 
 def test_api_unreachable_on_a_miss_fails_closed(monkeypatch):
-    monkeypatch.setattr(Runtime, "kube", None)
     with pytest.raises(kopf.AdmissionError) as e:
-        run_mutate(job(), FakeIndex())
+        run_mutate(job(), FakeIndex(), kube=None)
     assert "retry" in str(e.value)
 
 
