@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only keys (relative to PREFIX) matching a GLOB; repeatable")
         s.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                        help="skip keys (relative to PREFIX) matching a GLOB; repeatable; wins over --include")
+        s.add_argument("--retry-timeout", type=float, metavar="SECONDS",
+                       help="keep retrying a failing S3 request this long (default: 120)")
 
     s = sub.add_parser("sync", formatter_class=fmt, epilog=_exit_codes(),
                        help="stage revision REV of s3://BUCKET/PREFIX into CACHE_DIR/revs/REV")
@@ -105,6 +107,7 @@ class StageArgs:
     concurrency: int | None = None
     termination_log: str | None = None
     progress_interval: float = 3.0
+    retry_timeout: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -136,6 +139,8 @@ class StageArgs:
         _opt(argv, "--termination-log", self.termination_log)
         if self.progress_interval != 3.0:
             argv += ["--progress-interval", repr(self.progress_interval)]
+        if self.retry_timeout is not None:
+            argv += ["--retry-timeout", repr(self.retry_timeout)]
         return argv
 
     @classmethod
@@ -143,7 +148,8 @@ class StageArgs:
         return cls(source=ns.source, revision=ns.revision, cache_dir=ns.cache_dir, pod_uid=ns.pod_uid,
                    endpoint_url=ns.endpoint_url, region=ns.region, addressing_style=ns.addressing_style,
                    include=tuple(ns.include), exclude=tuple(ns.exclude), concurrency=ns.concurrency,
-                   termination_log=ns.termination_log, progress_interval=ns.progress_interval)
+                   termination_log=ns.termination_log, progress_interval=ns.progress_interval,
+                   retry_timeout=ns.retry_timeout)
 
     @classmethod
     def from_argv(cls, argv: list[str]) -> "StageArgs":
