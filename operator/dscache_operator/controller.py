@@ -21,7 +21,7 @@ from . import common, sourcecheck, status as st, wipe
 from .common import Context, ctx_of
 from .consumers import plan_nodes
 from .metrics import METRICS
-from .models import GROUP, PLURAL, VERSION, DatasetCacheSpec, NodeState, NodeStatus, Phase, VolumeMode
+from .models import GROUP, PLURAL, REFRESH_ANNOTATION, VERSION, DatasetCacheSpec, NodeState, NodeStatus, Phase, VolumeMode
 from .views import Views
 
 CACHES = (GROUP, VERSION, PLURAL)
@@ -57,7 +57,9 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
     kube = ctx.api()
 
     # 1. The source, on create/spec change (and retried while it is failing).
-    if not deleting and sourcecheck.source_due(meta, current, memo, ctx.settings.source_retry_interval):
+    why = None if deleting else sourcecheck.source_due(
+        meta, current, memo, ctx.settings.source_retry_interval, cache.refresh.interval, now)
+    if why is not None:
         result = await sourcecheck.check_source(kube, namespace, cache)
         memo.last_check = time.monotonic()
         METRICS.inc("dscache_source_checks_total", "Source checks by reason.", reason=result.reason)
@@ -73,6 +75,18 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
         wanted.update(conditions=conditions, observedGeneration=generation,
                       phase=Phase.FAILED if result.ok is False else Phase.READY,
                       **st.source_fragment(result.objects, result.bytes))
+        token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
+        if token is not None:
+            wanted["observedRefresh"] = token
+        if result.ok and result.revision:
+            old_rev = (current.get("revision") or {}).get("id")
+            wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now)
+            if old_rev != result.revision:
+                kopf.event(body, type="Normal", reason="RevisionPinned",
+                           message=f"revision {result.revision} ({result.objects} objects, {result.bytes} "
+                                   f"bytes) pinned ({why}); was {old_rev or 'none'}")
+        elif result.ok is None and current.get("revision"):
+            wanted["revision"] = None  # nothing verifiable to pin any more
     elif not current.get("phase"):
         wanted["phase"] = Phase.PENDING
     if deleting:

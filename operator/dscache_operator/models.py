@@ -28,6 +28,11 @@ INJECTION_LABEL = f"{GROUP}/injection"
 CONSUMER_LABEL = f"{GROUP}/consumer"
 #: Our finalizer on DatasetCaches (never on users' objects).
 FINALIZER = f"{GROUP}/wipe"
+#: On a DatasetCache: change its value (any string, e.g. a timestamp) to re-list
+#: the source and pin a new revision now.
+REFRESH_ANNOTATION = f"{GROUP}/refresh"
+#: How often the source is re-listed when spec.refresh.interval is not set.
+DEFAULT_REFRESH_INTERVAL = "1h"
 
 
 
@@ -176,6 +181,18 @@ class ResourceRequirements(_Model):
         default=None, description="Maximum resources of the stager init container.")
 
 
+class Refresh(_Model):
+    interval: str = Field(
+        default=DEFAULT_REFRESH_INTERVAL,
+        description="How often the operator re-lists the source to pin a new revision "
+                    "(default 1h), as a duration such as 30m, 12h or 1h30m; 'Never' for a "
+                    "prefix whose objects never change (e.g. a versioned, write-once path). "
+                    "Jobs keep the revision they were admitted with; only new Jobs get the new "
+                    "one. A spec change, and a change of the annotation dscache.io/refresh, "
+                    "re-list at once.",
+        pattern=r"^(Never|([0-9]+[smhd])+)$", max_length=32)
+
+
 class DatasetCacheSpec(_Model):
     source: Source = Field(description="The S3 dataset to stage.")
     mountPath: str = Field(
@@ -194,6 +211,9 @@ class DatasetCacheSpec(_Model):
         default=None,
         description="Resources of the injected init container (defaults come "
                     "from the operator's configuration).")
+    refresh: Refresh = Field(
+        default_factory=Refresh,
+        description="When the pinned revision of the source is re-computed.")
 
 
 class Condition(_Model):
@@ -241,6 +261,30 @@ class NodeStatus(_Model):
         default=None, description="When the node's copy was last wiped.")
     message: str | None = Field(default=None, description="Details of a failure or of a wipe.",
                                 max_length=4096)
+    revisions: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="Revisions staged (or being staged) on the node and not wiped yet; each is "
+                    "removed only when no pod holds a lease on it.")
+
+
+class RevisionStatus(_Model):
+    id: str = Field(description="The pinned revision: r- and 20 hex digits of a sha256 over the "
+                                "selected listing (key, size, ETag, versionId). New pods of Jobs "
+                                "admitted from now on stage exactly this.",
+                    pattern=r"^r-[0-9a-f]{20}$")
+    objects: int = Field(ge=0, description="Objects in this revision.")
+    bytes: int = Field(ge=0, description="Bytes in this revision.")
+    listedAt: Timestamp = Field(description="When the source was listed for this revision.")
+    versioned: bool = Field(
+        default=False,
+        description="Whether versionIds are part of the digest (false: key, size and ETag).")
+
+
+class OwnerPin(_Model):
+    uid: str = Field(description="UID of a workload (any owner in a consumer pod's ownerReferences chain).")
+    kind: str = Field(description="Its kind, e.g. Job, JobSet, PyTorchJob.")
+    name: str = Field(description="Its name.")
+    revision: str = Field(description="The revision its pods stage; new pods it creates get the same.")
 
 
 class DatasetCacheStatus(_Model):
@@ -261,6 +305,16 @@ class DatasetCacheStatus(_Model):
     bytes: int | None = Field(default=None, ge=0,
                               description="Total bytes in the source (after include/exclude).")
     size: str | None = Field(default=None, description="bytes, human-readable.")
+    revision: RevisionStatus | None = Field(
+        default=None, description="The revision of the source that newly admitted workloads stage.")
+    owners: list[OwnerPin] = Field(
+        default_factory=list,
+        description="Live workloads using this cache and the revision each is pinned to: a pod "
+                    "admitted for one of them stages that revision, not a newer one.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["uid"]})
+    observedRefresh: str | None = Field(
+        default=None, description="The value of the annotation dscache.io/refresh last acted on.",
+        max_length=1024)
     readyNodes: int = Field(default=0, ge=0, description="Nodes with state Ready.")
     nodes: list[NodeStatus] = Field(
         default_factory=list, description="Per-node state of the copy.",
@@ -283,6 +337,7 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Objects", "type": "integer", "jsonPath": ".status.objects"},
     {"name": "Size", "type": "string", "jsonPath": ".status.size"},
+    {"name": "Revision", "type": "string", "jsonPath": ".status.revision.id"},
     {"name": "Ready nodes", "type": "integer", "jsonPath": ".status.readyNodes"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -16,7 +16,7 @@ import base64
 import collections
 import concurrent.futures
 import dataclasses
-import fnmatch
+import datetime
 import hashlib
 import threading
 import time
@@ -24,8 +24,10 @@ from typing import Any
 
 import kopf
 
+import dscache_contract as contract
+
 from .kube import ApiError, Kube
-from .models import DatasetCacheSpec, Phase, Source
+from .models import REFRESH_ANNOTATION, DatasetCacheSpec, Phase, Source, parse_duration
 
 KEY_ID = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -39,6 +41,8 @@ class CheckResult:
     message: str
     objects: int | None = None
     bytes: int | None = None
+    #: The revision id of the listing (dscache_contract.RevisionHasher), when listed.
+    revision: str | None = None
 
 
 def credentials_from_secret(secret: dict | None, namespace: str, name: str) -> dict[str, str] | CheckResult:
@@ -57,10 +61,8 @@ def credentials_from_secret(secret: dict | None, namespace: str, name: str) -> d
 
 
 def selected(rel: str, include: list[str], exclude: list[str]) -> bool:
-    """Same rule as the stager: any include (or none), and no exclude."""
-    if include and not any(fnmatch.fnmatchcase(rel, g) for g in include):
-        return False
-    return not any(fnmatch.fnmatchcase(rel, g) for g in exclude)
+    """The contract's include/exclude rule (the stager uses the same code)."""
+    return contract.selected(rel, include, exclude)
 
 
 def _classify(exc: BaseException, source: Source, identity: str) -> CheckResult:
@@ -116,14 +118,15 @@ def _client(source: Source, creds: dict[str, str] | None, timeout: float):
             return client
         cfg = Config(connect_timeout=min(timeout, 5), read_timeout=timeout,
                      retries={"max_attempts": 2, "mode": "standard"},
-                     s3={"addressing_style": source.addressingStyle or "auto"})
+                     s3={"addressing_style": contract.resolve_addressing_style(
+                         source.endpoint, source.addressingStyle)})
         kwargs = {}
         if creds:
             kwargs = {"aws_access_key_id": creds[KEY_ID], "aws_secret_access_key": creds[SECRET_KEY],
                       "aws_session_token": creds.get(TOKEN)}
         session = boto3.session.Session(**kwargs)
         client = session.client("s3", endpoint_url=source.endpoint,
-                                region_name=source.region or "us-east-1", config=cfg)
+                                region_name=contract.resolve_region(source.region), config=cfg)
         _clients[key] = client
         while len(_clients) > _MAX_CLIENTS:
             _clients.popitem(last=False)
@@ -132,26 +135,30 @@ def _client(source: Source, creds: dict[str, str] | None, timeout: float):
 
 def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> CheckResult:
     identity = "the Secret's keys" if creds else "the operator's own identity"
+    # The listing is streamed page by page into the contract's hasher, never held:
+    # memory stays flat at millions of keys, and the digest is the very one the
+    # stager recomputes to prove it copies this revision.
+    hasher = contract.RevisionHasher()
+    selection = contract.Selection.from_source(source.uri, source.include, source.exclude)
+    bucket, prefix = contract.parse_source(source.uri)
     try:
         client = _client(source, creds, timeout)
-        objects = total = 0
-        prefix = source.prefix
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=source.bucket, Prefix=prefix):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for item in page.get("Contents", []):
                 key = item["Key"]
-                if key.endswith("/"):
-                    continue  # directory markers are not staged
-                if selected(key[len(prefix):], source.include, source.exclude):
-                    objects += 1
-                    total += int(item.get("Size", 0))
+                if selection.relative(key) is None:
+                    continue
+                hasher.add(key, int(item.get("Size", 0)), item.get("ETag"), None)
     except Exception as exc:  # noqa: BLE001 - classified into a reason
         return _classify(exc, source, identity)
+    objects, total = hasher.objects, hasher.bytes
     if objects == 0:
         return CheckResult(False, "NoObjects",
                            f"{source.uri} holds no objects (after include/exclude); fix "
                            f"spec.source.uri or the globs.", 0, 0)
-    return CheckResult(True, "Listed", f"{objects} objects, {total} bytes in {source.uri}",
-                       objects, total)
+    revision = hasher.revision_id()
+    return CheckResult(True, "Listed", f"{objects} objects, {total} bytes in {source.uri} (revision {revision})",
+                       objects, total, revision)
 
 
 # Few threads: listings are I/O-bound, and each thread costs memory (see __main__).
@@ -189,11 +196,26 @@ async def check_source(kube: Kube, namespace: str, spec: DatasetCacheSpec) -> Ch
     return await check(spec.source, creds)
 
 
-def source_due(meta: Any, status: dict[str, Any], memo: Any, retry_interval: float) -> bool:
-    """On create and spec change; and again every retry_interval while it fails."""
+def source_due(meta: Any, status: dict[str, Any], memo: Any, retry_interval: float,
+               refresh_interval: str, now: datetime.datetime) -> str | None:
+    """Why the source must be listed now (None: it need not be).
+
+    On create and spec change; again every retry_interval while it fails; when
+    the annotation dscache.io/refresh has a value not acted on yet; and when the
+    pinned revision is older than spec.refresh.interval. Judged from the object
+    alone (status.revision.listedAt), so a restarted operator agrees.
+    """
     if status.get("observedGeneration") != meta.get("generation"):
-        return True
+        return "spec"
+    token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
+    if token is not None and token != status.get("observedRefresh"):
+        return "annotation"
     if status.get("phase") == Phase.FAILED:
         last = getattr(memo, "last_check", 0.0)
-        return time.monotonic() - last >= retry_interval
-    return False
+        return "retry" if time.monotonic() - last >= retry_interval else None
+    revision = status.get("revision") or {}
+    if refresh_interval != "Never" and revision.get("listedAt"):
+        listed = datetime.datetime.fromisoformat(revision["listedAt"].replace("Z", "+00:00"))
+        if (now - listed).total_seconds() >= parse_duration(refresh_interval):
+            return "interval"
+    return None

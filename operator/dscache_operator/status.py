@@ -42,3 +42,9 @@ def source_fragment(objects: int | None, nbytes: int | None) -> dict[str, Any]:
 def changed(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
     """The keys of ``wanted`` that differ from ``current`` (a merge-patch for status)."""
     return {k: v for k, v in wanted.items() if current.get(k) != v}
+
+
+def revision_fragment(rev: str, objects: int | None, nbytes: int | None,
+                      now: datetime.datetime) -> dict[str, Any]:
+    return {"id": rev, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now),
+            "versioned": False}

@@ -18,6 +18,7 @@ never starts without it).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
 import time
@@ -28,7 +29,7 @@ import pydantic
 
 from . import common
 from .common import Context, ctx_of
-from .injection import InjectionError, inject_object, requested_cache
+from .injection import REVISION_ANNOTATION, InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
 from .metrics import METRICS
 from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, VolumeMode
@@ -45,6 +46,9 @@ class CacheView(NamedTuple):
     message: str | None
     deleting: bool
     invalid: str | None = None
+    revision: str | None = None
+    #: owner UID -> the revision its pods already stage (status.owners)
+    pins: dict[str, str] | None = None
 
 
 def cache_view(body: Any) -> CacheView:
@@ -56,28 +60,50 @@ def cache_view(body: Any) -> CacheView:
         invalid = None
     except pydantic.ValidationError as e:
         spec, invalid = None, str(e).splitlines()[0]
-    return CacheView(spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid)
+    revision = (status.get("revision") or {}).get("id")
+    pins = {o["uid"]: o["revision"] for o in status.get("owners") or [] if o.get("uid") and o.get("revision")}
+    return CacheView(spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid,
+                     revision, pins)
 
 
 def index_caches(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {(namespace, name): cache_view(body)}
 
 
-async def lookup(ctx: Context, namespace: str, name: str, index: Any) -> CacheView | None:
+#: How long admission waits for a just-created cache's first revision (the
+#: source check usually takes well under a second; webhooks time out at 10 s).
+FIRST_REVISION_WAIT = 4.0
+
+
+def _settled(view: CacheView) -> bool:
+    """Enough to decide: broken or being deleted, or checked with a revision pinned."""
+    return view.phase == Phase.FAILED or view.deleting or (
+        view.phase not in (None, Phase.PENDING) and view.revision is not None)
+
+
+async def lookup(ctx: Context, namespace: str, name: str, index: Any,
+                 wait: float = FIRST_REVISION_WAIT) -> CacheView | None:
     store = index.get((namespace, name)) if index is not None else None
     if store:
         view = next(iter(store))
-        if view.phase not in (None, Phase.PENDING):
+        if _settled(view):
             return view
         # Not checked yet (as far as the index knows): ask the API server, whose
         # answer may already say Ready or Failed.
-    try:
-        body = await ctx.api().get_cache(namespace, name)
-    except (ApiError, OSError, kopf.TemporaryError) as e:
-        raise kopf.AdmissionError(
-            f"DatasetCache {namespace}/{name}: dscache could not look it up ({e}); retry shortly.",
-            code=503)
-    return cache_view(body) if body is not None else None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            body = await ctx.api().get_cache(namespace, name)
+        except (ApiError, OSError, kopf.TemporaryError) as e:
+            raise kopf.AdmissionError(
+                f"DatasetCache {namespace}/{name}: dscache could not look it up ({e}); retry shortly.",
+                code=503)
+        view = cache_view(body) if body is not None else None
+        if view is None or _settled(view) or time.monotonic() >= deadline:
+            return view
+        # A cache created together with its Job (one kubectl apply): its first
+        # revision is usually pinned within a second; wait for it briefly.
+        await asyncio.sleep(0.25)
 
 
 def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
@@ -93,6 +119,28 @@ def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
         return (f"{ref} is broken: {view.reason}: {view.message} "
                 f"(see kubectl describe datasetcache {name} -n {namespace}).")
     return None
+
+
+def choose_revision(view: CacheView, obj: dict[str, Any]) -> str | None:
+    """The revision a new Job or Pod gets when it carries none: the one its owner's
+    pods already stage (status.owners), else the cache's pinned revision.
+
+    Remaining window: a workload whose first pods are admitted before the
+    controller has recorded its pin (one reconcile interval) while a refresh
+    changes status.revision in between can get two revisions; Jobs are immune
+    (the revision is set on the Job's pod template at Job admission)."""
+    owner = direct_owner_uid(obj)
+    if owner and view.pins and owner in view.pins:
+        return view.pins[owner]
+    return view.revision
+
+
+def no_revision(namespace: str, name: str, view: CacheView) -> str:
+    why = (f"{view.reason}: {view.message}" if view.reason else "the source has not been listed yet")
+    return (f"DatasetCache {namespace}/{name} has no pinned revision yet ({why}). Every pod stages the "
+            f"revision the operator pinned by listing the source, so the operator itself must be able to "
+            f"list it: set spec.source.credentials.secretRef (or give the operator an S3 identity), or "
+            f"retry in a few seconds if the cache was just created.")
 
 
 async def mutate(*, mode: VolumeMode, body: kopf.Body, patch: kopf.Patch, namespace: str | None,
@@ -113,9 +161,14 @@ async def mutate(*, mode: VolumeMode, body: kopf.Body, patch: kopf.Patch, namesp
     if reason:
         raise kopf.AdmissionError(reason, code=400)
     assert view is not None and view.spec is not None
+    revision = choose_revision(view, raw)
+    target_meta = (((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job"
+                   else raw.get("metadata")) or {}
+    if revision is None and REVISION_ANNOTATION not in (target_meta.get("annotations") or {}):
+        raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
     try:
         changed = inject_object(raw, kind=kind, namespace=namespace, cache_name=cache_name,
-                                spec=view.spec, settings=ctx.settings, mode=mode)
+                                spec=view.spec, settings=ctx.settings, mode=mode, revision=revision or "")
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400)
     if changed:
