@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import obstore
-from obstore.exceptions import BaseError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
 import dscache_contract as contract
 from dscache_contract import RevisionHasher, Selection, StageSummary
@@ -116,6 +116,8 @@ async def prove_access(store, source: S3Source, probe_key: str | None) -> None:
             except FileNotFoundError:
                 pass  # deleted since: the copy on the node is still whole; prove access by listing
         await first_page(store, source.prefix)
+    except InvalidPathError:
+        return  # S3 answered with keys obstore cannot represent: access is proven; the listing names them
     except BaseError as e:
         raise _source_error(e, source, 0) from e
 
