@@ -19,7 +19,8 @@ import kopf
 
 from . import common, sourcecheck, status as st, wipe
 from .common import Context, ctx_of
-from .consumers import plan_nodes
+from .consumers import fmt_time, plan_nodes
+from .kube import ApiError
 from .metrics import METRICS
 from .models import GROUP, PLURAL, REFRESH_ANNOTATION, VERSION, DatasetCacheSpec, NodeState, NodeStatus, Phase, VolumeMode
 from .views import Views
@@ -101,22 +102,40 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
         return None
     prior = [NodeStatus.model_validate(n) for n in current.get("nodes") or []]
     pods = views.pods.get((namespace, name))
-    plans = plan_nodes(prior, pods, views.job_lookup(namespace), cache.retention,
-                       now, deleting=deleting)
+    owners = views.owner_lookup(namespace)
+    plans = plan_nodes(prior, pods, owners, cache.retention, now, deleting=deleting)
+    gone = await _gone_nodes(kube, [node for node, plan in plans.items() if plan.wipe])
     entries: list[NodeStatus] = []
     live = pending = 0
     for node, plan in plans.items():
         entry = plan.entry
+        if node in gone:
+            # Its disk went with it: drop it from status, and never start a helper there.
+            kopf.event(body, type="Normal", reason="NodeGone",
+                       message=f"node {node} no longer exists; dropped from status (no wipe needed)")
+            continue
         live += entry.consumers
-        if plan.wipe:
-            done = await wipe.drive(kube, ctx.settings, body, namespace, name, entry,
-                                    plan.relevant_since, logger, now=now)
-            pending += 0 if done else 1
-        elif entry.state != NodeState.WIPED and entry.volume == VolumeMode.HOST_PATH:
+        for step in plan.wipes:
+            outcome = await wipe.drive(kube, ctx.settings, body, namespace, name, entry, step,
+                                       plan.relevant_since, logger, now=now)
+            if outcome is wipe.Outcome.REMOVED:
+                if step.revision is None:
+                    entry.revisions = []
+                else:
+                    entry.revisions = [r for r in entry.revisions if r.id != step.revision]
+            elif outcome is wipe.Outcome.KEPT:
+                pass  # a lease we could not prove finished: the next reconciliation looks again
+            if outcome is not wipe.Outcome.REMOVED:
+                pending += 1
+        if plan.wipe and not entry.revisions and not entry.consumers \
+                and entry.state != NodeState.WIPED:
+            entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
+        elif not plan.wipe and entry.state != NodeState.WIPED and entry.volume == VolumeMode.HOST_PATH:
             pending += 1
         entries.append(entry)
     _events_for_transitions(body, {p.node: p for p in prior}, entries)
     wanted.update(st.nodes_fragment(entries))
+    wanted["owners"] = st.owner_pins(pods, owners, current.get("owners") or [])
 
     diff = st.changed(current, wanted)
     for key, value in diff.items():
@@ -124,6 +143,19 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
     METRICS.set_cache(namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING,
                       [e.state for e in entries])
     return live, pending
+
+
+async def _gone_nodes(kube: Any, nodes: list[str]) -> set[str]:
+    """Nodes (among those about to get a wipe helper) that the API server no longer has."""
+    gone = set()
+    for node in nodes:
+        try:
+            if await kube.get(f"/api/v1/nodes/{node}") is None:
+                gone.add(node)
+        except ApiError as e:
+            if e.status != 403:  # without RBAC on nodes, assume it exists (the helper times out)
+                raise
+    return gone
 
 
 def make_registry(settings: Any) -> kopf.OperatorRegistry:

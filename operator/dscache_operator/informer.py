@@ -35,8 +35,12 @@ class Gone(Exception):
 
 class Informer:
     def __init__(self, kube: Kube, path: str, label_selector: str, extract: Extract,
-                 page_size: int = 500, watch_timeout: int = 300) -> None:
+                 page_size: int = 500, watch_timeout: int = 300, optional: bool = False) -> None:
         self.kube = kube
+        #: optional: a kind whose CRD may not be installed (or that RBAC does not
+        #: grant): 404/403 on the list make an empty, ready view that retries later.
+        self.optional = optional
+        self.absent_retry = 60.0
         self.path = path
         self.label_selector = label_selector
         self.extract = extract
@@ -151,6 +155,14 @@ class Informer:
             except Gone:
                 rv = ""
             except ApiError as e:
+                if self.optional and not rv and e.status in (403, 404):
+                    if not self.ready.is_set() or len(self):
+                        logger.info(f"{self.path}: {e.status}, an optional kind: an empty view "
+                                    f"(looking again in {self.absent_retry:.0f}s)")
+                    self._by_uid, self._by_key = {}, {}
+                    self.ready.set()
+                    await asyncio.sleep(self.absent_retry)
+                    continue
                 if e.status not in (401, 403):
                     logger.warning(f"watching {self.path} failed ({e!r}); retrying in {delay:.1f}s")
                     await asyncio.sleep(delay)
@@ -179,12 +191,13 @@ class MultiInformer:
     """One informer per watched namespace (or one cluster-wide), keyed by (namespace, ...)."""
 
     def __init__(self, kube: Kube, group_path: str, plural: str, namespaces: tuple[str, ...],
-                 label_selector: str, extract: Extract) -> None:
+                 label_selector: str, extract: Extract, optional: bool = False) -> None:
         if namespaces:
             self.informers = {ns: Informer(kube, f"{group_path}/namespaces/{ns}/{plural}",
-                                           label_selector, extract) for ns in namespaces}
+                                           label_selector, extract, optional=optional) for ns in namespaces}
         else:
-            self.informers = {None: Informer(kube, f"{group_path}/{plural}", label_selector, extract)}
+            self.informers = {None: Informer(kube, f"{group_path}/{plural}", label_selector, extract,
+                                             optional=optional)}
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:

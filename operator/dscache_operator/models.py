@@ -236,6 +236,16 @@ class Condition(_Model):
                          max_length=32768)
 
 
+class NodeRevision(_Model):
+    id: str = Field(description="A revision staged (or being staged) on the node.")
+    consumers: int = Field(default=0, ge=0, description="Live pods on the node that hold this revision.")
+    lastUsed: Timestamp | None = Field(default=None, description="When its set of consumers last changed.")
+    pods: list[str] = Field(
+        default_factory=list, max_length=200,
+        description="UIDs of pods seen with this revision on the node (their lease files are "
+                    "released when the revision is wiped).")
+
+
 class NodeStatus(_Model):
     node: str = Field(description="Node name.")
     state: NodeState = Field(
@@ -261,10 +271,11 @@ class NodeStatus(_Model):
         default=None, description="When the node's copy was last wiped.")
     message: str | None = Field(default=None, description="Details of a failure or of a wipe.",
                                 max_length=4096)
-    revisions: list[str] = Field(
+    revisions: list[NodeRevision] = Field(
         default_factory=list, max_length=64,
         description="Revisions staged (or being staged) on the node and not wiped yet; each is "
-                    "removed only when no pod holds a lease on it.")
+                    "removed only when no pod holds a lease on it.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]})
 
 
 class RevisionStatus(_Model):

@@ -48,3 +48,25 @@ def revision_fragment(rev: str, objects: int | None, nbytes: int | None,
                       now: datetime.datetime) -> dict[str, Any]:
     return {"id": rev, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now),
             "versioned": False}
+
+
+def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]],
+               limit: int = 500) -> list[dict[str, Any]]:
+    """status.owners: every owner in a live consumer pod's ownerReferences chain ->
+    the revision its pods stage, so the webhook gives that owner's new pods the
+    same revision (a PyTorchJob recreating a worker after a refresh). Pins of
+    owners with no live pod left are dropped; the first revision seen wins."""
+    from .consumers import holds
+    old = {o.get("uid"): o for o in prior}
+    pins: dict[str, dict[str, Any]] = {}
+    for p in sorted(pods, key=lambda p: p.started or ""):
+        if not p.revision or p.owner is None or not holds(p, owners):
+            continue
+        ref, seen = p.owner, set()
+        while ref is not None and ref.uid not in seen and len(pins) < limit:
+            seen.add(ref.uid)
+            rev = (old.get(ref.uid) or {}).get("revision") or p.revision
+            pins.setdefault(ref.uid, {"uid": ref.uid, "kind": ref.kind, "name": ref.name, "revision": rev})
+            info = owners(ref.uid)
+            ref = info.owner if info is not None else None
+    return [pins[k] for k in sorted(pins)]

@@ -67,7 +67,7 @@ def test_empty_informers_count_as_ready():
     with zero Jobs in the cluster nothing was ever planned or wiped."""
     views = views_mod.Views(FakeKube([]), ())
     assert not views.ready()
-    for m in (views.pods, views.jobs):
+    for m in (views.pods, *views.owners.values()):
         for i in m.informers.values():
             i.ready.set()
     assert len(views.pods) == 0 and views.ready()
@@ -79,3 +79,24 @@ def test_per_namespace_informers_route_by_namespace():
     assert m.informers["a"].path == "/api/v1/namespaces/a/pods"
     m.informers["b"]._upsert(pod("x", "b", "c"))
     assert [p.name for p in m.get(("b", "c"))] == ["x"] and m.get(("a", "c")) == []
+
+
+def test_an_absent_optional_crd_is_an_empty_ready_view():
+    """JobSet/PyTorchJob/... CRDs are optional: a 404 must not block the controller."""
+    from dscache_operator.kube import ApiError
+
+    class Absent(FakeKube):
+        async def request(self, method, path, params=None, **_):
+            self.calls.append(params)
+            raise ApiError(404, "the server could not find the requested resource")
+
+    async def main():
+        inf = Informer(Absent([]), "/apis/kubeflow.org/v1/pytorchjobs", "", lambda b: None, optional=True)
+        task = asyncio.create_task(inf.run())
+        try:
+            await asyncio.wait_for(inf.ready.wait(), 5)
+            assert len(inf) == 0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
