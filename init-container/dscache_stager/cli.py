@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -80,7 +79,8 @@ def _source(ns) -> S3Source:
 
 
 def _sync(ns):
-    from .sync import SyncOptions, default_concurrency, sync  # noqa: PLC0415
+    from .stage import sync  # noqa: PLC0415
+    from .sync_options import SyncOptions, default_concurrency  # noqa: PLC0415
 
     args: StageArgs = _args(StageArgs.from_namespace, ns)
     pod_uid = args.pod_uid or os.environ.get(ENV_POD_UID) or None
@@ -102,6 +102,8 @@ def _sync(ns):
 
 
 def _revision(ns) -> dict:
+    import asyncio  # noqa: PLC0415
+
     from .sync import current_revision  # noqa: PLC0415
 
     source = _source(ns)

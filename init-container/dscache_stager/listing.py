@@ -26,7 +26,6 @@ hold the GIL the copier needs, so obstore lists. Its paths are normalised:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -116,16 +115,6 @@ async def list_objects(store: S3Store, prefix: str) -> AsyncIterator[list[Remote
         # Leave no listing in flight: obstore futures must not outlive the loop.
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
-
-
-async def first_page(store: S3Store, prefix: str) -> None:
-    """One ListObjectsV2 request on the prefix, with this process's credentials.
-
-    Retried like any listing page when the body is cut short (see _pages).
-    """
-    async with contextlib.aclosing(_pages(store, prefix or None)) as pages:
-        async for _ in pages:
-            break
 
 
 def list_keys_raw(source: S3Source) -> list[str]:

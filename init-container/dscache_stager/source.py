@@ -12,8 +12,9 @@ from urllib.parse import urlsplit
 from obstore.store import S3Store
 
 from dscache_contract import parse_source, resolve_addressing_style, resolve_region
+from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
 
-from .errors import SourceError, UsageError
+from .errors import SourceError, StageError, TransientError, UsageError
 
 AddressingStyle = Literal["path", "virtual"]
 # obstore's own per-request retry budget; see open_store.
@@ -112,3 +113,19 @@ def credentials_for_store() -> dict[str, Any]:
         # Public buckets work without credentials; say so only if S3 refuses.
         return {"skip_signature": True}
     return {"credential_provider": Boto3CredentialProvider(session)}
+
+
+def source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
+    """An obstore failure as the stager reports it: access (3), or S3 kept failing (7)."""
+    text = (str(e) or type(e).__name__).split("\n")[0]
+    where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
+    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "AccessDenied" in str(e) or "403" in text:
+        return SourceError(f"access denied to {where} with this pod's credentials: check the credentials "
+                           f"Secret (or the pod's IAM role) and that the bucket policy allows ListBucket and "
+                           f"GetObject; a copy already on the node is not served without access ({text})")
+    if "NoSuchBucket" in str(e):
+        return SourceError(f"no such bucket: {source.bucket} at {source.endpoint_url or 'AWS S3'}; "
+                           f"check the bucket name, region and endpoint")
+    if any(s in str(e) for s in ("error sending request", "Connection refused", "dns error", "connect")) and fetched == 0:
+        return SourceError(f"cannot reach the S3 endpoint for {where}: check the endpoint URL and network policy ({text})")
+    return TransientError(f"S3 kept failing for {where} after retries with backoff: {text}; re-run to resume")

@@ -1,4 +1,7 @@
-"""``dscache-stage sync``: stage one pinned revision of an S3 prefix into C/revs/<rev>.
+"""The cold path of ``dscache-stage sync``: list, check, copy and seal one revision.
+
+stage.py runs the whole command; this module is imported only when the
+revision is not on the node yet (asyncio alone costs a warm start ~20 ms).
 
 1. Access proof, always: one cheap request with this pod's own credentials
    (HEAD of the revision's first object when it is already on the node, else
@@ -19,107 +22,34 @@ import asyncio
 import errno
 import os
 import time
-from dataclasses import dataclass, field
 
-import obstore
-from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+from obstore.exceptions import BaseError, PreconditionError
 
-import dscache_contract as contract
 from dscache_contract import RevisionHasher, Selection, StageSummary
 
 from .errors import (
-    DestinationError, HostileKeysError, NoSpaceError, RevisionGoneError, SourceError, StageError, TransientError,
+    DestinationError, HostileKeysError, NoSpaceError, RevisionGoneError, StageError,
 )
 from .fetch import Fetcher, ObjectGone, exists
-from .keys import Filters, TreeShape, unsafe_reason
-from .layout import Entry, Revision, cache_lock, check_cache_dir, write_lease
-from .listing import RemoteObject, UnrepresentableKeys, first_page, list_keys_raw, list_objects
+from .keys import TreeShape, unsafe_reason
+from .layout import Entry, Revision
+from .listing import RemoteObject, UnrepresentableKeys, list_keys_raw, list_objects
 from .progress import Progress, human_bytes
-from .source import S3Source
+from .source import S3Source, source_error
+from .sync_options import SyncOptions
 from .tree import LocalTree
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
 
 
-def default_concurrency() -> int:
-    # Requests in flight. Small objects are latency-bound (real S3 answers in
-    # tens of ms), so many more than cores; memory stays under this x 1 MiB.
-    # os.cpu_count() counts the node's CPUs, not the container's CPU limit.
-    return min(256, max(64, 32 * (os.cpu_count() or 2)))
-
-
-@dataclass
-class SyncOptions:
-    source: S3Source
-    cache_dir: str
-    revision: str
-    pod_uid: str | None = None
-    filters: Filters = field(default_factory=Filters)
-    concurrency: int = field(default_factory=default_concurrency)
-    progress_interval: float = 3.0
-
-    @property
-    def selection(self) -> Selection:
-        return Selection(self.source.prefix, tuple(self.filters.include), tuple(self.filters.exclude))
-
-
 # Kept as the stager's name for the contract's success line.
 Summary = StageSummary
 
 
-def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
-    progress = progress or Progress()
-    return asyncio.run(_sync(opts, progress))
-
-
-async def _sync(opts: SyncOptions, progress: Progress) -> StageSummary:
-    started = time.monotonic()
-    c = opts.cache_dir
-    check_cache_dir(c)
-    rev = Revision(c, opts.revision)
-    # A complete revision never changes, so its manifest can be read unlocked.
-    probe = rev.first_key() if rev.read_complete() else None
-    store = opts.source.open_store(opts.concurrency)
-    await prove_access(store, opts.source, probe)
-
-    def on_wait() -> None:
-        progress.note(f"another stager or a wipe holds {contract.lock_path(c)}; waiting for it")
-
-    with cache_lock(c, on_wait):
-        if opts.pod_uid:
-            write_lease(c, opts.revision, opts.pod_uid)
-        if (marker := rev.read_complete()) is not None:
-            done = StageSummary.from_dict(marker)
-            progress.note(f"revision {opts.revision} is already complete on this node: "
-                          f"{done.objects} objects, {human_bytes(done.bytes)}; nothing to list or copy")
-            return StageSummary(objects=done.objects, bytes=done.bytes, skipped=done.objects,
-                                seconds=time.monotonic() - started, revision=opts.revision, warm=True)
-        progress.note(f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
-                      f"({opts.concurrency} requests in flight)")
-        return await _Run(opts, rev, store, progress).run()
-
-
-async def prove_access(store, source: S3Source, probe_key: str | None) -> None:
-    """One request with this process's credentials; raise SourceError if S3 refuses.
-
-    A HEAD of an object we are about to serve proves GetObject on it; when it
-    is gone (404) or there is no manifest yet, one listing page proves
-    ListBucket on the prefix, which a cold run needs anyway.
-    """
-    source.check_reachable()
-    try:
-        if probe_key is not None:
-            try:
-                await obstore.head_async(store, probe_key)
-                return
-            except FileNotFoundError:
-                pass  # deleted since: the copy on the node is still whole; prove access by listing
-        await first_page(store, source.prefix)
-    except InvalidPathError:
-        return  # S3 answered with keys obstore cannot represent: access is proven; the listing names them
-    except BaseError as e:
-        raise _source_error(e, source, 0) from e
+def cold(opts: SyncOptions, rev: Revision, store, progress: Progress) -> StageSummary:
+    """Stage ``rev`` from the bucket (called by stage.sync with C's lock held)."""
+    return asyncio.run(_Run(opts, rev, store, progress).run())
 
 
 async def current_revision(source: S3Source, selection: Selection, concurrency: int = 16) -> dict:
@@ -389,16 +319,4 @@ def _destination_error(e: OSError, dest: str) -> StageError:
     return DestinationError(f"writing {dest} failed: {e}")
 
 
-def _source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
-    text = _first_line(e)
-    where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
-    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "AccessDenied" in str(e) or "403" in text:
-        return SourceError(f"access denied to {where} with this pod's credentials: check the credentials "
-                           f"Secret (or the pod's IAM role) and that the bucket policy allows ListBucket and "
-                           f"GetObject; a copy already on the node is not served without access ({text})")
-    if "NoSuchBucket" in str(e):
-        return SourceError(f"no such bucket: {source.bucket} at {source.endpoint_url or 'AWS S3'}; "
-                           f"check the bucket name, region and endpoint")
-    if any(s in str(e) for s in ("error sending request", "Connection refused", "dns error", "connect")) and fetched == 0:
-        return SourceError(f"cannot reach the S3 endpoint for {where}: check the endpoint URL and network policy ({text})")
-    return TransientError(f"S3 kept failing for {where} after retries with backoff: {text}; re-run to resume")
+_source_error = source_error

@@ -288,7 +288,7 @@ def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, 
 def test_cli_exit_1_on_an_internal_error_leaves_a_reason(s3_server: S3Server, bucket: str, tmp_path: Path):
     """Any unexpected exception: exit 1, a traceback on stderr, and one line in the termination log."""
     s3_server.put_tree(bucket, {"i/a": b"a"})
-    boom = ("import sys, dscache_stager.sync as s\n"
+    boom = ("import sys, dscache_stager.stage as s\n"
             "def sync(*a, **k): raise RuntimeError('simulated bug')\n"
             "s.sync = sync\n"
             "from dscache_stager.cli import main\n"
