@@ -17,7 +17,8 @@ REV = "r-0123456789abcdef0123"
     c.StageArgs(source="s3://b", revision=REV, cache_dir="/x/y", pod_uid=c.POD_UID_ARG,
                 endpoint_url="http://minio:9000", region="eu-west-1", addressing_style="virtual",
                 include=("train/*", "-odd", "a b"), exclude=("*.tmp", "--x"), concurrency=8,
-                termination_log="/dev/termination-log", progress_interval=0.5),
+                termination_log="/dev/termination-log", progress_interval=0.5,
+                retry_timeout=2.5),
     c.StageArgs(source="s3://b/p/", revision=REV, pod_uid="6f1c4c2e-8b1a-4c1e-9d7e-0e5a3c1b2a9f"),
 ])
 def test_stage_args_round_trip(args: c.StageArgs):
