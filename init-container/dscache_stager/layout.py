@@ -224,7 +224,13 @@ class Revision:
 
 
 def remove_tree(path: str) -> None:
-    """rmtree that never follows symlinks and gets through 0555 dirs as a non-root uid."""
+    """rmtree that never follows symlinks and gets through sealed (0555) directories.
+
+    Sealed dirs refuse unlinks to any uid without CAP_DAC_OVERRIDE, and the
+    wipe helper runs as uid 0 with every capability dropped. We own them, so
+    on EACCES/EPERM the parent is reopened without following links and made
+    writable (fchmod on that fd), then the step is retried.
+    """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -235,27 +241,26 @@ def remove_tree(path: str) -> None:
 
     def on_error(func, p, exc_info) -> None:
         exc = exc_info[1]
-        if isinstance(exc, PermissionError) and os.geteuid() != 0:
-            # A sealed (0555) parent: open it without following links and allow writes.
-            parent = os.path.dirname(p)
-            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                os.fchmod(fd, 0o755)
-            finally:
-                os.close(fd)
-            func(p)
-        elif isinstance(exc, FileNotFoundError):
+        if isinstance(exc, FileNotFoundError):
             return
-        else:
+        if not isinstance(exc, PermissionError):
             raise exc
+        _make_writable(os.path.dirname(p))
+        if func in (os.rmdir, os.unlink) or getattr(func, "__name__", "") in ("rmdir", "unlink"):
+            func(p)
+        else:  # scandir/open of a dir we may not read: make it readable, then start over on it
+            _make_writable(p)
+            shutil.rmtree(p, onerror=on_error)
 
-    if os.geteuid() != 0:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.fchmod(fd, 0o755)
-        finally:
-            os.close(fd)
     shutil.rmtree(path, onerror=on_error)
+
+
+def _make_writable(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
 
 
 def boot_time() -> float:

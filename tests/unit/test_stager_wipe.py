@@ -269,3 +269,20 @@ def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(roo
     s.join(10)
     assert out["wipe"].removed
     assert out["inode"] != old_inode and out["revs"] is False  # a fresh C, not the deleted one
+
+
+def test_the_wipe_helper_as_root_without_capabilities_removes_sealed_revisions(root: Path):
+    """The helper pod runs as uid 0 with every capability dropped: 0555 dirs refuse it unlinks."""
+    c = C(root)
+    script = ("import sys; from dscache_contract import WipeArgs; from dscache_stager.wipe import wipe; "
+              f"print(wipe(WipeArgs({str(c)!r}, {str(root)!r}, revision={R2!r})).to_json())")
+    p = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", script],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["removed"] is True
+    assert not (c / "revs" / R2).exists() and (c / "revs" / R1).exists()
+    # And the same binary with capabilities really is refused by a sealed dir (the test is not vacuous).
+    sealed = c / "revs" / R1 / "data" / "a"
+    probe = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c",
+                            f"import os; os.unlink({str(sealed / 'f.bin')!r})"], capture_output=True, text=True)
+    assert probe.returncode != 0 and "Permission denied" in probe.stderr
