@@ -271,7 +271,7 @@ def _ttl_passed(last_used: str | None, retention: Retention, now: datetime.datet
 def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owners: OwnerLookup,
               retention: Retention, now: datetime.datetime, deleting: bool = False,
               blocked_everywhere: frozenset[str] = frozenset(),
-              block_all: bool = False) -> NodePlan | None:
+              block_all: bool = False, keep_wiped: float = 3600.0) -> NodePlan | None:
     """``blocked_everywhere``: revisions of unscheduled live pods (they may land here);
     ``block_all``: an unscheduled live pod of unknown revision exists."""
     pods = list(pods)
@@ -308,17 +308,32 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
     entry.consumers = len(consumers)
 
     # Revisions on the node, and the pods that have (had) a lease on each.
-    revs: dict[str, NodeRevision] = {r.id: r.model_copy(deep=True) for r in entry.revisions}
+    # A wiped revision stays listed (wipedAt) for keep_wiped, so that the finished
+    # pods that used it do not bring it back; a pod holding it, or one that
+    # started staging it after the wipe, does.
+    revs: dict[str, NodeRevision] = {}
+    for r in entry.revisions:
+        wiped = parse_time(r.wipedAt)
+        if wiped is None or (now - wiped).total_seconds() <= keep_wiped:
+            revs[r.id] = r.model_copy(deep=True)
     for p in relevant:
-        if p.revision and p.mode == VolumeMode.HOST_PATH:
-            r = revs.setdefault(p.revision, NodeRevision(id=p.revision, lastUsed=fmt_time(now)))
-            if p.uid and p.uid not in r.pods and len(r.pods) < MAX_RECORDED_PODS:
-                r.pods.append(p.uid)
+        if not p.revision or p.mode != VolumeMode.HOST_PATH:
+            continue
+        r = revs.get(p.revision)
+        if r is None:
+            r = revs[p.revision] = NodeRevision(id=p.revision, lastUsed=fmt_time(now))
+        elif r.wipedAt is not None:
+            if p not in consumers and not _started_after(p, parse_time(r.wipedAt)):
+                continue
+            r.wipedAt, r.pods, r.lastUsed = None, [], fmt_time(now)
+        if p.uid and p.uid not in r.pods and len(r.pods) < MAX_RECORDED_PODS:
+            r.pods.append(p.uid)
     for r in revs.values():
         n = sum(1 for p in consumers if p.revision == r.id)
         if n != r.consumers:
             r.consumers, r.lastUsed = n, fmt_time(now)
     entry.revisions = [revs[k] for k in sorted(revs)]
+    active = [r for r in entry.revisions if r.wipedAt is None]
 
     wipes: list[Release] = []
     holds_copy = entry.state != NodeState.WIPED and (prior is not None or bool(relevant))
@@ -334,12 +349,12 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
         if not consumers and not blocked_everywhere:
             # One helper removes C itself once no lease at all remains.
             release = {p.uid for p in done_here if p.uid}
-            for r in entry.revisions:
+            for r in active:
                 release.update(u for u in r.pods if u not in live_here)
             wipes.append(Release(None, tuple(sorted(release))))
     else:
         legacy_holders = any(p.revision is None for p in consumers)
-        for r in entry.revisions:
+        for r in active:
             if r.consumers or legacy_holders or r.id in blocked_everywhere:
                 continue
             if not _ttl_passed(r.lastUsed, retention, now):
@@ -347,7 +362,7 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
             release = {p.uid for p in done_here if p.uid and p.revision == r.id}
             release.update(u for u in r.pods if u not in live_here)
             wipes.append(Release(r.id, tuple(sorted(release))))
-        if not entry.revisions and not consumers and prior is not None and entry.state != NodeState.WIPED:
+        if not active and not consumers and prior is not None and entry.state != NodeState.WIPED:
             # Nothing of any revision left here (or a copy that predates revisions).
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
     newest = max((parse_time(p.started) for p in relevant if p.started), default=None)
@@ -382,7 +397,7 @@ def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo], owners: OwnerLo
             if wiped is None or (now - wiped).total_seconds() > keep_wiped:
                 continue  # keep status bounded: forget long-wiped nodes no pod refers to
         plan = plan_node(node, old, by_node.get(node, []), owners, retention, now, deleting,
-                         frozenset(blocked), block_all)
+                         frozenset(blocked), block_all, keep_wiped)
         if plan is not None:
             plans[node] = plan
     return plans

@@ -119,15 +119,14 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
             outcome = await wipe.drive(kube, ctx.settings, body, namespace, name, entry, step,
                                        plan.relevant_since, logger, now=now)
             if outcome is wipe.Outcome.REMOVED:
-                if step.revision is None:
-                    entry.revisions = []
-                else:
-                    entry.revisions = [r for r in entry.revisions if r.id != step.revision]
+                for r in entry.revisions:
+                    if step.revision in (None, r.id):
+                        r.wipedAt, r.pods, r.consumers = fmt_time(now), [], 0
             elif outcome is wipe.Outcome.KEPT:
                 pass  # a lease we could not prove finished: the next reconciliation looks again
             if outcome is not wipe.Outcome.REMOVED:
                 pending += 1
-        if plan.wipe and not entry.revisions and not entry.consumers \
+        if plan.wipe and not any(r.wipedAt is None for r in entry.revisions) and not entry.consumers \
                 and entry.state != NodeState.WIPED:
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
         elif not plan.wipe and entry.state != NodeState.WIPED and entry.volume == VolumeMode.HOST_PATH:

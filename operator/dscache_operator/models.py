@@ -240,6 +240,9 @@ class NodeRevision(_Model):
     id: str = Field(description="A revision staged (or being staged) on the node.")
     consumers: int = Field(default=0, ge=0, description="Live pods on the node that hold this revision.")
     lastUsed: Timestamp | None = Field(default=None, description="When its set of consumers last changed.")
+    wipedAt: Timestamp | None = Field(
+        default=None, description="When this revision was removed from the node (kept a while so "
+                                  "that finished pods do not bring it back).")
     pods: list[str] = Field(
         default_factory=list, max_length=200,
         description="UIDs of pods seen with this revision on the node (their lease files are "
@@ -303,7 +306,11 @@ class DatasetCacheStatus(_Model):
         default=None,
         description="Pending: the source is not checked yet; Ready: the source "
                     "is readable; Failed: see the SourceReady condition; "
-                    "Deleting: node copies are being wiped.")
+                    "Deleting: node copies are being wiped. Deletion refuses every new pod "
+                    "that asks for this cache (including new pods of Jobs already running), "
+                    "waits only for pods that are still running or pending, then removes "
+                    "each node's copy; a Job that still needs new pods gets them refused with "
+                    "'is being deleted' instead of holding the deletion forever.")
     conditions: list[Condition] = Field(
         default_factory=list,
         description="Conditions in the metav1.Condition shape (SourceReady).",

@@ -280,3 +280,20 @@ def test_leases_of_pods_that_vanished_are_released_from_the_record():
     p = plan_nodes(prior, [pod(phase="Succeeded")], jobs(train=True), WIPE, NOW)["n1"]
     (step,) = p.wipes
     assert step.release == ("uid-gone", "uid-p")
+
+
+def test_a_wiped_revision_is_not_wiped_again_for_finished_pods_but_comes_back_for_new_ones():
+    """Node n1 keeps serving REV2 while REV was wiped: REV's finished pods must
+    not bring it back (that would start a helper every reconciliation)."""
+    prior = [NodeStatus(node="n1", state="Ready", consumers=1, revisions=[
+        NodeRevision(id=REV, wipedAt="2026-11-21T11:50:00Z"), NodeRevision(id=REV2, consumers=1)])]
+    pods = [pod("a-0", job="a", phase="Succeeded", revision=REV, started="2026-11-21T11:00:00Z"),
+            pod("b-0", job="b", revision=REV2)]
+    p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
+    assert not p.wipe and p.entry.state == "Ready"
+    assert [(r.id, r.wipedAt is not None) for r in p.entry.revisions] == [(REV, True), (REV2, False)]
+    # A new pod of REV starts staging there after the wipe: REV is live again.
+    pods.append(pod("c-0", job="c", revision=REV, init="running", started="2026-11-21T11:55:00Z", message=None))
+    p = plan_nodes(prior, pods, jobs(a=True, b=False, c=False), WIPE, NOW)["n1"]
+    assert [(r.id, r.wipedAt) for r in p.entry.revisions][0] == (REV, None)
+    assert p.entry.revisions[0].pods == ["uid-c-0"]
