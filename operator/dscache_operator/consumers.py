@@ -239,9 +239,12 @@ def termination_summary(message: str | None) -> dict[str, Any]:
 
 class Release(NamedTuple):
     """One wipe step to take: remove ``revision`` (None: the whole cache dir, on
-    deletion) on the node once the leases of ``release`` are deleted."""
+    deletion) on the node once the leases of ``release`` are deleted.
+    ``newest_use``: the newest stager start of that revision there (a helper created
+    before it decided on stale facts and is replaced)."""
     revision: str | None
     release: tuple[str, ...]
+    newest_use: datetime.datetime | None = None
 
 
 class NodePlan(NamedTuple):
@@ -351,7 +354,7 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
             release = {p.uid for p in done_here if p.uid}
             for r in active:
                 release.update(u for u in r.pods if u not in live_here)
-            wipes.append(Release(None, tuple(sorted(release))))
+            wipes.append(Release(None, tuple(sorted(release)), _newest(relevant)))
     else:
         legacy_holders = any(p.revision is None for p in consumers)
         for r in active:
@@ -361,12 +364,16 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
                 continue
             release = {p.uid for p in done_here if p.uid and p.revision == r.id}
             release.update(u for u in r.pods if u not in live_here)
-            wipes.append(Release(r.id, tuple(sorted(release))))
+            wipes.append(Release(r.id, tuple(sorted(release)),
+                                 _newest(p for p in relevant if p.revision in (r.id, None))))
         if not active and not consumers and prior is not None and entry.state != NodeState.WIPED:
             # Nothing of any revision left here (or a copy that predates revisions).
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
-    newest = max((parse_time(p.started) for p in relevant if p.started), default=None)
-    return NodePlan(entry, wipes, newest)
+    return NodePlan(entry, wipes, _newest(relevant))
+
+
+def _newest(pods: Iterable[PodInfo]) -> datetime.datetime | None:
+    return max((parse_time(p.started) for p in pods if p.started), default=None)
 
 
 def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo], owners: OwnerLookup,

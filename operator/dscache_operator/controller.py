@@ -117,7 +117,7 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
         live += entry.consumers
         for step in plan.wipes:
             outcome = await wipe.drive(kube, ctx.settings, body, namespace, name, entry, step,
-                                       plan.relevant_since, logger, now=now)
+                                       step.newest_use, logger, now=now)
             if outcome is wipe.Outcome.REMOVED:
                 for r in entry.revisions:
                     if step.revision in (None, r.id):

@@ -36,9 +36,9 @@ DEFAULT_REFRESH_INTERVAL = "1h"
 
 
 
-# --- the API vocabulary (str enums: they compare equal to, and serialise as, their value) ---
+# --- the API vocabulary (StrEnum: compares equal to, formats and serialises as its value) ---
 
-class Phase(str, enum.Enum):
+class Phase(enum.StrEnum):
     """status.phase of a DatasetCache."""
     PENDING = "Pending"
     READY = "Ready"
@@ -46,7 +46,7 @@ class Phase(str, enum.Enum):
     DELETING = "Deleting"
 
 
-class NodeState(str, enum.Enum):
+class NodeState(enum.StrEnum):
     """status.nodes[].state: what one node's copy is."""
     STAGING = "Staging"
     READY = "Ready"
@@ -54,18 +54,18 @@ class NodeState(str, enum.Enum):
     WIPED = "Wiped"
 
 
-class VolumeMode(str, enum.Enum):
+class VolumeMode(enum.StrEnum):
     """Where a pod's copy lives: a node-level hostPath under cacheRoot, or a per-pod emptyDir."""
     HOST_PATH = "HostPath"
     EMPTY_DIR = "EmptyDir"
 
 
-class RetentionPolicy(str, enum.Enum):
+class RetentionPolicy(enum.StrEnum):
     WIPE_ON_JOB_COMPLETION = "WipeOnJobCompletion"
     RETAIN_WHILE_USED = "RetainWhileUsed"
 
 
-class PodPhase(str, enum.Enum):
+class PodPhase(enum.StrEnum):
     """Kubernetes' own pod phases (read, never written)."""
     PENDING = "Pending"
     RUNNING = "Running"
