@@ -71,8 +71,8 @@ def index_caches(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[A
 
 
 #: How long admission waits for a just-created cache's first revision (the
-#: source check usually takes well under a second; webhooks time out at 10 s).
-FIRST_REVISION_WAIT = 4.0
+#: source check usually takes well under a second; our webhooks time out at 5 s).
+FIRST_REVISION_WAIT = 3.0
 
 
 def _settled(view: CacheView) -> bool:
