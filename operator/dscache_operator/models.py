@@ -162,10 +162,14 @@ class Retention(_Model):
     )
     policy: RetentionPolicy = Field(
         default=RetentionPolicy.WIPE_ON_JOB_COMPLETION,
-        description="WipeOnJobCompletion: a node's copy is wiped as soon as the "
-                    "Jobs that used it complete or fail and no other consumer on "
-                    "that node is alive. RetainWhileUsed: the copy stays for later "
-                    "Jobs and is wiped ttlAfterLastUse after its last consumer ended.")
+        description="WipeOnJobCompletion: a node's copy of a revision is wiped as soon as "
+                    "the workloads that used it complete or fail and no other consumer on "
+                    "that node holds it. RetainWhileUsed: the copy stays for later "
+                    "Jobs and is wiped ttlAfterLastUse after its last consumer ended. "
+                    "A pod uses the cache as long as its top-level owner runs: Job, JobSet, "
+                    "PyTorchJob, TrainJob, RayJob (or RayCluster) and Volcano Job are judged "
+                    "by their finished condition; pods of other owners (or none) by their "
+                    "own phase. A pod not yet scheduled holds its revision on every node.")
     ttlAfterLastUse: str | None = Field(
         default=None,
         description="With RetainWhileUsed: how long an unused copy is kept, as a "
