@@ -289,18 +289,22 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
     if relevant:
         entry.volume = (VolumeMode.HOST_PATH if any(p.mode == VolumeMode.HOST_PATH for p in relevant)
                         else VolumeMode.EMPTY_DIR)
-        ok = [p for p in relevant if p.init == "ok"]
-        failed = [p for p in relevant if p.init == "failed"]
+        # Ready means: what the live consumers hold is on disk. So while any
+        # consumer's stager has not finished (it may be re-staging a revision a
+        # wipe just removed), the node is Staging, even if older pods were Ready.
         pending = [p for p in consumers if p.init in (None, "waiting", "running")]
-        if ok:
+        basis = consumers if consumers else relevant
+        ok = [p for p in basis if p.init == "ok"]
+        failed = [p for p in basis if p.init == "failed"]
+        if pending:
+            entry.state, entry.message = NodeState.STAGING, None
+        elif ok:
             best = max(ok, key=lambda p: p.started or "")
             summary = termination_summary(best.message)
             entry.state, entry.message = NodeState.READY, None
             for field in ("bytes", "objects", "seconds"):
                 if isinstance(summary.get(field), (int, float)):
                     setattr(entry, field, summary[field])
-        elif pending:
-            entry.state, entry.message = NodeState.STAGING, None
         elif failed:
             last = max(failed, key=lambda p: p.started or "")
             entry.state = NodeState.FAILED

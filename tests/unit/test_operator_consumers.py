@@ -297,3 +297,15 @@ def test_a_wiped_revision_is_not_wiped_again_for_finished_pods_but_comes_back_fo
     p = plan_nodes(prior, pods, jobs(a=True, b=False, c=False), WIPE, NOW)["n1"]
     assert [(r.id, r.wipedAt) for r in p.entry.revisions][0] == (REV, None)
     assert p.entry.revisions[0].pods == ["uid-c-0"]
+
+
+def test_node_is_not_ready_while_a_consumer_is_still_staging():
+    """test_wipe_race: Job 1's pods were Ready; the wipe may have just removed the copy
+    that Job 2's pod (stager not finished) now holds: the node must say Staging."""
+    prior = [node(consumers=0)]
+    pods = [pod("a-0", job="a", phase="Succeeded"),
+            pod("b-0", job="b", phase="Pending", init="waiting", started=None, message=None)]
+    p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
+    assert p.entry.state == "Staging" and not p.wipe
+    pods[1] = pods[1]._replace(phase="Running", init="ok", started="2026-11-21T11:59:00Z", message=SUMMARY)
+    assert plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"].entry.state == "Ready"
