@@ -345,13 +345,15 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
     send_go(kube, ns, pod1["metadata"]["name"])
     assert_complete(kube, ns, "saw-1")
 
-    def rev1_wiped() -> dict | None:
-        done = [p for p in _wipe_helpers(kube, ns, name)
-                if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-revision") == rev1
-                and (p.get("status") or {}).get("phase") == "Succeeded"]
-        return done[0] if done and not node_path_exists(f"{c}/revs/{rev1}") else None
+    helpers: set[str] = set()
 
-    wait_for(f"revision {rev1} wiped on {node}", rev1_wiped, timeout=90,
+    def rev1_wiped() -> bool:
+        # The helper is deleted once the operator has read its result, so remember every one seen.
+        helpers.update(p["metadata"]["uid"] for p in _wipe_helpers(kube, ns, name)
+                       if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-revision") == rev1)
+        return bool(helpers) and not node_path_exists(f"{c}/revs/{rev1}")
+
+    wait_for(f"revision {rev1} wiped on {node}", rev1_wiped, timeout=90, interval=0.2,
              describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
     # The wipe ran while P was still in its init container, and took nothing P needs.
     assert sleeping() is not None, "the init container finished before the wipe: the test proved nothing"
