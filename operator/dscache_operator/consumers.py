@@ -40,8 +40,8 @@ INIT_NAME = "dscache-stage"
 MODE_ANNOTATION = "dscache.io/volume"
 REVISION_ANNOTATION = "dscache.io/revision"
 
-#: Recorded lease holders per (node, revision) are capped: status must stay small.
-MAX_RECORDED_PODS = 200
+#: Stray leases recorded per (node, revision) are capped: status must stay small.
+MAX_STRAY_LEASES = 200
 
 
 class OwnerRef(NamedTuple):
@@ -274,9 +274,19 @@ def _ttl_passed(last_used: str | None, retention: Retention, now: datetime.datet
 def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owners: OwnerLookup,
               retention: Retention, now: datetime.datetime, deleting: bool = False,
               blocked_everywhere: frozenset[str] = frozenset(),
-              block_all: bool = False, keep_wiped: float = 3600.0) -> NodePlan | None:
+              block_all: bool = False, keep_wiped: float = 3600.0,
+              live_anywhere: frozenset[str] = frozenset()) -> NodePlan | None:
     """``blocked_everywhere``: revisions of unscheduled live pods (they may land here);
-    ``block_all``: an unscheduled live pod of unknown revision exists."""
+    ``block_all``: an unscheduled live pod of unknown revision exists;
+    ``live_anywhere``: UIDs of every pod of the cache that still holds its revision.
+
+    Which leases a wipe releases: those of this node's pods that no longer hold
+    the revision, plus the stray leases an earlier wipe reported that still belong
+    to no holding pod. A lease is written by a running stager, whose pod carries
+    our label from admission on, so the pod view shows it within the watch lag; a
+    UID still unknown one reconciliation after a wipe reported it is a pod deleted
+    meanwhile (e.g. while the operator was down), and keeping its lease would keep
+    the revision forever."""
     pods = list(pods)
     wiped_at = parse_time(prior.wipedAt) if prior is not None else None
     consumers = [p for p in pods if holds(p, owners, deleting)]
@@ -332,9 +342,7 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
         elif r.wipedAt is not None:
             if p not in consumers and not _started_after(p, parse_time(r.wipedAt)):
                 continue
-            r.wipedAt, r.pods, r.lastUsed = None, [], fmt_time(now)
-        if p.uid and p.uid not in r.pods and len(r.pods) < MAX_RECORDED_PODS:
-            r.pods.append(p.uid)
+            r.wipedAt, r.strayLeases, r.lastUsed = None, [], fmt_time(now)
     for r in revs.values():
         n = sum(1 for p in consumers if p.revision == r.id)
         if n != r.consumers:
@@ -344,7 +352,6 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
 
     wipes: list[Release] = []
     holds_copy = entry.state != NodeState.WIPED and (prior is not None or bool(relevant))
-    live_here = {p.uid for p in consumers}
     done_here = [p for p in pods if p not in consumers]
     if entry.volume == VolumeMode.EMPTY_DIR:
         if holds_copy and not consumers and (deleting or _ttl_passed(entry.lastUsed, retention, now)):
@@ -357,7 +364,7 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
             # One helper removes C itself once no lease at all remains.
             release = {p.uid for p in done_here if p.uid}
             for r in active:
-                release.update(u for u in r.pods if u not in live_here)
+                release.update(u for u in r.strayLeases if u not in live_anywhere)
             wipes.append(Release(None, tuple(sorted(release)), _newest(relevant)))
     else:
         legacy_holders = any(p.revision is None for p in consumers)
@@ -367,7 +374,7 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
             if not _ttl_passed(r.lastUsed, retention, now):
                 continue
             release = {p.uid for p in done_here if p.uid and p.revision == r.id}
-            release.update(u for u in r.pods if u not in live_here)
+            release.update(u for u in r.strayLeases if u not in live_anywhere)
             wipes.append(Release(r.id, tuple(sorted(release)),
                                  _newest(p for p in relevant if p.revision in (r.id, None))))
         if not active and not consumers and prior is not None and entry.state != NodeState.WIPED:
@@ -385,6 +392,7 @@ def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo], owners: OwnerLo
                keep_wiped: float = 3600.0, gone_nodes: frozenset[str] = frozenset()) -> dict[str, NodePlan]:
     """``gone_nodes``: nodes the API server says no longer exist. They are dropped
     from status and get no wipe helper (their disks went with them)."""
+    pods = list(pods)
     by_node: dict[str, list[PodInfo]] = {}
     blocked: set[str] = set()
     block_all = False
@@ -397,6 +405,7 @@ def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo], owners: OwnerLo
                 blocked.add(p.revision)
             else:
                 block_all = True
+    live = frozenset(p.uid for p in pods if p.uid and holds(p, owners, deleting))
     prior_by_node = {n.node: n for n in prior}
     plans = {}
     for node in sorted(set(by_node) | set(prior_by_node)):
@@ -408,7 +417,7 @@ def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo], owners: OwnerLo
             if wiped is None or (now - wiped).total_seconds() > keep_wiped:
                 continue  # keep status bounded: forget long-wiped nodes no pod refers to
         plan = plan_node(node, old, by_node.get(node, []), owners, retention, now, deleting,
-                         frozenset(blocked), block_all, keep_wiped)
+                         frozenset(blocked), block_all, keep_wiped, live)
         if plan is not None:
             plans[node] = plan
     return plans

@@ -19,7 +19,7 @@ import kopf
 
 from . import common, sourcecheck, status as st, wipe
 from .common import Context, ctx_of
-from .consumers import fmt_time, plan_nodes
+from .consumers import MAX_STRAY_LEASES, fmt_time, plan_nodes
 from .kube import ApiError
 from .metrics import METRICS
 from .models import GROUP, PLURAL, REFRESH_ANNOTATION, VERSION, DatasetCacheSpec, NodeState, NodeStatus, Phase, VolumeMode
@@ -116,14 +116,17 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
             continue
         live += entry.consumers
         for step in plan.wipes:
-            outcome = await wipe.drive(kube, ctx.settings, body, namespace, name, entry, step,
-                                       step.newest_use, logger, now=now)
-            if outcome is wipe.Outcome.REMOVED:
-                for r in entry.revisions:
-                    if step.revision in (None, r.id):
-                        r.wipedAt, r.pods, r.consumers = fmt_time(now), [], 0
-            elif outcome is wipe.Outcome.KEPT:
-                pass  # a lease we could not prove finished: the next reconciliation looks again
+            outcome, leases = await wipe.drive(kube, ctx.settings, body, namespace, name, entry, step,
+                                               step.newest_use, logger, now=now)
+            for r in entry.revisions:
+                if step.revision not in (None, r.id):
+                    continue
+                if outcome is wipe.Outcome.REMOVED:
+                    r.wipedAt, r.strayLeases, r.consumers = fmt_time(now), [], 0
+                elif outcome is wipe.Outcome.KEPT:
+                    # Leases of pods we did not release: looked at again next time (see
+                    # consumers.plan_node for why an unknown one is then released).
+                    r.strayLeases = sorted(set(leases))[:MAX_STRAY_LEASES]
             if outcome is not wipe.Outcome.REMOVED:
                 pending += 1
         if plan.wipe and not any(r.wipedAt is None for r in entry.revisions) and not entry.consumers \

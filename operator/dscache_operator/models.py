@@ -247,10 +247,10 @@ class NodeRevision(_Model):
     wipedAt: Timestamp | None = Field(
         default=None, description="When this revision was removed from the node (kept a while so "
                                   "that finished pods do not bring it back).")
-    pods: list[str] = Field(
+    strayLeases: list[str] = Field(
         default_factory=list, max_length=200,
-        description="UIDs of pods seen with this revision on the node (their lease files are "
-                    "released when the revision is wiped).")
+        description="Leases a wipe found that belong to no pod the operator can see (pods deleted "
+                    "while it was not looking); released by the next wipe if still unknown then.")
 
 
 class NodeStatus(_Model):

@@ -139,8 +139,9 @@ class Outcome(enum.Enum):
 
 async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name: str,
                 entry: NodeStatus, step: Any, newest_use: datetime.datetime | None, logger: Any,
-                now: datetime.datetime | None = None) -> Outcome:
-    """Drive one (node, revision) wipe one step. ``step`` is a consumers.Release."""
+                now: datetime.datetime | None = None) -> tuple[Outcome, list[str]]:
+    """Drive one (node, revision) wipe one step. ``step`` is a consumers.Release.
+    Returns the outcome and, when KEPT, the leases that kept it."""
     now = now or _now()
     revision, release = step.revision, tuple(step.release)
     what = f"revision {revision}" if revision else "the whole cache dir"
@@ -151,7 +152,7 @@ async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name:
     if state is not WipeState.ABSENT and newest_use and created and newest_use > created:
         # A stager started after this helper was created: its result is stale.
         await kube.delete_pod(settings.namespace, pod_name)
-        return Outcome.IN_PROGRESS
+        return Outcome.IN_PROGRESS, []
     if state is WipeState.ABSENT:
         created_pod = await kube.create_pod(
             settings.namespace, helper_pod(namespace, name, entry.node, settings, revision, release))
@@ -161,7 +162,7 @@ async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name:
             kopf.event(body, type="Normal", reason="Wiping",
                        message=f"wiping {what} on node {entry.node} (helper pod "
                                f"{settings.namespace}/{pod_name}, releasing {len(release)} lease(s))")
-        return Outcome.IN_PROGRESS
+        return Outcome.IN_PROGRESS, []
     if state is WipeState.PENDING:
         if created and (now - created).total_seconds() > PENDING_TIMEOUT:
             # Never wait forever on a helper that cannot start: say why, and retry.
@@ -173,9 +174,9 @@ async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name:
                                f"will retry")
             entry.message = f"wipe helper stuck Pending: {why}"
             await kube.delete_pod(settings.namespace, pod_name)
-        return Outcome.IN_PROGRESS
+        return Outcome.IN_PROGRESS, []
     if state is WipeState.RUNNING:
-        return Outcome.IN_PROGRESS
+        return Outcome.IN_PROGRESS, []
     if state is WipeState.FAILED:
         msg = helper_message(pod)
         busy = _exit_code(pod) == int(contract.ExitCode.BUSY)
@@ -185,18 +186,18 @@ async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name:
                        message=f"wiping {what} on node {entry.node} failed: {msg}; retrying")
             entry.message = f"wipe failed: {msg}"
         await kube.delete_pod(settings.namespace, pod_name)
-        return Outcome.IN_PROGRESS
+        return Outcome.IN_PROGRESS, []
     # Succeeded: removed, or kept by leases we did not release.
     summary = _wipe_summary(pod)
     await kube.delete_pod(settings.namespace, pod_name)
     if summary is not None and summary.existed and not summary.removed:
         METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="kept")
         entry.message = (f"{what} kept: lease(s) of pod(s) {', '.join(summary.leases[:5])} remain")[:4096]
-        return Outcome.KEPT
+        return Outcome.KEPT, list(summary.leases)
     METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="succeeded")
     kopf.event(body, type="Normal", reason="Wiped", message=f"wiped {what} on node {entry.node}")
     entry.message = None
-    return Outcome.REMOVED
+    return Outcome.REMOVED, []
 
 
 def _exit_code(pod: dict[str, Any]) -> int | None:

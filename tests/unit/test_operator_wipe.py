@@ -53,9 +53,12 @@ def helper(phase, created="2026-11-21T11:59:00Z", exit_code=None, message="", wa
     return {"metadata": {"name": "h", "creationTimestamp": created}, "status": status}
 
 
-def drive(kube, entry, step=Release(REV, ("u1",))):
-    return asyncio.run(wipe.drive(kube, S, {}, "ml", "c", entry, step, None,
-                                  logging.getLogger("t"), now=NOW))
+def drive(kube, entry, step=Release(REV, ("u1",)), leases=None):
+    outcome, kept = asyncio.run(wipe.drive(kube, S, {}, "ml", "c", entry, step, None,
+                                           logging.getLogger("t"), now=NOW))
+    if leases is not None:
+        leases.extend(kept)
+    return outcome
 
 
 def test_creates_the_helper_with_the_release_list(events):
@@ -82,8 +85,8 @@ def test_leases_we_did_not_release_keep_the_revision(events):
     summary = {"cache": "/x", "revision": REV, "released": ["u1"], "removed": False, "existed": True,
                "leases": ["u9"]}
     kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(summary)))
-    entry = NodeStatus(node="n1", state="Ready")
-    assert drive(kube, entry) is wipe.Outcome.KEPT
+    entry, kept = NodeStatus(node="n1", state="Ready"), []
+    assert drive(kube, entry, leases=kept) is wipe.Outcome.KEPT and kept == ["u9"]
     assert "u9" in entry.message and kube.deleted == [NAME]
 
 
