@@ -824,3 +824,54 @@ def test_api_client_survives_a_rotated_token(kube_api, dscache_operator, tmp_pat
 
     from dscache_operator.kube import ApiError as ApiErrorK
     asyncio.run(main())
+
+
+def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operator, ready_cache):
+    """A PyTorchJob (its CRD installed after the operator started: an optional kind): a
+    worker that failed while the PyTorchJob runs keeps the node's copy; the copy is
+    released only when the PyTorchJob has finished."""
+    k = kube_api
+    op = dscache_operator
+    ns, name = ready_cache
+    k.apply_yaml_docs([{
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "pytorchjobs.kubeflow.org"},
+        "spec": {"group": "kubeflow.org", "scope": "Namespaced",
+                 "names": {"kind": "PyTorchJob", "plural": "pytorchjobs", "singular": "pytorchjob"},
+                 "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                               "schema": {"openAPIV3Schema": {"type": "object",
+                                                              "x-kubernetes-preserve-unknown-fields": True}}}]}}])
+    k.wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in (k.get(
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pytorchjobs.kubeflow.org").get("status")
+        or {}).get("conditions") or []), what="PyTorchJob CRD")
+    op.stop("controller")   # the absent kind is looked at again every minute; do not wait for that
+    op.start("controller")
+    pt = k.create(f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs",
+                  {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "pt"},
+                   "spec": {}})
+    ensure_node(k, "node-pt")
+    worker = k.create(f"/api/v1/namespaces/{ns}/pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "pt-worker-0", "annotations": {"dscache.io/cache": name},
+                     "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "pt",
+                                          "uid": pt["metadata"]["uid"], "controller": True}]},
+        "spec": {"nodeName": "node-pt", "restartPolicy": "Never",
+                 "containers": [{"name": "pytorch", "image": "t"}]}})
+    rev = worker["metadata"]["annotations"]["dscache.io/revision"]
+    kubelet_status(k, ns, "pt-worker-0", phase="Running", init="done", message=json.dumps(SUMMARY))
+    wait_node_state(k, ns, name, "node-pt", "Ready")
+    k.wait_for(lambda: any(o["uid"] == pt["metadata"]["uid"] and o["revision"] == rev
+                           for o in get_cache(k, ns, name)["status"].get("owners") or []),
+               what="the PyTorchJob pinned in status.owners")
+    kubelet_status(k, ns, "pt-worker-0", phase="Failed", init="done", message=json.dumps(SUMMARY))
+    time.sleep(3)
+    assert helper_for(k, ns, name) == [], "wiped while the PyTorchJob still runs (it may recreate the worker)"
+    assert node_entry(k, ns, name, "node-pt")["consumers"] == 1
+    t = now_rfc3339()
+    k.merge_patch(f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/pt/status", {"status": {"conditions": [
+        {"type": "Succeeded", "status": "True", "lastTransitionTime": t, "reason": "Done"}]}})
+    helper = k.wait_for(lambda: helper_for(k, ns, name), what="helper once the PyTorchJob finished")[0]
+    args = WipeArgs.from_argv(helper["spec"]["containers"][0]["args"])
+    assert (args.revision, args.release) == (rev, (worker["metadata"]["uid"],))
+    kubelet_runs_helper(k, helper)
+    wait_node_state(k, ns, name, "node-pt", "Wiped")
