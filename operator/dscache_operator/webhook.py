@@ -77,8 +77,10 @@ FIRST_REVISION_WAIT = 3.0
 
 def _settled(view: CacheView) -> bool:
     """Enough to decide: broken or being deleted, or checked with a revision pinned."""
+    checked = view.phase not in (None, Phase.PENDING)
+    # NotVerifiable: checked, but the operator cannot list the source, so no revision will come.
     return view.phase == Phase.FAILED or view.deleting or (
-        view.phase not in (None, Phase.PENDING) and view.revision is not None)
+        checked and (view.revision is not None or view.reason == "NotVerifiable"))
 
 
 async def lookup(ctx: Context, namespace: str, name: str, index: Any,
