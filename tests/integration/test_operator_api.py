@@ -875,3 +875,27 @@ def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operato
     assert (args.revision, args.release) == (rev, (worker["metadata"]["uid"],))
     kubelet_runs_helper(k, helper)
     wait_node_state(k, ns, name, "node-pt", "Wiped")
+
+
+def test_deleting_a_cache_whose_job_still_needs_pods_does_not_deadlock(kube_api, ready_cache):
+    """The Job's pod failed and the Job would start another, but the cache is being
+    deleted: the new pod is refused, and the deletion completes without waiting for a
+    Job that can never finish with this cache."""
+    k = kube_api
+    ns, name = ready_cache
+    job = create_job(k, ns, job_body("needy", name))
+    pod = start_job_pod(k, ns, job, "node-dl")
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+    wait_node_state(k, ns, name, "node-dl", "Ready")
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Failed", init="done", message=json.dumps(SUMMARY))
+    time.sleep(2)
+    assert helper_for(k, ns, name) == [], "wiped while the Job may still start a pod"
+    k.delete(f"{DSC.format(ns=ns)}/{name}")
+    with pytest.raises(ApiError) as e:   # what the job controller's next pod gets
+        start_job_pod(k, ns, job, "node-dl", suffix="1")
+    assert "being deleted" in e.value.body
+    helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper although the Job runs")[0]
+    args = WipeArgs.from_argv(helper["spec"]["containers"][0]["args"])
+    assert args.all_revisions and args.release == (pod["metadata"]["uid"],)
+    kubelet_runs_helper(k, helper)
+    k.wait_for(lambda: get_cache(k, ns, name) is None, timeout=30, what="cache gone")
