@@ -161,6 +161,18 @@ def mutated(ds: w.Dataset, overwrite: str, delete: str) -> w.Dataset:
     return w.Dataset(bucket=ds.bucket, prefix=ds.prefix, files=files)
 
 
+def record(cfg, test: str, figures: dict[str, Any]) -> None:
+    """Keep what a test saw in <results>/snapshots.json (pytest captures stdout; the note needs numbers)."""
+    path = cfg.results / "snapshots.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[test] = figures
+    cfg.results.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def own_dataset(cfg, s3, tag: str, seed: int) -> w.Dataset:
     """A prefix of the session bucket for this test alone: it is changed underneath the Jobs."""
     ds = w.Dataset(bucket=f"dscache-e2e-{cfg.run_id}", prefix=f"{tag}-{cfg.run_id}",
@@ -208,8 +220,8 @@ def test_snapshot_isolation(cfg, kube, s3, cache_factory, dataset):
     m = re.search(r"ISOLATION rounds=(\d+) mismatches=(\d+) missing=(\d+)", out)
     assert m, out[-2000:]
     rounds, mismatches, missing = map(int, m.groups())
-    print(f"snapshot isolation: A read revision {rev_a} {rounds} times in 120 s: {mismatches} mismatches, "
-          f"{missing} missing; B got {rev_b}")
+    record(cfg, "test_snapshot_isolation", {"revision_a": rev_a, "revision_b": rev_b, "a_rounds": rounds,
+                                            "a_mismatches": mismatches, "a_missing": missing})
     assert rounds >= 2 and mismatches == 0 and missing == 0
 
 
@@ -293,9 +305,11 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
             else:
                 warm += bool(init_summary(job_pods(kube, ns, j2)[0])["warm"])
             kube.kubectl("delete", "job", j1, j2, "-n", ns, "--wait=false", "--cascade=background")
-    print(f"wipe race: {rounds} rounds, {len(seen_helpers)} helpers raced, second Job warm {warm} times "
-          f"(else staged again after the wipe); {monitor.samples} status samples, {monitor.ready_samples} "
-          f"with a held Ready revision checked on disk")
+    record(cfg, "test_wipe_race", {"rounds": rounds, "helpers_raced": len(seen_helpers),
+                                   "second_job_warm": warm, "second_job_restaged": rounds - warm,
+                                   "reader_failures": len(reader_failures), "status_samples": monitor.samples,
+                                   "ready_samples_checked_on_disk": monitor.ready_samples,
+                                   "ready_while_missing": len(monitor.violations)})
     assert not reader_failures, "\n\n".join(reader_failures)
     assert not monitor.violations, monitor.violations
     assert len(seen_helpers) == rounds and monitor.ready_samples > 0
@@ -361,8 +375,11 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
 
     assert_complete(kube, ns, "saw-2", timeout=180)
     pod2 = job_pods(kube, ns, "saw-2")[0]
-    assert init_summary(pod2)["revision"] == rev2
+    summary = init_summary(pod2)
+    assert summary["revision"] == rev2
     assert f"VERIFIED revision={rev2}" in logs(kube, ns, pod2)
+    record(cfg, "test_stage_after_wipe", {"revision_1": rev1, "revision_2": rev2, "helpers_for_rev1": len(helpers),
+                                          "stager_warm": summary["warm"]})
 
 
 def test_cache_mount_read_only(cfg, kube, cache_factory, dataset):
@@ -387,11 +404,15 @@ def test_cache_mount_read_only(cfg, kube, cache_factory, dataset):
     if created.returncode != 0:
         # Refused at admission: the message must say why.
         assert "dscache-data" in created.stderr and "read" in created.stderr.lower(), created.stderr
+        record(cfg, "test_cache_mount_read_only", {"outcome": "refused", "message": created.stderr.strip()})
         return
     assert_complete(kube, ns, "ro-poke")
     pod = job_pods(kube, ns, "ro-poke")[0]
+    seen = {}
     for container in ("poke-init", w.TRAIN_CONTAINER):
         out = kube.logs(pod["metadata"]["name"], ns, container)
         assert "EROFS_OK create" in out and "EROFS_OK mkdir" in out, f"{container}: {out}"
+        seen[container] = out.strip()
+    record(cfg, "test_cache_mount_read_only", {"outcome": "EROFS", **seen})
     assert not node_path_exists(f"{host_copy(cfg, ns, name)}/revs/{current_revision(kube, ns, name)}/data/"
                                 "poked-by-main-create")
