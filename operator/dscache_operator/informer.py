@@ -155,7 +155,8 @@ class Informer:
             except Gone:
                 rv = ""
             except ApiError as e:
-                if self.optional and not rv and e.status in (403, 404):
+                if self.optional and e.status in (403, 404):  # CRD absent (or removed), or not granted
+                    rv = ""
                     if not self.ready.is_set() or len(self):
                         logger.info(f"{self.path}: {e.status}, an optional kind: an empty view "
                                     f"(looking again in {self.absent_retry:.0f}s)")
