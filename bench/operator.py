@@ -234,7 +234,10 @@ def main() -> int:
             "apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache", "metadata": {"name": "hot"},
             "spec": {"source": {"uri": f"s3://{bucket}/data/"}, "mountPath": "/data"}})
         k.merge_patch("/apis/dscache.io/v1alpha1/namespaces/bench-hook/datasetcaches/hot/status",
-                      {"status": {"phase": "Ready"}})
+                      # A pinned revision, as the controller would set it: admission needs one.
+                      {"status": {"phase": "Ready", "revision": {
+                          "id": "r-0123456789abcdef0123", "objects": 1, "bytes": 1,
+                          "listedAt": "2026-01-01T00:00:00Z"}}})
         time.sleep(1.0)
         url = f"https://127.0.0.1:{op.webhook_port}/dscache-hostpath"
         log(f"driving {args.rate:.0f} AdmissionReviews/s for {seconds:.0f}s at {url}")

@@ -1,56 +1,21 @@
-"""Command line of ``dscache-stage``."""
+"""Command line of ``dscache-stage``; the parser is the contract's (dscache_contract.build_parser)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
-from .errors import EXIT_CODES, StageError, UsageError
+from dscache_contract import (
+    ENV_POD_UID, TERMINATION_LOG, ArgsError, ExitCode, Selection, StageArgs, WipeArgs, build_parser,
+)
+
+from .errors import StageError, UsageError
 from .keys import Filters
 from .progress import Progress
 from .source import S3Source
-from .sync import SyncOptions, default_concurrency, sync
-from .wipe import wipe
 
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
-
-
-def _parser() -> argparse.ArgumentParser:
-    codes = "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
-    p = argparse.ArgumentParser(
-        prog="dscache-stage",
-        description="Stage an S3 prefix onto local disk before training starts, or wipe a staged copy.",
-        epilog=f"exit codes:\n{codes}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("sync", help="make DEST an exact copy of s3://BUCKET/PREFIX",
-                       epilog=f"exit codes:\n{codes}", formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("source", metavar="s3://BUCKET/PREFIX")
-    s.add_argument("dest", metavar="DEST", type=Path)
-    s.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph RGW, OBS, OSS...)")
-    s.add_argument("--region", help="bucket region (default: AWS_REGION, else us-east-1)")
-    s.add_argument("--addressing-style", choices=["path", "virtual"],
-                   help="default: path with --endpoint-url, virtual otherwise")
-    s.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="copy only keys (relative to PREFIX) matching a GLOB; repeatable")
-    s.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip keys (relative to PREFIX) matching a GLOB; repeatable; wins over --include")
-    s.add_argument("--concurrency", type=int, default=default_concurrency(), metavar="N",
-                   help="requests in flight (default: %(default)s on this machine)")
-    s.add_argument("--termination-log", metavar="PATH",
-                   help=f"where the final line also goes (default: {DEFAULT_TERMINATION_LOG} if it exists)")
-    s.add_argument("--progress-interval", type=float, default=3.0, metavar="SECONDS")
-
-    w = sub.add_parser("wipe", help="delete DIR, only if it lies inside ROOT, never following symlinks")
-    w.add_argument("dir", metavar="DIR")
-    w.add_argument("--root", required=True, metavar="ROOT")
-    w.add_argument("--termination-log", metavar="PATH")
-    return p
+DEFAULT_TERMINATION_LOG = TERMINATION_LOG
 
 
 def entry() -> None:
@@ -67,47 +32,98 @@ def entry() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    log = args.termination_log or (DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None)
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        if args.command == "sync":
-            result = _sync(args)
+        ns = build_parser().parse_args(argv)
+    except ArgsError as e:
+        print(f"{e}\nrun 'dscache-stage --help' for the synopsis", file=sys.stderr, flush=True)
+        log = _log_from_argv(argv)
+        _write_log(log, f"error: {e}")
+        return ExitCode.USAGE
+    log = getattr(ns, "termination_log", None) or (
+        DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None)
+    try:
+        if ns.command == "sync":
+            line = _sync(ns).to_json()
+        elif ns.command == "wipe":
+            from .wipe import wipe  # noqa: PLC0415 - keeps obstore out of the wipe helper's start-up
+
+            line = wipe(_args(WipeArgs.from_namespace, ns)).to_json()
         else:
-            removed = wipe(args.dir, args.root)
-            result = {"wiped": args.dir, "existed": removed}
+            line = json.dumps(_revision(ns))
     except StageError as e:
         return _fail(log, e.exit_code, str(e))
     except KeyboardInterrupt:
-        return _fail(log, 130, "interrupted")
+        return _fail(log, ExitCode.INTERRUPTED, "interrupted")
     except Exception as e:  # noqa: BLE001 - a bug; still leave a reason behind
         import traceback
 
         traceback.print_exc()
-        return _fail(log, 1, f"internal error: {type(e).__name__}: {e}")
-    line = json.dumps(result)
+        return _fail(log, ExitCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
     print(line, flush=True)
     _write_log(log, line)
-    return 0
+    return ExitCode.OK
 
 
-def _sync(args: argparse.Namespace) -> dict:
-    if args.concurrency < 1:
-        raise UsageError(f"--concurrency must be at least 1, got {args.concurrency}")
-    source = S3Source.parse(args.source, endpoint_url=args.endpoint_url, region=args.region,
-                            addressing_style=args.addressing_style)
-    opts = SyncOptions(source=source, dest=args.dest.absolute(),
-                       filters=Filters(include=args.include, exclude=args.exclude),
-                       concurrency=args.concurrency, progress_interval=args.progress_interval)
-    progress = Progress()
-    progress.note(f"syncing {source.uri} -> {opts.dest} ({opts.concurrency} requests in flight)")
-    return sync(opts, progress).to_dict()
+def _args(build, ns):
+    try:
+        return build(ns)
+    except ArgsError as e:
+        raise UsageError(str(e)) from e
+
+
+def _source(ns) -> S3Source:
+    return S3Source.parse(ns.source, endpoint_url=ns.endpoint_url, region=ns.region,
+                          addressing_style=ns.addressing_style,
+                          **({"retry_timeout": ns.retry_timeout} if getattr(ns, "retry_timeout", None) else {}))
+
+
+def _sync(ns):
+    from .stage import sync  # noqa: PLC0415
+    from .sync_options import SyncOptions, default_concurrency  # noqa: PLC0415
+
+    args: StageArgs = _args(StageArgs.from_namespace, ns)
+    pod_uid = args.pod_uid or os.environ.get(ENV_POD_UID) or None
+    if pod_uid and pod_uid.startswith("$("):
+        raise UsageError(f"--pod-uid {pod_uid} was not expanded: set env {ENV_POD_UID} from the downward "
+                         f"API (fieldRef metadata.uid) in the stager container")
+    if pod_uid:
+        from dscache_contract import validate_pod_uid  # noqa: PLC0415
+
+        try:
+            validate_pod_uid(pod_uid)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    opts = SyncOptions(source=_source(ns), cache_dir=os.path.abspath(args.cache_dir), revision=args.revision,
+                       pod_uid=pod_uid, filters=Filters(list(args.include), list(args.exclude)),
+                       concurrency=args.concurrency or default_concurrency(),
+                       progress_interval=args.progress_interval)
+    return sync(opts, Progress())
+
+
+def _revision(ns) -> dict:
+    import asyncio  # noqa: PLC0415
+
+    from .sync import current_revision  # noqa: PLC0415
+
+    source = _source(ns)
+    return asyncio.run(current_revision(source, Selection(source.prefix, tuple(ns.include), tuple(ns.exclude))))
+
+
+def _log_from_argv(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--termination-log" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--termination-log="):
+            return a.split("=", 1)[1]
+    return DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None
 
 
 def _fail(log: str | None, code: int, message: str) -> int:
     line = f"error: {message}"
     print(f"dscache-stage: {line}", file=sys.stderr, flush=True)
     _write_log(log, line)
-    return code
+    return int(code)
 
 
 def _write_log(path: str | None, line: str) -> None:

@@ -1,153 +1,266 @@
-"""The on-disk layout of a staged copy, and the records kept beside the data.
+"""One cache dir C on the node: its lock, its leases, and its revisions.
 
-    DEST/<rel path>              the data
-    DEST/.dscache/lock           flock() target: one stager at a time per DEST
-    DEST/.dscache/tmp/           downloads in flight (never under a final name)
-    DEST/.dscache/journal.jsonl  objects placed so far by an unfinished run
-    DEST/.dscache/manifest.jsonl every object of the last complete run
-    DEST/.dscache/complete       written last; its presence means DEST is whole
+The paths are the contract's (dscache_contract.layout); this module does the
+I/O on them:
+
+    C/lock                        flock target: stagers and wipes
+    C/revs/<rev>/data/            the revision's objects; 0444 files, 0555 dirs once complete
+    C/revs/<rev>/meta/            manifest.jsonl, then complete (written last); journal while staging
+    C/revs/<rev>/tmp/             downloads in flight, renamed into data/ when whole
+    C/leases/<rev>/<pod-uid>      one lease per pod using <rev> on this node
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import IO
 
-from .errors import DestinationError
-from .keys import RESERVED_TOP
+import dscache_contract as contract
+from dscache_contract import ManifestEntry
+
+from .errors import CacheGoneError, DestinationError
+
+# The manifest's record type is the contract's; the stager calls it Entry.
+Entry = ManifestEntry
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One object as recorded in the manifest."""
-
-    key: str
-    rel: str
-    size: int
-    etag: str
-
-    def to_json(self) -> str:
-        return json.dumps({"key": self.key, "path": self.rel, "size": self.size, "etag": self.etag})
+def cache_gone_message(c: str) -> str:
+    return (f"the cache dir {c} was removed from the node after this pod started (its DatasetCache was "
+            f"deleted, or the node's copy wiped with --all); nothing was staged. Delete this pod so that "
+            f"it is recreated with a fresh cache dir, or recreate the DatasetCache first")
 
 
-class Layout:
-    def __init__(self, dest: Path) -> None:
-        self.dest = dest
-        self.meta = dest / RESERVED_TOP
-        self.tmp = self.meta / "tmp"
-        self.lock_path = self.meta / "lock"
-        self.journal_path = self.meta / "journal.jsonl"
-        self.manifest_path = self.meta / "manifest.jsonl"
-        self.complete_path = self.meta / "complete"
+def check_cache_dir(c: str) -> None:
+    """Make C exist, or say clearly that the pod's mount source is gone.
 
-    def prepare(self) -> None:
-        self.meta.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.meta, 0o755)
+    In a pod, C is a bind mount of the node's dir. If that dir was deleted,
+    the mount point still resolves but to an unlinked directory (st_nlink 0),
+    where every create fails with ENOENT. Run by hand, C is just created.
+    """
+    try:
+        st = os.stat(c)
+    except FileNotFoundError:
         try:
-            os.chmod(self.dest, 0o755)  # training containers may run as any uid
-        except PermissionError:
-            pass  # not ours (a kubelet-made emptyDir, mode 0777): leave it as it is
+            os.makedirs(c, 0o755, exist_ok=True)
+        except OSError as e:
+            raise DestinationError(f"cannot create the cache dir {c}: {e.strerror}; "
+                                   f"check the cache volume and its permissions") from e
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise DestinationError(f"the cache dir {c} is not a directory; check the cache volume")
+    if st.st_nlink == 0:
+        raise CacheGoneError(cache_gone_message(c))
 
-    @contextmanager
-    def locked(self, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
-        """Hold an exclusive kernel lock on DEST for the duration.
 
-        flock() dies with its holder, so a killed stager never leaves a stale
-        lock behind. A wipe deletes DEST while holding the lock; a stager that
-        waited through it finds its lock file unlinked and starts over.
-        """
-        while True:
-            try:
-                self.prepare()
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                raise DestinationError(f"cannot create {self.dest}: {e.strerror}; "
-                                       f"check the cache volume and its permissions") from e
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if on_wait:
-                    on_wait()
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            if _still_linked(fd, self.lock_path):
-                break
-            os.close(fd)
+@contextmanager
+def cache_lock(c: str, on_wait: Callable[[], None] | None = None, blocking: bool = True) -> Iterator[int]:
+    """Hold the exclusive kernel lock on C for the duration (yields the fd).
+
+    flock() dies with its holder, so a killed stager never leaves a stale
+    lock. A wipe with --all deletes C (lock file included) while holding the
+    lock; a stager that waited through it finds its lock file unlinked and
+    looks again: C recreated by hand, or its mount source gone (CacheGoneError).
+    """
+    while True:
+        check_cache_dir(c)
+        path = contract.lock_path(c)
         try:
-            yield
-        finally:
-            os.close(fd)
-
-    def clear_tmp(self) -> None:
-        """Drop leftovers of a killed run; they were never visible as data."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(mode=0o755)
-
-    # --- completion -------------------------------------------------------
-
-    def completed_at(self) -> float | None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError as e:
+            raise CacheGoneError(cache_gone_message(c)) from e
+        except OSError as e:
+            raise DestinationError(f"cannot open {path}: {e.strerror}; check the cache volume "
+                                   f"and its permissions") from e
         try:
-            return os.stat(self.complete_path).st_mtime
-        except FileNotFoundError:
-            return None
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not blocking:
+                os.close(fd)
+                raise
+            if on_wait:
+                on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if _still_linked(fd, path):
+            break
+        os.close(fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _still_linked(fd: int, path: str) -> bool:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def write_lease(c: str, rev: str, pod_uid: str) -> str:
+    """Record that pod ``pod_uid`` uses ``rev`` on this node. Call with the lock held."""
+    d = contract.lease_dir(c, rev)
+    path = contract.lease_path(c, rev, pod_uid)
+    try:
+        os.makedirs(d, 0o755, exist_ok=True)
+        write_atomic(path, json.dumps({"pod_uid": pod_uid, "revision": rev, "at": time.time()}) + "\n",
+                     d, mode=0o644)
+    except FileNotFoundError as e:
+        raise CacheGoneError(cache_gone_message(c)) from e
+    except OSError as e:
+        raise DestinationError(f"cannot write the lease {path}: {e.strerror}; check the cache volume") from e
+    return path
+
+
+def leases(c: str, rev: str) -> list[str]:
+    """Pod UIDs holding ``rev`` (any entry in its lease dir counts: unknown = held)."""
+    try:
+        return sorted(os.listdir(contract.lease_dir(c, rev)))
+    except FileNotFoundError:
+        return []
+
+
+class Revision:
+    """The files of one revision under C."""
+
+    def __init__(self, c: str, rev: str) -> None:
+        self.c = c
+        self.rev = rev
+        self.dir = contract.revision_dir(c, rev)
+        self.data = contract.data_dir(c, rev)
+        self.meta = contract.meta_dir(c, rev)
+        self.tmp = contract.tmp_dir(c, rev)
+        self.manifest_path = contract.manifest_path(c, rev)
+        self.complete_path = contract.complete_path(c, rev)
+        self.journal_path = contract.journal_path(c, rev)
+
+    # --- reading (safe without the lock: a complete revision never changes) --
 
     def read_complete(self) -> dict | None:
         try:
-            return json.loads(self.complete_path.read_text())
-        except (FileNotFoundError, ValueError):
+            with open(self.complete_path) as f:
+                return json.loads(f.read())
+        except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
 
-    def mark_incomplete(self) -> None:
-        self.complete_path.unlink(missing_ok=True)
+    def first_key(self) -> str | None:
+        """The first object of a complete revision's manifest (the warm access probe)."""
+        try:
+            with open(self.manifest_path) as f:
+                line = f.readline()
+            return ManifestEntry.from_json(line).key if line else None
+        except (OSError, ValueError, KeyError):
+            return None
 
-    def mark_complete(self, entries: Iterable[Entry], summary: dict) -> None:
-        """Write the manifest, then the marker, each atomically.
+    # --- staging (with the lock held) ----------------------------------------
 
-        Nothing is fsynced: the training container should start the moment
-        the bytes are in the page cache. Durability across a crash comes from
-        :meth:`known_entries` instead, which distrusts records older than
-        the last boot.
-        """
-        write_atomic(self.manifest_path, "".join(e.to_json() + "\n" for e in entries), self.tmp)
-        write_atomic(self.complete_path, json.dumps(summary) + "\n", self.tmp)
-        self.journal_path.unlink(missing_ok=True)
-
-    # --- what an earlier run already placed -------------------------------
+    def prepare(self) -> bool:
+        """Create the revision's dirs; drop temp files of a killed run. True if data/ already had files."""
+        try:
+            for d in (contract.revisions_root(self.c), self.dir, self.data, self.meta):
+                os.makedirs(d, 0o755, exist_ok=True)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            os.mkdir(self.tmp, 0o755)
+            with os.scandir(self.data) as it:
+                return any(True for _ in it)
+        except FileNotFoundError as e:
+            if os.stat(self.c).st_nlink == 0:
+                raise CacheGoneError(cache_gone_message(self.c)) from e
+            raise
 
     def known_entries(self) -> dict[str, Entry]:
-        """Objects an earlier run placed: the manifest, then its unfinished journal.
+        """Objects an unfinished earlier run placed (its journal).
 
         Records written before the node last booted are ignored: their data
-        may never have reached the disk, so those files are fetched again.
+        may never have reached the disk (nothing is fsynced), so those files
+        are fetched again.
         """
         known: dict[str, Entry] = {}
-        booted = boot_time()
-        for path in (self.manifest_path, self.journal_path):
-            try:
-                if os.stat(path).st_mtime < booted:
-                    continue
-            except FileNotFoundError:
-                continue
-            for entry in read_entries(path):
-                known[entry.rel] = entry
+        try:
+            if os.stat(self.journal_path).st_mtime < boot_time():
+                return known
+        except FileNotFoundError:
+            return known
+        for entry in read_entries(self.journal_path):
+            known[entry.path] = entry
         return known
 
     def open_journal(self) -> IO[str]:
         return open(self.journal_path, "a", buffering=1 << 16)
 
+    def mark_complete(self, entries: Iterable[Entry], dirs: Iterable[str], summary: dict) -> None:
+        """Seal the revision: manifest, read-only tree, then the marker, written last.
 
-def _still_linked(fd: int, path: Path) -> bool:
+        Files were created 0444; directories become 0555 here, so no uid but
+        root can change a complete revision. Nothing is fsynced: training
+        should start the moment the bytes are in the page cache. A crash
+        before the marker leaves a journal that the next run resumes from.
+        """
+        write_atomic(self.manifest_path, "".join(e.to_json() + "\n" for e in entries), self.tmp)
+        # Deepest first, so a parent is sealed after its children.
+        for rel in sorted(dirs, key=lambda d: d.count("/"), reverse=True):
+            if rel:
+                os.chmod(os.path.join(self.data, rel), 0o555)
+        os.chmod(self.data, 0o555)
+        write_atomic(self.complete_path, json.dumps(summary) + "\n", self.tmp)
+        try:
+            os.unlink(self.journal_path)
+        except FileNotFoundError:
+            pass
+        os.rmdir(self.tmp)
+        os.chmod(self.meta, 0o555)
+        os.chmod(self.dir, 0o555)
+
+    def remove(self) -> None:
+        """Delete an incomplete revision (the bucket can no longer serve it)."""
+        remove_tree(self.dir)
+
+
+def remove_tree(path: str) -> None:
+    """rmtree that never follows symlinks and gets through sealed (0555) directories.
+
+    Sealed dirs refuse unlinks to any uid without CAP_DAC_OVERRIDE, and the
+    wipe helper runs as uid 0 with every capability dropped. We own them, so
+    on EACCES/EPERM the parent is reopened without following links and made
+    writable (fchmod on that fd), then the step is retried.
+    """
     try:
-        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        st = os.lstat(path)
     except FileNotFoundError:
-        return False
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)  # a symlink or file where a dir was expected: remove the entry only
+        return
+
+    def on_error(func, p, exc_info) -> None:
+        exc = exc_info[1]
+        if isinstance(exc, FileNotFoundError):
+            return
+        if not isinstance(exc, PermissionError):
+            raise exc
+        _make_writable(os.path.dirname(p))
+        if func in (os.rmdir, os.unlink) or getattr(func, "__name__", "") in ("rmdir", "unlink"):
+            func(p)
+        else:  # scandir/open of a dir we may not read: make it readable, then start over on it
+            _make_writable(p)
+            shutil.rmtree(p, onerror=on_error)
+
+    shutil.rmtree(path, onerror=on_error)
+
+
+def _make_writable(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
 
 
 def boot_time() -> float:
@@ -162,7 +275,7 @@ def boot_time() -> float:
     return 0.0
 
 
-def read_entries(path: Path) -> Iterator[Entry]:
+def read_entries(path: str) -> Iterator[Entry]:
     try:
         f = open(path)
     except FileNotFoundError:
@@ -170,15 +283,18 @@ def read_entries(path: Path) -> Iterator[Entry]:
     with f:
         for line in f:
             try:
-                d = json.loads(line)
-                yield Entry(d["key"], d["path"], int(d["size"]), d["etag"])
+                yield ManifestEntry.from_json(line)
             except (ValueError, KeyError, TypeError):
                 continue  # a torn last line from a killed run
 
 
-def write_atomic(path: Path, text: str, tmp_dir: Path) -> None:
-    tmp = tmp_dir / f".{path.name}.{os.getpid()}.{time.monotonic_ns()}"
+def write_atomic(path: str, text: str, tmp_dir: str, mode: int = 0o444) -> None:
+    tmp = os.path.join(tmp_dir, f".{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}")
     with open(tmp, "w") as f:
         f.write(text)
-    os.chmod(tmp, 0o644)
+    os.chmod(tmp, mode)
     os.rename(tmp, path)
+
+
+def is_enoent(e: OSError) -> bool:
+    return e.errno == errno.ENOENT

@@ -11,9 +11,14 @@ from urllib.parse import urlsplit
 
 from obstore.store import S3Store
 
-from .errors import SourceError, UsageError
+from dscache_contract import parse_source, resolve_addressing_style, resolve_region
+from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
+
+from .errors import SourceError, StageError, TransientError, UsageError
 
 AddressingStyle = Literal["path", "virtual"]
+# obstore's own per-request retry budget; see open_store.
+DEFAULT_RETRY_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
@@ -23,16 +28,15 @@ class S3Source:
     endpoint_url: str | None = None
     region: str | None = None
     addressing_style: AddressingStyle | None = None
+    retry_timeout: float = DEFAULT_RETRY_TIMEOUT
 
     @classmethod
     def parse(cls, uri: str, **kw: Any) -> "S3Source":
-        if not uri.startswith("s3://"):
-            raise UsageError(f"source must look like s3://BUCKET/PREFIX, got {uri!r}")
-        bucket, _, prefix = uri[len("s3://"):].partition("/")
-        if not bucket:
-            raise UsageError(f"source {uri!r} names no bucket; use s3://BUCKET/PREFIX")
-        prefix = prefix.strip("/")
-        return cls(bucket=bucket, prefix=prefix + "/" if prefix else "", **kw)
+        try:
+            bucket, prefix = parse_source(uri)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        return cls(bucket=bucket, prefix=prefix, **kw)
 
     @property
     def uri(self) -> str:
@@ -62,12 +66,12 @@ class S3Source:
         obstore retries 5xx (including 503 SlowDown), dropped connections and
         timeouts with exponential backoff and jitter; 4xx errors fail at once.
         """
-        region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        config: dict[str, Any] = {"region": region}
+        # Region and addressing style come from the contract, so the operator's
+        # source check talks to the bucket exactly as we do.
+        config: dict[str, Any] = {"region": resolve_region(self.region)}
         if self.endpoint_url:
             config["endpoint"] = self.endpoint_url
-        # Custom endpoints (MinIO, Ceph, OBS...) mostly want path style.
-        style = self.addressing_style or ("path" if self.endpoint_url else "virtual")
+        style = resolve_addressing_style(self.endpoint_url, self.addressing_style)
         config["virtual_hosted_style_request"] = style == "virtual"
         client_options = {
             "allow_http": bool(self.endpoint_url and self.endpoint_url.startswith("http://")),
@@ -77,7 +81,7 @@ class S3Source:
         }
         retry = {
             "max_retries": 10,
-            "retry_timeout": timedelta(seconds=120),
+            "retry_timeout": timedelta(seconds=self.retry_timeout),
             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10), "base": 2},
         }
         return S3Store(
@@ -109,3 +113,19 @@ def credentials_for_store() -> dict[str, Any]:
         # Public buckets work without credentials; say so only if S3 refuses.
         return {"skip_signature": True}
     return {"credential_provider": Boto3CredentialProvider(session)}
+
+
+def source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
+    """An obstore failure as the stager reports it: access (3), or S3 kept failing (7)."""
+    text = (str(e) or type(e).__name__).split("\n")[0]
+    where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
+    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "AccessDenied" in str(e) or "403" in text:
+        return SourceError(f"access denied to {where} with this pod's credentials: check the credentials "
+                           f"Secret (or the pod's IAM role) and that the bucket policy allows ListBucket and "
+                           f"GetObject; a copy already on the node is not served without access ({text})")
+    if "NoSuchBucket" in str(e):
+        return SourceError(f"no such bucket: {source.bucket} at {source.endpoint_url or 'AWS S3'}; "
+                           f"check the bucket name, region and endpoint")
+    if any(s in str(e) for s in ("error sending request", "Connection refused", "dns error", "connect")) and fetched == 0:
+        return SourceError(f"cannot reach the S3 endpoint for {where}: check the endpoint URL and network policy ({text})")
+    return TransientError(f"S3 kept failing for {where} after retries with backoff: {text}; re-run to resume")

@@ -1,4 +1,20 @@
-"""``dscache-stage sync``: make DEST an exact, complete copy of an S3 prefix."""
+"""The cold path of ``dscache-stage sync``: list, check, copy and seal one revision.
+
+stage.py runs the whole command; this module is imported only when the
+revision is not on the node yet (asyncio alone costs a warm start ~20 ms).
+
+1. Access proof, always: one cheap request with this pod's own credentials
+   (HEAD of the revision's first object when it is already on the node, else
+   one listing page), so a pod that may not read the bucket never gets the
+   data, even when another pod staged it (exit 3).
+2. Under C's lock: write this pod's lease, then
+   - warm: the revision is complete on the node; done, without listing;
+   - cold: list (streamed, hashed with the contract's RevisionHasher), GET with
+     If-Match, write into C/revs/<rev>; if the listing is not revision <rev>
+     any more, or an object changed under us, remove the incomplete revision
+     and fail (exit 9): the pod never sees a mix of two versions.
+A complete revision is never modified: a newer one is staged beside it.
+"""
 
 from __future__ import annotations
 
@@ -6,156 +22,119 @@ import asyncio
 import errno
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from obstore.exceptions import BaseError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+from obstore.exceptions import BaseError, PreconditionError
+
+from dscache_contract import RevisionHasher, Selection, StageSummary
 
 from .errors import (
-    DestinationError, HostileKeysError, NoSpaceError, SourceError, StageError, TransientError,
+    DestinationError, HostileKeysError, NoSpaceError, RevisionGoneError, StageError,
 )
 from .fetch import Fetcher, ObjectGone, exists
-from .keys import Filters, TreeShape, unsafe_reason
-from .layout import Entry, Layout
+from .keys import TreeShape, unsafe_reason
+from .layout import Entry, Revision
 from .listing import RemoteObject, UnrepresentableKeys, list_keys_raw, list_objects
 from .progress import Progress, human_bytes
-from .source import S3Source
+from .source import S3Source, source_error
+from .sync_options import SyncOptions
 from .tree import LocalTree
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
 
 
-def default_concurrency() -> int:
-    # Requests in flight. Small objects are latency-bound (real S3 answers in
-    # tens of ms), so many more than cores; memory stays under this x 1 MiB.
-    return min(256, max(64, 32 * (os.cpu_count() or 2)))
+# Kept as the stager's name for the contract's success line.
+Summary = StageSummary
 
 
-@dataclass
-class SyncOptions:
-    source: S3Source
-    dest: Path
-    filters: Filters = field(default_factory=Filters)
-    concurrency: int = field(default_factory=default_concurrency)
-    progress_interval: float = 3.0
-
-    def fingerprint(self) -> dict:
-        """What a complete copy was made from; a copy is reusable only for the same."""
-        return {"source": self.source.uri, "endpoint": self.source.endpoint_url,
-                "include": self.filters.include, "exclude": self.filters.exclude}
+def cold(opts: SyncOptions, rev: Revision, store, progress: Progress) -> StageSummary:
+    """Stage ``rev`` from the bucket (called by stage.sync with C's lock held)."""
+    return asyncio.run(_Run(opts, rev, store, progress).run())
 
 
-@dataclass
-class Summary:
-    objects: int = 0
-    bytes: int = 0
-    skipped: int = 0
-    fetched_bytes: int = 0
-    deleted: int = 0
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["seconds"] = round(self.seconds, 3)
-        d["mb_s"] = round(self.fetched_bytes / 1e6 / self.seconds, 1) if self.seconds > 0 else 0.0
-        return d
-
-
-def sync(opts: SyncOptions, progress: Progress | None = None) -> Summary:
-    progress = progress or Progress()
-    layout = Layout(opts.dest)
-    started = time.time()
-    waited = False
-
-    def on_wait() -> None:
-        nonlocal waited
-        waited = True
-        progress.note(f"another stager is filling {opts.dest}; waiting for it")
-
-    with layout.locked(on_wait):
-        if waited and (reused := _reuse_fresh_copy(layout, opts, started)):
-            progress.note(f"reusing the copy another stager just completed: {reused.objects} objects")
-            return reused
-        return asyncio.run(_Run(opts, layout, progress).run())
-
-
-def _reuse_fresh_copy(layout: Layout, opts: SyncOptions, started: float) -> Summary | None:
-    """A copy completed while we waited is as fresh as one we would make now."""
-    marker = layout.read_complete()
-    completed = layout.completed_at()
-    if not marker or completed is None or completed < started or marker.get("fingerprint") != opts.fingerprint():
-        return None
-    return Summary(objects=marker["objects"], bytes=marker["bytes"], skipped=marker["objects"])
+async def current_revision(source: S3Source, selection: Selection, concurrency: int = 16) -> dict:
+    """List the source now and return its revision, as the operator would pin it."""
+    source.check_reachable()
+    store = source.open_store(concurrency)
+    hasher = RevisionHasher()
+    try:
+        async for batch in list_objects(store, source.prefix):
+            for obj in batch:
+                if selection.relative(obj.key) is not None:
+                    hasher.add(obj.key, obj.size, obj.etag)
+    except UnrepresentableKeys as e:
+        raise HostileKeysError(f"a key under {source.uri} cannot be listed safely: {e}") from e
+    except BaseError as e:
+        raise _source_error(e, source, 0) from e
+    return {"revision": hasher.revision_id(), "objects": hasher.objects, "bytes": hasher.bytes}
 
 
 class _Run:
-    def __init__(self, opts: SyncOptions, layout: Layout, progress: Progress) -> None:
+    def __init__(self, opts: SyncOptions, rev: Revision, store, progress: Progress) -> None:
         self.opts = opts
         self.source = opts.source
-        self.layout = layout
+        self.selection = opts.selection
+        self.rev = rev
+        self.store = store
         self.progress = progress
-        self.tree = LocalTree(str(opts.dest))
+        self.tree = LocalTree(rev.data)
         self.shape = TreeShape()
+        self.hasher = RevisionHasher()
         self.entries: dict[str, Entry] = {}
         self.hostile: list[tuple[str, str]] = []
-        self.empties: list[RemoteObject] = []
+        self.empties: list[tuple[RemoteObject, str]] = []
         self.fetched_bytes = 0
-        self.modified = False
         self.started = time.monotonic()
 
-    def _modifying(self) -> None:
-        """Withdraw the completion marker before the first change to DEST.
-
-        A sync that changes nothing never withdraws it, so training pods
-        already reading a retained copy never see it flicker.
-        """
-        if not self.modified:
-            self.layout.mark_incomplete()
-            self.modified = True
-
-    async def run(self) -> Summary:
-        layout = self.layout
+    async def run(self) -> StageSummary:
+        rev = self.rev
         try:
-            layout.clear_tmp()
-            known = layout.known_entries()
-            st = os.statvfs(self.opts.dest)
+            resuming = rev.prepare()
+            known = rev.known_entries()
+            st = os.statvfs(rev.data)
         except OSError as e:
-            raise _destination_error(e, str(self.opts.dest)) from e
+            raise _destination_error(e, rev.dir) from e
         self.free = st.f_bavail * st.f_frsize
         self.needed = 0
-        self.source.check_reachable()
-        store = self.source.open_store(self.opts.concurrency)
-        self.fetcher = Fetcher(store, self.tree, str(layout.tmp), asyncio.Semaphore(self.opts.concurrency),
-                               self.progress.add_bytes, zero_copy=(self.source.endpoint_url or "").startswith("http://"))
+        self.requests = asyncio.Semaphore(self.opts.concurrency)
+        self.fetcher = Fetcher(self.store, self.tree, rev.tmp, self.requests, self.progress.add_bytes,
+                               zero_copy=(self.source.endpoint_url or "").startswith("http://"))
         queue: asyncio.Queue[RemoteObject | None] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
         workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 
         async def feed() -> None:
-            await self._produce(store, known, queue)
+            await self._produce(known, queue)
+            self._check_revision()
             for _ in workers:
                 await queue.put(None)
 
         ticker = asyncio.create_task(self._tick())
         try:
-            with layout.open_journal() as self.journal:
+            with rev.open_journal() as self.journal:
                 await _gather_or_cancel([asyncio.create_task(c) for c in (feed(), *workers)])
-                await self._settle_empties(store, known)
+                await self._settle_empties(known)
                 if self.hostile:
                     raise HostileKeysError(self._hostile_message())
-                stale = self.tree.stale(set(self.entries))
+                # Only a resumed run can find files it did not place (a killed
+                # run of an earlier listing); a fresh data dir holds none.
+                stale = self.tree.stale(set(self.entries)) if resuming else []
                 if stale:
-                    self._modifying()
                     self.tree.remove(stale)
                 summary = self._summary(len(stale))
-                marker = layout.read_complete()
-                if self.modified or not marker or marker.get("fingerprint") != self.opts.fingerprint():
-                    self._modifying()
-                    layout.mark_complete(sorted(self.entries.values(), key=lambda e: e.rel),
-                                         {**summary.to_dict(), "fingerprint": self.opts.fingerprint()})
-                return summary
+            rev.mark_complete(sorted(self.entries.values(), key=lambda e: e.path), self.tree.dirs,
+                              summary.to_dict())
+            return summary
+        except RevisionGoneError:
+            self._drop_revision()
+            raise
+        except (ObjectGone, PreconditionError) as e:
+            self._drop_revision()
+            raise RevisionGoneError(
+                f"an object under {self.source.uri} changed or was deleted after revision {rev.rev} was "
+                f"pinned ({_first_line(e)}); the bucket can no longer serve revision {rev.rev}, so nothing "
+                f"was staged. {_revision_advice()}") from e
         except OSError as e:
-            raise _destination_error(e, str(self.opts.dest)) from e
+            raise _destination_error(e, rev.dir) from e
         except BaseError as e:
             raise _source_error(e, self.source, self.progress.fetched_objects) from e
         finally:
@@ -163,22 +142,39 @@ class _Run:
             self.fetcher.close()
             self.progress.report()
 
+    def _drop_revision(self) -> None:
+        try:
+            self.journal.close()
+        except Exception:  # noqa: BLE001 - best effort before removing the dir
+            pass
+        self.rev.remove()
+
+    def _check_revision(self) -> None:
+        got = self.hasher.revision_id()
+        if got != self.rev.rev:
+            raise RevisionGoneError(
+                f"revision {self.rev.rev} of {self.source.uri} (the one this pod was admitted with) is no "
+                f"longer in the bucket: it lists as revision {got} now ({self.hasher.objects} objects, "
+                f"{self.hasher.bytes} bytes). Objects were changed, added or deleted after the revision was "
+                f"pinned, so nothing was staged. {_revision_advice()}")
+
     # --- listing ------------------------------------------------------------
 
-    async def _produce(self, store, known: dict[str, Entry], queue: asyncio.Queue) -> None:
-        accepts, relative, progress = self.opts.filters.accepts, self.source.relative, self.progress
+    async def _produce(self, known: dict[str, Entry], queue: asyncio.Queue) -> None:
+        relative, hasher, progress = self.selection.relative, self.hasher, self.progress
         try:
-            async for batch in list_objects(store, self.source.prefix):
-                fetch: list[RemoteObject] = []
+            async for batch in list_objects(self.store, self.source.prefix):
+                fetch: list[tuple[RemoteObject, str]] = []
                 for obj in batch:
                     rel = relative(obj.key)
-                    if not rel or not accepts(rel):
-                        continue  # the prefix's own directory marker, or filtered out
+                    if rel is None:
+                        continue  # outside the selection, or the prefix's own directory marker
+                    hasher.add(obj.key, obj.size, obj.etag)
                     if reason := unsafe_reason(rel):
                         self.hostile.append((obj.key, reason))
                         continue
                     if obj.size == 0:
-                        self.empties.append(obj)  # maybe a directory marker; see _settle_empties
+                        self.empties.append((obj, rel))  # maybe a directory marker; see _settle_empties
                         continue
                     if clash := self.shape.clash(rel):
                         self.hostile.append((obj.key, f"file and directory at once ({clash})"))
@@ -190,21 +186,21 @@ class _Run:
                         self.entries[rel] = old
                         progress.skipped += 1
                         continue
-                    fetch.append(obj)
+                    fetch.append((obj, rel))
                 # Space is reserved a page at a time, so a short listing is
                 # judged on its exact total before any of it is fetched.
-                self._reserve(fetch)
-                for obj in fetch:
-                    await queue.put(obj)
+                self._reserve([o for o, _ in fetch])
+                for item in fetch:
+                    await queue.put(item)
         except UnrepresentableKeys as e:
             # obstore refused a key; list verbatim with boto3 to name them all.
             keys = await asyncio.to_thread(list_keys_raw, self.source)
             for key in keys:
                 rel = relative(key)
-                if rel and not key.endswith("/") and accepts(rel) and (reason := unsafe_reason(rel)):
+                if rel and not key.endswith("/") and (reason := unsafe_reason(rel)):
                     self.hostile.append((key, reason))
-            if not self.hostile:
-                raise HostileKeysError(f"a key under {self.source.uri} cannot be copied: {e}") from e
+            raise HostileKeysError(self._hostile_message() if self.hostile else
+                                   f"a key under {self.source.uri} cannot be copied: {e}") from e
         progress.listing_done = True
 
     def _reserve(self, objs: list[RemoteObject]) -> None:
@@ -214,17 +210,28 @@ class _Run:
         if self.needed > self.free:
             more = "" if self.progress.listing_done else "at least "
             raise NoSpaceError(
-                f"not enough space in {self.opts.dest}: the objects still to copy need {more}"
+                f"not enough space in {self.rev.c}: the objects still to copy need {more}"
                 f"{self.needed} bytes ({human_bytes(self.needed)}) but only {self.free} bytes "
-                f"({human_bytes(self.free)}) are free; free space on the node's cache disk, "
-                f"narrow the source with include/exclude, or use a larger disk")
+                f"({human_bytes(self.free)}) are free; free space on the node's cache disk (older "
+                f"revisions are removed once no pod holds them), narrow the source with include/exclude, "
+                f"or use a larger disk")
 
-    async def _settle_empties(self, store, known: dict[str, Entry]) -> None:
-        """Empty objects: a real empty file, or a directory marker ``a/`` that obstore shows as ``a``."""
-        async def settle(obj: RemoteObject) -> None:
-            if not await exists(store, obj.key):
-                return  # only "key/" exists: a directory marker, skipped quietly
-            rel = self.source.relative(obj.key)
+    async def _settle_empties(self, known: dict[str, Entry]) -> None:
+        """Empty objects: a real empty file, or a directory marker ``a/`` that obstore shows as ``a``.
+
+        A marker with objects under it is recognised from the listing alone.
+        Only an empty object with nothing under it is ambiguous; its HEAD runs
+        under the same request limit as every GET, on the pooled keep-alive
+        connections, so 3,000 empty files cost 3,000 small requests on at most
+        --concurrency connections. Creating an empty file opens no connection.
+        """
+        async def settle(obj: RemoteObject, rel: str) -> None:
+            if self.shape.is_dir(rel):
+                return  # a directory marker of a directory we fill anyway
+            async with self.requests:
+                present = await exists(self.store, obj.key)
+            if not present:
+                return  # only "key/" exists: a directory marker of an empty directory, skipped quietly
             if rel in self.entries:
                 return  # "key" and "key/" both exist; the real object already won
             if clash := self.shape.clash(rel):
@@ -235,48 +242,44 @@ class _Run:
                 self.entries[rel] = old
                 self.progress.skipped += 1
                 return
-            self._modifying()
             self.tree.ensure_parent(rel)
-            tmp = os.path.join(self.layout.tmp, f"empty-{len(self.entries)}-{id(obj)}")
-            open(tmp, "wb").close()
-            os.chmod(tmp, 0o644)
+            tmp = os.path.join(self.rev.tmp, f"empty-{len(self.entries)}-{id(obj)}")
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444))
             self.tree.place(tmp, rel)
             self._record(Entry(obj.key, rel, 0, obj.etag))
 
-        await asyncio.gather(*(settle(o) for o in self.empties))
+        await _gather_or_cancel([asyncio.create_task(settle(o, rel)) for o, rel in self.empties])
 
     # --- copying ------------------------------------------------------------
 
     async def _worker(self, queue: asyncio.Queue) -> None:
-        fetcher, relative = self.fetcher, self.source.relative
-        while (obj := await queue.get()) is not None:
-            rel = relative(obj.key)
-            self._modifying()
-            try:
-                got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag)
-            except ObjectGone:
-                continue  # deleted since it was listed: it no longer belongs in the copy
-            self._record(Entry(obj.key, rel, got.size, got.etag))
+        fetcher = self.fetcher
+        while (item := await queue.get()) is not None:
+            obj, rel = item
+            got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag)
+            self._record(Entry(obj.key, rel, got.size, got.etag or obj.etag))
             self.fetched_bytes += got.size
             self.progress.fetched_objects += 1
 
     def _record(self, entry: Entry) -> None:
-        self.entries[entry.rel] = entry
+        self.entries[entry.path] = entry
         self.journal.write(entry.to_json() + "\n")
 
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.opts.progress_interval)
-            self.journal.flush()  # a killed run loses at most one interval of records
+            if not self.journal.closed:
+                self.journal.flush()  # a killed run loses at most one interval of records
             self.progress.report()
 
     # --- results ------------------------------------------------------------
 
-    def _summary(self, deleted: int) -> Summary:
-        return Summary(
+    def _summary(self, deleted: int) -> StageSummary:
+        return StageSummary(
             objects=len(self.entries), bytes=sum(e.size for e in self.entries.values()),
             skipped=self.progress.skipped, fetched_bytes=self.fetched_bytes, deleted=deleted,
-            seconds=time.monotonic() - self.started,
+            seconds=time.monotonic() - self.started, revision=self.rev.rev, warm=False,
+            fetched_objects=self.progress.fetched_objects,
         )
 
     def _hostile_message(self) -> str:
@@ -285,6 +288,16 @@ class _Run:
         return (f"{len(self.hostile)} object key(s) under {self.source.uri} cannot be written safely "
                 f"under the cache dir: {shown}{more}; rename them in the bucket or exclude them "
                 f"with an exclude glob")
+
+
+def _revision_advice() -> str:
+    return ("Pods admitted from now on get the bucket's current revision: re-run the Job (or delete its "
+            "pending pods), or restore the objects. Data that must stay fixed while Jobs run belongs "
+            "under a new prefix per version.")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e) or type(e).__name__).split("\n")[0]
 
 
 async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
@@ -306,17 +319,4 @@ def _destination_error(e: OSError, dest: str) -> StageError:
     return DestinationError(f"writing {dest} failed: {e}")
 
 
-def _source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
-    text = str(e).split("\n")[0]
-    where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
-    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "AccessDenied" in str(e) or "403" in text:
-        return SourceError(f"access denied to {where}: check the credentials Secret (or the pod's IAM role) "
-                           f"and that the bucket policy allows ListBucket and GetObject ({text})")
-    if "NoSuchBucket" in str(e):
-        return SourceError(f"no such bucket: {source.bucket} at {source.endpoint_url or 'AWS S3'}; "
-                           f"check the bucket name, region and endpoint")
-    if isinstance(e, PreconditionError):
-        return TransientError(f"an object under {where} changed while it was being copied; re-run to copy the new version")
-    if any(s in str(e) for s in ("error sending request", "Connection refused", "dns error", "connect")) and fetched == 0:
-        return SourceError(f"cannot reach the S3 endpoint for {where}: check the endpoint URL and network policy ({text})")
-    return TransientError(f"S3 kept failing for {where} after retries with backoff: {text}; re-run to resume")
+_source_error = source_error

@@ -1,8 +1,8 @@
-"""Operations on the local tree under DEST that never step outside it.
+"""Operations on a revision's data dir that never step outside it.
 
-DEST belongs to the stager, so anything in the way of the bucket's shape
-(a stale file where a directory must go, a symlink left by someone else) is
-removed rather than followed.
+The data dir belongs to the stager while the revision is incomplete, so
+anything in the way of the bucket's shape (a stale file where a directory
+must go, a symlink left by someone else) is removed rather than followed.
 """
 
 from __future__ import annotations
@@ -12,13 +12,17 @@ import shutil
 import stat
 from collections.abc import Iterator
 
-from .keys import RESERVED_TOP
 
 
 class LocalTree:
     def __init__(self, dest: str) -> None:
         self.dest = dest
         self._dirs: set[str] = {""}
+
+    @property
+    def dirs(self) -> set[str]:
+        """Relative dirs created or seen so far ("" is the data dir itself)."""
+        return self._dirs
 
     def path(self, rel: str) -> str:
         return os.path.join(self.dest, rel)
@@ -69,15 +73,14 @@ class LocalTree:
             with os.scandir(self.path(rel_dir) if rel_dir else self.dest) as it:
                 for e in it:
                     rel = f"{rel_dir}/{e.name}" if rel_dir else e.name
-                    if rel == RESERVED_TOP:
-                        continue
                     if e.is_dir(follow_symlinks=False):
+                        self._dirs.add(rel)
                         stack.append(rel)
                     else:
                         yield rel
 
     def stale(self, keep: set[str]) -> list[str]:
-        """Files under DEST (bookkeeping aside) that are not in ``keep``."""
+        """Files under the data dir that are not in ``keep``."""
         return [rel for rel in self.walk_files() if rel not in keep]
 
     def remove(self, rels: list[str]) -> None:
@@ -89,7 +92,7 @@ class LocalTree:
     def _remove_empty_dirs(self) -> None:
         for root, _, _ in os.walk(self.dest, topdown=False, followlinks=False):
             rel = os.path.relpath(root, self.dest)
-            if rel == "." or rel.split(os.sep)[0] == RESERVED_TOP:
+            if rel == ".":
                 continue
             try:
                 os.rmdir(root)  # only succeeds when empty

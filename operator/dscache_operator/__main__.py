@@ -52,17 +52,20 @@ def main(argv: list[str] | None = None) -> int:
         debug_memory_on_signal()
     import kopf
 
-    from .common import Runtime
-    settings = Runtime.settings
+    from .common import Context, memo_for
+    from .settings import Settings
+    # The one place settings are read: everything else gets them through the Context.
+    settings = Settings.from_env()
+    ctx = Context(settings=settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if role == "controller":
-        from .controller import registry
+        from .controller import make_registry
     else:
-        from .webhook import registry
+        from .webhook import make_registry
     namespaces = list(settings.watch_namespaces)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
-    kopf.run(registry=registry, standalone=True, clusterwide=not namespaces,
-             namespaces=namespaces, liveness_endpoint=liveness)
+    kopf.run(registry=make_registry(settings), standalone=True, clusterwide=not namespaces,
+             namespaces=namespaces, liveness_endpoint=liveness, memo=memo_for(ctx))
     return 0
 
 

@@ -1,7 +1,15 @@
-"""kopf settings shared by the controller and the webhook processes."""
+"""The process context and the kopf settings shared by the controller and the webhook.
+
+``Context`` is built once in ``__main__`` (settings read there, never at
+import time) and handed to kopf as ``memo.ctx``: kopf gives every handler the
+memo, and each object's memo is a shallow copy, so all handlers share the one
+context while per-object notes (``memo.last_check``) stay per object.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -12,25 +20,54 @@ from .models import FINALIZER, GROUP
 from .settings import Settings
 
 
-class Runtime:
-    """Process-wide state: the settings and our small API client."""
+@dataclasses.dataclass
+class Context:
+    """What one operator process shares: settings, our API client, metrics, views."""
 
-    settings: Settings = Settings.from_env()
+    settings: Settings
     kube: Kube | None = None
     metrics_runner: Any = None
+    #: The controller's read-only views of users' workloads (controller.Views); None in the webhook.
+    views: Any = None
+    #: At most a few reconciliations at once: bounded API concurrency and memory.
+    slots: asyncio.Semaphore | None = None
+
+    def ensure_kube(self) -> Kube:
+        """Our client, logging in by ourselves if kopf has not done so yet."""
+        if self.kube is None:
+            self.kube = Kube(connection_info())
+        return self.kube
+
+    def api(self) -> Kube:
+        if self.kube is None:
+            raise kopf.TemporaryError("not logged in yet", delay=1)
+        return self.kube
+
+    def reconcile_slots(self) -> asyncio.Semaphore:
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(8)
+        return self.slots
 
 
-async def start_metrics() -> None:
+def memo_for(ctx: Context) -> kopf.Memo:
+    return kopf.Memo(ctx=ctx)
+
+
+def ctx_of(memo: Any) -> Context:
+    return memo.ctx
+
+
+async def start_metrics(ctx: Context) -> None:
     from . import metrics
-    if Runtime.metrics_runner is None:
-        Runtime.metrics_runner = await metrics.serve(Runtime.settings.metrics_port)
+    if ctx.metrics_runner is None:
+        ctx.metrics_runner = await metrics.serve(ctx.settings.metrics_port)
 
 
-async def shutdown() -> None:
-    if Runtime.metrics_runner is not None:
-        await Runtime.metrics_runner.cleanup()
-    if Runtime.kube is not None:
-        await Runtime.kube.close()
+async def shutdown(ctx: Context) -> None:
+    if ctx.metrics_runner is not None:
+        await ctx.metrics_runner.cleanup()
+    if ctx.kube is not None:
+        await ctx.kube.close()
 
 
 def configure_kopf(settings: kopf.OperatorSettings) -> None:
@@ -52,26 +89,19 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     logging.getLogger("kopf.activities").setLevel(logging.WARNING)
 
 
-async def login(**kwargs: Any) -> kopf.AiohttpSession:
+async def login(ctx: Context, **kwargs: Any) -> kopf.AiohttpSession:
     """In-cluster service account first, then KUBECONFIG (as kopf does), served
-    to kopf through a session with a bounded connection pool."""
+    to kopf through a session with a bounded connection pool.
+
+    kopf calls this again whenever its own session gets a 401 (a rotated
+    service-account token): the credentials are read afresh each time, and our
+    own client takes them too.
+    """
     info = connection_info(**kwargs)
-    if Runtime.kube is None:
-        Runtime.kube = Kube(info)
+    if ctx.kube is None:
+        ctx.kube = Kube(info)
+    else:
+        ctx.kube.use(info)
     # Watch streams: DatasetCaches (+ CRD discovery) per namespace, or cluster-wide.
-    watches = 2 * max(1, len(Runtime.settings.watch_namespaces)) + 2
+    watches = 2 * max(1, len(ctx.settings.watch_namespaces)) + 2
     return kopf_session(info, watches)
-
-
-def ensure_kube() -> Kube:
-    """Our client, logging in by ourselves if kopf has not done so yet."""
-    if Runtime.kube is None:
-        from .kube import connection_info
-        Runtime.kube = Kube(connection_info())
-    return Runtime.kube
-
-
-def kube() -> Kube:
-    if Runtime.kube is None:
-        raise kopf.TemporaryError("not logged in yet", delay=1)
-    return Runtime.kube

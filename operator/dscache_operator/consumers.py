@@ -1,14 +1,29 @@
-"""Who uses which cache on which node, and what each node's copy is: pure logic.
+"""Who uses which revision on which node, and what each node holds: pure logic.
 
-The controller keeps two read-only views (informer.py; it never writes to
-users' objects):
-- pods carrying ``dscache.io/cache`` -> ``PodInfo`` by (namespace, cache);
-- Jobs the webhook labelled -> finished? by (namespace, job).
+The controller keeps read-only views (views.py; it never writes users' objects):
+- consumer pods (labelled by the webhook) -> ``PodInfo`` by (namespace, cache);
+- their owners (Job, JobSet, PyTorchJob, TrainJob, RayJob, RayCluster, Volcano
+  Job) -> ``OwnerInfo`` by (namespace, uid).
 
-``reconcile_nodes`` turns those plus the previous ``status.nodes`` into the
-new node entries and the set of nodes whose copy must be wiped. It is
-level-based: it depends only on the current state, so an operator restart
-converges to the same answer.
+``plan_nodes`` turns those plus the previous ``status.nodes`` into new node
+entries and the (node, revision) copies to release now. It is level-based: it
+depends only on current state, so a restarted operator reaches the same answer.
+
+When a pod still holds a revision ("lifecycle by owner, not by pod phase"):
+- a pod that is not finished holds it; without a node yet (unscheduled), it
+  holds it on EVERY node, so no wipe can race its start (issue 7, point 3);
+- a finished pod holds it while its top-level owner (followed through
+  ownerReferences) is known and not finished: a running PyTorchJob may recreate
+  a worker on that node, and that must not trigger a wipe;
+- owners of unknown kinds (a ReplicaSet, a CRD we do not know, or a kind whose
+  CRD is not installed) fall back to the pod's own phase: finished = released.
+  An owner that is gone from the cluster has finished.
+- while the DatasetCache is being deleted, only unfinished pods hold: the
+  webhook refuses new pods of a deleting cache, so an owner that "may start
+  another pod" never will, and waiting for it would deadlock the deletion.
+
+The wipe itself is safe on its own (leases under the stagers' lock): the
+planning decides when it is worth trying and which leases to release.
 """
 
 from __future__ import annotations
@@ -17,26 +32,55 @@ import datetime
 import json
 from typing import Any, Callable, Iterable, NamedTuple
 
-from .injection import INIT_NAME, MODE_ANNOTATION
-from .models import CACHE_ANNOTATION, NodeStatus, Retention, parse_duration
+from .models import (CACHE_ANNOTATION, NodeRevision, NodeState, NodeStatus, PodPhase, Retention,
+                     RetentionPolicy, VolumeMode, parse_duration)
+
+# Fixed names (dscache_contract), repeated here to keep this module import-light.
+INIT_NAME = "dscache-stage"
+MODE_ANNOTATION = "dscache.io/volume"
+REVISION_ANNOTATION = "dscache.io/revision"
+
+#: Stray leases recorded per (node, revision) are capped: status must stay small.
+MAX_STRAY_LEASES = 200
+
+
+class OwnerRef(NamedTuple):
+    kind: str
+    name: str
+    uid: str
+
+
+class OwnerInfo(NamedTuple):
+    """One owner object: whether it finished, and its own controller owner."""
+    kind: str
+    name: str
+    finished: bool | None     # None: this kind has no finished state (e.g. RayCluster)
+    owner: OwnerRef | None
 
 
 class PodInfo(NamedTuple):
     name: str
     node: str | None
     phase: str
-    job: str | None          # owning Job's name, if any
+    owner: OwnerRef | None   # the controller ownerReference, if any
     mode: str                # HostPath | EmptyDir
     init: str | None         # None (not injected/seen), waiting, running, ok, failed
     started: str | None      # init container start (RFC 3339)
     message: str | None      # init container termination message
+    uid: str = ""
+    revision: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in (PodPhase.SUCCEEDED, PodPhase.FAILED)
 
 
-def _owner_job(meta: dict[str, Any]) -> str | None:
-    for ref in meta.get("ownerReferences") or []:
-        if ref.get("kind") == "Job" and str(ref.get("apiVersion", "")).startswith("batch/"):
-            return ref.get("name")
-    return None
+def controller_ref(meta: dict[str, Any]) -> OwnerRef | None:
+    refs = meta.get("ownerReferences") or []
+    ref = next((r for r in refs if r.get("controller")), refs[0] if refs else None)
+    if not ref or not ref.get("uid"):
+        return None
+    return OwnerRef(ref.get("kind", ""), ref.get("name", ""), ref["uid"])
 
 
 def pod_info(body: dict[str, Any]) -> PodInfo:
@@ -63,10 +107,12 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
     return PodInfo(
         name=meta.get("name", ""),
         node=spec.get("nodeName") or None,
-        phase=status.get("phase") or "Pending",
-        job=_owner_job(meta),
-        mode=annotations.get(MODE_ANNOTATION, "HostPath"),
+        phase=status.get("phase") or PodPhase.PENDING,
+        owner=controller_ref(meta),
+        mode=annotations.get(MODE_ANNOTATION, VolumeMode.HOST_PATH),
         init=init, started=started, message=(message or "").strip() or None,
+        uid=meta.get("uid", ""),
+        revision=annotations.get(REVISION_ANNOTATION),
     )
 
 
@@ -78,25 +124,91 @@ def pod_key(body: dict[str, Any]) -> tuple[str, str] | None:
     return (meta.get("namespace", ""), cache)
 
 
+# --- owners: each kind's "finished" -------------------------------------------------------
+
+def _condition_true(body: dict[str, Any], types: tuple[str, ...]) -> bool:
+    return any(c.get("type") in types and c.get("status") == "True"
+               for c in (body.get("status") or {}).get("conditions") or [])
+
+
 def job_finished(body: dict[str, Any]) -> bool:
-    for cond in (body.get("status") or {}).get("conditions") or []:
-        if cond.get("type") in ("Complete", "Failed") and cond.get("status") == "True":
-            return True
-    return False
+    return _condition_true(body, ("Complete", "Failed"))
 
 
-def is_consumer(pod: PodInfo, job_state: Callable[[str], bool | None]) -> bool:
-    """A pod still needs its node's copy.
+def _rayjob_finished(body: dict[str, Any]) -> bool:
+    status = body.get("status") or {}
+    return status.get("jobDeploymentStatus") in ("Complete", "Failed") or \
+        status.get("jobStatus") in ("SUCCEEDED", "FAILED", "STOPPED")
 
-    A running (or pending) pod does. A finished pod does while its Job is
-    known and not finished yet (the Job may start another pod there).
-    """
-    if pod.phase not in ("Succeeded", "Failed"):
+
+def _volcano_finished(body: dict[str, Any]) -> bool:
+    phase = ((body.get("status") or {}).get("state") or {}).get("phase")
+    return phase in ("Completed", "Failed", "Terminated", "Aborted")
+
+
+class OwnerKind(NamedTuple):
+    kind: str
+    group_path: str          # /apis/<group>/<version>
+    plural: str
+    finished: Callable[[dict[str, Any]], bool] | None   # None: never finishes by itself
+
+
+#: The owner kinds whose finished condition we know. Their CRDs are optional:
+#: an absent one is simply an empty view (see informer.py).
+OWNER_KINDS: tuple[OwnerKind, ...] = (
+    OwnerKind("Job", "/apis/batch/v1", "jobs", job_finished),
+    OwnerKind("JobSet", "/apis/jobset.x-k8s.io/v1alpha2", "jobsets",
+              lambda b: _condition_true(b, ("Completed", "Failed"))),
+    OwnerKind("PyTorchJob", "/apis/kubeflow.org/v1", "pytorchjobs",
+              lambda b: _condition_true(b, ("Succeeded", "Failed"))),
+    OwnerKind("TrainJob", "/apis/trainer.kubeflow.org/v1alpha1", "trainjobs",
+              lambda b: _condition_true(b, ("Complete", "Failed"))),
+    OwnerKind("RayJob", "/apis/ray.io/v1", "rayjobs", _rayjob_finished),
+    OwnerKind("RayCluster", "/apis/ray.io/v1", "rayclusters", None),
+    OwnerKind("Job.batch.volcano.sh", "/apis/batch.volcano.sh/v1alpha1", "jobs", _volcano_finished),
+)
+
+
+def owner_info(kind: OwnerKind, body: dict[str, Any]) -> OwnerInfo:
+    meta = body.get("metadata") or {}
+    finished = kind.finished(body) if kind.finished is not None else None
+    return OwnerInfo(kind.kind, meta.get("name", ""), finished, controller_ref(meta))
+
+
+OwnerLookup = Callable[[str], "OwnerInfo | None"]   # uid -> info (None: not in any view)
+
+
+def top_owner(pod: PodInfo, owners: OwnerLookup) -> tuple[OwnerRef | None, OwnerInfo | None]:
+    """Follow controller ownerReferences up as far as our views know them."""
+    ref, info = pod.owner, None
+    seen = set()
+    while ref is not None and ref.uid not in seen:
+        seen.add(ref.uid)
+        got = owners(ref.uid)
+        if got is None:
+            break
+        info = got
+        if got.owner is None or owners(got.owner.uid) is None:
+            break
+        ref = got.owner
+    return ref, info
+
+
+def holds(pod: PodInfo, owners: OwnerLookup, deleting: bool = False) -> bool:
+    """The pod still holds (or may hold again) its revision. See the module docstring."""
+    if not pod.finished:
         return True
-    if pod.job is not None:
-        return job_state(pod.job) is False
-    return False
+    if deleting or pod.owner is None:
+        return False
+    ref, info = top_owner(pod, owners)
+    if info is None:
+        return False           # unknown kind, or an owner already gone: pod phase decides
+    if info.finished is None:  # a kind that never finishes by itself (RayCluster): alive while it exists
+        return True
+    return not info.finished
 
+
+# --- helpers -------------------------------------------------------------------------------
 
 def parse_time(text: str | None) -> datetime.datetime | None:
     if not text:
@@ -123,10 +235,26 @@ def termination_summary(message: str | None) -> dict[str, Any]:
     return {}
 
 
+# --- planning ------------------------------------------------------------------------------
+
+class Release(NamedTuple):
+    """One wipe step to take: remove ``revision`` (None: the whole cache dir, on
+    deletion) on the node once the leases of ``release`` are deleted.
+    ``newest_use``: the newest stager start of that revision there (a helper created
+    before it decided on stale facts and is replaced)."""
+    revision: str | None
+    release: tuple[str, ...]
+    newest_use: datetime.datetime | None = None
+
+
 class NodePlan(NamedTuple):
     entry: NodeStatus
-    wipe: bool            # the node's host copy must be wiped now
+    wipes: list[Release]
     relevant_since: datetime.datetime | None  # newest init start among relevant pods
+
+    @property
+    def wipe(self) -> bool:
+        return bool(self.wipes)
 
 
 def _started_after(pod: PodInfo, wiped_at: datetime.datetime | None) -> bool:
@@ -136,78 +264,160 @@ def _started_after(pod: PodInfo, wiped_at: datetime.datetime | None) -> bool:
     return wiped_at is None or started >= wiped_at
 
 
-def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo],
-              job_state: Callable[[str], bool | None], retention: Retention,
-              now: datetime.datetime, deleting: bool = False) -> NodePlan | None:
+def _ttl_passed(last_used: str | None, retention: Retention, now: datetime.datetime) -> bool:
+    if retention.policy == RetentionPolicy.WIPE_ON_JOB_COMPLETION:
+        return True
+    last = parse_time(last_used) or now
+    return (now - last).total_seconds() >= parse_duration(retention.ttlAfterLastUse or "0s")
+
+
+def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owners: OwnerLookup,
+              retention: Retention, now: datetime.datetime, deleting: bool = False,
+              blocked_everywhere: frozenset[str] = frozenset(),
+              block_all: bool = False, keep_wiped: float = 3600.0,
+              live_anywhere: frozenset[str] = frozenset()) -> NodePlan | None:
+    """``blocked_everywhere``: revisions of unscheduled live pods (they may land here);
+    ``block_all``: an unscheduled live pod of unknown revision exists;
+    ``live_anywhere``: UIDs of every pod of the cache that still holds its revision.
+
+    Which leases a wipe releases: those of this node's pods that no longer hold
+    the revision, plus the stray leases an earlier wipe reported that still belong
+    to no holding pod. A lease is written by a running stager, whose pod carries
+    our label from admission on, so the pod view shows it within the watch lag; a
+    UID still unknown one reconciliation after a wipe reported it is a pod deleted
+    meanwhile (e.g. while the operator was down), and keeping its lease would keep
+    the revision forever."""
     pods = list(pods)
     wiped_at = parse_time(prior.wipedAt) if prior is not None else None
-    consumers = [p for p in pods if is_consumer(p, job_state)]
+    consumers = [p for p in pods if holds(p, owners, deleting)]
     relevant = [p for p in pods if p in consumers or _started_after(p, wiped_at)]
     if prior is None and not relevant:
         return None  # only old, finished pods: nothing of theirs is on the node any more
     entry = (prior.model_copy(deep=True) if prior is not None
-             else NodeStatus(node=node, state="Staging"))
+             else NodeStatus(node=node, state=NodeState.STAGING))
 
     if relevant:
-        if any(p.mode == "HostPath" for p in relevant):
-            entry.volume = "HostPath"
-        else:
-            entry.volume = "EmptyDir"
-        ok = [p for p in relevant if p.init == "ok"]
-        failed = [p for p in relevant if p.init == "failed"]
+        entry.volume = (VolumeMode.HOST_PATH if any(p.mode == VolumeMode.HOST_PATH for p in relevant)
+                        else VolumeMode.EMPTY_DIR)
+        # Ready means: what the live consumers hold is on disk. So while any
+        # consumer's stager has not finished (it may be re-staging a revision a
+        # wipe just removed), the node is Staging, even if older pods were Ready.
         pending = [p for p in consumers if p.init in (None, "waiting", "running")]
-        if ok:
+        basis = consumers if consumers else relevant
+        ok = [p for p in basis if p.init == "ok"]
+        failed = [p for p in basis if p.init == "failed"]
+        if pending:
+            entry.state, entry.message = NodeState.STAGING, None
+        elif ok:
             best = max(ok, key=lambda p: p.started or "")
             summary = termination_summary(best.message)
-            entry.state, entry.message = "Ready", None
+            entry.state, entry.message = NodeState.READY, None
             for field in ("bytes", "objects", "seconds"):
                 if isinstance(summary.get(field), (int, float)):
                     setattr(entry, field, summary[field])
-        elif pending:
-            entry.state, entry.message = "Staging", None
         elif failed:
             last = max(failed, key=lambda p: p.started or "")
-            entry.state = "Failed"
+            entry.state = NodeState.FAILED
             entry.message = (last.message or "the stager failed; see kubectl logs -c " + INIT_NAME)[:4096]
 
     if len(consumers) != entry.consumers or (prior is None and relevant):
         entry.lastUsed = fmt_time(now)
     entry.consumers = len(consumers)
 
-    wipe = False
-    holds_copy = entry.state != "Wiped" and (prior is not None or bool(relevant))
-    if holds_copy and not consumers:
-        if deleting or retention.policy == "WipeOnJobCompletion":
-            wipe = True
-        else:
-            last = parse_time(entry.lastUsed) or now
-            ttl = parse_duration(retention.ttlAfterLastUse or "0s")
-            wipe = (now - last).total_seconds() >= ttl
-    if wipe and entry.volume == "EmptyDir":
-        # The kubelet removes emptyDir volumes with their pods: nothing of ours remains.
-        entry.state, entry.wipedAt, wipe = "Wiped", fmt_time(now), False
-    newest = max((parse_time(p.started) for p in relevant if p.started), default=None)
-    return NodePlan(entry, wipe, newest)
+    # Revisions on the node, and the pods that have (had) a lease on each.
+    # A wiped revision stays listed (wipedAt) for keep_wiped, so that the finished
+    # pods that used it do not bring it back; a pod holding it, or one that
+    # started staging it after the wipe, does.
+    revs: dict[str, NodeRevision] = {}
+    for r in entry.revisions:
+        wiped = parse_time(r.wipedAt)
+        if wiped is None or (now - wiped).total_seconds() <= keep_wiped:
+            revs[r.id] = r.model_copy(deep=True)
+    for p in relevant:
+        if not p.revision or p.mode != VolumeMode.HOST_PATH:
+            continue
+        r = revs.get(p.revision)
+        if r is None:
+            r = revs[p.revision] = NodeRevision(id=p.revision, lastUsed=fmt_time(now))
+        elif r.wipedAt is not None:
+            if p not in consumers and not _started_after(p, parse_time(r.wipedAt)):
+                continue
+            r.wipedAt, r.strayLeases, r.lastUsed = None, [], fmt_time(now)
+    for r in revs.values():
+        n = sum(1 for p in consumers if p.revision == r.id)
+        if n != r.consumers:
+            r.consumers, r.lastUsed = n, fmt_time(now)
+    entry.revisions = [revs[k] for k in sorted(revs)]
+    active = [r for r in entry.revisions if r.wipedAt is None]
+
+    wipes: list[Release] = []
+    holds_copy = entry.state != NodeState.WIPED and (prior is not None or bool(relevant))
+    done_here = [p for p in pods if p not in consumers]
+    if entry.volume == VolumeMode.EMPTY_DIR:
+        if holds_copy and not consumers and (deleting or _ttl_passed(entry.lastUsed, retention, now)):
+            # The kubelet removes emptyDir volumes with their pods: nothing of ours remains.
+            entry.state, entry.wipedAt, entry.revisions = NodeState.WIPED, fmt_time(now), []
+    elif block_all or not holds_copy:
+        pass  # an unscheduled pod of unknown revision may land here: keep everything
+    elif deleting:
+        if not consumers and not blocked_everywhere:
+            # One helper removes C itself once no lease at all remains.
+            release = {p.uid for p in done_here if p.uid}
+            for r in active:
+                release.update(u for u in r.strayLeases if u not in live_anywhere)
+            wipes.append(Release(None, tuple(sorted(release)), _newest(relevant)))
+    else:
+        legacy_holders = any(p.revision is None for p in consumers)
+        for r in active:
+            if r.consumers or legacy_holders or r.id in blocked_everywhere:
+                continue
+            if not _ttl_passed(r.lastUsed, retention, now):
+                continue
+            release = {p.uid for p in done_here if p.uid and p.revision == r.id}
+            release.update(u for u in r.strayLeases if u not in live_anywhere)
+            wipes.append(Release(r.id, tuple(sorted(release)),
+                                 _newest(p for p in relevant if p.revision in (r.id, None))))
+        if not active and not consumers and prior is not None and entry.state != NodeState.WIPED:
+            # Nothing of any revision left here (or a copy that predates revisions).
+            entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
+    return NodePlan(entry, wipes, _newest(relevant))
 
 
-def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo],
-               job_state: Callable[[str], bool | None], retention: Retention,
-               now: datetime.datetime, deleting: bool = False,
-               keep_wiped: float = 3600.0) -> dict[str, NodePlan]:
+def _newest(pods: Iterable[PodInfo]) -> datetime.datetime | None:
+    return max((parse_time(p.started) for p in pods if p.started), default=None)
+
+
+def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo], owners: OwnerLookup,
+               retention: Retention, now: datetime.datetime, deleting: bool = False,
+               keep_wiped: float = 3600.0, gone_nodes: frozenset[str] = frozenset()) -> dict[str, NodePlan]:
+    """``gone_nodes``: nodes the API server says no longer exist. They are dropped
+    from status and get no wipe helper (their disks went with them)."""
+    pods = list(pods)
     by_node: dict[str, list[PodInfo]] = {}
+    blocked: set[str] = set()
+    block_all = False
     for p in pods:
         if p.node:
             by_node.setdefault(p.node, []).append(p)
+        elif not p.finished and p.mode == VolumeMode.HOST_PATH:
+            # Not scheduled yet: it may land on any node, so its revision stays everywhere.
+            if p.revision:
+                blocked.add(p.revision)
+            else:
+                block_all = True
+    live = frozenset(p.uid for p in pods if p.uid and holds(p, owners, deleting))
     prior_by_node = {n.node: n for n in prior}
     plans = {}
     for node in sorted(set(by_node) | set(prior_by_node)):
+        if node in gone_nodes:
+            continue
         old = prior_by_node.get(node)
-        if old is not None and node not in by_node and old.state == "Wiped":
+        if old is not None and node not in by_node and old.state == NodeState.WIPED:
             wiped = parse_time(old.wipedAt)
             if wiped is None or (now - wiped).total_seconds() > keep_wiped:
                 continue  # keep status bounded: forget long-wiped nodes no pod refers to
-        plan = plan_node(node, prior_by_node.get(node), by_node.get(node, []),
-                         job_state, retention, now, deleting)
+        plan = plan_node(node, old, by_node.get(node, []), owners, retention, now, deleting,
+                         frozenset(blocked), block_all, keep_wiped, live)
         if plan is not None:
             plans[node] = plan
     return plans

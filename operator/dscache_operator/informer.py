@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any, Callable, Hashable
 
 import aiohttp
@@ -34,14 +35,20 @@ class Gone(Exception):
 
 class Informer:
     def __init__(self, kube: Kube, path: str, label_selector: str, extract: Extract,
-                 page_size: int = 500, watch_timeout: int = 300) -> None:
+                 page_size: int = 500, watch_timeout: int = 300, optional: bool = False) -> None:
         self.kube = kube
+        #: optional: a kind whose CRD may not be installed (or that RBAC does not
+        #: grant): 404/403 on the list make an empty, ready view that retries later.
+        self.optional = optional
+        self.absent_retry = 60.0
         self.path = path
         self.label_selector = label_selector
         self.extract = extract
         self.page_size = page_size
         self.watch_timeout = watch_timeout
         self.ready = asyncio.Event()
+        #: monotonic time since when the API server refuses our credentials (None: it does not).
+        self.auth_failing_since: float | None = None
         self._by_uid: dict[str, Hashable] = {}
         self._by_key: dict[Hashable, dict[str, Any]] = {}
 
@@ -103,7 +110,8 @@ class Informer:
                   "labelSelector": self.label_selector, "timeoutSeconds": str(self.watch_timeout)}
         session = await self.kube.watch_session()
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.watch_timeout + 30)
-        async with session.get(self.kube.server + self.path, params=params, timeout=timeout) as resp:
+        async with session.get(self.kube.server + self.path, params=params, timeout=timeout,
+                               headers=self.kube.auth_headers()) as resp:
             if resp.status == 410:
                 raise Gone()
             if resp.status >= 400:
@@ -139,12 +147,41 @@ class Informer:
                     if not self.ready.is_set():
                         logger.info(f"listed {len(self)} objects at {self.path} ({self.label_selector})")
                     self.ready.set()
+                    self.auth_failing_since = None
                     delay = 0.5
                 rv = await self._watch(rv)
             except asyncio.CancelledError:
                 raise
             except Gone:
                 rv = ""
+            except ApiError as e:
+                if self.optional and e.status in (403, 404):  # CRD absent (or removed), or not granted
+                    rv = ""
+                    if not self.ready.is_set() or len(self):
+                        logger.info(f"{self.path}: {e.status}, an optional kind: an empty view "
+                                    f"(looking again in {self.absent_retry:.0f}s)")
+                    self._by_uid, self._by_key = {}, {}
+                    self.ready.set()
+                    await asyncio.sleep(self.absent_retry)
+                    continue
+                if e.status not in (401, 403):
+                    logger.warning(f"watching {self.path} failed ({e!r}); retrying in {delay:.1f}s")
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 30)
+                    continue
+                # Unauthorised: the view can no longer follow the cluster, so it
+                # stops claiming to be ready (the controller then makes no node
+                # decision on it), and lists afresh once a (rotated) token works.
+                rv = ""
+                self.ready.clear()
+                if self.auth_failing_since is None:
+                    self.auth_failing_since = time.monotonic()
+                if self.kube.reload_token():
+                    continue
+                logger.warning(f"watching {self.path}: {e.status} {'unauthorised' if e.status == 401 else 'forbidden'}; "
+                               f"the view is not ready until it can list again (retrying in {delay:.1f}s)")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30)
             except Exception as e:  # noqa: BLE001 - keep watching; state stays as last known
                 logger.warning(f"watching {self.path} failed ({e!r}); retrying in {delay:.1f}s")
                 await asyncio.sleep(delay)
@@ -155,12 +192,13 @@ class MultiInformer:
     """One informer per watched namespace (or one cluster-wide), keyed by (namespace, ...)."""
 
     def __init__(self, kube: Kube, group_path: str, plural: str, namespaces: tuple[str, ...],
-                 label_selector: str, extract: Extract) -> None:
+                 label_selector: str, extract: Extract, optional: bool = False) -> None:
         if namespaces:
             self.informers = {ns: Informer(kube, f"{group_path}/namespaces/{ns}/{plural}",
-                                           label_selector, extract) for ns in namespaces}
+                                           label_selector, extract, optional=optional) for ns in namespaces}
         else:
-            self.informers = {None: Informer(kube, f"{group_path}/{plural}", label_selector, extract)}
+            self.informers = {None: Informer(kube, f"{group_path}/{plural}", label_selector, extract,
+                                             optional=optional)}
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -178,6 +216,11 @@ class MultiInformer:
     @property
     def ready(self) -> bool:
         return all(i.ready.is_set() for i in self.informers.values())
+
+    def auth_failing_for(self) -> float:
+        """Seconds since the API server started refusing our credentials (0: it does not)."""
+        since = [i.auth_failing_since for i in self.informers.values() if i.auth_failing_since is not None]
+        return time.monotonic() - min(since) if since else 0.0
 
     def get(self, key: tuple) -> list[Any]:
         informer = self.informers.get(key[0]) or self.informers.get(None)

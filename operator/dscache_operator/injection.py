@@ -1,5 +1,20 @@
 """What the webhook adds to a pod spec: pure functions, no I/O.
 
+The pod layout (names and paths from dscache_contract, shared with the stager):
+- volume ``dscache-data``: the node's cache dir C (hostPath, DirectoryOrCreate)
+  or an emptyDir with the same layout inside;
+- the stager init container, FIRST of all init containers, mounts C read-write
+  at /dscache and runs ``StageArgs(...).to_argv()``: the pinned revision, and
+  this pod's UID (downward API) for its lease;
+- every training container mounts ``revs/<rev>/data`` read-only at
+  spec.mountPath (so a directory walk of DSCACHE_DIR sees the dataset and
+  nothing else) and ``revs/<rev>/meta`` read-only at /var/run/dscache, where
+  DSCACHE_MANIFEST points;
+- any other mount of ``dscache-data`` (a user's own, in a container or an init
+  container) is forced read-only and, without a subPath, narrowed to the
+  revision's data: only the stager may write the node's copy, so no pod can
+  poison it for the next Job or make a wipe fail.
+
 Every step is idempotent (keyed by our fixed names), so a reinvocation or a
 Job's pod passing through the webhook again never injects twice.
 """
@@ -8,51 +23,51 @@ from __future__ import annotations
 
 import copy
 import posixpath
-from typing import Any, Literal
+from typing import Any
 
-from .models import CACHE_ANNOTATION, CONSUMER_LABEL, DatasetCacheSpec
+import dscache_contract as contract
+from dscache_contract import (ANNOTATION_REVISION, ENV_DIR, ENV_MANIFEST, ENV_POD_UID, ENV_REVISION,
+                              META_MOUNT_PATH, POD_UID_ARG, STAGE_MOUNT_PATH, STAGER_COMMAND,
+                              STAGER_CONTAINER_NAME, TERMINATION_LOG, VOLUME_NAME)
+
+from .models import CACHE_ANNOTATION, CONSUMER_LABEL, DatasetCacheSpec, VolumeMode
 from .settings import Settings
 
-INIT_NAME = "dscache-stage"
-VOLUME_NAME = "dscache-data"
+INIT_NAME = STAGER_CONTAINER_NAME
 #: Where the init container sees the volume (never visible to training code).
-STAGE_DIR = "/dscache"
+STAGE_DIR = STAGE_MOUNT_PATH
 #: Annotation recording the volume mode on the pod (for the controller).
 MODE_ANNOTATION = "dscache.io/volume"
+REVISION_ANNOTATION = ANNOTATION_REVISION
 NONROOT_UID = 65532
 
-Mode = Literal["HostPath", "EmptyDir"]
+Mode = VolumeMode
 
 
 class InjectionError(Exception):
     """The pod cannot get the cache; the message names the cache and the fix."""
 
 
-def manifest_path(mount_path: str) -> str:
-    return posixpath.join(mount_path, ".dscache", "manifest.jsonl")
+def manifest_path(mount_path: str | None = None) -> str:
+    """DSCACHE_MANIFEST: in the revision's meta dir, outside DSCACHE_DIR."""
+    return contract.manifest_env_value()
 
 
 def _norm(path: str) -> str:
     return posixpath.normpath(path) if path else path
 
 
-def stager_args(spec: DatasetCacheSpec, settings: Settings) -> list[str]:
+def stage_args(spec: DatasetCacheSpec, settings: Settings, revision: str) -> contract.StageArgs:
     src = spec.source
-    args = ["sync", src.uri, STAGE_DIR]
-    if src.endpoint:
-        args += ["--endpoint-url", src.endpoint]
-    if src.region:
-        args += ["--region", src.region]
-    if src.addressingStyle:
-        args += ["--addressing-style", src.addressingStyle]
-    for glob in src.include:
-        args += ["--include", glob]
-    for glob in src.exclude:
-        args += ["--exclude", glob]
-    if settings.stager_concurrency:
-        args += ["--concurrency", str(settings.stager_concurrency)]
-    args += ["--termination-log", "/dev/termination-log"]
-    return args
+    return contract.StageArgs(
+        source=src.uri, revision=revision, cache_dir=STAGE_DIR, pod_uid=POD_UID_ARG,
+        endpoint_url=src.endpoint, region=src.region, addressing_style=src.addressingStyle,
+        include=tuple(src.include), exclude=tuple(src.exclude),
+        concurrency=settings.stager_concurrency or None, termination_log=TERMINATION_LOG)
+
+
+def stager_args(spec: DatasetCacheSpec, settings: Settings, revision: str) -> list[str]:
+    return stage_args(spec, settings, revision).to_argv()
 
 
 def stager_security_context(mode: Mode) -> dict[str, Any]:
@@ -69,7 +84,7 @@ def stager_security_context(mode: Mode) -> dict[str, Any]:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    if mode == "HostPath":
+    if mode == VolumeMode.HOST_PATH:
         ctx.update(runAsUser=0, runAsGroup=0, runAsNonRoot=False)
     else:
         ctx.update(runAsUser=NONROOT_UID, runAsGroup=NONROOT_UID, runAsNonRoot=True)
@@ -77,8 +92,11 @@ def stager_security_context(mode: Mode) -> dict[str, Any]:
 
 
 def init_container(namespace: str, name: str, spec: DatasetCacheSpec,
-                   settings: Settings, mode: Mode) -> dict[str, Any]:
-    env: list[dict[str, Any]] = []
+                   settings: Settings, mode: Mode, revision: str) -> dict[str, Any]:
+    env: list[dict[str, Any]] = [
+        # The lease file is named by the pod's UID, which exists only once the pod
+        # does: the kubelet expands $(DSCACHE_POD_UID) in the args from this.
+        {"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
     secret = spec.source.secret_name
     if secret:
         for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
@@ -89,36 +107,45 @@ def init_container(namespace: str, name: str, spec: DatasetCacheSpec,
         env.append({"name": "AWS_REGION", "value": spec.source.region})
     resources = (spec.resources.model_dump(exclude_none=True) if spec.resources
                  else copy.deepcopy(settings.stager_resources))
-    container: dict[str, Any] = {
+    return {
         "name": INIT_NAME,
         "image": settings.stager_image,
         "imagePullPolicy": settings.stager_pull_policy,
-        "command": ["dscache-stage"],
-        "args": stager_args(spec, settings),
+        "command": [STAGER_COMMAND],
+        "args": stager_args(spec, settings, revision),
         "env": env,
         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_DIR}],
         "resources": resources,
         "securityContext": stager_security_context(mode),
-        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    return container
 
 
 def volume(namespace: str, name: str, settings: Settings, mode: Mode) -> dict[str, Any]:
-    if mode == "HostPath":
+    if mode == VolumeMode.HOST_PATH:
         return {"name": VOLUME_NAME, "hostPath": {
             "path": settings.cache_dir(namespace, name), "type": "DirectoryOrCreate"}}
     return {"name": VOLUME_NAME, "emptyDir": {}}
 
 
+def training_mounts(mount_path: str, revision: str) -> list[dict[str, Any]]:
+    return [
+        {"name": VOLUME_NAME, "mountPath": mount_path, "readOnly": True,
+         "subPath": contract.data_subpath(revision)},
+        {"name": VOLUME_NAME, "mountPath": META_MOUNT_PATH, "readOnly": True,
+         "subPath": contract.meta_subpath(revision)},
+    ]
+
+
 def check_clashes(pod_spec: dict[str, Any], cache: str, mount_path: str) -> None:
-    want = _norm(mount_path)
-    for c in pod_spec.get("containers") or []:
+    ours = {_norm(mount_path): "its mountPath", META_MOUNT_PATH: f"the metadata path {META_MOUNT_PATH}"}
+    for c in (pod_spec.get("containers") or []):
         for m in c.get("volumeMounts") or []:
-            if m.get("name") != VOLUME_NAME and _norm(m.get("mountPath", "")) == want:
+            where = ours.get(_norm(m.get("mountPath", "")))
+            if m.get("name") != VOLUME_NAME and where:
                 raise InjectionError(
-                    f"DatasetCache {cache!r}: its mountPath {mount_path} clashes with the "
+                    f"DatasetCache {cache!r}: {where} {m.get('mountPath')} clashes with the "
                     f"volume {m.get('name')!r} already mounted there in container "
                     f"{c.get('name')!r}; change spec.mountPath of the DatasetCache or "
                     f"move that mount.")
@@ -128,10 +155,35 @@ def check_clashes(pod_spec: dict[str, Any], cache: str, mount_path: str) -> None
             raise InjectionError(
                 f"DatasetCache {cache!r}: the pod already has a volume named "
                 f"{VOLUME_NAME!r}, which dscache reserves; rename that volume.")
+    for c in pod_spec.get("initContainers") or []:
+        if c.get("name") == INIT_NAME and not any(m.get("name") == VOLUME_NAME
+                                                  for m in c.get("volumeMounts") or []):
+            raise InjectionError(
+                f"DatasetCache {cache!r}: the pod already has an init container named "
+                f"{INIT_NAME!r}, which dscache reserves; rename that container.")
+
+
+def _force_read_only(c: dict[str, Any], revision: str) -> bool:
+    """A user's own mount of dscache-data: read-only, and narrowed to the revision's
+    data when it names no subPath (C also holds other revisions and the leases)."""
+    changed = False
+    for m in c.get("volumeMounts") or []:
+        if m.get("name") != VOLUME_NAME:
+            continue
+        if m.get("readOnly") is not True:
+            m["readOnly"] = True
+            changed = True
+        if not m.get("subPath") and not m.get("subPathExpr"):
+            m["subPath"] = contract.data_subpath(revision)
+            changed = True
+        if m.get("mountPropagation") not in (None, "None"):
+            m["mountPropagation"] = "None"  # Bidirectional would need a privileged container
+            changed = True
+    return changed
 
 
 def inject(pod_spec: dict[str, Any], *, namespace: str, name: str,
-           spec: DatasetCacheSpec, settings: Settings, mode: Mode) -> bool:
+           spec: DatasetCacheSpec, settings: Settings, mode: Mode, revision: str) -> bool:
     """Mutate ``pod_spec`` in place; return True if anything changed."""
     check_clashes(pod_spec, name, spec.mountPath)
     changed = False
@@ -142,17 +194,39 @@ def inject(pod_spec: dict[str, Any], *, namespace: str, name: str,
         changed = True
 
     inits = pod_spec.setdefault("initContainers", [])
-    if not any(c.get("name") == INIT_NAME for c in inits):
-        # Appended last: native sidecars (e.g. a mesh proxy) start before us.
-        inits.append(init_container(namespace, name, spec, settings, mode))
+    ours = next((c for c in inits if c.get("name") == INIT_NAME), None)
+    if ours is None:
+        ours = init_container(namespace, name, spec, settings, mode, revision)
+        inits.insert(0, ours)
         changed = True
+    elif inits[0] is not ours:
+        # First, before any user init container (or native sidecar): nothing of the
+        # user's runs before the stager has taken its lease on the revision.
+        inits.remove(ours)
+        inits.insert(0, ours)
+        changed = True
+    for c in inits[1:]:
+        changed = _force_read_only(c, revision) or changed
 
-    env_values = {"DSCACHE_DIR": spec.mountPath, "DSCACHE_MANIFEST": manifest_path(spec.mountPath)}
+    env_values = {ENV_DIR: spec.mountPath, ENV_MANIFEST: manifest_path(), ENV_REVISION: revision}
+    wanted_mounts = training_mounts(spec.mountPath, revision)
+    by_path = {_norm(w["mountPath"]): w for w in wanted_mounts}
     for c in pod_spec.get("containers") or []:
         mounts = c.setdefault("volumeMounts", [])
-        if not any(m.get("name") == VOLUME_NAME for m in mounts):
-            mounts.append({"name": VOLUME_NAME, "mountPath": spec.mountPath, "readOnly": True})
-            changed = True
+        for i, m in enumerate(mounts):
+            if m.get("name") != VOLUME_NAME:
+                continue
+            want = by_path.get(_norm(m.get("mountPath", "")))
+            if want is None:
+                changed = _force_read_only({"volumeMounts": [m]}, revision) or changed
+            elif m != want:
+                mounts[i] = dict(want)  # a user's mount at our path becomes exactly ours
+                changed = True
+        have = {_norm(m.get("mountPath", "")) for m in mounts if m.get("name") == VOLUME_NAME}
+        for path, want in by_path.items():
+            if path not in have:
+                mounts.append(dict(want))
+                changed = True
         env = c.setdefault("env", [])
         present = {e.get("name") for e in env}
         for key, value in env_values.items():
@@ -163,8 +237,13 @@ def inject(pod_spec: dict[str, Any], *, namespace: str, name: str,
 
 
 def inject_object(obj: dict[str, Any], *, kind: str, namespace: str, cache_name: str,
-                  spec: DatasetCacheSpec, settings: Settings, mode: Mode) -> bool:
-    """Inject into a Job's pod template or a Pod; mutate ``obj`` in place."""
+                  spec: DatasetCacheSpec, settings: Settings, mode: Mode, revision: str) -> bool:
+    """Inject into a Job's pod template or a Pod; mutate ``obj`` in place.
+
+    ``revision`` is the one to pin when the object carries none yet; a revision
+    already on the pod template / pod (a Job's pods inherit it) always wins, so
+    every pod of one Job stages the same bytes, whenever it is created.
+    """
     if kind == "Job":
         template = obj.setdefault("spec", {}).setdefault("template", {})
         pod_spec = template.setdefault("spec", {})
@@ -172,15 +251,18 @@ def inject_object(obj: dict[str, Any], *, kind: str, namespace: str, cache_name:
     else:
         pod_spec = obj.setdefault("spec", {})
         meta = obj.setdefault("metadata", {})
-    existing = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == VOLUME_NAME), None)
-    if existing is not None:
-        # Already injected (e.g. a Job's pod): keep the mode it was injected with.
-        mode = "HostPath" if "hostPath" in existing else "EmptyDir"
-    changed = inject(pod_spec, namespace=namespace, name=cache_name, spec=spec,
-                     settings=settings, mode=mode)
     annotations = meta.get("annotations") or {}
-    # The pods carry the cache name (for the controller's consumer index) and the mode.
-    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: mode}
+    revision = pinned_revision(annotations, cache_name) or revision
+    existing = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == VOLUME_NAME), None)
+    if existing is not None and any(c.get("name") == INIT_NAME for c in pod_spec.get("initContainers") or []):
+        # Already injected (e.g. a Job's pod): keep the mode it was injected with.
+        mode = VolumeMode.HOST_PATH if "hostPath" in existing else VolumeMode.EMPTY_DIR
+    changed = inject(pod_spec, namespace=namespace, name=cache_name, spec=spec,
+                     settings=settings, mode=mode, revision=revision)
+    # The pods carry the cache name (for the controller's consumer index), the
+    # mode and the revision (for wipe planning per node and revision).
+    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: VolumeMode(mode).value,
+              REVISION_ANNOTATION: revision}
     if any(annotations.get(k) != v for k, v in wanted.items()):
         meta["annotations"] = {**annotations, **wanted}
         changed = True
@@ -194,6 +276,20 @@ def inject_object(obj: dict[str, Any], *, kind: str, namespace: str, cache_name:
             jmeta["annotations"] = {**jann, CACHE_ANNOTATION: cache_name}
             changed = True
     return changed
+
+
+def pinned_revision(annotations: dict[str, Any], cache: str) -> str | None:
+    """The revision an object already carries; a malformed one is refused, not replaced."""
+    rev = annotations.get(REVISION_ANNOTATION)
+    if rev is None:
+        return None
+    try:
+        return contract.validate_revision(rev)
+    except ValueError as e:
+        raise InjectionError(
+            f"DatasetCache {cache!r}: annotation {REVISION_ANNOTATION}={rev!r} is not a revision id "
+            f"({e}); remove it to get the cache's current revision (kubectl get dsc {cache} "
+            f"-o jsonpath='{{.status.revision.id}}').") from None
 
 
 def _label(meta: dict[str, Any]) -> bool:
@@ -212,3 +308,11 @@ def requested_cache(obj: dict[str, Any], kind: str) -> str | None:
         tmeta = ((obj.get("spec") or {}).get("template") or {}).get("metadata") or {}
         name = (tmeta.get("annotations") or {}).get(CACHE_ANNOTATION)
     return name
+
+
+def direct_owner_uid(obj: dict[str, Any]) -> str | None:
+    """The controller owner's UID of a Pod or Job at admission (None: no owner)."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("uid"):
+            return ref["uid"]
+    return None

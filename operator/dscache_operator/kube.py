@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from typing import Any
 
 import aiohttp
@@ -23,27 +24,72 @@ class ApiError(Exception):
         self.body = body
 
 
+#: Where the kubelet projects the service-account token (rotated about hourly).
+SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+#: client-go re-reads a token file at most this often even without a 401.
+TOKEN_MAX_AGE = 60.0
+
+
 class Kube:
-    def __init__(self, info: kopf.ConnectionInfo, pool: int = 8) -> None:
-        self.server = info.server.rstrip("/")
-        self.default_namespace = info.default_namespace
-        self._ssl = info.as_ssl_context()
-        self._headers = {"Accept": "application/json", **info.as_http_headers()}
+    """Our API client. Credentials can rotate under it: a projected service-account
+    token is replaced by the kubelet about every hour, and the old one stops working
+    when its pod binding ends or it expires. So the Authorization header is built per
+    request from a token re-read from its file (at most every TOKEN_MAX_AGE seconds,
+    and at once on a 401, then the request is retried once)."""
+
+    def __init__(self, info: kopf.ConnectionInfo, pool: int = 8, token_file: str | None = None) -> None:
         self._pool = pool
         self._session: aiohttp.ClientSession | None = None
         self._watch_session: aiohttp.ClientSession | None = None
+        self.use(info, token_file)
+
+    def use(self, info: kopf.ConnectionInfo, token_file: str | None = None) -> None:
+        """Take new credentials (kopf's re-login after a 401 hands them here too)."""
+        self.server = info.server.rstrip("/")
+        self.default_namespace = info.default_namespace
+        self._info = info
+        self._ssl = info.as_ssl_context()
+        self._token_file = token_file or token_file_of(info)
+        self._token = info.token
+        self._token_read = time.monotonic()
+
+    def reload_token(self) -> bool:
+        """Re-read the token file; True if it now holds a different token."""
+        self._token_read = time.monotonic()
+        if not self._token_file:
+            return False
+        try:
+            with open(self._token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError:
+            return False
+        if not token or token == self._token:
+            return False
+        self._token = token
+        return True
+
+    def auth_headers(self) -> dict[str, str]:
+        if self._token_file and time.monotonic() - self._token_read > TOKEN_MAX_AGE:
+            self.reload_token()
+        headers = {"Accept": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"{self._info.scheme or 'Bearer'} {self._token}"
+        else:
+            headers.update(self._info.as_http_headers())
+        return headers
 
     async def watch_session(self) -> aiohttp.ClientSession:
-        """Long-lived watch streams get their own (unbounded) pool."""
+        """Long-lived watch streams get their own (unbounded) pool. No auth header
+        here: callers pass auth_headers() per request, so a new token is used."""
         if self._watch_session is None or self._watch_session.closed:
             self._watch_session = aiohttp.ClientSession(
-                headers=self._headers, connector=aiohttp.TCPConnector(ssl=self._ssl, limit=0))
+                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=0))
         return self._watch_session
 
     async def _s(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                headers=self._headers, connector=aiohttp.TCPConnector(ssl=self._ssl, limit=self._pool),
+                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=self._pool),
                 timeout=aiohttp.ClientTimeout(total=15))
         return self._session
 
@@ -57,13 +103,19 @@ class Kube:
                       params: dict[str, str] | None = None) -> dict[str, Any]:
         session = await self._s()
         data = None if body is None else json.dumps(body)
-        headers = {"Content-Type": content_type} if data is not None else None
-        async with session.request(method, self.server + path, data=data, headers=headers,
-                                   params=params) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise ApiError(resp.status, text)
-            return json.loads(text) if text else {}
+        for attempt in (0, 1):
+            headers = self.auth_headers()
+            if data is not None:
+                headers["Content-Type"] = content_type
+            async with session.request(method, self.server + path, data=data, headers=headers,
+                                       params=params) as resp:
+                text = await resp.text()
+                if resp.status == 401 and attempt == 0 and self.reload_token():
+                    continue  # the token rotated under us: retry once with the new one
+                if resp.status >= 400:
+                    raise ApiError(resp.status, text)
+                return json.loads(text) if text else {}
+        raise AssertionError("unreachable")
 
     # --- the few calls we need -------------------------------------------------
 
@@ -123,7 +175,35 @@ def connection_info(**kwargs: Any) -> kopf.ConnectionInfo:
     info = info or kopf.login_with_kubeconfig(**kwargs)
     if info is None:
         raise kopf.LoginError("no service account token and no kubeconfig found")
+    path = token_file_of(info)
+    if path and info.token is None:  # kopf ignores a kubeconfig's tokenFile; client-go reads it
+        with open(path, encoding="utf-8") as f:
+            info = dataclasses.replace(info, scheme="Bearer", token=f.read().strip())
     return info
+
+
+def token_file_of(info: kopf.ConnectionInfo | None = None) -> str | None:
+    """The file a token comes from and is re-read from: the in-cluster service
+    account's, or a kubeconfig user's ``tokenFile`` (as client-go honours it)."""
+    if os.path.exists(SA_TOKEN) and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return SA_TOKEN
+    for path in (os.environ.get("KUBECONFIG") or "").split(os.pathsep):
+        if not path or not os.path.exists(path):
+            continue
+        try:
+            import yaml
+            with open(path, encoding="utf-8") as f:
+                config = yaml.safe_load(f) or {}
+        except (OSError, ValueError):
+            continue
+        context_name = config.get("current-context")
+        context = next((c.get("context") or {} for c in config.get("contexts") or []
+                        if c.get("name") == context_name), {})
+        user = next((u.get("user") or {} for u in config.get("users") or []
+                     if u.get("name") == context.get("user")), {})
+        if user.get("tokenFile"):
+            return str(user["tokenFile"])
+    return None
 
 
 def kopf_session(info: kopf.ConnectionInfo, watches: int) -> kopf.AiohttpSession:

@@ -7,6 +7,7 @@ Every field carries a description, so ``kubectl explain`` is useful.
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
@@ -27,6 +28,51 @@ INJECTION_LABEL = f"{GROUP}/injection"
 CONSUMER_LABEL = f"{GROUP}/consumer"
 #: Our finalizer on DatasetCaches (never on users' objects).
 FINALIZER = f"{GROUP}/wipe"
+#: On a DatasetCache: change its value (any string, e.g. a timestamp) to re-list
+#: the source and pin a new revision now.
+REFRESH_ANNOTATION = f"{GROUP}/refresh"
+#: How often the source is re-listed when spec.refresh.interval is not set.
+DEFAULT_REFRESH_INTERVAL = "1h"
+
+
+
+# --- the API vocabulary (StrEnum: compares equal to, formats and serialises as its value) ---
+
+class Phase(enum.StrEnum):
+    """status.phase of a DatasetCache."""
+    PENDING = "Pending"
+    READY = "Ready"
+    FAILED = "Failed"
+    DELETING = "Deleting"
+
+
+class NodeState(enum.StrEnum):
+    """status.nodes[].state: what one node's copy is."""
+    STAGING = "Staging"
+    READY = "Ready"
+    FAILED = "Failed"
+    WIPED = "Wiped"
+
+
+class VolumeMode(enum.StrEnum):
+    """Where a pod's copy lives: a node-level hostPath under cacheRoot, or a per-pod emptyDir."""
+    HOST_PATH = "HostPath"
+    EMPTY_DIR = "EmptyDir"
+
+
+class RetentionPolicy(enum.StrEnum):
+    WIPE_ON_JOB_COMPLETION = "WipeOnJobCompletion"
+    RETAIN_WHILE_USED = "RetainWhileUsed"
+
+
+class PodPhase(enum.StrEnum):
+    """Kubernetes' own pod phases (read, never written)."""
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    UNKNOWN = "Unknown"
+
 
 # Kubernetes' own int-or-string (resource quantities).
 Quantity = Annotated[
@@ -39,7 +85,8 @@ Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-tim
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # use_enum_values: model_dump() yields plain strings for the API server.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_enum_values=True)
 
 
 class SecretRef(_Model):
@@ -106,19 +153,23 @@ class Source(_Model):
 
 class Retention(_Model):
     model_config = ConfigDict(
-        extra="forbid",
+        extra="forbid", use_enum_values=True,
         json_schema_extra={"x-kubernetes-validations": [{
             "rule": "has(self.ttlAfterLastUse) == (self.policy == 'RetainWhileUsed')",
             "message": "ttlAfterLastUse is required with policy RetainWhileUsed "
                        "and not allowed with WipeOnJobCompletion",
         }]},
     )
-    policy: Literal["WipeOnJobCompletion", "RetainWhileUsed"] = Field(
-        default="WipeOnJobCompletion",
-        description="WipeOnJobCompletion: a node's copy is wiped as soon as the "
-                    "Jobs that used it complete or fail and no other consumer on "
-                    "that node is alive. RetainWhileUsed: the copy stays for later "
-                    "Jobs and is wiped ttlAfterLastUse after its last consumer ended.")
+    policy: RetentionPolicy = Field(
+        default=RetentionPolicy.WIPE_ON_JOB_COMPLETION,
+        description="WipeOnJobCompletion: a node's copy of a revision is wiped as soon as "
+                    "the workloads that used it complete or fail and no other consumer on "
+                    "that node holds it. RetainWhileUsed: the copy stays for later "
+                    "Jobs and is wiped ttlAfterLastUse after its last consumer ended. "
+                    "A pod uses the cache as long as its top-level owner runs: Job, JobSet, "
+                    "PyTorchJob, TrainJob, RayJob (or RayCluster) and Volcano Job are judged "
+                    "by their finished condition; pods of other owners (or none) by their "
+                    "own phase. A pod not yet scheduled holds its revision on every node.")
     ttlAfterLastUse: str | None = Field(
         default=None,
         description="With RetainWhileUsed: how long an unused copy is kept, as a "
@@ -132,6 +183,18 @@ class ResourceRequirements(_Model):
                                   "e.g. {cpu: 500m, memory: 256Mi}.")
     limits: dict[str, Quantity] | None = Field(
         default=None, description="Maximum resources of the stager init container.")
+
+
+class Refresh(_Model):
+    interval: str = Field(
+        default=DEFAULT_REFRESH_INTERVAL,
+        description="How often the operator re-lists the source to pin a new revision "
+                    "(default 1h), as a duration such as 30m, 12h or 1h30m; 'Never' for a "
+                    "prefix whose objects never change (e.g. a versioned, write-once path). "
+                    "Jobs keep the revision they were admitted with; only new Jobs get the new "
+                    "one. A spec change, and a change of the annotation dscache.io/refresh, "
+                    "re-list at once.",
+        pattern=r"^(Never|([0-9]+[smhd])+)$", max_length=32)
 
 
 class DatasetCacheSpec(_Model):
@@ -152,6 +215,9 @@ class DatasetCacheSpec(_Model):
         default=None,
         description="Resources of the injected init container (defaults come "
                     "from the operator's configuration).")
+    refresh: Refresh = Field(
+        default_factory=Refresh,
+        description="When the pinned revision of the source is re-computed.")
 
 
 class Condition(_Model):
@@ -174,14 +240,27 @@ class Condition(_Model):
                          max_length=32768)
 
 
+class NodeRevision(_Model):
+    id: str = Field(description="A revision staged (or being staged) on the node.")
+    consumers: int = Field(default=0, ge=0, description="Live pods on the node that hold this revision.")
+    lastUsed: Timestamp | None = Field(default=None, description="When its set of consumers last changed.")
+    wipedAt: Timestamp | None = Field(
+        default=None, description="When this revision was removed from the node (kept a while so "
+                                  "that finished pods do not bring it back).")
+    strayLeases: list[str] = Field(
+        default_factory=list, max_length=200,
+        description="Leases a wipe found that belong to no pod the operator can see (pods deleted "
+                    "while it was not looking); released by the next wipe if still unknown then.")
+
+
 class NodeStatus(_Model):
     node: str = Field(description="Node name.")
-    state: Literal["Staging", "Ready", "Failed", "Wiped"] = Field(
+    state: NodeState = Field(
         description="Staging: an init container is copying; Ready: the copy is "
                     "complete; Failed: the last copy failed (see message); Wiped: "
                     "the copy was removed from the node.")
-    volume: Literal["HostPath", "EmptyDir"] = Field(
-        default="HostPath",
+    volume: VolumeMode = Field(
+        default=VolumeMode.HOST_PATH,
         description="HostPath: a node-level copy under the operator's cacheRoot "
                     "(wiped by a helper pod); EmptyDir: a per-pod copy that the "
                     "kubelet removes with the pod.")
@@ -199,14 +278,43 @@ class NodeStatus(_Model):
         default=None, description="When the node's copy was last wiped.")
     message: str | None = Field(default=None, description="Details of a failure or of a wipe.",
                                 max_length=4096)
+    revisions: list[NodeRevision] = Field(
+        default_factory=list, max_length=64,
+        description="Revisions staged (or being staged) on the node and not wiped yet; each is "
+                    "removed only when no pod holds a lease on it.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]})
+
+
+class RevisionStatus(_Model):
+    id: str = Field(description="The pinned revision: r- and 20 hex digits of a sha256 over the "
+                                "selected listing (key, size, ETag, versionId). New pods of Jobs "
+                                "admitted from now on stage exactly this.",
+                    pattern=r"^r-[0-9a-f]{20}$")
+    objects: int = Field(ge=0, description="Objects in this revision.")
+    bytes: int = Field(ge=0, description="Bytes in this revision.")
+    listedAt: Timestamp = Field(description="When the source was listed for this revision.")
+    versioned: bool = Field(
+        default=False,
+        description="Whether versionIds are part of the digest (false: key, size and ETag).")
+
+
+class OwnerPin(_Model):
+    uid: str = Field(description="UID of a workload (any owner in a consumer pod's ownerReferences chain).")
+    kind: str = Field(description="Its kind, e.g. Job, JobSet, PyTorchJob.")
+    name: str = Field(description="Its name.")
+    revision: str = Field(description="The revision its pods stage; new pods it creates get the same.")
 
 
 class DatasetCacheStatus(_Model):
-    phase: Literal["Pending", "Ready", "Failed", "Deleting"] | None = Field(
+    phase: Phase | None = Field(
         default=None,
         description="Pending: the source is not checked yet; Ready: the source "
                     "is readable; Failed: see the SourceReady condition; "
-                    "Deleting: node copies are being wiped.")
+                    "Deleting: node copies are being wiped. Deletion refuses every new pod "
+                    "that asks for this cache (including new pods of Jobs already running), "
+                    "waits only for pods that are still running or pending, then removes "
+                    "each node's copy; a Job that still needs new pods gets them refused with "
+                    "'is being deleted' instead of holding the deletion forever.")
     conditions: list[Condition] = Field(
         default_factory=list,
         description="Conditions in the metav1.Condition shape (SourceReady).",
@@ -219,6 +327,16 @@ class DatasetCacheStatus(_Model):
     bytes: int | None = Field(default=None, ge=0,
                               description="Total bytes in the source (after include/exclude).")
     size: str | None = Field(default=None, description="bytes, human-readable.")
+    revision: RevisionStatus | None = Field(
+        default=None, description="The revision of the source that newly admitted workloads stage.")
+    owners: list[OwnerPin] = Field(
+        default_factory=list,
+        description="Live workloads using this cache and the revision each is pinned to: a pod "
+                    "admitted for one of them stages that revision, not a newer one.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["uid"]})
+    observedRefresh: str | None = Field(
+        default=None, description="The value of the annotation dscache.io/refresh last acted on.",
+        max_length=1024)
     readyNodes: int = Field(default=0, ge=0, description="Nodes with state Ready.")
     nodes: list[NodeStatus] = Field(
         default_factory=list, description="Per-node state of the copy.",
@@ -241,6 +359,7 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Objects", "type": "integer", "jsonPath": ".status.objects"},
     {"name": "Size", "type": "string", "jsonPath": ".status.size"},
+    {"name": "Revision", "type": "string", "jsonPath": ".status.revision.id"},
     {"name": "Ready nodes", "type": "integer", "jsonPath": ".status.readyNodes"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

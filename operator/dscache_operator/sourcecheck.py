@@ -16,11 +16,18 @@ import base64
 import collections
 import concurrent.futures
 import dataclasses
-import fnmatch
+import datetime
 import hashlib
 import threading
+import time
+from typing import Any
 
-from .models import Source
+import kopf
+
+import dscache_contract as contract
+
+from .kube import ApiError, Kube
+from .models import REFRESH_ANNOTATION, DatasetCacheSpec, Phase, Source, parse_duration
 
 KEY_ID = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -34,6 +41,8 @@ class CheckResult:
     message: str
     objects: int | None = None
     bytes: int | None = None
+    #: The revision id of the listing (dscache_contract.RevisionHasher), when listed.
+    revision: str | None = None
 
 
 def credentials_from_secret(secret: dict | None, namespace: str, name: str) -> dict[str, str] | CheckResult:
@@ -68,10 +77,8 @@ def secret_forbidden(namespace: str, name: str, operator_namespace: str) -> Chec
 
 
 def selected(rel: str, include: list[str], exclude: list[str]) -> bool:
-    """Same rule as the stager: any include (or none), and no exclude."""
-    if include and not any(fnmatch.fnmatchcase(rel, g) for g in include):
-        return False
-    return not any(fnmatch.fnmatchcase(rel, g) for g in exclude)
+    """The contract's include/exclude rule (the stager uses the same code)."""
+    return contract.selected(rel, include, exclude)
 
 
 def _classify(exc: BaseException, source: Source, identity: str) -> CheckResult:
@@ -127,14 +134,15 @@ def _client(source: Source, creds: dict[str, str] | None, timeout: float):
             return client
         cfg = Config(connect_timeout=min(timeout, 5), read_timeout=timeout,
                      retries={"max_attempts": 2, "mode": "standard"},
-                     s3={"addressing_style": source.addressingStyle or "auto"})
+                     s3={"addressing_style": contract.resolve_addressing_style(
+                         source.endpoint, source.addressingStyle)})
         kwargs = {}
         if creds:
             kwargs = {"aws_access_key_id": creds[KEY_ID], "aws_secret_access_key": creds[SECRET_KEY],
                       "aws_session_token": creds.get(TOKEN)}
         session = boto3.session.Session(**kwargs)
         client = session.client("s3", endpoint_url=source.endpoint,
-                                region_name=source.region or "us-east-1", config=cfg)
+                                region_name=contract.resolve_region(source.region), config=cfg)
         _clients[key] = client
         while len(_clients) > _MAX_CLIENTS:
             _clients.popitem(last=False)
@@ -143,26 +151,30 @@ def _client(source: Source, creds: dict[str, str] | None, timeout: float):
 
 def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> CheckResult:
     identity = "the Secret's keys" if creds else "the operator's own identity"
+    # The listing is streamed page by page into the contract's hasher, never held:
+    # memory stays flat at millions of keys, and the digest is the very one the
+    # stager recomputes to prove it copies this revision.
+    hasher = contract.RevisionHasher()
+    selection = contract.Selection.from_source(source.uri, source.include, source.exclude)
+    bucket, prefix = contract.parse_source(source.uri)
     try:
         client = _client(source, creds, timeout)
-        objects = total = 0
-        prefix = source.prefix
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=source.bucket, Prefix=prefix):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for item in page.get("Contents", []):
                 key = item["Key"]
-                if key.endswith("/"):
-                    continue  # directory markers are not staged
-                if selected(key[len(prefix):], source.include, source.exclude):
-                    objects += 1
-                    total += int(item.get("Size", 0))
+                if selection.relative(key) is None:
+                    continue
+                hasher.add(key, int(item.get("Size", 0)), item.get("ETag"), None)
     except Exception as exc:  # noqa: BLE001 - classified into a reason
         return _classify(exc, source, identity)
+    objects, total = hasher.objects, hasher.bytes
     if objects == 0:
         return CheckResult(False, "NoObjects",
                            f"{source.uri} holds no objects (after include/exclude); fix "
                            f"spec.source.uri or the globs.", 0, 0)
-    return CheckResult(True, "Listed", f"{objects} objects, {total} bytes in {source.uri}",
-                       objects, total)
+    revision = hasher.revision_id()
+    return CheckResult(True, "Listed", f"{objects} objects, {total} bytes in {source.uri} (revision {revision})",
+                       objects, total, revision)
 
 
 # Few threads: listings are I/O-bound, and each thread costs memory (see __main__).
@@ -175,3 +187,50 @@ async def check(source: Source, creds: dict[str, str] | None, timeout: float = 2
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sourcecheck")
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_executor, _list_sync, source, creds, timeout)
+
+
+# --- the controller's glue: credentials from the spec's Secret, and when to check -------------
+
+async def check_source(kube: Kube, namespace: str, spec: DatasetCacheSpec,
+                       operator_namespace: str) -> CheckResult:
+    """Read the spec's Secret (if any) with the operator's client, then list the source.
+    ``operator_namespace`` is the chart's release namespace, named in the SecretForbidden fix."""
+    creds = None
+    secret_name = spec.source.secret_name
+    if secret_name:
+        try:
+            secret = await kube.get_secret(namespace, secret_name)
+        except ApiError as e:
+            if e.status == 403:
+                return secret_forbidden(namespace, secret_name, operator_namespace)
+            raise kopf.TemporaryError(f"reading Secret {namespace}/{secret_name}: {e}", delay=5)
+        got = credentials_from_secret(secret, namespace, secret_name)
+        if isinstance(got, CheckResult):
+            return got
+        creds = got
+    return await check(spec.source, creds)
+
+
+def source_due(meta: Any, status: dict[str, Any], memo: Any, retry_interval: float,
+               refresh_interval: str, now: datetime.datetime) -> str | None:
+    """Why the source must be listed now (None: it need not be).
+
+    On create and spec change; again every retry_interval while it fails; when
+    the annotation dscache.io/refresh has a value not acted on yet; and when the
+    pinned revision is older than spec.refresh.interval. Judged from the object
+    alone (status.revision.listedAt), so a restarted operator agrees.
+    """
+    if status.get("observedGeneration") != meta.get("generation"):
+        return "spec"
+    token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
+    if token is not None and token != status.get("observedRefresh"):
+        return "annotation"
+    if status.get("phase") == Phase.FAILED:
+        last = getattr(memo, "last_check", 0.0)
+        return "retry" if time.monotonic() - last >= retry_interval else None
+    revision = status.get("revision") or {}
+    if refresh_interval != "Never" and revision.get("listedAt"):
+        listed = datetime.datetime.fromisoformat(revision["listedAt"].replace("Z", "+00:00"))
+        if (now - listed).total_seconds() >= parse_duration(refresh_interval):
+            return "interval"
+    return None

@@ -6,7 +6,7 @@ import datetime
 from typing import Any
 
 from .consumers import fmt_time
-from .models import NodeStatus, human_bytes
+from .models import NodeState, NodeStatus, human_bytes
 
 SOURCE_READY = "SourceReady"
 
@@ -32,7 +32,7 @@ def get_condition(status: dict[str, Any], type: str) -> dict[str, Any] | None:
 
 def nodes_fragment(entries: list[NodeStatus]) -> dict[str, Any]:
     nodes = [e.model_dump(exclude_none=True) for e in sorted(entries, key=lambda e: e.node)]
-    return {"nodes": nodes, "readyNodes": sum(1 for e in entries if e.state == "Ready")}
+    return {"nodes": nodes, "readyNodes": sum(1 for e in entries if e.state == NodeState.READY)}
 
 
 def source_fragment(objects: int | None, nbytes: int | None) -> dict[str, Any]:
@@ -42,3 +42,31 @@ def source_fragment(objects: int | None, nbytes: int | None) -> dict[str, Any]:
 def changed(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
     """The keys of ``wanted`` that differ from ``current`` (a merge-patch for status)."""
     return {k: v for k, v in wanted.items() if current.get(k) != v}
+
+
+def revision_fragment(rev: str, objects: int | None, nbytes: int | None,
+                      now: datetime.datetime) -> dict[str, Any]:
+    return {"id": rev, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now),
+            "versioned": False}
+
+
+def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]],
+               limit: int = 500) -> list[dict[str, Any]]:
+    """status.owners: every owner in a live consumer pod's ownerReferences chain ->
+    the revision its pods stage, so the webhook gives that owner's new pods the
+    same revision (a PyTorchJob recreating a worker after a refresh). Pins of
+    owners with no live pod left are dropped; the first revision seen wins."""
+    from .consumers import holds
+    old = {o.get("uid"): o for o in prior}
+    pins: dict[str, dict[str, Any]] = {}
+    for p in sorted(pods, key=lambda p: p.started or ""):
+        if not p.revision or p.owner is None or not holds(p, owners):
+            continue
+        ref, seen = p.owner, set()
+        while ref is not None and ref.uid not in seen and len(pins) < limit:
+            seen.add(ref.uid)
+            rev = (old.get(ref.uid) or {}).get("revision") or p.revision
+            pins.setdefault(ref.uid, {"uid": ref.uid, "kind": ref.kind, "name": ref.name, "revision": rev})
+            info = owners(ref.uid)
+            ref = info.owner if info is not None else None
+    return [pins[k] for k in sorted(pins)]

@@ -18,6 +18,7 @@ never starts without it).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
 import time
@@ -27,13 +28,11 @@ import kopf
 import pydantic
 
 from . import common
-from .common import Runtime
-from .injection import InjectionError, inject_object, requested_cache
+from .common import Context, ctx_of
+from .injection import REVISION_ANNOTATION, InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
 from .metrics import METRICS
-from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec
-
-registry = kopf.OperatorRegistry()
+from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, VolumeMode
 
 HOSTPATH_ID = "dscache-hostpath"
 EMPTYDIR_ID = "dscache-emptydir"
@@ -47,6 +46,9 @@ class CacheView(NamedTuple):
     message: str | None
     deleting: bool
     invalid: str | None = None
+    revision: str | None = None
+    #: owner UID -> the revision its pods already stage (status.owners)
+    pins: dict[str, str] | None = None
 
 
 def cache_view(body: Any) -> CacheView:
@@ -58,52 +60,52 @@ def cache_view(body: Any) -> CacheView:
         invalid = None
     except pydantic.ValidationError as e:
         spec, invalid = None, str(e).splitlines()[0]
-    return CacheView(spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid)
+    revision = (status.get("revision") or {}).get("id")
+    pins = {o["uid"]: o["revision"] for o in status.get("owners") or [] if o.get("uid") and o.get("revision")}
+    return CacheView(spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid,
+                     revision, pins)
 
 
-@kopf.on.startup(registry=registry)
-async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    common.configure_kopf(settings)
-    # This process only indexes DatasetCaches and has no deletion handler; with
-    # the controller's finalizer name, kopf would "clean up" that finalizer as
-    # its own stale one. A name it never finds keeps it read-only.
-    settings.persistence.finalizer = f"{GROUP}/webhook-never-set"
-    s = Runtime.settings
-    settings.admission.server = kopf.WebhookServer(
-        addr=s.webhook_addr, port=s.webhook_port, certfile=s.webhook_cert, pkeyfile=s.webhook_key)
-    await common.start_metrics()
-
-
-@kopf.on.login(registry=registry)
-async def login(**kwargs: Any) -> kopf.AiohttpSession:
-    return await common.login(**kwargs)
-
-
-@kopf.on.cleanup(registry=registry)
-async def cleanup(**_: Any) -> None:
-    await common.shutdown()
-
-
-@kopf.index(GROUP, VERSION, PLURAL, registry=registry)
-def dscache_caches(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+def index_caches(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {(namespace, name): cache_view(body)}
 
 
-async def lookup(namespace: str, name: str, index: Any) -> CacheView | None:
+#: How long admission waits for a just-created cache's first revision (the
+#: source check usually takes well under a second; our webhooks time out at 5 s).
+FIRST_REVISION_WAIT = 3.0
+
+
+def _settled(view: CacheView) -> bool:
+    """Enough to decide: broken or being deleted, or checked with a revision pinned."""
+    checked = view.phase not in (None, Phase.PENDING)
+    # NotVerifiable: checked, but the operator cannot list the source, so no revision will come.
+    return view.phase == Phase.FAILED or view.deleting or (
+        checked and (view.revision is not None or view.reason == "NotVerifiable"))
+
+
+async def lookup(ctx: Context, namespace: str, name: str, index: Any,
+                 wait: float = FIRST_REVISION_WAIT) -> CacheView | None:
     store = index.get((namespace, name)) if index is not None else None
     if store:
         view = next(iter(store))
-        if view.phase not in (None, "Pending"):
+        if _settled(view):
             return view
         # Not checked yet (as far as the index knows): ask the API server, whose
         # answer may already say Ready or Failed.
-    try:
-        body = await common.kube().get_cache(namespace, name)
-    except (ApiError, OSError, kopf.TemporaryError) as e:
-        raise kopf.AdmissionError(
-            f"DatasetCache {namespace}/{name}: dscache could not look it up ({e}); retry shortly.",
-            code=503)
-    return cache_view(body) if body is not None else None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            body = await ctx.api().get_cache(namespace, name)
+        except (ApiError, OSError, kopf.TemporaryError) as e:
+            raise kopf.AdmissionError(
+                f"DatasetCache {namespace}/{name}: dscache could not look it up ({e}); retry shortly.",
+                code=503)
+        view = cache_view(body) if body is not None else None
+        if view is None or _settled(view) or time.monotonic() >= deadline:
+            return view
+        # A cache created together with its Job (one kubectl apply): its first
+        # revision is usually pinned within a second; wait for it briefly.
+        await asyncio.sleep(0.25)
 
 
 def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
@@ -115,14 +117,37 @@ def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
         return f"{ref} is being deleted; recreate it or point {CACHE_ANNOTATION} at another cache."
     if view.invalid or view.spec is None:
         return f"{ref} has an invalid spec ({view.invalid}); fix the DatasetCache."
-    if view.phase == "Failed":
+    if view.phase == Phase.FAILED:
         return (f"{ref} is broken: {view.reason}: {view.message} "
                 f"(see kubectl describe datasetcache {name} -n {namespace}).")
     return None
 
 
-async def mutate(*, mode: str, body: kopf.Body, patch: kopf.Patch, namespace: str | None,
-                 resource: kopf.Resource, dscache_caches: Any = None, **_: Any) -> None:
+def choose_revision(view: CacheView, obj: dict[str, Any]) -> str | None:
+    """The revision a new Job or Pod gets when it carries none: the one its owner's
+    pods already stage (status.owners), else the cache's pinned revision.
+
+    Remaining window: a workload whose first pods are admitted before the
+    controller has recorded its pin (one reconcile interval) while a refresh
+    changes status.revision in between can get two revisions; Jobs are immune
+    (the revision is set on the Job's pod template at Job admission)."""
+    owner = direct_owner_uid(obj)
+    if owner and view.pins and owner in view.pins:
+        return view.pins[owner]
+    return view.revision
+
+
+def no_revision(namespace: str, name: str, view: CacheView) -> str:
+    why = (f"{view.reason}: {view.message}" if view.reason else "the source has not been listed yet")
+    return (f"DatasetCache {namespace}/{name} has no pinned revision yet ({why}). Every pod stages the "
+            f"revision the operator pinned by listing the source, so the operator itself must be able to "
+            f"list it: set spec.source.credentials.secretRef (or give the operator an S3 identity), or "
+            f"retry in a few seconds if the cache was just created.")
+
+
+async def mutate(*, mode: VolumeMode, body: kopf.Body, patch: kopf.Patch, namespace: str | None,
+                 resource: kopf.Resource, memo: Any, dscache_caches: Any = None, **_: Any) -> None:
+    ctx = ctx_of(memo)
     kind = "Job" if resource.plural == "jobs" else "Pod"
     raw = copy.deepcopy(dict(body))
     cache_name = requested_cache(raw, kind)
@@ -133,14 +158,19 @@ async def mutate(*, mode: str, body: kopf.Body, patch: kopf.Patch, namespace: st
         raise kopf.AdmissionError(
             f"{CACHE_ANNOTATION}: {cache_name!r} is not a DatasetCache name; use the name of one "
             f"DatasetCache in namespace {namespace}.", code=400)
-    view = await lookup(namespace, cache_name, dscache_caches)
+    view = await lookup(ctx, namespace, cache_name, dscache_caches)
     reason = refusal(namespace, cache_name, view)
     if reason:
         raise kopf.AdmissionError(reason, code=400)
     assert view is not None and view.spec is not None
+    revision = choose_revision(view, raw)
+    target_meta = (((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job"
+                   else raw.get("metadata")) or {}
+    if revision is None and REVISION_ANNOTATION not in (target_meta.get("annotations") or {}):
+        raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
     try:
         changed = inject_object(raw, kind=kind, namespace=namespace, cache_name=cache_name,
-                                spec=view.spec, settings=Runtime.settings, mode=mode)
+                                spec=view.spec, settings=ctx.settings, mode=mode, revision=revision or "")
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400)
     if changed:
@@ -150,7 +180,41 @@ async def mutate(*, mode: str, body: kopf.Body, patch: kopf.Patch, namespace: st
         patch.fns.append(apply)
 
 
-def _register(handler_id: str, mode: str) -> None:
+def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
+    """The webhook's handlers, built at start-up; they find the Context in ``memo.ctx``."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+        ctx = ctx_of(memo)
+        common.configure_kopf(settings)
+        # This process only indexes DatasetCaches and has no deletion handler; with
+        # the controller's finalizer name, kopf would "clean up" that finalizer as
+        # its own stale one. A name it never finds keeps it read-only.
+        settings.persistence.finalizer = f"{GROUP}/webhook-never-set"
+        s = ctx.settings
+        settings.admission.server = kopf.WebhookServer(
+            addr=s.webhook_addr, port=s.webhook_port, certfile=s.webhook_cert, pkeyfile=s.webhook_key)
+        await common.start_metrics(ctx)
+
+    @kopf.on.login(registry=registry)
+    async def login(memo: Any, **kwargs: Any) -> kopf.AiohttpSession:
+        return await common.login(ctx_of(memo), **kwargs)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: Any, **_: Any) -> None:
+        await common.shutdown(ctx_of(memo))
+
+    @kopf.index(GROUP, VERSION, PLURAL, registry=registry)
+    def dscache_caches(**kwargs: Any) -> dict[Any, Any]:
+        return index_caches(**kwargs)
+
+    for handler_id, mode in ((HOSTPATH_ID, VolumeMode.HOST_PATH), (EMPTYDIR_ID, VolumeMode.EMPTY_DIR)):
+        _register(registry, handler_id, mode)
+    return registry
+
+
+def _register(registry: kopf.OperatorRegistry, handler_id: str, mode: VolumeMode) -> None:
     async def handler(**kwargs: Any) -> None:
         started = time.perf_counter()
         result = "error"
@@ -163,11 +227,7 @@ def _register(handler_id: str, mode: str) -> None:
         finally:
             METRICS.observe_admission(time.perf_counter() - started)
             METRICS.inc("dscache_admission_reviews_total", "AdmissionReviews by outcome.",
-                        mode=mode, result=result)
+                        mode=mode.value, result=result)
     handler.__name__ = handler_id.replace("-", "_")
     for resource in (("batch", "v1", "jobs"), ("", "v1", "pods")):
         kopf.on.mutate(*resource, id=handler_id, operations=["CREATE"], registry=registry)(handler)
-
-
-_register(HOSTPATH_ID, "HostPath")
-_register(EMPTYDIR_ID, "EmptyDir")

@@ -5,31 +5,56 @@ The precedent is local-path-provisioner's helper pods. The pod:
   is a no-op (HTTP 409) and a restarted operator finds the one in flight;
 - is pinned with ``nodeName`` (no scheduler), tolerates every taint by default,
   and runs in the operator's namespace with no service account token;
-- runs ``dscache-stage wipe <cacheRoot>/<ns>/<name> --root <cacheRoot>``,
-  which never deletes outside cacheRoot and never follows symlinks;
+- runs ``dscache-stage wipe C --root <cacheRoot> --revision R --release UIDs``
+  (contract.WipeArgs): under the stagers' lock it deletes the leases of the
+  pods the operator proved finished, then removes C/revs/R only if no lease
+  remains (a lease the operator does not know = a pod it has not seen yet =
+  keep). On DatasetCache deletion ``--all`` removes C once no lease at all
+  remains. It never deletes outside cacheRoot and never follows symlinks;
 - is deleted by the operator once it succeeded.
 """
 
 from __future__ import annotations
 
+import datetime
 import enum
 import hashlib
 from typing import Any
 
+import dscache_contract as contract
+import kopf
+
+from .consumers import fmt_time, parse_time
 from .injection import stager_security_context
+from .kube import Kube
+from .metrics import METRICS
+from .models import NodeStatus, PodPhase, VolumeMode
 from .settings import Settings
+
+#: A helper pod that is still Pending after this long (unschedulable node, image
+#: pull failing, node gone) is deleted with a Warning Event, and retried later.
+PENDING_TIMEOUT = 120.0
 
 WIPE_LABEL = "dscache.io/wipe"
 APP_LABEL = "app.kubernetes.io/name"
 
 
-def helper_name(namespace: str, name: str, node: str) -> str:
-    digest = hashlib.sha256(f"{namespace}/{name}/{node}".encode()).hexdigest()[:20]
+def helper_name(namespace: str, name: str, node: str, revision: str | None = None) -> str:
+    """Deterministic per (namespace, cache, node, revision); revision None = the whole cache dir."""
+    digest = hashlib.sha256(f"{namespace}/{name}/{node}/{revision or '*'}".encode()).hexdigest()[:20]
     return f"dscache-wipe-{digest}"
 
 
-def helper_pod(namespace: str, name: str, node: str, settings: Settings) -> dict[str, Any]:
-    pod_name = helper_name(namespace, name, node)
+def helper_args(namespace: str, name: str, settings: Settings, revision: str | None,
+                release: tuple[str, ...] = ()) -> list[str]:
+    return contract.WipeArgs(cache_dir=settings.cache_dir(namespace, name), root=settings.cache_root,
+                             revision=revision, all_revisions=revision is None, release=tuple(release),
+                             termination_log=contract.TERMINATION_LOG).to_argv()
+
+
+def helper_pod(namespace: str, name: str, node: str, settings: Settings, revision: str | None = None,
+               release: tuple[str, ...] = ()) -> dict[str, Any]:
+    pod_name = helper_name(namespace, name, node, revision)
     root = settings.cache_root
     spec: dict[str, Any] = {
         "nodeName": node,
@@ -43,12 +68,12 @@ def helper_pod(namespace: str, name: str, node: str, settings: Settings) -> dict
             "image": settings.stager_image,
             "imagePullPolicy": settings.stager_pull_policy,
             "command": ["dscache-stage"],
-            "args": ["wipe", settings.cache_dir(namespace, name), "--root", root],
+            "args": helper_args(namespace, name, settings, revision, release),
             "volumeMounts": [{"name": "cache-root", "mountPath": root}],
             "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
                           "limits": {"memory": "128Mi"}},
             # uid 0 owns the kubelet-created directories; no capability is needed.
-            "securityContext": stager_security_context("HostPath"),
+            "securityContext": stager_security_context(VolumeMode.HOST_PATH),
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }],
         "volumes": [{"name": "cache-root", "hostPath": {"path": root, "type": "DirectoryOrCreate"}}],
@@ -62,7 +87,8 @@ def helper_pod(namespace: str, name: str, node: str, settings: Settings) -> dict
             "name": pod_name,
             "namespace": settings.namespace,
             "labels": {APP_LABEL: "dscache-wipe", WIPE_LABEL: pod_name[len("dscache-wipe-"):]},
-            "annotations": {"dscache.io/wipe-for": f"{namespace}/{name}", "dscache.io/wipe-node": node},
+            "annotations": {"dscache.io/wipe-for": f"{namespace}/{name}", "dscache.io/wipe-node": node,
+                            "dscache.io/wipe-revision": revision or "*"},
         },
         "spec": spec,
     }
@@ -70,6 +96,7 @@ def helper_pod(namespace: str, name: str, node: str, settings: Settings) -> dict
 
 class WipeState(enum.Enum):
     ABSENT = "absent"
+    PENDING = "pending"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -79,10 +106,12 @@ def helper_state(pod: dict[str, Any] | None) -> WipeState:
     if pod is None:
         return WipeState.ABSENT
     phase = (pod.get("status") or {}).get("phase")
-    if phase == "Succeeded":
+    if phase == PodPhase.SUCCEEDED:
         return WipeState.SUCCEEDED
-    if phase == "Failed":
+    if phase == PodPhase.FAILED:
         return WipeState.FAILED
+    if phase in (None, PodPhase.PENDING):
+        return WipeState.PENDING
     return WipeState.RUNNING
 
 
@@ -94,3 +123,107 @@ def helper_message(pod: dict[str, Any]) -> str:
         if term:
             return f"exit code {term.get('exitCode')}"
     return (pod.get("status") or {}).get("message") or "unknown"
+
+
+# --- the driver: one step of one node's wipe per reconciliation -------------------------
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+class Outcome(enum.Enum):
+    IN_PROGRESS = "in-progress"
+    REMOVED = "removed"      # gone (or it was never there)
+    KEPT = "kept"            # leases the operator did not release still hold it
+
+
+async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name: str,
+                entry: NodeStatus, step: Any, newest_use: datetime.datetime | None, logger: Any,
+                now: datetime.datetime | None = None) -> tuple[Outcome, list[str]]:
+    """Drive one (node, revision) wipe one step. ``step`` is a consumers.Release.
+    Returns the outcome and, when KEPT, the leases that kept it."""
+    now = now or _now()
+    revision, release = step.revision, tuple(step.release)
+    what = f"revision {revision}" if revision else "the whole cache dir"
+    pod_name = helper_name(namespace, name, entry.node, revision)
+    pod = await kube.get_pod(settings.namespace, pod_name)
+    state = helper_state(pod)
+    created = parse_time(((pod or {}).get("metadata") or {}).get("creationTimestamp"))
+    if state is not WipeState.ABSENT and newest_use and created and newest_use > created:
+        # A stager started after this helper was created: its result is stale.
+        await kube.delete_pod(settings.namespace, pod_name)
+        return Outcome.IN_PROGRESS, []
+    if state is WipeState.ABSENT:
+        created_pod = await kube.create_pod(
+            settings.namespace, helper_pod(namespace, name, entry.node, settings, revision, release))
+        if created_pod is not None:
+            METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="started")
+            logger.info(f"wiping {what} on node {entry.node} with pod {pod_name}")
+            kopf.event(body, type="Normal", reason="Wiping",
+                       message=f"wiping {what} on node {entry.node} (helper pod "
+                               f"{settings.namespace}/{pod_name}, releasing {len(release)} lease(s))")
+        return Outcome.IN_PROGRESS, []
+    if state is WipeState.PENDING:
+        if created and (now - created).total_seconds() > PENDING_TIMEOUT:
+            # Never wait forever on a helper that cannot start: say why, and retry.
+            why = (pod.get("status") or {}).get("message") or _waiting_reason(pod) or "not started"
+            METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="timeout")
+            kopf.event(body, type="Warning", reason="WipeStuck",
+                       message=f"the wipe helper {settings.namespace}/{pod_name} on node {entry.node} "
+                               f"was still Pending after {PENDING_TIMEOUT:.0f} s ({why}); deleted, "
+                               f"will retry")
+            entry.message = f"wipe helper stuck Pending: {why}"
+            await kube.delete_pod(settings.namespace, pod_name)
+        return Outcome.IN_PROGRESS, []
+    if state is WipeState.RUNNING:
+        return Outcome.IN_PROGRESS, []
+    if state is WipeState.FAILED:
+        msg = helper_message(pod)
+        busy = _exit_code(pod) == int(contract.ExitCode.BUSY)
+        METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="busy" if busy else "failed")
+        if not busy:  # busy: a stager holds the lock right now; simply try again
+            kopf.event(body, type="Warning", reason="WipeFailed",
+                       message=f"wiping {what} on node {entry.node} failed: {msg}; retrying")
+            entry.message = f"wipe failed: {msg}"
+        await kube.delete_pod(settings.namespace, pod_name)
+        return Outcome.IN_PROGRESS, []
+    # Succeeded: removed, or kept by leases we did not release.
+    summary = _wipe_summary(pod)
+    await kube.delete_pod(settings.namespace, pod_name)
+    if summary is not None and summary.existed and not summary.removed:
+        METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="kept")
+        entry.message = (f"{what} kept: lease(s) of pod(s) {', '.join(summary.leases[:5])} remain")[:4096]
+        return Outcome.KEPT, list(summary.leases)
+    METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="succeeded")
+    kopf.event(body, type="Normal", reason="Wiped", message=f"wiped {what} on node {entry.node}")
+    entry.message = None
+    return Outcome.REMOVED, []
+
+
+def _exit_code(pod: dict[str, Any]) -> int | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if "exitCode" in term:
+            return term["exitCode"]
+    return None
+
+
+def _wipe_summary(pod: dict[str, Any]) -> contract.WipeSummary | None:
+    from .consumers import termination_summary
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        data = termination_summary(((cs.get("state") or {}).get("terminated") or {}).get("message"))
+        if data:
+            return contract.WipeSummary.from_dict(data)
+    return None
+
+
+def _waiting_reason(pod: dict[str, Any]) -> str | None:
+    status = pod.get("status") or {}
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason"):
+            return f"{waiting['reason']}: {waiting.get('message') or ''}".strip(": ")
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"{cond.get('reason')}: {cond.get('message') or ''}".strip(": ")
+    return None

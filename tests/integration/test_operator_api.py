@@ -18,6 +18,7 @@ import copy
 
 import pytest
 
+from dscache_contract import RevisionHasher, StageArgs, WipeArgs
 from tests.support.kubeapi import OPERATOR_NS, ApiError, KubeAPI
 from tests.support.tools import kubectl
 
@@ -107,8 +108,19 @@ def create_job(k: KubeAPI, ns: str, body: dict) -> dict:
     return k.create(f"/apis/batch/v1/namespaces/{ns}/jobs", body)
 
 
+def ensure_node(k: KubeAPI, node: str) -> None:
+    """A Node object as a kubelet would register it (the operator starts no wipe helper on a
+    node the API server does not have)."""
+    try:
+        k.create("/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+    except ApiError as e:
+        if e.status != 409:
+            raise
+
+
 def start_job_pod(k: KubeAPI, ns: str, job: dict, node: str, suffix: str = "0") -> dict:
     """What the job controller and the scheduler do: a pod from the template, bound to a node."""
+    ensure_node(k, node)
     template = job["spec"]["template"]
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": f"{job['metadata']['name']}-{suffix}",
@@ -312,10 +324,10 @@ def test_pod_identity_without_operator_identity_is_not_verifiable(kube_api, dsca
     make_cache(kube_api, opted_ns, "irsa", f"s3://{s3_bucket}/data/", s3_server.endpoint)
     c = wait_phase(kube_api, opted_ns, "irsa", "Ready")
     assert (condition(c)["status"], condition(c)["reason"]) == ("Unknown", "NotVerifiable")
-    job = create_job(kube_api, opted_ns, job_body("train", "irsa"))
-    assert _injected_counts(job["spec"]["template"]["spec"]) == (1, 1, [1])
-    assert job["spec"]["template"]["spec"]["initContainers"][0]["env"] == [
-        {"name": "AWS_REGION", "value": "us-east-1"}]
+    # No revision can be pinned without listing the source: refused, saying why and how to fix it.
+    with pytest.raises(ApiError) as e:
+        create_job(kube_api, opted_ns, job_body("train", "irsa"))
+    assert "no pinned revision" in e.value.body and "secretRef" in e.value.body
 
 
 def test_secret_without_rolebinding_is_forbidden(kube_api, dscache_operator, s3_server,
@@ -342,31 +354,35 @@ def test_job_in_opted_in_namespace_is_injected_once(kube_api, ready_cache):
     ns, name = ready_cache
     job = create_job(kube_api, ns, job_body("train", name))
     spec = job["spec"]["template"]["spec"]
-    assert _injected_counts(spec) == (1, 1, [1])
+    assert _injected_counts(spec) == (1, 1, [2])
     (vol,) = [v for v in spec["volumes"] if v["name"] == "dscache-data"]
     assert vol["hostPath"] == {"path": f"/var/lib/dscache-test/{ns}/{name}", "type": "DirectoryOrCreate"}
     (init,) = spec["initContainers"]
     assert init["image"] == "dscache-stager:test"
     assert {e["name"] for e in init["env"] if "valueFrom" in e} >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    rev = get_cache(kube_api, ns, name)["status"]["revision"]["id"]
+    assert job["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision"] == rev
+    assert StageArgs.from_argv(init["args"]).revision == rev
     train = spec["containers"][0]
     assert {e["name"]: e.get("value") for e in train["env"]} == {
-        "DSCACHE_DIR": "/data", "DSCACHE_MANIFEST": "/data/.dscache/manifest.jsonl"}
-    assert {"name": "dscache-data", "mountPath": "/data", "readOnly": True} in train["volumeMounts"]
+        "DSCACHE_DIR": "/data", "DSCACHE_MANIFEST": "/var/run/dscache/manifest.jsonl", "DSCACHE_REVISION": rev}
+    assert {"name": "dscache-data", "mountPath": "/data", "readOnly": True,
+            "subPath": f"revs/{rev}/data"} in train["volumeMounts"]
     # The pod the job controller creates from it passes the webhook again: still one of each.
     pod = start_job_pod(kube_api, ns, job, "node-a")
-    assert _injected_counts(pod["spec"]) == (1, 1, [1])
+    assert _injected_counts(pod["spec"]) == (1, 1, [2])
 
 
 def test_template_annotation_and_bare_pod(kube_api, ready_cache):
     ns, name = ready_cache
     job = create_job(kube_api, ns, job_body("tmpl", name, template_annotation=True))
-    assert _injected_counts(job["spec"]["template"]["spec"]) == (1, 1, [1])
+    assert _injected_counts(job["spec"]["template"]["spec"]) == (1, 1, [2])
     assert job["metadata"]["annotations"]["dscache.io/cache"] == name
     pod = kube_api.create(f"/api/v1/namespaces/{ns}/pods", {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "pytorchjob-worker-0", "annotations": {"dscache.io/cache": name}},
         "spec": {"containers": [{"name": "pytorch", "image": "t"}, {"name": "sidecar", "image": "s"}]}})
-    assert _injected_counts(pod["spec"]) == (1, 1, [1, 1])
+    assert _injected_counts(pod["spec"]) == (1, 1, [2, 2])
 
 
 def test_namespace_not_opted_in_is_untouched(kube_api, dscache_operator):
@@ -458,8 +474,10 @@ def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
         helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper pod")[0]
         assert helper["spec"]["nodeName"] == "node-a"
         assert helper["spec"]["tolerations"] == [{"operator": "Exists"}]
-        assert helper["spec"]["containers"][0]["args"] == [
-            "wipe", f"/var/lib/dscache-test/{ns}/{name}", "--root", "/var/lib/dscache-test"]
+        rev = pod["metadata"]["annotations"]["dscache.io/revision"]
+        assert WipeArgs.from_argv(helper["spec"]["containers"][0]["args"]) == WipeArgs(
+            cache_dir=f"/var/lib/dscache-test/{ns}/{name}", root="/var/lib/dscache-test", revision=rev,
+            release=(pod["metadata"]["uid"],), termination_log="/dev/termination-log")
         time.sleep(2.5)  # several reconciliations while the helper runs: no second helper
         kubelet_runs_helper(k, helper)
         wait_node_state(k, ns, name, "node-a", "Wiped")
@@ -574,6 +592,7 @@ def test_bare_pod_completion_wipes(kube_api, ready_cache):
     """A pod with no Job (e.g. one worker of another operator's workload): its end frees the node."""
     k = kube_api
     ns, name = ready_cache
+    ensure_node(k, "node-p")
     pod = k.create(f"/api/v1/namespaces/{ns}/pods", {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "worker-0", "annotations": {"dscache.io/cache": name}},
@@ -625,7 +644,7 @@ def test_webhook_down_blocks_only_what_asked_for_a_cache_and_cold_start_admits(k
     finally:
         op.start("webhook")  # returns as soon as the port listens: the index may still be cold
     job = create_job(k, ns, job_body("asked", name))
-    assert _injected_counts(job["spec"]["template"]["spec"]) == (1, 1, [1])
+    assert _injected_counts(job["spec"]["template"]["spec"]) == (1, 1, [2])
 
 
 def test_namespaced_mode(kube_api, dscache_operator, s3_server, s3_bucket):
@@ -655,3 +674,201 @@ def test_namespaced_mode(kube_api, dscache_operator, s3_server, s3_bucket):
         op.stop("controller")
         op.extra_env.pop("DSCACHE_WATCH_NAMESPACES", None)
         op.start("controller")
+
+
+# --- issue 7: revisions, nodes that are gone, rotated tokens ---------------------------------
+
+def _expected_revision(files: dict[str, bytes], prefix: str, bucket: str) -> str:
+    import hashlib
+    h = RevisionHasher()
+    for key in sorted(files):
+        if key.startswith(prefix):
+            h.add(key, len(files[key]), hashlib.md5(files[key]).hexdigest())
+    return h.revision_id()
+
+
+def test_revision_is_pinned_and_jobs_keep_theirs_across_a_refresh(kube_api, ready_cache, s3_server, s3_bucket):
+    """status.revision is the contract digest of the listing; a Job's later pods keep the
+    revision it was admitted with after the bucket changed and the cache re-listed."""
+    k = kube_api
+    ns, name = ready_cache
+    c = get_cache(k, ns, name)
+    rev = c["status"]["revision"]
+    assert rev["id"] == _expected_revision(FILES, "data/", s3_bucket)
+    assert (rev["objects"], rev["bytes"]) == (4, 135)
+    out = subprocess.run([kubectl(), "--kubeconfig", str(k.kubeconfig), "get", "dsc", name, "-n", ns],
+                         capture_output=True, text=True, check=True).stdout
+    assert "REVISION" in out and rev["id"] in out
+    job = create_job(k, ns, job_body("old", name))
+    assert job["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision"] == rev["id"]
+
+    changed = {**FILES, "data/a.bin": b"A" * 11}
+    s3_server.put_tree(s3_bucket, {"data/a.bin": changed["data/a.bin"]})
+    k.merge_patch(f"{DSC.format(ns=ns)}/{name}", {"metadata": {"annotations": {"dscache.io/refresh": "1"}}})
+    new = k.wait_for(lambda: (lambda r: r if r and r["id"] != rev["id"] else None)(
+        (get_cache(k, ns, name)["status"] or {}).get("revision")), what="a new revision")
+    assert new["id"] == _expected_revision(changed, "data/", s3_bucket)
+    assert get_cache(k, ns, name)["status"]["observedRefresh"] == "1"
+    # A pod the old Job creates now still stages the old revision; a new Job gets the new one.
+    pod = start_job_pod(k, ns, job, "node-v")
+    assert pod["metadata"]["annotations"]["dscache.io/revision"] == rev["id"]
+    init = next(c for c in pod["spec"]["initContainers"] if c["name"] == "dscache-stage")
+    assert StageArgs.from_argv(init["args"]).revision == rev["id"]
+    job2 = create_job(k, ns, job_body("new", name))
+    assert job2["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision"] == new["id"]
+    events = k.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+    assert any(ev["reason"] == "RevisionPinned" for ev in events)
+
+
+def test_a_node_that_is_gone_gets_no_helper(kube_api, ready_cache):
+    k = kube_api
+    ns, name = ready_cache
+    job = create_job(k, ns, job_body("train", name))
+    pod = start_job_pod(k, ns, job, "node-gone")
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+    wait_node_state(k, ns, name, "node-gone", "Ready")
+    k.delete("/api/v1/nodes/node-gone")
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+    complete_job(k, ns, "train")
+    k.wait_for(lambda: node_entry(k, ns, name, "node-gone") is None, what="node dropped from status")
+    time.sleep(2.5)
+    assert helper_for(k, ns, name) == []
+    events = k.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+    assert any(ev["reason"] == "NodeGone" for ev in events)
+
+
+def test_api_client_survives_a_rotated_token(kube_api, dscache_operator, tmp_path):
+    """Against the real kube-apiserver: a token bound to a Secret stops working when the
+    Secret goes (as a projected token does when its pod or expiry ends); the client re-reads
+    its token file on the 401 and carries on with the new token."""
+    import asyncio
+
+    from dscache_operator.kube import Kube, connection_info
+
+    k = kube_api
+    sa = f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts/dscache-controller/token"
+
+    def bound_token(secret: str) -> str:
+        s = k.create(f"/api/v1/namespaces/{OPERATOR_NS}/secrets",
+                     {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret}})
+        return k.create(sa, {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
+            "expirationSeconds": 3600,
+            "boundObjectRef": {"kind": "Secret", "apiVersion": "v1", "name": secret,
+                               "uid": s["metadata"]["uid"]}}})["status"]["token"]
+
+    token_file = tmp_path / "token"
+    token_file.write_text(bound_token("rot-1"))
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "t", "cluster": {"server": k.server,
+                                               "certificate-authority": str(k.certs / "ca.crt")}}],
+        "users": [{"name": "u", "user": {"tokenFile": str(token_file)}}],
+        "contexts": [{"name": "c", "context": {"cluster": "t", "user": "u"}}]}))
+    path = "/apis/dscache.io/v1alpha1/datasetcaches"
+
+    async def main():
+        import os
+        old = os.environ.get("KUBECONFIG")
+        os.environ["KUBECONFIG"] = str(kubeconfig)
+        try:
+            kube = Kube(connection_info())
+        finally:
+            if old is None:
+                os.environ.pop("KUBECONFIG")
+            else:
+                os.environ["KUBECONFIG"] = old
+        try:
+            await kube.request("GET", path)
+            k.delete(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/rot-1")   # the old token is dead
+            deadline = time.monotonic() + 20
+            while True:   # the API server notices the deleted Secret within its cache's lag
+                try:
+                    await kube.request("GET", path)
+                    assert time.monotonic() < deadline, "the revoked token kept working"
+                    await asyncio.sleep(0.5)
+                except ApiErrorK as e:
+                    assert e.status == 401
+                    break
+            token_file.write_text(bound_token("rot-2"))                   # the kubelet rotates it
+            await kube.request("GET", path)                                # re-read on 401, retried
+        finally:
+            await kube.close()
+
+    from dscache_operator.kube import ApiError as ApiErrorK
+    asyncio.run(main())
+
+
+def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operator, ready_cache):
+    """A PyTorchJob (its CRD installed after the operator started: an optional kind): a
+    worker that failed while the PyTorchJob runs keeps the node's copy; the copy is
+    released only when the PyTorchJob has finished."""
+    k = kube_api
+    op = dscache_operator
+    ns, name = ready_cache
+    k.apply_yaml_docs([{
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "pytorchjobs.kubeflow.org"},
+        "spec": {"group": "kubeflow.org", "scope": "Namespaced",
+                 "names": {"kind": "PyTorchJob", "plural": "pytorchjobs", "singular": "pytorchjob"},
+                 "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                               "schema": {"openAPIV3Schema": {"type": "object",
+                                                              "x-kubernetes-preserve-unknown-fields": True}}}]}}])
+    k.wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in (k.get(
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pytorchjobs.kubeflow.org").get("status")
+        or {}).get("conditions") or []), what="PyTorchJob CRD")
+    op.stop("controller")   # the absent kind is looked at again every minute; do not wait for that
+    op.start("controller")
+    pt = k.create(f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs",
+                  {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "pt"},
+                   "spec": {}})
+    ensure_node(k, "node-pt")
+    worker = k.create(f"/api/v1/namespaces/{ns}/pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "pt-worker-0", "annotations": {"dscache.io/cache": name},
+                     "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "pt",
+                                          "uid": pt["metadata"]["uid"], "controller": True}]},
+        "spec": {"nodeName": "node-pt", "restartPolicy": "Never",
+                 "containers": [{"name": "pytorch", "image": "t"}]}})
+    rev = worker["metadata"]["annotations"]["dscache.io/revision"]
+    kubelet_status(k, ns, "pt-worker-0", phase="Running", init="done", message=json.dumps(SUMMARY))
+    wait_node_state(k, ns, name, "node-pt", "Ready")
+    k.wait_for(lambda: any(o["uid"] == pt["metadata"]["uid"] and o["revision"] == rev
+                           for o in get_cache(k, ns, name)["status"].get("owners") or []),
+               what="the PyTorchJob pinned in status.owners")
+    kubelet_status(k, ns, "pt-worker-0", phase="Failed", init="done", message=json.dumps(SUMMARY))
+    time.sleep(3)
+    assert helper_for(k, ns, name) == [], "wiped while the PyTorchJob still runs (it may recreate the worker)"
+    assert node_entry(k, ns, name, "node-pt")["consumers"] == 1
+    t = now_rfc3339()
+    k.merge_patch(f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/pt/status", {"status": {"conditions": [
+        {"type": "Succeeded", "status": "True", "lastTransitionTime": t, "reason": "Done"}]}})
+    helper = k.wait_for(lambda: helper_for(k, ns, name), what="helper once the PyTorchJob finished")[0]
+    args = WipeArgs.from_argv(helper["spec"]["containers"][0]["args"])
+    assert (args.revision, args.release) == (rev, (worker["metadata"]["uid"],))
+    kubelet_runs_helper(k, helper)
+    wait_node_state(k, ns, name, "node-pt", "Wiped")
+
+
+def test_deleting_a_cache_whose_job_still_needs_pods_does_not_deadlock(kube_api, ready_cache):
+    """The Job's pod failed and the Job would start another, but the cache is being
+    deleted: the new pod is refused, and the deletion completes without waiting for a
+    Job that can never finish with this cache."""
+    k = kube_api
+    ns, name = ready_cache
+    job = create_job(k, ns, job_body("needy", name))
+    pod = start_job_pod(k, ns, job, "node-dl")
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+    wait_node_state(k, ns, name, "node-dl", "Ready")
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Failed", init="done", message=json.dumps(SUMMARY))
+    time.sleep(2)
+    assert helper_for(k, ns, name) == [], "wiped while the Job may still start a pod"
+    k.delete(f"{DSC.format(ns=ns)}/{name}")
+    with pytest.raises(ApiError) as e:   # what the job controller's next pod gets
+        start_job_pod(k, ns, job, "node-dl", suffix="1")
+    assert "being deleted" in e.value.body
+    helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper although the Job runs")[0]
+    args = WipeArgs.from_argv(helper["spec"]["containers"][0]["args"])
+    assert args.all_revisions and args.release == (pod["metadata"]["uid"],)
+    kubelet_runs_helper(k, helper)
+    k.wait_for(lambda: get_cache(k, ns, name) is None, timeout=30, what="cache gone")

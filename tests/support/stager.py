@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import dscache_contract as contract
+
 from .s3server import S3Server
 
 
@@ -29,22 +31,52 @@ def stage_cmd(*args: str) -> list[str]:
 
 
 def stage_env(server: S3Server, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != contract.ENV_POD_UID}
     return {**env, **server.env, **extra}
 
 
 def run_stage(server: S3Server, *args: str, endpoint: str | None = None, env: dict | None = None,
               timeout: float = 300) -> StageResult:
-    cmd = stage_cmd(*args, "--endpoint-url", endpoint or server.endpoint, "--progress-interval", "0.5")
-    p = subprocess.run(cmd, env=env or stage_env(server), capture_output=True, text=True, timeout=timeout)
+    """Any dscache-stage command line; sync and revision get the server's endpoint."""
+    extra = ["--endpoint-url", endpoint or server.endpoint] if args and args[0] in ("sync", "revision") else []
+    if args and args[0] == "sync":
+        extra += ["--progress-interval", "0.5"]
+    p = subprocess.run(stage_cmd(*args, *extra), env=env or stage_env(server), capture_output=True, text=True,
+                       timeout=timeout)
     return StageResult(p.returncode, p.stdout, p.stderr)
 
 
+def sync_argv(uri: str, cache: Path, revision: str, pod_uid: str | None = "pod-1", **kw) -> list[str]:
+    """The stager's argv exactly as the webhook builds it (dscache_contract.StageArgs)."""
+    return contract.StageArgs(source=uri, revision=revision, cache_dir=str(cache), pod_uid=pod_uid, **kw).to_argv()
+
+
+def stage(server: S3Server, uri: str, cache: Path, revision: str, pod_uid: str | None = "pod-1",
+          endpoint: str | None = None, env: dict | None = None, timeout: float = 300, **kw) -> StageResult:
+    return run_stage(server, *sync_argv(uri, cache, revision, pod_uid, **kw), endpoint=endpoint, env=env,
+                     timeout=timeout)
+
+
+def boto3_revision(server: S3Server, uri: str, include=(), exclude=()) -> str:
+    """The revision as the operator pins it: boto3's listing through the contract's selection and hasher."""
+    bucket, _ = contract.parse_source(uri)
+    sel = contract.Selection.from_source(uri, include, exclude)
+    h = contract.RevisionHasher()
+    for page in server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=sel.prefix):
+        for item in page.get("Contents", []):
+            if sel.relative(item["Key"]) is not None:
+                h.add(item["Key"], item["Size"], item["ETag"], None)
+    return h.revision_id()
+
+
+def data_dir(cache: Path, revision: str) -> Path:
+    return Path(contract.data_dir(str(cache), revision))
+
+
 def data_tree(dest: Path) -> dict[str, str]:
-    """{relative path: sha256} of everything under dest except our bookkeeping."""
+    """{relative path: sha256} of every file under dest."""
     out = {}
     for root, dirs, files in os.walk(dest):
-        dirs[:] = [d for d in dirs if not (root == str(dest) and d == ".dscache")]
         for f in files:
             p = Path(root, f)
             out[str(p.relative_to(dest))] = hashlib.sha256(p.read_bytes()).hexdigest()
@@ -52,4 +84,5 @@ def data_tree(dest: Path) -> dict[str, str]:
 
 
 def expected_tree(files: dict[str, bytes], prefix: str) -> dict[str, str]:
-    return {k[len(prefix):]: hashlib.sha256(v).hexdigest() for k, v in files.items() if k.startswith(prefix)}
+    return {k[len(prefix):]: hashlib.sha256(v).hexdigest() for k, v in files.items()
+            if k.startswith(prefix) and not k.endswith("/")}

@@ -4,24 +4,40 @@ from __future__ import annotations
 
 import datetime
 
-from dscache_operator.consumers import (PodInfo, job_finished, plan_nodes, pod_info,
+from dscache_operator.consumers import (OwnerInfo, OwnerRef, PodInfo, job_finished, plan_nodes, pod_info,
                                         termination_summary)
-from dscache_operator.models import NodeStatus, Retention
+from dscache_operator.models import NodeRevision, NodeStatus, Retention
 from dscache_operator.settings import Settings
 from dscache_operator import wipe
+from dscache_contract import WipeArgs
 
 NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.timezone.utc)
 WIPE = Retention()
 SUMMARY = '{"objects": 3, "bytes": 300, "skipped": 0, "fetched_bytes": 300, "seconds": 1.5, "mb_s": 0.2}'
 
 
+REV = "r-0123456789abcdef0123"
+REV2 = "r-fedcba9876543210fedc"
+
+
 def pod(name="p", node="n1", phase="Running", job="train", init="ok", started="2026-11-21T11:00:00Z",
-        message=SUMMARY, mode="HostPath"):
-    return PodInfo(name, node, phase, job, mode, init, started, message)
+        message=SUMMARY, mode="HostPath", revision=REV, kind="Job", uid=None):
+    owner = OwnerRef(kind, job, f"uid-{job}") if job else None
+    return PodInfo(name, node, phase, owner, mode, init, started, message, uid or f"uid-{name}", revision)
 
 
 def jobs(**state):
-    return lambda name: state.get(name)
+    """Owner lookup: Job name -> finished (None: not in any view)."""
+    def lookup(uid):
+        name = uid[len("uid-"):]
+        if name not in state or state[name] is None:
+            return None
+        return OwnerInfo("Job", name, state[name], None)
+    return lookup
+
+
+def node(name="n1", state="Ready", revisions=(REV,), **kw):
+    return NodeStatus(node=name, state=state, revisions=[NodeRevision(id=r) for r in revisions], **kw)
 
 
 def test_pod_info_reads_init_status_and_owner():
@@ -32,8 +48,11 @@ def test_pod_info_reads_init_status_and_owner():
             "status": {"phase": "Running", "initContainerStatuses": [{
                 "name": "dscache-stage", "state": {"terminated": {
                     "exitCode": 0, "startedAt": "2026-11-21T11:00:00Z", "message": SUMMARY}}}]}}
+    body["metadata"]["ownerReferences"][0].update(uid="u1", controller=True)
+    body["metadata"]["annotations"]["dscache.io/revision"] = REV
     info = pod_info(body)
-    assert (info.node, info.job, info.init, info.mode) == ("gpu-1", "train", "ok", "HostPath")
+    assert (info.node, info.owner, info.init, info.mode, info.revision) == (
+        "gpu-1", OwnerRef("Job", "train", "u1"), "ok", "HostPath", REV)
     assert termination_summary(info.message)["bytes"] == 300
 
 
@@ -59,9 +78,11 @@ def test_staging_and_failed_states():
 
 
 def test_completed_job_wipes_node():
-    prior = [NodeStatus(node="n1", state="Ready", consumers=1)]
+    prior = [node(consumers=1)]
     p = plan_nodes(prior, [pod(phase="Succeeded")], jobs(train=True), WIPE, NOW)["n1"]
     assert p.wipe and p.entry.consumers == 0
+    (step,) = p.wipes
+    assert step.revision == REV and step.release == ("uid-p",)
 
 
 def test_finished_pod_of_running_job_still_consumes():
@@ -83,15 +104,17 @@ def test_each_node_decided_separately():
 
 def test_retain_while_used_waits_for_ttl():
     keep = Retention(policy="RetainWhileUsed", ttlAfterLastUse="1h")
-    recent = [NodeStatus(node="n1", state="Ready", consumers=0, lastUsed="2026-11-21T11:30:00Z")]
+    recent = [NodeStatus(node="n1", state="Ready", consumers=0, revisions=[
+        NodeRevision(id=REV, lastUsed="2026-11-21T11:30:00Z")])]
     assert not plan_nodes(recent, [pod(phase="Succeeded")], jobs(train=True), keep, NOW)["n1"].wipe
-    old = [NodeStatus(node="n1", state="Ready", consumers=0, lastUsed="2026-11-21T10:30:00Z")]
+    old = [NodeStatus(node="n1", state="Ready", consumers=0, revisions=[
+        NodeRevision(id=REV, lastUsed="2026-11-21T10:30:00Z")])]
     assert plan_nodes(old, [pod(phase="Succeeded")], jobs(train=True), keep, NOW)["n1"].wipe
 
 
 def test_wiped_node_stays_wiped_for_old_pods_and_restages_for_new_ones():
     prior = [NodeStatus(node="n1", state="Wiped", wipedAt="2026-11-21T11:30:00Z", bytes=300)]
-    old = pod(phase="Succeeded", started="2026-11-21T11:00:00Z")
+    old = pod(phase="Succeeded", started="2026-11-21T11:00:00Z", revision=None)
     p = plan_nodes(prior, [old], jobs(train=True), WIPE, NOW)["n1"]
     assert p.entry.state == "Wiped" and not p.wipe
     new = pod(name="q", job="t2", init="running", message=None, started="2026-11-21T11:45:00Z")
@@ -113,22 +136,26 @@ def test_unscheduled_and_stale_pods_create_no_entries():
 
 def test_deletion_wipes_even_retained_copies():
     keep = Retention(policy="RetainWhileUsed", ttlAfterLastUse="30d")
-    prior = [NodeStatus(node="n1", state="Ready", consumers=0, lastUsed="2026-11-21T11:59:00Z")]
-    assert plan_nodes(prior, [], jobs(), keep, NOW, deleting=True)["n1"].wipe
+    prior = [node(consumers=0, lastUsed="2026-11-21T11:59:00Z")]
+    p = plan_nodes(prior, [], jobs(), keep, NOW, deleting=True)["n1"]
+    assert [s.revision for s in p.wipes] == [None]  # --all: C itself, once no lease remains
 
 
 def test_wipe_helper_pod_is_pinned_tolerant_and_confined():
     s = Settings(cache_root="/mnt/nvme/dscache", namespace="dscache-system", stager_image="stager:t")
-    pod_ = wipe.helper_pod("ml", "imagenet", "gpu-7", s)
-    assert pod_["metadata"]["name"] == wipe.helper_name("ml", "imagenet", "gpu-7")
-    assert pod_["metadata"]["name"] != wipe.helper_name("ml", "imagenet", "gpu-8")
+    pod_ = wipe.helper_pod("ml", "imagenet", "gpu-7", s, REV, ("u1", "u2"))
+    assert pod_["metadata"]["name"] == wipe.helper_name("ml", "imagenet", "gpu-7", REV)
+    assert pod_["metadata"]["name"] != wipe.helper_name("ml", "imagenet", "gpu-8", REV)
+    assert pod_["metadata"]["name"] != wipe.helper_name("ml", "imagenet", "gpu-7", REV2)
     assert pod_["metadata"]["namespace"] == "dscache-system"
     spec = pod_["spec"]
     assert spec["nodeName"] == "gpu-7"
     assert spec["tolerations"] == [{"operator": "Exists"}]
     assert spec["automountServiceAccountToken"] is False
     (c,) = spec["containers"]
-    assert c["args"] == ["wipe", "/mnt/nvme/dscache/ml/imagenet", "--root", "/mnt/nvme/dscache"]
+    assert WipeArgs.from_argv(c["args"]) == WipeArgs(
+        cache_dir="/mnt/nvme/dscache/ml/imagenet", root="/mnt/nvme/dscache", revision=REV,
+        release=("u1", "u2"), termination_log="/dev/termination-log")
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert spec["volumes"] == [{"name": "cache-root", "hostPath": {
         "path": "/mnt/nvme/dscache", "type": "DirectoryOrCreate"}}]
@@ -143,3 +170,144 @@ def test_long_wiped_nodes_without_pods_are_forgotten():
                        jobs(train=True), WIPE, NOW)
     assert sorted(plans) == ["n1", "n3"]
     assert not plans["n3"].wipe and plans["n3"].entry.state == "Wiped"
+
+
+# --- issue 7: revisions, leases, owners -------------------------------------------------------
+
+def owners(**infos):
+    """uid -> OwnerInfo."""
+    return lambda uid: infos.get(uid)
+
+
+def test_each_revision_is_released_apart_and_only_when_no_pod_holds_it():
+    # Job a (REV) finished; Job b (REV2) still runs on the same node.
+    prior = [node(revisions=(REV, REV2), consumers=2)]
+    pods = [pod("a-0", job="a", phase="Succeeded", revision=REV), pod("b-0", job="b", revision=REV2)]
+    p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
+    assert [(s.revision, s.release) for s in p.wipes] == [(REV, ("uid-a-0",))]
+    assert [r.id for r in p.entry.revisions] == [REV, REV2]
+
+
+def test_unscheduled_pod_blocks_its_revision_on_every_node():
+    """The wipe race of issue 7 (3): the next consumer is still Pending."""
+    prior = [node("n1", consumers=1), node("n2", consumers=1)]
+    pods = [pod("a-0", node="n1", job="a", phase="Succeeded"), pod("a-1", node="n2", job="a", phase="Succeeded"),
+            pod("b-0", node=None, job="b", phase="Pending", init=None, started=None, message=None)]
+    plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
+    assert not plans["n1"].wipe and not plans["n2"].wipe
+    # A pending pod of another revision blocks only that revision.
+    pods[-1] = pods[-1]._replace(revision=REV2)
+    plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
+    assert plans["n1"].wipe and plans["n2"].wipe
+
+
+def test_pytorchjob_recreating_a_worker_does_not_trigger_a_wipe():
+    pt = OwnerInfo("PyTorchJob", "pt", False, None)
+    failed_worker = pod("pt-worker-0", job="pt", kind="PyTorchJob", phase="Failed", init="ok")
+    plans = plan_nodes([node(consumers=1)], [failed_worker], owners(**{"uid-pt": pt}), WIPE, NOW)
+    assert not plans["n1"].wipe and plans["n1"].entry.consumers == 1
+    done = owners(**{"uid-pt": pt._replace(finished=True)})
+    assert plan_nodes([node(consumers=1)], [failed_worker], done, WIPE, NOW)["n1"].wipe
+
+
+def test_jobset_pods_are_judged_by_the_jobset_not_their_job():
+    # Pod -> Job (finished) -> JobSet (running): still held.
+    job_ = OwnerInfo("Job", "js-w-0", True, OwnerRef("JobSet", "js", "uid-js"))
+    js = OwnerInfo("JobSet", "js", False, None)
+    p0 = pod("js-w-0-0", job="js-w-0", phase="Succeeded")
+    view = owners(**{"uid-js-w-0": job_, "uid-js": js})
+    assert not plan_nodes([node(consumers=1)], [p0], view, WIPE, NOW)["n1"].wipe
+    view = owners(**{"uid-js-w-0": job_, "uid-js": js._replace(finished=True)})
+    assert plan_nodes([node(consumers=1)], [p0], view, WIPE, NOW)["n1"].wipe
+
+
+def test_unknown_owner_kinds_fall_back_to_pod_phase():
+    rs_pod = pod("web-1", job="web", kind="ReplicaSet", phase="Running")
+    assert not plan_nodes([node(consumers=1)], [rs_pod], owners(), WIPE, NOW)["n1"].wipe
+    assert plan_nodes([node(consumers=1)], [rs_pod._replace(phase="Succeeded")], owners(), WIPE, NOW)["n1"].wipe
+
+
+def test_raycluster_holds_while_it_exists_and_rayjob_decides_above_it():
+    rc = OwnerInfo("RayCluster", "rc", None, None)
+    p0 = pod("rc-worker", job="rc", kind="RayCluster", phase="Succeeded")
+    assert not plan_nodes([node(consumers=1)], [p0], owners(**{"uid-rc": rc}), WIPE, NOW)["n1"].wipe
+    rc_owned = rc._replace(owner=OwnerRef("RayJob", "rj", "uid-rj"))
+    rj_done = OwnerInfo("RayJob", "rj", True, None)
+    assert plan_nodes([node(consumers=1)], [p0], owners(**{"uid-rc": rc_owned, "uid-rj": rj_done}),
+                      WIPE, NOW)["n1"].wipe
+
+
+def test_owner_finished_conditions_per_kind():
+    from dscache_operator.consumers import OWNER_KINDS, owner_info
+    kinds = {k.kind: k for k in OWNER_KINDS}
+
+    def cond(t):
+        return {"metadata": {"name": "x"}, "status": {"conditions": [{"type": t, "status": "True"}]}}
+    assert owner_info(kinds["JobSet"], cond("Completed")).finished
+    assert owner_info(kinds["PyTorchJob"], cond("Succeeded")).finished
+    assert not owner_info(kinds["PyTorchJob"], cond("Running")).finished
+    assert owner_info(kinds["TrainJob"], cond("Complete")).finished
+    assert owner_info(kinds["RayJob"], {"status": {"jobDeploymentStatus": "Complete"}}).finished
+    assert not owner_info(kinds["RayJob"], {"status": {"jobDeploymentStatus": "Running"}}).finished
+    assert owner_info(kinds["Job.batch.volcano.sh"], {"status": {"state": {"phase": "Completed"}}}).finished
+    assert owner_info(kinds["RayCluster"], {}).finished is None
+
+
+def test_a_node_that_is_gone_is_dropped_and_gets_no_helper():
+    prior = [node("n1", consumers=0), node("gone", consumers=0)]
+    pods = [pod("a", node="gone", phase="Succeeded")]
+    plans = plan_nodes(prior, pods, jobs(train=True), WIPE, NOW, gone_nodes=frozenset({"gone"}))
+    assert "gone" not in plans and plans["n1"].wipe
+
+
+def test_deletion_while_a_job_still_needs_pods_does_not_deadlock():
+    """A running Job whose finished pod is on the node: normally that pod still
+    holds the copy (the Job may start another pod). While the cache is being
+    deleted the webhook refuses new pods, so it must not hold it any longer."""
+    prior = [node(consumers=1)]
+    pods = [pod("t-0", phase="Failed")]
+    assert not plan_nodes(prior, pods, jobs(train=False), WIPE, NOW)["n1"].wipe
+    p = plan_nodes(prior, pods, jobs(train=False), WIPE, NOW, deleting=True)["n1"]
+    assert p.entry.consumers == 0 and [(s.revision, s.release) for s in p.wipes] == [(None, ("uid-t-0",))]
+    # A pod still running keeps deletion waiting (its mount source must stay).
+    p = plan_nodes(prior, [pod("t-1")], jobs(train=False), WIPE, NOW, deleting=True)["n1"]
+    assert not p.wipe and p.entry.consumers == 1
+
+
+def test_stray_leases_are_released_unless_a_live_pod_owns_them():
+    """A wipe reported leases of pods the view does not show (deleted while the operator
+    was down): the next wipe releases them, but never one of a pod that still holds."""
+    prior = [NodeStatus(node="n1", state="Ready", consumers=1, revisions=[
+        NodeRevision(id=REV, consumers=1, strayLeases=["uid-gone", "uid-q"])])]
+    pods = [pod(phase="Succeeded"), pod("q", node="n2", job="other")]   # q holds REV on n2
+    p = plan_nodes(prior, pods, jobs(train=True, other=False), WIPE, NOW)["n1"]
+    (step,) = p.wipes
+    assert step.release == ("uid-gone", "uid-p")
+
+
+def test_a_wiped_revision_is_not_wiped_again_for_finished_pods_but_comes_back_for_new_ones():
+    """Node n1 keeps serving REV2 while REV was wiped: REV's finished pods must
+    not bring it back (that would start a helper every reconciliation)."""
+    prior = [NodeStatus(node="n1", state="Ready", consumers=1, revisions=[
+        NodeRevision(id=REV, wipedAt="2026-11-21T11:50:00Z"), NodeRevision(id=REV2, consumers=1)])]
+    pods = [pod("a-0", job="a", phase="Succeeded", revision=REV, started="2026-11-21T11:00:00Z"),
+            pod("b-0", job="b", revision=REV2)]
+    p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
+    assert not p.wipe and p.entry.state == "Ready"
+    assert [(r.id, r.wipedAt is not None) for r in p.entry.revisions] == [(REV, True), (REV2, False)]
+    # A new pod of REV starts staging there after the wipe: REV is live again.
+    pods.append(pod("c-0", job="c", revision=REV, init="running", started="2026-11-21T11:55:00Z", message=None))
+    p = plan_nodes(prior, pods, jobs(a=True, b=False, c=False), WIPE, NOW)["n1"]
+    assert [(r.id, r.wipedAt) for r in p.entry.revisions][0] == (REV, None)
+
+
+def test_node_is_not_ready_while_a_consumer_is_still_staging():
+    """test_wipe_race: Job 1's pods were Ready; the wipe may have just removed the copy
+    that Job 2's pod (stager not finished) now holds: the node must say Staging."""
+    prior = [node(consumers=0)]
+    pods = [pod("a-0", job="a", phase="Succeeded"),
+            pod("b-0", job="b", phase="Pending", init="waiting", started=None, message=None)]
+    p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
+    assert p.entry.state == "Staging" and not p.wipe
+    pods[1] = pods[1]._replace(phase="Running", init="ok", started="2026-11-21T11:59:00Z", message=SUMMARY)
+    assert plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"].entry.state == "Ready"

@@ -46,7 +46,7 @@ def test_crd_names_and_shape():
     assert version["name"] == "v1alpha1"
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Objects", "Size", "Ready nodes", "Age"]
+        "Phase", "Objects", "Size", "Revision", "Ready nodes", "Age"]
 
 
 def test_every_spec_and_status_field_is_described_and_structural():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dscache_operator import controller
+from dscache_operator import views as views_mod
 from dscache_operator.informer import Gone, Informer, MultiInformer
 
 
@@ -32,7 +32,7 @@ def test_list_pages_then_watch_events_update_the_view():
     pages = [{"items": [pod("a", "ml", "c1")], "metadata": {"continue": "tok", "resourceVersion": ""}},
              {"items": [pod("b", "ml", "c1", node="n2")], "metadata": {"resourceVersion": "10"}}]
     kube = FakeKube(pages)
-    inf = Informer(kube, "/api/v1/pods", "dscache.io/consumer=true", controller._pod_extract)
+    inf = Informer(kube, "/api/v1/pods", "dscache.io/consumer=true", views_mod._pod_extract)
     rv = asyncio.run(inf._list())
     assert rv == "10" and len(inf) == 2
     assert kube.calls[1]["continue"] == "tok" and kube.calls[0]["labelSelector"] == "dscache.io/consumer=true"
@@ -54,7 +54,7 @@ def test_a_failed_relist_keeps_the_last_good_view():
         async def request(self, *a, **k):
             raise OSError("apiserver down")
     inf = Informer(FakeKube([{"items": [pod("a", "ml", "c")], "metadata": {"resourceVersion": "5"}}]),
-                   "/p", "l", controller._pod_extract)
+                   "/p", "l", views_mod._pod_extract)
     asyncio.run(inf._list())
     inf.kube = Broken([])
     with pytest.raises(OSError):
@@ -65,22 +65,38 @@ def test_a_failed_relist_keeps_the_last_good_view():
 def test_empty_informers_count_as_ready():
     """Regression: an informer with no objects has len 0 (falsy) but is ready;
     with zero Jobs in the cluster nothing was ever planned or wiped."""
-    pods = MultiInformer(FakeKube([]), "/api/v1", "pods", (), "l", controller._pod_extract)
-    jobs = MultiInformer(FakeKube([]), "/apis/batch/v1", "jobs", (), "l", controller._job_extract)
-    for m in (pods, jobs):
+    views = views_mod.Views(FakeKube([]), ())
+    assert not views.ready()
+    for m in (views.pods, *views.owners.values()):
         for i in m.informers.values():
             i.ready.set()
-    old = controller.Consumers.pods, controller.Consumers.jobs
-    try:
-        controller.Consumers.pods, controller.Consumers.jobs = pods, jobs
-        assert len(pods) == 0 and controller.Consumers.ready()
-    finally:
-        controller.Consumers.pods, controller.Consumers.jobs = old
+    assert len(views.pods) == 0 and views.ready()
 
 
 def test_per_namespace_informers_route_by_namespace():
-    m = MultiInformer(FakeKube([]), "/api/v1", "pods", ("a", "b"), "l", controller._pod_extract)
+    m = MultiInformer(FakeKube([]), "/api/v1", "pods", ("a", "b"), "l", views_mod._pod_extract)
     assert set(m.informers) == {"a", "b"}
     assert m.informers["a"].path == "/api/v1/namespaces/a/pods"
     m.informers["b"]._upsert(pod("x", "b", "c"))
     assert [p.name for p in m.get(("b", "c"))] == ["x"] and m.get(("a", "c")) == []
+
+
+def test_an_absent_optional_crd_is_an_empty_ready_view():
+    """JobSet/PyTorchJob/... CRDs are optional: a 404 must not block the controller."""
+    from dscache_operator.kube import ApiError
+
+    class Absent(FakeKube):
+        async def request(self, method, path, params=None, **_):
+            self.calls.append(params)
+            raise ApiError(404, "the server could not find the requested resource")
+
+    async def main():
+        inf = Informer(Absent([]), "/apis/kubeflow.org/v1/pytorchjobs", "", lambda b: None, optional=True)
+        task = asyncio.create_task(inf.run())
+        try:
+            await asyncio.wait_for(inf.ready.wait(), 5)
+            assert len(inf) == 0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())

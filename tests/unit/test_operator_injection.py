@@ -10,12 +10,15 @@ import kopf
 import pytest
 
 from dscache_operator import injection, webhook
-from dscache_operator.common import Runtime
+from dscache_operator.common import Context, memo_for
 from dscache_operator.injection import INIT_NAME, VOLUME_NAME, InjectionError, inject_object
 from dscache_operator.models import DatasetCacheSpec
+from dscache_contract import StageArgs
 from dscache_operator.settings import Settings
 
 SETTINGS = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:test")
+REV = "r-0123456789abcdef0123"
+REV2 = "r-fedcba9876543210fedc"
 
 
 def spec(**extra) -> DatasetCacheSpec:
@@ -52,10 +55,10 @@ def pod_spec(obj):
 def test_injects_exactly_once_and_is_idempotent():
     obj = job()
     assert inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                         settings=SETTINGS, mode="HostPath")
+                         settings=SETTINGS, mode="HostPath", revision=REV)
     once = copy.deepcopy(obj)
     assert not inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                             settings=SETTINGS, mode="HostPath")
+                             settings=SETTINGS, mode="HostPath", revision=REV)
     assert obj == once
     ps = pod_spec(obj)
     assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME]
@@ -64,12 +67,19 @@ def test_injects_exactly_once_and_is_idempotent():
         "hostPath": {"path": "/mnt/nvme/dscache/ml/imagenet", "type": "DirectoryOrCreate"}}]
     for c in ps["containers"]:
         mounts = [m for m in c["volumeMounts"] if m["name"] == VOLUME_NAME]
-        assert mounts == [{"name": VOLUME_NAME, "mountPath": "/data", "readOnly": True}]
+        # The dataset and nothing else at mountPath; the manifest outside it.
+        assert mounts == [
+            {"name": VOLUME_NAME, "mountPath": "/data", "readOnly": True, "subPath": f"revs/{REV}/data"},
+            {"name": VOLUME_NAME, "mountPath": "/var/run/dscache", "readOnly": True,
+             "subPath": f"revs/{REV}/meta"}]
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["DSCACHE_DIR"] == "/data"
-        assert env["DSCACHE_MANIFEST"] == "/data/.dscache/manifest.jsonl"
+        assert env["DSCACHE_MANIFEST"] == "/var/run/dscache/manifest.jsonl"
+        assert env["DSCACHE_REVISION"] == REV
         assert not any("valueFrom" in e for e in c["env"]), "credentials leaked into a training container"
     assert obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/cache"] == "imagenet"
+    # The revision is pinned on the pod template: every pod the Job ever creates stages it.
+    assert obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision"] == REV
     # Labelled for the controller's server-side filtered watches: the Job and its pods.
     assert obj["spec"]["template"]["metadata"]["labels"]["dscache.io/consumer"] == "true"
     assert obj["metadata"]["labels"]["dscache.io/consumer"] == "true"
@@ -78,15 +88,19 @@ def test_injects_exactly_once_and_is_idempotent():
 def test_init_container_args_credentials_and_privileges():
     obj = job()
     inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="HostPath")
+                  settings=SETTINGS, mode="HostPath", revision=REV)
     (init,) = pod_spec(obj)["initContainers"]
     assert init["image"] == "stager:test"
     assert init["command"] == ["dscache-stage"]
-    assert init["args"] == ["sync", "s3://bkt/imagenet/", "/dscache",
-                            "--endpoint-url", "http://s3.local:9000", "--region", "eu-west-1",
-                            "--addressing-style", "path", "--include", "*.tar",
-                            "--exclude", "tmp/*", "--termination-log", "/dev/termination-log"]
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in init["env"] if "valueFrom" in e}
+    # Built with the contract's StageArgs, so the stager parses exactly what we meant.
+    parsed = StageArgs.from_argv(init["args"])
+    assert parsed == StageArgs(source="s3://bkt/imagenet/", revision=REV, cache_dir="/dscache",
+                               pod_uid="$(DSCACHE_POD_UID)", endpoint_url="http://s3.local:9000",
+                               region="eu-west-1", addressing_style="path", include=("*.tar",),
+                               exclude=("tmp/*",), termination_log="/dev/termination-log")
+    uid_env = next(e for e in init["env"] if e["name"] == "DSCACHE_POD_UID")
+    assert uid_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in init["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert refs["AWS_ACCESS_KEY_ID"] == {"name": "s3-keys", "key": "AWS_ACCESS_KEY_ID", "optional": False}
     assert refs["AWS_SESSION_TOKEN"]["optional"] is True
     sc = init["securityContext"]
@@ -98,7 +112,7 @@ def test_init_container_args_credentials_and_privileges():
 def test_emptydir_mode_runs_non_root():
     obj = job()
     inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="EmptyDir")
+                  settings=SETTINGS, mode="EmptyDir", revision=REV)
     ps = pod_spec(obj)
     assert {"name": VOLUME_NAME, "emptyDir": {}} in ps["volumes"]
     sc = ps["initContainers"][0]["securityContext"]
@@ -110,8 +124,8 @@ def test_no_credentials_means_no_secret_refs():
     s = spec(source={"uri": "s3://bkt/x/"})
     obj = job()
     inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=s,
-                  settings=SETTINGS, mode="HostPath")
-    assert pod_spec(obj)["initContainers"][0]["env"] == []
+                  settings=SETTINGS, mode="HostPath", revision=REV)
+    assert [e["name"] for e in pod_spec(obj)["initContainers"][0]["env"]] == ["DSCACHE_POD_UID"]
 
 
 def test_mount_path_clash_is_refused_with_cache_and_fix():
@@ -119,7 +133,7 @@ def test_mount_path_clash_is_refused_with_cache_and_fix():
                            "volumeMounts": [{"name": "other", "mountPath": "/data/"}]}])
     with pytest.raises(InjectionError) as e:
         inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                      settings=SETTINGS, mode="HostPath")
+                      settings=SETTINGS, mode="HostPath", revision=REV)
     msg = str(e.value)
     assert "imagenet" in msg and "/data" in msg and "spec.mountPath" in msg
 
@@ -132,7 +146,7 @@ def test_pod_injection_and_requested_cache():
     assert injection.requested_cache(job(annotate_template=True), "Job") == "imagenet"
     assert injection.requested_cache({"metadata": {}}, "Pod") is None
     inject_object(pod, kind="Pod", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="HostPath")
+                  settings=SETTINGS, mode="HostPath", revision=REV)
     assert [c["name"] for c in pod["spec"]["initContainers"]] == [INIT_NAME]
 
 
@@ -142,17 +156,17 @@ class FakeIndex(dict):
     """kopf.Index maps keys to stores (iterables of values)."""
 
 
-def view(phase="Ready", reason="Listed", message="", deleting=False):
-    return webhook.CacheView(spec(), phase, reason, message, deleting)
+def view(phase="Ready", reason="Listed", message="", deleting=False, revision=REV, pins=None):
+    return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins)
 
 
-def run_mutate(obj, index, kind="jobs", mode="HostPath"):
+def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
     body = kopf.Body(copy.deepcopy(obj))
     patch = kopf.Patch(body=body)
     resource = kopf.Resource("batch" if kind == "jobs" else "", "v1", kind)
-    Runtime.settings = SETTINGS
-    asyncio.run(webhook.mutate(mode=mode, body=body, patch=patch, namespace="ml",
-                               resource=resource, dscache_caches=index))
+    memo = memo_for(Context(settings=SETTINGS, kube=kube))
+    asyncio.run(webhook.mutate(mode=webhook.VolumeMode(mode), body=body, patch=patch, namespace="ml",
+                               resource=resource, memo=memo, dscache_caches=index))
     ops = patch.as_json_patch()
     return ops, jsonpatch.apply_patch(copy.deepcopy(obj), ops)
 
@@ -179,9 +193,8 @@ def test_handler_refuses_unknown_cache(monkeypatch):
 
     class K:
         get_cache = staticmethod(no_cache)
-    monkeypatch.setattr(Runtime, "kube", K())
     with pytest.raises(kopf.AdmissionError) as e:
-        run_mutate(job(), FakeIndex())
+        run_mutate(job(), FakeIndex(), kube=K())
     assert "DatasetCache ml/imagenet does not exist" in str(e.value)
     assert "dscache.io/cache" in str(e.value)
 
@@ -189,12 +202,12 @@ def test_handler_refuses_unknown_cache(monkeypatch):
 def test_handler_cold_index_falls_back_to_the_api(monkeypatch):
     async def found(ns, name):
         return {"metadata": {"name": name, "namespace": ns},
-                "spec": spec().model_dump(exclude_none=True), "status": {"phase": "Ready"}}
+                "spec": spec().model_dump(exclude_none=True),
+                "status": {"phase": "Ready", "revision": {"id": REV}}}
 
     class K:
         get_cache = staticmethod(found)
-    monkeypatch.setattr(Runtime, "kube", K())
-    ops, result = run_mutate(job(), FakeIndex())
+    ops, result = run_mutate(job(), FakeIndex(), kube=K())
     assert [c["name"] for c in pod_spec(result)["initContainers"]] == [INIT_NAME]
 
 
@@ -216,9 +229,11 @@ def test_handler_refuses_mount_clash():
     assert "clashes" in str(e.value)
 
 
-def _api_returns(monkeypatch, phase, reason=None, message=None):
+def _api_returns(monkeypatch, phase, reason=None, message=None, revision=None):
     async def get_cache(ns, name):
         status = {"phase": phase}
+        if revision:
+            status["revision"] = {"id": revision}
         if reason:
             status["conditions"] = [{"type": "SourceReady", "status": "False", "reason": reason,
                                      "message": message}]
@@ -228,30 +243,107 @@ def _api_returns(monkeypatch, phase, reason=None, message=None):
     class K:
         pass
     K.get_cache = staticmethod(get_cache)
-    monkeypatch.setattr(Runtime, "kube", K())
+    return K()
 
 
 def test_pending_cache_is_admitted(monkeypatch):
-    _api_returns(monkeypatch, "Pending")
-    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}))
+    """Pending in the index but pinned by now (a cache created with its Job)."""
+    kube = _api_returns(monkeypatch, "Ready", revision=REV)
+    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending", revision=None)]}),
+                             kube=kube)
     assert ops
 
 
 def test_pending_in_index_is_rechecked_against_the_api(monkeypatch):
-    _api_returns(monkeypatch, "Failed", "NoSuchBucket", "bucket 'bkt' does not exist")
+    kube = _api_returns(monkeypatch, "Failed", "NoSuchBucket", "bucket 'bkt' does not exist")
     with pytest.raises(kopf.AdmissionError) as e:
-        run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}))
+        run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending")]}), kube=kube)
     assert "NoSuchBucket" in str(e.value)
 
 
 def test_reinjection_keeps_the_original_mode():
     obj = job()
     inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="HostPath")
+                  settings=SETTINGS, mode="HostPath", revision=REV)
     pod = {"metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
            "spec": copy.deepcopy(obj["spec"]["template"]["spec"])}
     before = copy.deepcopy(pod)
     # The namespace switched to emptyDir mode between the Job and its pod.
     assert not inject_object(pod, kind="Pod", namespace="ml", cache_name="imagenet", spec=spec(),
-                             settings=SETTINGS, mode="EmptyDir")
+                             settings=SETTINGS, mode="EmptyDir", revision=REV2)
     assert pod == before and pod["metadata"]["annotations"]["dscache.io/volume"] == "HostPath"
+
+
+def test_unpinned_cache_is_refused_with_the_reason(monkeypatch):
+    kube = _api_returns(monkeypatch, "Ready", "NotVerifiable", "pod identity")
+    monkeypatch.setattr(webhook, "FIRST_REVISION_WAIT", 0.3)
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(job(), FakeIndex(), kube=kube)
+    assert "no pinned revision" in str(e.value) and "secretRef" in str(e.value)
+
+
+def test_job_pods_keep_the_template_revision_after_a_refresh():
+    obj = job()
+    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                  settings=SETTINGS, mode="HostPath", revision=REV)
+    pod = {"metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
+           "spec": copy.deepcopy(obj["spec"]["template"]["spec"])}
+    # The cache moved on to REV2; a pod the Job creates later still stages REV.
+    ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [view(revision=REV2)]}), kind="pods")
+    assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
+    (init,) = result["spec"]["initContainers"]
+    assert StageArgs.from_argv(init["args"]).revision == REV
+
+
+def test_pods_of_other_owners_reuse_their_owners_revision():
+    pod = {"metadata": {"name": "w-1", "namespace": "ml", "annotations": {"dscache.io/cache": "imagenet"},
+                        "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                             "name": "pt", "uid": "u-pt", "controller": True}]},
+           "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, pins={"u-pt": REV})]})
+    ops, result = run_mutate(pod, index, kind="pods")
+    assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
+    pod["metadata"]["ownerReferences"][0]["uid"] = "u-other"
+    ops, result = run_mutate(pod, index, kind="pods")
+    assert result["metadata"]["annotations"]["dscache.io/revision"] == REV2
+
+
+def test_bad_revision_annotation_is_refused():
+    obj = job()
+    obj["spec"]["template"]["metadata"]["annotations"] = {"dscache.io/revision": "../../etc"}
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(obj, FakeIndex({("ml", "imagenet"): [view()]}))
+    assert "not a revision id" in str(e.value)
+
+
+def test_stager_runs_first_and_every_other_mount_is_read_only():
+    obj = job(containers=[
+        {"name": "train", "image": "t",
+         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": "/data"},            # at our path
+                          {"name": VOLUME_NAME, "mountPath": "/raw"}]},           # their own
+    ])
+    obj["spec"]["template"]["spec"]["initContainers"] = [
+        {"name": "poison", "image": "busybox", "command": ["sh", "-c", "echo x > /c/y"],
+         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": "/c", "readOnly": False}]},
+        {"name": "mesh", "image": "proxy", "restartPolicy": "Always"}]
+    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                  settings=SETTINGS, mode="HostPath", revision=REV)
+    ps = pod_spec(obj)
+    assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME, "poison", "mesh"]
+    for c in ps["initContainers"][1:] + ps["containers"]:
+        for m in c.get("volumeMounts") or []:
+            if m["name"] == VOLUME_NAME:
+                assert m["readOnly"] is True, (c["name"], m)
+                assert m["subPath"].startswith(f"revs/{REV}/"), (c["name"], m)
+    (stager,) = [c for c in ps["initContainers"] if c["name"] == INIT_NAME]
+    assert stager["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/dscache"}]
+    # The user's writable mount at /data became exactly ours.
+    train = ps["containers"][0]
+    assert {"name": VOLUME_NAME, "mountPath": "/data", "readOnly": True,
+            "subPath": f"revs/{REV}/data"} in train["volumeMounts"]
+    assert sum(1 for m in train["volumeMounts"] if m["mountPath"] == "/data") == 1
+    # Idempotent.
+    again = copy.deepcopy(obj)
+    assert not inject_object(again, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
+                             settings=SETTINGS, mode="HostPath", revision=REV)
+    assert again == obj

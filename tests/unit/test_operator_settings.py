@@ -65,3 +65,57 @@ def test_cache_root_refuses_system_and_relative_dirs(root: str):
 def test_cache_root_is_normalised():
 
     assert Settings.from_env({"DSCACHE_CACHE_ROOT": "/mnt/nvme/dscache/"}).cache_root == "/mnt/nvme/dscache"
+
+
+# --- revision refresh triggers (issue 7) ---------------------------------------------------
+
+import datetime as _dt  # noqa: E402
+
+_NOW = _dt.datetime(2026, 11, 21, 12, 0, 0, tzinfo=_dt.timezone.utc)
+
+
+class _Memo:
+    last_check = 0.0
+
+
+def _due(meta, status, interval="1h"):
+    return sourcecheck.source_due(meta, status, _Memo(), 60.0, interval, _NOW)
+
+
+def test_revision_refresh_triggers():
+    listed = {"observedGeneration": 2, "phase": "Ready",
+              "revision": {"id": "r-0123456789abcdef0123", "listedAt": "2026-11-21T11:30:00Z"}}
+    meta = {"generation": 2}
+    assert _due(meta, listed) is None                              # fresh: nothing to do
+    assert _due({"generation": 3}, listed) == "spec"               # spec changed
+    assert _due(meta, listed, interval="20m") == "interval"        # older than spec.refresh.interval
+    assert _due(meta, listed, interval="Never") is None            # immutable prefix
+    poked = {**meta, "annotations": {"dscache.io/refresh": "2026-11-21T12:00"}}
+    assert _due(poked, listed) == "annotation"                     # on demand
+    assert _due(poked, {**listed, "observedRefresh": "2026-11-21T12:00"}) is None  # already acted on
+
+
+def test_source_listing_pins_the_contract_revision(monkeypatch):
+    """The operator's digest is the contract's, over exactly the selected objects."""
+    from dscache_contract import RevisionHasher
+    from dscache_operator.models import Source
+
+    pages = [{"Contents": [{"Key": "p/a.bin", "Size": 3, "ETag": '"e1"'},
+                           {"Key": "p/skip.tmp", "Size": 9, "ETag": '"e2"'}]},
+             {"Contents": [{"Key": "p/sub/b.bin", "Size": 4, "ETag": '"e3"'}]}]
+
+    class Client:
+        def get_paginator(self, name):
+            assert name == "list_objects_v2"
+            return self
+
+        def paginate(self, Bucket, Prefix):
+            assert (Bucket, Prefix) == ("bkt", "p/")
+            return iter(pages)
+
+    monkeypatch.setattr(sourcecheck, "_client", lambda *a: Client())
+    got = sourcecheck._list_sync(Source(uri="s3://bkt/p", exclude=["*.tmp"]), None, 5)
+    h = RevisionHasher()
+    h.add("p/a.bin", 3, '"e1"')
+    h.add("p/sub/b.bin", 4, '"e3"')
+    assert (got.ok, got.objects, got.bytes, got.revision) == (True, 2, 7, h.revision_id())

@@ -11,6 +11,8 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
+import dscache_contract as contract
+
 from tests.support.s3server import free_port
 
 
@@ -30,10 +32,25 @@ def put(endpoint: str, bucket: str, keys: dict[str, bytes]) -> None:
         c.put_object(Bucket=bucket, Key=k, Body=v)
 
 
-def stage(endpoint: str, uri: str, dest: Path, log: Path):
-    env = {"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1"}
-    return subprocess.run([sys.executable, "-m", "dscache_stager", "sync", uri, str(dest), "--endpoint-url", endpoint,
-                           "--termination-log", str(log)], capture_output=True, text=True, env=env, timeout=120)
+def revision(endpoint: str, uri: str, exclude=()) -> str:
+    """The revision as the operator pins it (boto3 listing, the contract's selection and hasher)."""
+    c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1")
+    bucket, _ = contract.parse_source(uri)
+    sel = contract.Selection.from_source(uri, exclude=exclude)
+    h = contract.RevisionHasher()
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=sel.prefix):
+        for o in page.get("Contents", []):
+            if sel.relative(o["Key"]) is not None:
+                h.add(o["Key"], o["Size"], o["ETag"])
+    return h.revision_id()
+
+
+def stage(endpoint: str, uri: str, dest: Path, log: Path, exclude=()):
+    env = {"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    argv = contract.StageArgs(source=uri, revision=revision(endpoint, uri, exclude), cache_dir=str(dest),
+                              endpoint_url=endpoint, exclude=tuple(exclude), termination_log=str(log)).to_argv()
+    return subprocess.run([sys.executable, "-m", "dscache_stager", *argv], capture_output=True, text=True, env=env,
+                          timeout=120)
 
 
 def test_hostile_keys_are_listed_and_nothing_escapes(moto_endpoint: str, tmp_path: Path):
@@ -60,7 +77,7 @@ def test_hostile_keys_are_listed_and_nothing_escapes(moto_endpoint: str, tmp_pat
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
         p.name for p in [work, work / "dest", tmp_path / "t"] + list((work / "dest").rglob("*")))
     assert not list(tmp_path.rglob("escape.txt")) and not list(tmp_path.rglob("evil"))
-    assert not (work / "dest" / ".dscache" / "complete").exists()
+    assert not list((work / "dest").rglob("complete"))
 
 
 def test_file_directory_clash_is_refused(moto_endpoint: str, tmp_path: Path):
@@ -72,9 +89,7 @@ def test_file_directory_clash_is_refused(moto_endpoint: str, tmp_path: Path):
 
 def test_excluding_the_hostile_keys_lets_the_copy_through(moto_endpoint: str, tmp_path: Path):
     put(moto_endpoint, "clash2", {"c/x": b"file", "c/x/y": b"under it", "c/ok": b"ok"})
-    env_args = ["--exclude", "x/*"]
-    r = subprocess.run([sys.executable, "-m", "dscache_stager", "sync", "s3://clash2/c/", str(tmp_path / "d"),
-                        "--endpoint-url", moto_endpoint, *env_args], capture_output=True, text=True,
-                       env={"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    r = stage(moto_endpoint, "s3://clash2/c/", tmp_path / "d", tmp_path / "t", exclude=["x/*"])
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [".dscache", "ok", "x"]
+    rev = r.stdout.strip().splitlines()[-1].split('"revision": "')[1][:22]
+    assert sorted(p.name for p in Path(contract.data_dir(str(tmp_path / "d"), rev)).iterdir()) == ["ok", "x"]

@@ -25,17 +25,16 @@ def test_place_replaces_a_stale_directory(tmp_path: Path):
     assert (tmp_path / "d").read_bytes() == b"new"
 
 
-def test_stale_files_and_empty_dirs_are_removed_but_not_bookkeeping(tmp_path: Path):
-    for rel in ["keep/a", "gone/deep/b", "c", ".dscache/manifest.jsonl"]:
+def test_stale_files_and_empty_dirs_are_removed(tmp_path: Path):
+    for rel in ["keep/a", "gone/deep/b", "c", ".hidden/x"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(rel)
     (tmp_path / "link").symlink_to("/etc")
     tree = LocalTree(str(tmp_path))
     stale = tree.stale({"keep/a"})
-    assert sorted(stale) == ["c", "gone/deep/b", "link"]
+    assert sorted(stale) == [".hidden/x", "c", "gone/deep/b", "link"]
     tree.remove(stale)
-    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
-        ".dscache", ".dscache/manifest.jsonl", "keep", "keep/a"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["keep", "keep/a"]
 
 
 def test_a_destination_owned_by_someone_else_is_used_as_it_is(tmp_path: Path):
@@ -44,7 +43,7 @@ def test_a_destination_owned_by_someone_else_is_used_as_it_is(tmp_path: Path):
     import shutil
     import tempfile
 
-    from dscache_stager.layout import Layout
+    from dscache_stager.layout import Revision, cache_lock, write_lease
 
     # pytest's tmp_path is private to root; uid 65532 must be able to reach it.
     base = Path(tempfile.mkdtemp(prefix="dscache-emptydir-"))
@@ -58,9 +57,12 @@ def test_a_destination_owned_by_someone_else_is_used_as_it_is(tmp_path: Path):
         try:
             os.setgid(65532)
             os.setuid(65532)
-            layout = Layout(dest)
-            layout.prepare()
-            code = 0 if layout.meta.stat().st_mode & 0o777 == 0o755 and layout.meta.stat().st_uid == 65532 else 2
+            rev = Revision(str(dest), "r-" + "0" * 20)
+            with cache_lock(str(dest)):
+                write_lease(str(dest), rev.rev, "pod")
+                rev.prepare()
+            st = os.stat(rev.data)
+            code = 0 if st.st_mode & 0o777 == 0o755 and st.st_uid == 65532 else 2
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)

@@ -1,28 +1,52 @@
-"""The wipe safety rules, on a real filesystem."""
+"""The wipe: leases, revisions, and the safety rules, on a real filesystem."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+import dscache_contract as contract
+from dscache_contract import WipeArgs
+from dscache_stager import wipe as wipe_mod
 from dscache_stager.errors import BusyError, UsageError
-from dscache_stager.layout import Layout
+from dscache_stager.layout import Revision, cache_lock, leases, write_lease
 from dscache_stager.wipe import wipe
+
+R1 = "r-" + "1" * 20
+R2 = "r-" + "2" * 20
+
+
+def make_revision(c: Path, rev: str, files: dict[str, bytes]) -> Path:
+    """A complete, sealed revision as the stager leaves it."""
+    r = Revision(str(c), rev)
+    os.makedirs(r.tmp)
+    os.makedirs(r.meta)
+    for rel, body in files.items():
+        p = Path(r.data, rel)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(body)
+        p.chmod(0o444)
+    Path(r.journal_path).write_text("")
+    dirs = {str(p.relative_to(r.data)) for p in Path(r.data).rglob("*") if p.is_dir()}
+    r.mark_complete([], dirs, {"objects": len(files), "revision": rev})
+    return Path(r.dir)
 
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     r = tmp_path / "cache-root"
-    (r / "ns" / "ds" / "sub").mkdir(parents=True)
-    (r / "ns" / "ds" / "sub" / "f.bin").write_bytes(b"x")
+    c = r / "ns" / "ds"
+    make_revision(c, R1, {"a/f.bin": b"one"})
+    make_revision(c, R2, {"a/f.bin": b"two"})
+    for uid in ("u1", "u2"):
+        write_lease(str(c), R1, uid)
     return r
 
 
@@ -34,81 +58,231 @@ def outside(tmp_path: Path) -> Path:
     return o
 
 
-def test_wipes_a_directory_inside_root_and_is_idempotent(root: Path):
-    assert wipe(str(root / "ns" / "ds"), str(root)) is True
-    assert not (root / "ns" / "ds").exists() and (root / "ns").is_dir()
-    assert wipe(str(root / "ns" / "ds"), str(root)) is False
+def C(root: Path) -> Path:
+    return root / "ns" / "ds"
+
+
+def test_an_unreleased_lease_keeps_the_revision(root: Path):
+    out = wipe(WipeArgs(str(C(root)), str(root), revision=R1, release=("u1",)))
+    assert (out.removed, out.existed, out.leases, out.released) == (False, True, ["u2"], ["u1"])
+    assert (C(root) / "revs" / R1 / "data/a/f.bin").read_bytes() == b"one"
+    assert leases(str(C(root)), R1) == ["u2"]
+
+
+def test_released_leases_let_it_go_and_nothing_else(root: Path):
+    out = wipe(WipeArgs(str(C(root)), str(root), revision=R1, release=("u1", "u2")))
+    assert (out.removed, out.leases) == (True, [])
+    assert not (C(root) / "revs" / R1).exists() and not (C(root) / "leases" / R1).exists()
+    # The other revision and C itself (a pod's mount source) stay.
+    assert (C(root) / "revs" / R2 / "data/a/f.bin").read_bytes() == b"two"
+    assert (C(root) / "lock").exists()
+    again = wipe(WipeArgs(str(C(root)), str(root), revision=R1))
+    assert (again.removed, again.existed) == (False, False)
+
+
+def test_a_revision_nobody_leased_is_removed(root: Path):
+    assert wipe(WipeArgs(str(C(root)), str(root), revision=R2)).removed
+    assert not (C(root) / "revs" / R2).exists() and (C(root) / "revs" / R1).exists()
+
+
+def test_all_removes_the_cache_dir_only_once_no_lease_remains(root: Path):
+    out = wipe(WipeArgs(str(C(root)), str(root), all_revisions=True, release=("u1",)))
+    assert (out.removed, out.leases) == (False, [f"{R1}/u2"])
+    assert C(root).is_dir()
+    out = wipe(WipeArgs(str(C(root)), str(root), all_revisions=True, release=("u2",)))
+    assert out.removed and not C(root).exists() and (root / "ns").is_dir()
+    assert not wipe(WipeArgs(str(C(root)), str(root), all_revisions=True)).removed  # idempotent
+
+
+def test_sealed_revisions_are_removed_by_a_non_root_wipe_too(tmp_path: Path):
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="dscache-wipe-"))
+    os.chmod(base, 0o755)
+    root = base / "root"
+    root.mkdir()
+    os.chown(root, 65532, 65532)
+    pid = os.fork()
+    if pid == 0:  # the whole life of the copy as uid 65532
+        code = 1
+        try:
+            os.setgid(65532)
+            os.setuid(65532)
+            make_revision(root / "ns" / "ds", R1, {"d/e/f": b"x"})
+            code = 0 if wipe(WipeArgs(str(root / "ns" / "ds"), str(root), revision=R1)).removed else 2
+            code = code or (3 if (root / "ns" / "ds" / "revs" / R1).exists() else 0)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    shutil.rmtree(base)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("target", ["{outside}", "{root}", "{root}/../precious", "{root}/ns/../../precious"])
 def test_refuses_anything_not_strictly_inside_root(root: Path, outside: Path, target: str):
     with pytest.raises(UsageError, match="not inside the cache root"):
-        wipe(target.format(root=root, outside=outside), str(root))
-    assert (outside / "keep.txt").exists() and (root / "ns" / "ds").exists()
+        wipe(WipeArgs(target.format(root=root, outside=outside), str(root), all_revisions=True))
+    assert (outside / "keep.txt").exists() and C(root).exists()
 
 
 def test_refuses_relative_paths(root: Path):
     with pytest.raises(UsageError, match="absolute"):
-        wipe("ns/ds", str(root))
+        wipe(WipeArgs("ns/ds", str(root), all_revisions=True))
 
 
-def test_refuses_a_symlinked_target_or_component(root: Path, outside: Path):
+def test_refuses_a_symlinked_cache_dir_or_component(root: Path, outside: Path):
     (root / "ns" / "link").symlink_to(outside)
     with pytest.raises(UsageError, match="symlink"):
-        wipe(str(root / "ns" / "link"), str(root))
+        wipe(WipeArgs(str(root / "ns" / "link"), str(root), all_revisions=True))
     with pytest.raises(UsageError, match="symlink"):
-        wipe(str(root / "ns" / "link" / "keep.txt"), str(root))
+        wipe(WipeArgs(str(root / "ns" / "link" / "sub"), str(root), all_revisions=True))
     assert (outside / "keep.txt").read_text() == "keep"
 
 
 def test_never_follows_symlinks_inside_the_tree(root: Path, outside: Path):
-    (root / "ns" / "ds" / "escape").symlink_to(outside)
-    (root / "ns" / "ds" / "file-link").symlink_to(outside / "keep.txt")
-    assert wipe(str(root / "ns" / "ds"), str(root))
+    c = C(root)
+    rev = c / "revs" / R2
+    rev.chmod(0o755)
+    (rev / "data").chmod(0o755)
+    (rev / "data" / "escape").symlink_to(outside)
+    (rev / "data" / "file-link").symlink_to(outside / "keep.txt")
+    # A revision dir that is itself a symlink is unlinked, not followed.
+    (c / "revs" / ("r-" + "3" * 20)).symlink_to(outside)
+    assert wipe(WipeArgs(str(c), str(root), revision=R2)).removed
+    assert wipe(WipeArgs(str(c), str(root), revision="r-" + "3" * 20)).removed
+    assert wipe(WipeArgs(str(c), str(root), all_revisions=True, release=("u1", "u2"))).removed
     assert (outside / "keep.txt").read_text() == "keep"
 
 
 def test_root_may_itself_be_a_symlink(tmp_path: Path, root: Path):
     alias = tmp_path / "alias"
     alias.symlink_to(root)
-    assert wipe(str(alias / "ns" / "ds"), str(alias))
-    assert not (root / "ns" / "ds").exists()
+    assert wipe(WipeArgs(str(alias / "ns" / "ds"), str(alias), revision=R2)).removed
+    assert not (C(root) / "revs" / R2).exists()
 
 
-def test_cli_exit_codes_and_json(root: Path, outside: Path, tmp_path: Path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "dscache_stager", "wipe", *a], capture_output=True, text=True)
-    ok = run(str(root / "ns" / "ds"), "--root", str(root))
-    assert ok.returncode == 0 and '"existed": true' in ok.stdout
-    bad = run(str(outside), "--root", str(root), "--termination-log", str(tmp_path / "t"))
+def test_busy_while_a_stager_holds_the_lock_and_nothing_changes(root: Path):
+    with cache_lock(str(C(root))):
+        with pytest.raises(BusyError, match="locked by a running stager"):
+            wipe(WipeArgs(str(C(root)), str(root), revision=R1, release=("u1", "u2")))
+    assert leases(str(C(root)), R1) == ["u1", "u2"]  # not even released
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dscache_stager", "wipe", *args], capture_output=True, text=True)
+
+
+def test_cli_exit_codes_0_2_and_8_with_json_and_termination_log(root: Path, outside: Path, tmp_path: Path):
+    c = C(root)
+    lock = os.open(c / "lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        busy = _cli(str(c), "--root", str(root), "--revision", R2, "--termination-log", str(tmp_path / "t8"))
+    finally:
+        os.close(lock)
+    assert busy.returncode == 8, busy.stderr
+    assert "locked by a running stager" in busy.stderr
+    assert (tmp_path / "t8").read_text().startswith("error: ")
+    assert (c / "revs" / R2).exists()
+
+    ok = _cli(str(c), "--root", str(root), "--revision", R2)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout) == {"cache": str(c), "revision": R2, "released": [], "removed": True,
+                                     "existed": True, "leases": []}
+    bad = _cli(str(outside), "--root", str(root), "--all", "--termination-log", str(tmp_path / "t"))
     assert bad.returncode == 2 and "not inside the cache root" in bad.stderr
     assert (tmp_path / "t").read_text().startswith("error: refusing to wipe")
+    usage = _cli(str(c), "--root", str(root))
+    assert usage.returncode == 2 and "--revision" in usage.stderr
 
 
-def test_wipe_refuses_while_a_stager_holds_the_lock_and_a_waiting_stager_starts_over(root: Path):
-    copy = root / "ns" / "ds"
-    layout = Layout(copy)
-    with layout.locked():
-        with pytest.raises(BusyError, match="being staged"):
-            wipe(str(copy), str(root))
-    assert (copy / "sub" / "f.bin").exists()
+def test_a_stager_waiting_behind_a_real_wipe_starts_over(root: Path, monkeypatch: pytest.MonkeyPatch):
+    """wipe() holds the lock while it deletes; a stager blocked on the lock then
+    finds the revision gone (so it stages it again) and writes its lease after."""
+    c = str(C(root))
+    deleting, go_on = threading.Event(), threading.Event()
+    real_remove = wipe_mod.remove_tree
 
-    # A wipe holding the lock; a stager waiting on it must end up in a fresh,
-    # linked directory, not in the deleted one.
-    fd = os.open(layout.lock_path, os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    entered = threading.Event()
+    def slow_remove(path: str) -> None:
+        deleting.set()
+        go_on.wait(10)
+        real_remove(path)
+
+    monkeypatch.setattr(wipe_mod, "remove_tree", slow_remove)
+    seen: dict = {}
 
     def stager() -> None:
-        with layout.locked():
-            (copy / "marker").write_text("after")
-            entered.set()
+        with cache_lock(c, on_wait=lambda: seen.setdefault("waited", True)):
+            seen["complete"] = Revision(c, R1).read_complete()
+            write_lease(c, R1, "late-pod")
 
-    t = threading.Thread(target=stager)
-    t.start()
-    time.sleep(0.3)
-    assert not entered.is_set()
-    shutil.rmtree(copy)  # what wipe does while it holds the lock
-    os.close(fd)
-    t.join(10)
-    assert entered.is_set() and (copy / "marker").read_text() == "after"
-    assert (copy / ".dscache" / "lock").exists()
+    w = threading.Thread(target=lambda: seen.setdefault(
+        "wipe", wipe(WipeArgs(c, str(root), revision=R1, release=("u1", "u2")))))
+    w.start()
+    assert deleting.wait(10)
+    s = threading.Thread(target=stager)
+    s.start()
+    s.join(0.5)
+    assert s.is_alive()  # blocked on the lock the wipe holds
+    go_on.set()
+    w.join(10)
+    s.join(10)
+    assert seen["wipe"].removed and seen.get("waited")
+    assert seen["complete"] is None  # it sees no revision: it stages it again, cold
+    assert leases(c, R1) == ["late-pod"]
+
+
+def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(root: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    c = str(C(root))
+    deleting, go_on = threading.Event(), threading.Event()
+    real_remove = wipe_mod.remove_tree
+
+    def slow_remove(path: str) -> None:
+        deleting.set()
+        go_on.wait(10)
+        real_remove(path)
+
+    monkeypatch.setattr(wipe_mod, "remove_tree", slow_remove)
+    out: dict = {}
+    w = threading.Thread(target=lambda: out.setdefault(
+        "wipe", wipe(WipeArgs(c, str(root), all_revisions=True, release=("u1", "u2")))))
+    w.start()
+    assert deleting.wait(10)
+    old_inode = os.stat(contract.lock_path(c)).st_ino
+
+    def stager() -> None:
+        with cache_lock(c):
+            out["inode"] = os.stat(contract.lock_path(c)).st_ino
+            out["revs"] = os.path.exists(contract.revisions_root(c))
+
+    s = threading.Thread(target=stager)
+    s.start()
+    s.join(0.5)
+    assert s.is_alive()
+    go_on.set()
+    w.join(10)
+    s.join(10)
+    assert out["wipe"].removed
+    assert out["inode"] != old_inode and out["revs"] is False  # a fresh C, not the deleted one
+
+
+def test_the_wipe_helper_as_root_without_capabilities_removes_sealed_revisions(root: Path):
+    """The helper pod runs as uid 0 with every capability dropped: 0555 dirs refuse it unlinks."""
+    c = C(root)
+    script = ("import sys; from dscache_contract import WipeArgs; from dscache_stager.wipe import wipe; "
+              f"print(wipe(WipeArgs({str(c)!r}, {str(root)!r}, revision={R2!r})).to_json())")
+    p = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", script],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["removed"] is True
+    assert not (c / "revs" / R2).exists() and (c / "revs" / R1).exists()
+    # And the same binary with capabilities really is refused by a sealed dir (the test is not vacuous).
+    sealed = c / "revs" / R1 / "data" / "a"
+    probe = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c",
+                            f"import os; os.unlink({str(sealed / 'f.bin')!r})"], capture_output=True, text=True)
+    assert probe.returncode != 0 and "Permission denied" in probe.stderr

@@ -1,0 +1,34 @@
+"""The seam between the dscache operator and its stager, shipped in both images.
+
+Everything both sides must agree on lives here, and only here: the names
+(volume, container, env, annotation, mount points), the on-node layout, the
+stager's command line (built by the operator, parsed by the stager, with one
+type), the JSON summary and exit codes, the include/exclude rule, the S3
+defaults, and the revision digest.
+
+Standard library only: the stager imports this on every warm start, whose
+whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).
+"""
+
+from .args import ArgsError, StageArgs, WipeArgs, build_parser
+from .layout import (
+    cache_dir, complete_path, data_dir, data_subpath, journal_path, lease_dir, lease_path, leases_root,
+    lock_path, manifest_path, meta_dir, meta_subpath, revision_dir, revisions_root, tmp_dir,
+    validate_pod_uid, validate_revision,
+)
+from .names import *  # noqa: F403 - the names are the API
+from .revision import RevisionHasher, normalize_etag
+from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
+from .selection import Selection, normalize_key, parse_source, selected
+from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary
+
+__all__ = [
+    "ArgsError", "StageArgs", "WipeArgs", "build_parser",
+    "cache_dir", "complete_path", "data_dir", "data_subpath", "journal_path", "lease_dir", "lease_path",
+    "leases_root", "lock_path", "manifest_path", "meta_dir", "meta_subpath", "revision_dir",
+    "revisions_root", "tmp_dir", "validate_pod_uid", "validate_revision",
+    "RevisionHasher", "normalize_etag",
+    "DEFAULT_REGION", "resolve_addressing_style", "resolve_region",
+    "Selection", "normalize_key", "parse_source", "selected",
+    "EXIT_CODE_HELP", "ExitCode", "ManifestEntry", "StageSummary", "WipeSummary",
+]

@@ -1,0 +1,130 @@
+"""What the stager reports: exit codes, the success line, and the manifest records.
+
+On success the stager prints one JSON line (StageSummary or WipeSummary) on
+stdout and in the termination log; on failure one line ``error: <reason>``
+and a non-zero ExitCode.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    INTERNAL = 1        # a bug: report it with the log
+    USAGE = 2           # bad command line or source URI
+    SOURCE = 3          # the bucket cannot be read with this pod's credentials
+    NO_SPACE = 4        # the destination cannot hold the objects still to copy
+    HOSTILE_KEYS = 5    # object keys that cannot be written safely
+    DESTINATION = 6     # writing the destination failed
+    TRANSIENT = 7       # S3 kept failing after every retry
+    BUSY = 8            # wipe only: a stager holds the lock; nothing was done
+    REVISION_GONE = 9   # the bucket can no longer serve the pinned revision
+    CACHE_GONE = 10     # the cache dir (the pod's mount source) was removed
+    INTERRUPTED = 130   # SIGINT
+
+
+EXIT_CODE_HELP: dict[ExitCode, str] = {
+    ExitCode.OK: "success",
+    ExitCode.INTERNAL: "internal error (a bug: please report it with the log)",
+    ExitCode.USAGE: "bad command line or source URI",
+    ExitCode.SOURCE: "the bucket cannot be read: no such bucket, access denied, bad credentials, "
+                     "unreachable endpoint (checked on every run, warm or cold)",
+    ExitCode.NO_SPACE: "the destination cannot hold the objects still to copy",
+    ExitCode.HOSTILE_KEYS: "object keys that cannot be written safely under the destination",
+    ExitCode.DESTINATION: "writing the destination failed: disk full, permissions, a read-only filesystem",
+    ExitCode.TRANSIENT: "S3 kept failing (throttling, 5xx, dropped connections) after every retry",
+    ExitCode.BUSY: "wipe only: a stager holds the cache's lock; nothing was done, retry later",
+    ExitCode.REVISION_GONE: "the bucket no longer holds the revision the pod was admitted with "
+                            "(an object changed or was deleted); nothing was served",
+    ExitCode.CACHE_GONE: "the cache dir on the node was removed after the pod started "
+                         "(its DatasetCache was deleted); recreate the pod",
+    ExitCode.INTERRUPTED: "interrupted (SIGINT)",
+}
+
+
+def _from_dict(cls, d: dict):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class StageSummary:
+    """The success line of ``dscache-stage sync``.
+
+    warm: the revision was already complete on the node (no listing, no copy).
+    The first seven fields are the summary's historic ones; consumers must
+    ignore fields they do not know.
+    """
+
+    objects: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    fetched_bytes: int = 0
+    deleted: int = 0
+    seconds: float = 0.0
+    mb_s: float = 0.0
+    revision: str = ""
+    warm: bool = False
+    fetched_objects: int = 0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["seconds"] = round(self.seconds, 3)
+        d["mb_s"] = round(self.fetched_bytes / 1e6 / self.seconds, 1) if self.seconds > 0 else 0.0
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageSummary":
+        return _from_dict(cls, d)
+
+
+@dataclass
+class WipeSummary:
+    """The success line of ``dscache-stage wipe``.
+
+    removed: the revision dir (or with --all, C) was deleted this time;
+    leases: lease files (pod UIDs) still present, which kept it.
+    """
+
+    cache: str = ""
+    revision: str | None = None
+    released: list[str] = field(default_factory=list)
+    removed: bool = False
+    existed: bool = False
+    leases: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WipeSummary":
+        return _from_dict(cls, d)
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    """One line of meta/manifest.jsonl: the object, where it is under data/, size, ETag."""
+
+    key: str
+    path: str
+    size: int
+    etag: str
+    version_id: str | None = None
+
+    def to_json(self) -> str:
+        d = {"key": self.key, "path": self.path, "size": self.size, "etag": self.etag}
+        if self.version_id is not None:
+            d["versionId"] = self.version_id
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, line: str) -> "ManifestEntry":
+        d = json.loads(line)
+        return cls(d["key"], d["path"], int(d["size"]), d["etag"], d.get("versionId"))

@@ -1,0 +1,100 @@
+"""``dscache-stage sync``: stage one pinned revision of an S3 prefix into C/revs/<rev>.
+
+1. Access proof, always: one cheap request with this pod's own credentials
+   (HEAD of the revision's first object when it is already on the node, else
+   one listing page), so a pod that may not read the bucket never gets the
+   data, even when another pod staged it (exit 3).
+2. Under C's lock: write this pod's lease, then
+   - warm: the revision is complete on the node; done, without listing;
+   - cold (sync.py): list, hash, GET with If-Match, seal; a listing that is
+     not the revision any more fails with exit 9 and leaves nothing behind.
+
+No asyncio on this path: the warm start is a process start, one HEAD, a lock
+and a small file write, and importing asyncio (with ssl) alone would cost
+more than the rest.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import obstore
+from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
+
+import dscache_contract as contract
+from dscache_contract import StageSummary
+
+from .layout import Revision, cache_lock, check_cache_dir, write_lease
+from .progress import Progress, human_bytes
+from .source import S3Source, source_error
+
+LIST_ATTEMPTS = 8
+
+
+def sync(opts, progress: Progress | None = None) -> StageSummary:
+    """Run ``dscache-stage sync`` for ``opts`` (a sync.SyncOptions)."""
+    progress = progress or Progress()
+    started = time.monotonic()
+    c = opts.cache_dir
+    check_cache_dir(c)
+    rev = Revision(c, opts.revision)
+    # A complete revision never changes, so its manifest can be read unlocked.
+    probe = rev.first_key() if rev.read_complete() else None
+    store = opts.source.open_store(opts.concurrency)
+    prove_access(store, opts.source, probe)
+
+    def on_wait() -> None:
+        progress.note(f"another stager or a wipe holds {contract.lock_path(c)}; waiting for it")
+
+    with cache_lock(c, on_wait):
+        if opts.pod_uid:
+            write_lease(c, opts.revision, opts.pod_uid)
+        if (marker := rev.read_complete()) is not None:
+            done = StageSummary.from_dict(marker)
+            progress.note(f"revision {opts.revision} is already complete on this node: "
+                          f"{done.objects} objects, {human_bytes(done.bytes)}; nothing to list or copy")
+            return StageSummary(objects=done.objects, bytes=done.bytes, skipped=done.objects,
+                                seconds=time.monotonic() - started, revision=opts.revision, warm=True)
+        from .sync import cold  # noqa: PLC0415 - asyncio and the data plane, only when needed
+
+        progress.note(f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
+                      f"({opts.concurrency} requests in flight)")
+        return cold(opts, rev, store, progress)
+
+
+def prove_access(store, source: S3Source, probe_key: str | None) -> None:
+    """One request with this process's credentials; raise SourceError if S3 refuses.
+
+    A HEAD of an object we are about to serve proves GetObject on it; when it
+    is gone (404) or there is no manifest yet, one listing page proves
+    ListBucket on the prefix, which a cold run needs anyway.
+    """
+    source.check_reachable()
+    try:
+        if probe_key is not None:
+            try:
+                obstore.head(store, probe_key)
+                return
+            except FileNotFoundError:
+                pass  # deleted since: the copy on the node is still whole; prove access by listing
+        _first_page(store, source.prefix)
+    except InvalidPathError:
+        return  # S3 answered with keys obstore cannot represent: access is proven; the listing names them
+    except BaseError as e:
+        raise source_error(e, source, 0) from e
+
+
+def _first_page(store, prefix: str) -> None:
+    """One ListObjectsV2 page, retried when its body is cut short (obstore retries the rest itself)."""
+    for attempt in range(1, LIST_ATTEMPTS + 1):
+        try:
+            for _ in obstore.list(store, prefix=prefix or None, chunk_size=1):
+                break
+            return
+        except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
+            raise
+        except BaseError as e:
+            if attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
+                raise
+            time.sleep(random.uniform(0, 0.1 * 2**attempt))

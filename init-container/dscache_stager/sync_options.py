@@ -1,0 +1,33 @@
+"""What one ``sync`` run is asked to do (no asyncio, no data plane: imported on the warm path)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from dscache_contract import Selection
+
+from .keys import Filters
+from .source import S3Source
+
+
+def default_concurrency() -> int:
+    # Requests in flight. Small objects are latency-bound (real S3 answers in
+    # tens of ms), so many more than cores; memory stays under this x 1 MiB.
+    # os.cpu_count() counts the node's CPUs, not the container's CPU limit.
+    return min(256, max(64, 32 * (os.cpu_count() or 2)))
+
+
+@dataclass
+class SyncOptions:
+    source: S3Source
+    cache_dir: str
+    revision: str
+    pod_uid: str | None = None
+    filters: Filters = field(default_factory=Filters)
+    concurrency: int = field(default_factory=default_concurrency)
+    progress_interval: float = 3.0
+
+    @property
+    def selection(self) -> Selection:
+        return Selection(self.source.prefix, tuple(self.filters.include), tuple(self.filters.exclude))

@@ -1,0 +1,79 @@
+"""The controller's read-only views of users' workloads (see informer.py).
+
+- consumer pods (labelled ``dscache.io/consumer=true`` by the webhook) -> PodInfo by (namespace, cache);
+- owners, by (namespace, uid) -> OwnerInfo: the Jobs the webhook labelled, and
+  every JobSet, PyTorchJob, TrainJob, RayJob, RayCluster and Volcano Job in the
+  watched namespaces (the webhook never sees those objects, so they carry no
+  label; they are few). Their CRDs are optional: a kind whose CRD is absent is
+  an empty view that looks again every minute.
+
+The controller never writes users' objects; it only reads these views.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .consumers import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, owner_info, pod_info, pod_key
+from .informer import MultiInformer
+from .kube import Kube
+from .models import CONSUMER_LABEL
+
+
+def _pod_extract(body: dict[str, Any]):
+    key = pod_key(body)
+    return (key, pod_info(body)) if key else None
+
+
+def _owner_extract(kind: OwnerKind):
+    def extract(body: dict[str, Any]):
+        meta = body.get("metadata") or {}
+        return ((meta.get("namespace"), meta.get("uid")), owner_info(kind, body))
+    return extract
+
+
+def _job_extract(body: dict[str, Any]):
+    return _owner_extract(OWNER_KINDS[0])(body)
+
+
+class Views:
+    def __init__(self, kube: Kube, namespaces: tuple[str, ...]) -> None:
+        selector = f"{CONSUMER_LABEL}=true"
+        self.pods = MultiInformer(kube, "/api/v1", "pods", namespaces, selector, _pod_extract)
+        self.owners: dict[str, MultiInformer] = {}
+        for kind in OWNER_KINDS:
+            batch_job = kind.kind == "Job"
+            self.owners[kind.kind] = MultiInformer(
+                kube, kind.group_path, kind.plural, namespaces,
+                selector if batch_job else "", _owner_extract(kind), optional=not batch_job)
+
+    @property
+    def jobs(self) -> MultiInformer:
+        return self.owners["Job"]
+
+    def _all(self) -> list[MultiInformer]:
+        return [self.pods, *self.owners.values()]
+
+    def start(self) -> None:
+        for m in self._all():
+            m.start()
+
+    async def stop(self) -> None:
+        for m in self._all():
+            await m.stop()
+
+    def ready(self) -> bool:
+        # Not bool(informer): an informer with no objects is falsy (len 0) yet ready.
+        return all(m.ready for m in self._all())
+
+    def auth_failing_for(self) -> float:
+        return max(m.auth_failing_for() for m in self._all())
+
+    def owner_lookup(self, namespace: str) -> OwnerLookup:
+        def lookup(uid: str) -> OwnerInfo | None:
+            for m in self.owners.values():
+                got = m.get((namespace, uid))
+                if got:
+                    return got[0]
+            return None
+        return lookup
