@@ -12,7 +12,6 @@ import socket
 import kopf
 import pytest
 
-from dscache_operator.common import Runtime
 from dscache_operator.kube import Kube
 from tests.unit.test_operator_injection import FakeIndex, job, run_mutate
 
@@ -26,13 +25,12 @@ def _closed_port() -> int:
     return port
 
 
-def test_api_unreachable_on_a_miss_fails_closed(monkeypatch):
+def test_api_unreachable_on_a_miss_fails_closed():
     """Index miss + API server refusing connections: the Job is refused, retryably."""
     port = _closed_port()
     info = kopf.ConnectionInfo(server=f"https://127.0.0.1:{port}", token="t")
-    monkeypatch.setattr(Runtime, "kube", Kube(info))
     with pytest.raises(kopf.AdmissionError) as e:
-        run_mutate(job(), FakeIndex())
+        run_mutate(job(), FakeIndex(), kube=Kube(info))
     msg = str(e.value)
     assert "DatasetCache ml/imagenet: dscache could not look it up" in msg, msg
     assert "retry" in msg and f"127.0.0.1:{port}" in msg, msg
