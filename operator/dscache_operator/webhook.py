@@ -205,7 +205,10 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
     async def cleanup(memo: Any, **_: Any) -> None:
         await common.shutdown(ctx_of(memo))
 
-    @kopf.index(GROUP, VERSION, PLURAL, registry=registry)
+    # The explicit id is the kwarg name mutate() receives the index under; without it
+    # kopf names a nested function by its qualname (make_registry.<locals>...) and
+    # mutate() gets None: every admission would GET the cache from the API server.
+    @kopf.index(GROUP, VERSION, PLURAL, id="dscache_caches", registry=registry)
     def dscache_caches(**kwargs: Any) -> dict[Any, Any]:
         return index_caches(**kwargs)
 

@@ -296,6 +296,11 @@ def test_informer_relists_after_410_gone(kube_api, opted_ns):
 
 # --- the webhook with the API server really unreachable ---------------------------------
 
+#: The tunnel connects to the API server from this loopback address, so the audit log's
+#: sourceIPs tell the tunnelled webhook's requests from everyone else's.
+TUNNEL_SOURCE = "127.0.0.2"
+
+
 class Tunnel:
     """A TCP tunnel to the API server that can be cut: while cut, nothing listens on its
     port (connections are refused) and every open connection is closed."""
@@ -323,7 +328,7 @@ class Tunnel:
             except OSError:
                 return
             try:
-                server = socket.create_connection(self.upstream)
+                server = socket.create_connection(self.upstream, source_address=(TUNNEL_SOURCE, 0))
             except OSError:
                 client.close()
                 continue
@@ -411,7 +416,20 @@ def test_webhook_with_the_api_server_unreachable(kube_api, dscache_operator, s3_
     try:
         wait_port("127.0.0.1", port)
         # Through the tunnel: the index fills, the known cache is admitted with a patch.
-        k.wait_for(lambda: ask("known")[0].get("patch"), timeout=30, what="the webhook's index through the tunnel")
+        # A patch alone does not prove the index holds the cache (a miss falls through
+        # to a GET that admits too): wait until an admission made no GET of it.
+        def tunnelled(e: dict) -> bool:
+            return TUNNEL_SOURCE in (e.get("sourceIPs") or [])
+
+        def served_from_index() -> dict | None:
+            before = len(k.audit_events())
+            resp, _ = ask("known")
+            gets = [e for e in k.audit_events()[before:] if tunnelled(e) and e["verb"] == "get"
+                    and e.get("objectRef", {}).get("name") == "known"]
+            return resp if resp.get("patch") and not gets else None
+        k.wait_for(served_from_index, timeout=30, what="the webhook's index through the tunnel")
+        assert any(tunnelled(e) and e["verb"] == "list" and e.get("objectRef", {}).get("resource") == "datasetcaches"
+                   for e in k.audit_events()), "no list of DatasetCaches through the tunnel: the observation is broken"
 
         tunnel.cut()
         with pytest.raises(ConnectionRefusedError):
