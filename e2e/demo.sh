@@ -125,7 +125,11 @@ POD=$(k get pods -n ml -l job-name=train-resnet -o jsonpath='{.items[0].metadata
 NODE=$(k get pod "$POD" -n ml -o jsonpath='{.spec.nodeName}')
 SUMMARY=$(k get pod "$POD" -n ml -o jsonpath='{.status.initContainerStatuses[?(@.name=="dscache-stage")].state.terminated.message}')
 TRAIN_LOG=$(k logs "$POD" -n ml -c train)
-COPY=$CACHE_ROOT/ml/imagenet-mini
+# The node holds the pod's revision under the cache dir; a wipe removes the revision
+# (the cache dir itself stays: it is the mount source of later pods).
+REV=$(k get pod "$POD" -n ml -o jsonpath='{.metadata.annotations.dscache\.io/revision}')
+[ -n "$REV" ] || { echo "pod $POD carries no dscache.io/revision annotation" >&2; exit 1; }
+COPY=$CACHE_ROOT/ml/imagenet-mini/revs/$REV
 
 wiped=no
 for _ in $(seq 120); do

@@ -11,7 +11,8 @@ import datetime
 import json
 
 from conftest import (assert_complete, cache_status, host_copy, init_summary, job_pods, send_go,
-                      wait_verified, wait_wiped)
+                      wait_verified)
+from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, wait_for
 
@@ -44,8 +45,10 @@ def test_two_jobs_copy_once(cfg, kube, cache_factory, dataset, namespaces):
     nodes = {p["spec"]["nodeName"] for p in pods.values()}
     assert len(nodes) == 1, nodes
     node = nodes.pop()
-    # The copy exists on the node while both run (so "wiped" below means something).
-    assert node_path_exists(f"{host_copy(cfg, ns, name)}/.dscache/complete", node)
+    # Both Jobs were admitted with the same revision, and it exists on the node while
+    # both run (so "wiped" below means something).
+    (rev,) = {revs.pod_revision(p) for p in pods.values()}
+    assert node_path_exists(revs.complete_marker(host_copy(cfg, ns, name), rev), node)
 
     spans = {j: _log_span(kube, ns, p["metadata"]["name"]) for j, p in pods.items()}
     starts, ends = [s for s, _ in spans.values()], [e for _, e in spans.values()]
@@ -63,4 +66,4 @@ def test_two_jobs_copy_once(cfg, kube, cache_factory, dataset, namespaces):
     assert fetched == [0, dataset.bytes], sums
     waiter = next(s for s in sums if s["fetched_bytes"] == 0)
     assert waiter["skipped"] == dataset.objects and waiter["objects"] == dataset.objects, sums
-    wait_wiped(cfg, kube, ns, name, node=node)
+    revs.wait_revision_wiped(kube, ns, name, host_copy(cfg, ns, name), rev, node)

@@ -1,6 +1,7 @@
 """9. A Kubeflow-style pod-template annotation is honoured on a bare Pod (no Job owns it)."""
 
-from conftest import host_copy, init_summary, send_go, wait_wiped
+from conftest import host_copy, init_summary, send_go
+from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, wait_for
 
@@ -22,7 +23,8 @@ def test_bare_pod_with_template_annotation(cfg, kube, cache_factory, dataset):
     pod = wait_for("the Pod's training container to verify the data", verified, timeout=180)
     node = pod["spec"]["nodeName"]
     # The copy is on the node while the pod runs, so the wipe below is real.
-    assert node_path_exists(f"{host_copy(cfg, ns, name)}/.dscache/complete", node)
+    rev = revs.pod_revision(pod)
+    assert node_path_exists(revs.complete_marker(host_copy(cfg, ns, name), rev), node)
     send_go(kube, ns, POD)
     phase = wait_for("the Pod to finish", lambda: (kube.get("pod", POD, ns)["status"].get("phase")
                                                    in ("Succeeded", "Failed"))
@@ -33,4 +35,4 @@ def test_bare_pod_with_template_annotation(cfg, kube, cache_factory, dataset):
     assert f"VERIFIED objects={dataset.objects}" in log, log
     assert init_summary(pod)["bytes"] == dataset.bytes
     # A finished bare pod is no longer a consumer: its node's copy is wiped.
-    wait_wiped(cfg, kube, ns, name, node=node)
+    revs.wait_revision_wiped(kube, ns, name, host_copy(cfg, ns, name), rev, node)

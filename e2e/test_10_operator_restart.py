@@ -8,8 +8,8 @@ container in the same pod; its lastState shows exit 137 (128 + SIGKILL).
 
 import json
 
-from conftest import (assert_complete, RELEASE_NS, cache_status, host_copy, node_entry, send_go, wait_verified,
-                      wait_wiped)
+from conftest import assert_complete, RELEASE_NS, cache_status, host_copy, node_entry, send_go, wait_verified
+from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, node_pids_of_container, node_sh, wait_for
 
@@ -35,7 +35,8 @@ def test_wipe_survives_controller_kill(cfg, kube, cache_factory, dataset):
     pod = wait_verified(kube, ns, "train-restart")
     node = pod["spec"]["nodeName"]
     wait_for("node Ready in the status", lambda: node_entry(kube, ns, name).get("state") == "Ready", timeout=30)
-    assert node_path_exists(f"{host_copy(cfg, ns, name)}/.dscache/complete", node)
+    rev = revs.pod_revision(pod)
+    assert node_path_exists(revs.complete_marker(host_copy(cfg, ns, name), rev), node)
 
     ctl = _controller_pod(kube)
     ctl_name, ctl_node = ctl["metadata"]["name"], ctl["spec"]["nodeName"]
@@ -51,7 +52,7 @@ def test_wipe_survives_controller_kill(cfg, kube, cache_factory, dataset):
     send_go(kube, ns, pod["metadata"]["name"])
     assert_complete(kube, ns, "train-restart")
 
-    wait_wiped(cfg, kube, ns, name, timeout=150, node=node)
+    revs.wait_revision_wiped(kube, ns, name, host_copy(cfg, ns, name), rev, node, timeout=150)
     # The same pod, its container restarted by the kubelet after a SIGKILL (exit 137).
     after = wait_for("the controller container restarted and Ready", lambda: (
         (cs := _status(kube.get("pod", ctl_name, RELEASE_NS))).get("restartCount", 0) > before.get("restartCount", 0)

@@ -33,8 +33,12 @@ d = os.environ.get("DSCACHE_DIR")
 m = os.environ.get("DSCACHE_MANIFEST")
 if not d or not m:
     fail("DSCACHE_DIR / DSCACHE_MANIFEST not set: the webhook did not inject")
-if not os.path.exists(os.path.join(d, ".dscache", "complete")):
-    fail("no completion marker in " + d)
+# The revision layout: the manifest and the completion marker live beside each
+# other in the revision's meta dir (DSCACHE_MANIFEST), never inside DSCACHE_DIR.
+if not os.path.exists(os.path.join(os.path.dirname(m), "complete")):
+    fail("no completion marker next to the manifest " + m)
+if os.path.exists(os.path.join(d, ".dscache")):
+    fail("metadata inside the data dir " + d)
 lines = []
 n = total = 0
 with open(m) as f:
