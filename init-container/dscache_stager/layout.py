@@ -150,6 +150,19 @@ class Revision:
         except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
 
+    def sealed_before_boot(self) -> bool:
+        """Whether the completion marker predates the node's last boot.
+
+        Nothing is fsynced (see mark_complete), so such a revision may hold
+        zeros or stale bytes behind a correct manifest. No pod has used it
+        since the boot either: every pod's stager reruns after a reboot, and
+        the first one restages it (a fresh marker), so it is safe to remove.
+        """
+        try:
+            return os.stat(self.complete_path).st_mtime < boot_time()
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
     def first_key(self) -> str | None:
         """The first object of a complete revision's manifest (the warm access probe)."""
         try:
@@ -219,7 +232,7 @@ class Revision:
         os.chmod(self.dir, 0o555)
 
     def remove(self) -> None:
-        """Delete an incomplete revision (the bucket can no longer serve it)."""
+        """Delete the revision: incomplete (the bucket can no longer serve it), or sealed before the last boot."""
         remove_tree(self.dir)
 
 

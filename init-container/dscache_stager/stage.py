@@ -50,6 +50,10 @@ def sync(opts, progress: Progress | None = None) -> StageSummary:
     with cache_lock(c, on_wait):
         if opts.pod_uid:
             write_lease(c, opts.revision, opts.pod_uid)
+        if rev.read_complete() is not None and rev.sealed_before_boot():
+            progress.note(f"revision {opts.revision} was completed before this node last booted and "
+                          "nothing was fsynced: staging it again")
+            rev.remove()
         if (marker := rev.read_complete()) is not None:
             done = StageSummary.from_dict(marker)
             progress.note(f"revision {opts.revision} is already complete on this node: "

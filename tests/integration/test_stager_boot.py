@@ -2,11 +2,12 @@
 
 The stager writes without fsync, so after a power loss a file may hold zeros
 or stale bytes while the manifest still lists it with the right size. It
-therefore ignores manifest and journal records older than the boot time
-(/proc/stat btime) and fetches those objects again. The test ages the
-bookkeeping to before this machine's boot with os.utime, damages one file
-keeping its size, and shows that the next sync repairs it; the control run
-(bookkeeping from after the boot) shows the same damage is otherwise skipped.
+therefore distrusts a revision completed (and a journal written) before the
+boot time (/proc/stat btime) and stages it again. The test ages the
+revision's bookkeeping to before this machine's boot with os.utime, damages
+one file keeping its size, and shows that the next sync repairs it; the
+control run (bookkeeping from after the boot) is a warm reuse that leaves the
+same damage in place.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stager import data_tree, expected_tree, run_stage
+from tests.support.stager import boto3_revision, data_dir, data_tree, expected_tree, stage
 
 pytestmark = pytest.mark.integration
 
@@ -28,42 +29,53 @@ def _boot_time() -> float:
         return next(float(line.split()[1]) for line in f if line.startswith("btime "))
 
 
-def _damage(dest: Path) -> Path:
-    victim = dest / "part-03.bin"
+def _damage(data: Path) -> Path:
+    victim = data / "part-03.bin"
     size = victim.stat().st_size
+    mode = victim.stat().st_mode
+    os.chmod(victim, 0o644)   # a complete revision is sealed 0444
     victim.write_bytes(b"\0" * size)   # same size, wrong bytes: what a lost page cache leaves
+    os.chmod(victim, mode)
     return victim
 
 
-def _age_bookkeeping(dest: Path, when: float) -> None:
+def _age_bookkeeping(meta: Path, when: float) -> None:
+    aged = 0
     for name in ("manifest.jsonl", "journal.jsonl", "complete"):
-        p = dest / ".dscache" / name
+        p = meta / name
         if p.exists():
             os.utime(p, (when, when))
+            aged += 1
+    assert (meta / "complete").exists() and aged >= 2, f"no sealed revision's bookkeeping in {meta}"
 
 
 @pytest.mark.parametrize("before_boot", [True, False], ids=["recorded-before-boot", "control-after-boot"])
 def test_copy_from_before_the_last_boot_is_refetched(s3_server, bucket, tmp_path: Path, before_boot: bool):
     s3_server.put_tree(bucket, FILES)
-    dest = tmp_path / "copy"
-    first = run_stage(s3_server, "sync", f"s3://{bucket}/ds/", str(dest))
+    uri = f"s3://{bucket}/ds/"
+    rev = boto3_revision(s3_server, uri)
+    cache = tmp_path / "cache"
+    first = stage(s3_server, uri, cache, rev)
     assert first.code == 0, first.stderr
+    data = data_dir(cache, rev)
     want = expected_tree(FILES, "ds/")
-    assert data_tree(dest) == want
+    assert data_tree(data) == want
     total = sum(len(v) for v in FILES.values())
     assert first.summary["fetched_bytes"] == total
 
-    _damage(dest)
+    _damage(data)
     boot = _boot_time()
-    _age_bookkeeping(dest, boot - 120 if before_boot else max(boot + 1, dest.stat().st_mtime))
-    second = run_stage(s3_server, "sync", f"s3://{bucket}/ds/", str(dest))
+    meta = data.parent / "meta"
+    _age_bookkeeping(meta, boot - 120 if before_boot else max(boot + 1, (meta / "complete").stat().st_mtime))
+    second = stage(s3_server, uri, cache, rev, pod_uid="pod-2")
     assert second.code == 0, second.stderr
     if before_boot:
         # Nothing recorded before the boot is trusted: every object is fetched again.
         assert second.summary["fetched_bytes"] == total and second.summary["skipped"] == 0, second.summary
-        assert data_tree(dest) == want
+        assert second.summary["warm"] is False, second.summary
+        assert data_tree(data) == want
     else:
-        # The control: records from after the boot are trusted, so the damage (same
-        # size) is skipped. This is what the aged run must not do.
-        assert second.summary["fetched_bytes"] == 0, second.summary
-        assert data_tree(dest) != want
+        # The control: a revision sealed after the boot is trusted (warm: not even
+        # listed), so the damage (same size) stays. This is what the aged run must not do.
+        assert second.summary["fetched_bytes"] == 0 and second.summary["warm"] is True, second.summary
+        assert data_tree(data) != want
