@@ -193,11 +193,26 @@ async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name:
     if summary is not None and summary.existed and not summary.removed:
         METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="kept")
         entry.message = (f"{what} kept: lease(s) of pod(s) {', '.join(summary.leases[:5])} remain")[:4096]
-        return Outcome.KEPT, list(summary.leases)
+        return Outcome.KEPT, lease_uids(summary.leases)
     METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="succeeded")
     kopf.event(body, type="Normal", reason="Wiped", message=f"wiped {what} on node {entry.node}")
     entry.message = None
     return Outcome.REMOVED, []
+
+
+def lease_uids(leases: list[str]) -> list[str]:
+    """The pod UIDs of the leases a wipe reported: a revision wipe reports UIDs, a
+    whole-cache wipe (--all) "<rev>/<uid>". They go back as --release, which takes
+    plain UIDs only; an entry that is no UID (a stray file in leases/) cannot be
+    released and is left out (it keeps the cache dir, as the stager intends)."""
+    out = []
+    for lease in leases:
+        uid = lease.rsplit("/", 1)[-1]
+        try:
+            out.append(contract.validate_pod_uid(uid))
+        except ValueError:
+            continue
+    return sorted(set(out))
 
 
 def _exit_code(pod: dict[str, Any]) -> int | None:

@@ -90,6 +90,19 @@ def test_leases_we_did_not_release_keep_the_revision(events):
     assert "u9" in entry.message and kube.deleted == [NAME]
 
 
+def test_a_whole_cache_wipe_reports_rev_slash_uid_leases_that_come_back_as_plain_uids(events):
+    """--all reports "<rev>/<uid>"; the next wipe's --release must get the UIDs (and
+    the helper pod must be buildable with them: WipeArgs refuses anything else)."""
+    summary = {"cache": "/x", "revision": None, "released": [], "removed": False, "existed": True,
+               "leases": [f"{REV}/u9", f"{REV}/u8", "r-ffffffffffffffffffff/u9", "not a uid/.."]}
+    kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(summary)))
+    entry, kept = NodeStatus(node="n1", state="Ready"), []
+    assert drive(kube, entry, step=Release(None, ()), leases=kept) is wipe.Outcome.KEPT
+    assert kept == ["u8", "u9"]
+    args = wipe.helper_args("ml", "c", S, None, tuple(kept))
+    assert args[args.index("--release") + 1] == "u8,u9" and "--all" in args
+
+
 def test_removed_and_busy(events):
     kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps({"removed": True, "existed": True})))
     assert drive(kube, NodeStatus(node="n1", state="Ready")) is wipe.Outcome.REMOVED
