@@ -347,3 +347,13 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
     assert not inject_object(again, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
                              settings=SETTINGS, mode="HostPath", revision=REV)
     assert again == obj
+
+
+def test_the_registered_index_is_the_one_mutate_reads():
+    """kopf passes an index to handlers under its handler id; a nested function's default
+    id is its qualname (make_registry.<locals>...), so mutate() would get None and every
+    admission would GET the cache from the API server."""
+    import inspect
+    ids = [h.id for h in webhook.make_registry()._indexing.get_all_handlers()]
+    assert ids == ["dscache_caches"], ids
+    assert "dscache_caches" in inspect.signature(webhook.mutate).parameters
