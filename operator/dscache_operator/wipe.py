@@ -24,7 +24,7 @@ from typing import Any
 import dscache_contract as contract
 import kopf
 
-from .consumers import fmt_time, parse_time
+from .consumers import parse_time
 from .injection import stager_security_context
 from .kube import Kube
 from .metrics import METRICS

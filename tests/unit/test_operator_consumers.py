@@ -311,3 +311,21 @@ def test_node_is_not_ready_while_a_consumer_is_still_staging():
     assert p.entry.state == "Staging" and not p.wipe
     pods[1] = pods[1]._replace(phase="Running", init="ok", started="2026-11-21T11:59:00Z", message=SUMMARY)
     assert plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"].entry.state == "Ready"
+
+
+def test_owner_pins_cover_the_whole_owner_chain_and_keep_the_first_revision():
+    """status.owners: a JobSet's next child Job (admitted with ownerReference JobSet) must
+    get the revision its first Jobs' pods stage, even after status.revision moved on."""
+    from dscache_operator.status import owner_pins
+    job_ = OwnerInfo("Job", "js-w-0", False, OwnerRef("JobSet", "js", "uid-js"))
+    view = owners(**{"uid-js-w-0": job_, "uid-js": OwnerInfo("JobSet", "js", False, None)})
+    pods = [pod("js-w-0-0", job="js-w-0", revision=REV)]
+    pins = owner_pins(pods, view, [])
+    assert {(p["kind"], p["uid"], p["revision"]) for p in pins} == {
+        ("Job", "uid-js-w-0", REV), ("JobSet", "uid-js", REV)}
+    # Already pinned to REV: a later pod of REV2 does not move the pin.
+    pins2 = owner_pins(pods + [pod("js-w-0-1", job="js-w-0", revision=REV2)], view, pins)
+    assert {p["revision"] for p in pins2} == {REV}
+    # Finished owners are dropped.
+    assert owner_pins([pods[0]._replace(phase="Succeeded")],
+                      owners(**{"uid-js-w-0": job_._replace(finished=True)}), pins) == []
