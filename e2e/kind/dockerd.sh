@@ -56,8 +56,35 @@ stop() {
   for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
   kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
   rm -f "$PIDFILE"
+  remove_traces
   restore_policy
   log "dockerd stopped"
+}
+
+# What dockerd leaves behind when it stops: its bridges (docker0, one br-<id>
+# per network, e.g. kind's) and its iptables rules and chains. Only those are
+# removed, rule by rule: other clusters' rules on this machine stay untouched.
+remove_traces() {
+  local ifaces=() i t rule chain
+  for i in /sys/class/net/docker0 /sys/class/net/br-*; do
+    [ -e "$i" ] || continue
+    i=$(basename "$i")
+    # br-<12 hex> is Docker's naming for user networks.
+    [[ $i = docker0 || $i =~ ^br-[0-9a-f]{12}$ ]] && ifaces+=("$i")
+  done
+  local pat="DOCKER"; for i in "${ifaces[@]}"; do pat+="|$i"; done
+  for t in filter nat; do
+    iptables -t "$t" -S 2>/dev/null | grep -E -- "^-A .*($pat)" | grep -Ev '^-A DOCKER' | while read -r rule; do
+      eval "iptables -t $t ${rule/#-A/-D}" 2>/dev/null || true
+    done
+    for chain in $(iptables -t "$t" -S 2>/dev/null | sed -n 's/^-N \(DOCKER[A-Z0-9-]*\)$/\1/p'); do
+      iptables -t "$t" -F "$chain" 2>/dev/null || true
+    done
+    for chain in $(iptables -t "$t" -S 2>/dev/null | sed -n 's/^-N \(DOCKER[A-Z0-9-]*\)$/\1/p'); do
+      iptables -t "$t" -X "$chain" 2>/dev/null || true
+    done
+  done
+  for i in "${ifaces[@]}"; do ip link delete "$i" 2>/dev/null || true; done
 }
 
 case ${1:-} in
