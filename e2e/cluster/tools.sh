@@ -11,6 +11,8 @@
 #   kind     sigs.k8s.io/kind (the kind path, e2e/kind/)
 #   kubeadm  kubeadm of $K8S_VERSION, apart from `kubernetes` so that adding it
 #            did not change that cache key; kind's node image needs it
+#   jobset             the JobSet controller (sigs.k8s.io/jobset), for the kind path
+#   training-operator  Kubeflow's training-operator (PyTorchJob), for the kind path
 #   cni   Debian's containernetworking-plugins (bridge, host-local, portmap),
 #         installed with apt-get if missing; its bin dir is /usr/lib/cni.
 #   pause the pod sandbox image, compiled from the k8s.io/kubernetes module
@@ -27,6 +29,8 @@ S5CMD_VERSION=v2.3.0
 CONTAINERD_VERSION=v2.2.9
 RUNC_VERSION=v1.3.6
 HELM_VERSION=v3.19.5
+JOBSET_VERSION=v0.10.1
+TRAINING_OPERATOR_VERSION=v1.8.1
 KIND_VERSION=v0.30.0   # the last kind with cgroup v1 CI (see e2e/kind/README.md)
 PAUSE_VERSION=3.10.1   # build/pause/Makefile TAG in $K8S_VERSION
 # containerd 2.2's default `sandbox` image (pinned_images in its CRI config);
@@ -189,7 +193,9 @@ tool_version() {
     pause) echo "pause-$PAUSE_VERSION-$K8S_VERSION" ;;
     kind) echo "kind-$KIND_VERSION" ;;
     kubeadm) echo "kubeadm-$K8S_VERSION" ;;
-    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm)" >&2; exit 2 ;;
+    jobset) echo "jobset-$JOBSET_VERSION" ;;
+    training-operator) echo "training-operator-$TRAINING_OPERATOR_VERSION" ;;
+    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator)" >&2; exit 2 ;;
   esac
 }
 
@@ -228,6 +234,11 @@ build_tool() {
     pause) build_pause "$out" ;;
     kind) CGO_ENABLED=0 go_install "$out" sigs.k8s.io/kind "$KIND_VERSION" sigs.k8s.io/kind ;;
     kubeadm) build_k8s "$out" kubeadm ;;
+    # The module root is the manager (main.go); renamed as in JobSet's own image.
+    jobset) CGO_ENABLED=0 go_install "$out" sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset &&
+      mv "$out/jobset" "$out/manager" ;;
+    training-operator) CGO_ENABLED=0 go_install "$out" github.com/kubeflow/training-operator "$TRAINING_OPERATOR_VERSION" \
+      github.com/kubeflow/training-operator/cmd/training-operator.v1 ;;
   esac
   echo "$((SECONDS - start))" >"$dir.tmp/build-seconds"
   touch "$dir.tmp/.done"
