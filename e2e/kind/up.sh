@@ -66,38 +66,13 @@ kubeadmConfigPatches:
 YAML
 }
 
-# kindnetd's recipe, once: each node gets a ptp CNI config for its podCIDR, a
-# route to every other node's podCIDR, and masquerading for traffic leaving
-# the pod network (S3 and the API server's node IP).
-install_pod_network() {
-  local lines name cidr ip other ocidr oip
-  mapfile -t lines < <("$KUBECTL" get nodes -o jsonpath='{range .items[*]}{.metadata.name} {.spec.podCIDR} {.status.addresses[?(@.type=="InternalIP")].address}{"\n"}{end}')
-  for l in "${lines[@]}"; do
-    read -r name cidr ip <<<"$l"
-    [ -n "$cidr" ] || { klog "node $name has no podCIDR yet"; return 1; }
-    docker exec -i "$name" sh -c 'mkdir -p /etc/cni/net.d && cat >/etc/cni/net.d/10-kindnet.conflist' <<JSON
-{"cniVersion": "0.3.1", "name": "kindnet", "plugins": [
-  {"type": "ptp", "ipMasq": false, "mtu": 1500,
-   "ipam": {"type": "host-local", "dataDir": "/run/cni-ipam-state",
-            "routes": [{"dst": "0.0.0.0/0"}], "ranges": [[{"subnet": "$cidr"}]]}},
-  {"type": "portmap", "capabilities": {"portMappings": true}}]}
-JSON
-    for o in "${lines[@]}"; do
-      read -r other ocidr oip <<<"$o"
-      [ "$other" = "$name" ] || docker exec "$name" ip route replace "$ocidr" via "$oip"
-    done
-    docker exec "$name" sh -c 'iptables -t nat -C POSTROUTING -s 10.244.0.0/16 ! -d 10.244.0.0/16 -j MASQUERADE 2>/dev/null ||
-      iptables -t nat -A POSTROUTING -s 10.244.0.0/16 ! -d 10.244.0.0/16 -j MASQUERADE'
-  done
-}
-
 if ! "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER"; then
   kind_config >"$STATE_DIR/kind-config.yaml"
   klog "kind create cluster $KIND_CLUSTER ($KIND_NODE_IMAGE, 1 control plane + $KIND_WORKERS workers)"
   _w=(); $_local_node || _w=(--wait 180s)
   "$KIND" create cluster --name "$KIND_CLUSTER" --image "$KIND_NODE_IMAGE" --config "$STATE_DIR/kind-config.yaml" \
     --kubeconfig "$KUBECONFIG" "${_w[@]}"
-  if $_local_node; then install_pod_network; fi
+  if $_local_node; then bash "$KIND_REPO/e2e/kind/pod-network.sh"; fi
   # Three nodes that run pods: the control plane takes workloads too.
   "$KUBECTL" taint nodes --all node-role.kubernetes.io/control-plane- >/dev/null 2>&1 || true
 fi
@@ -105,6 +80,9 @@ fi
 mapfile -t KIND_NODES < <("$KUBECTL" get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}')
 export KIND_NODES_LIST="${KIND_NODES[*]}"
 klog "nodes Ready: ${KIND_NODES[*]}"
+
+# Controllers and tests that take a node away rewire it with this when it comes back.
+if $_local_node; then export KIND_REJOIN_CMD="bash $KIND_REPO/e2e/kind/pod-network.sh"; else export KIND_REJOIN_CMD=true; fi
 
 # The project's images, from the real Dockerfiles (buildah: RUN steps may need
 # the build CA, see images.sh), loaded into every node. The :kind tag keeps
