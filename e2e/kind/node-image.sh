@@ -8,7 +8,7 @@
 # Steps (each logs its time):
 #   1. debian:bookworm-slim = the project's debootstrap rootfs (e2e/cluster/images.sh base), `docker import`ed
 #   2. kind's own `images/base` Dockerfile (from the kind module zip), `--target base`, built offline
-#   3. + containerd, ctr, the runc shim v2, runc (tools.sh), Debian's CNI plugins,
+#   3. + containerd, ctr, the runc shim v2, runc (tools.sh) behind node/runc-wrapper, Debian's CNI plugins,
 #      kubeadm, kubelet, kubectl (tools.sh), /kind/version
 #   4. images kubeadm runs, built with docker from tools.sh's binaries: kube-apiserver,
 #      kube-controller-manager, kube-scheduler, kube-proxy (+ iptables), etcd, pause;
@@ -99,14 +99,16 @@ DF
 node_stage() {
   local ctx=$WORK/node
   mkdir -p "$ctx/bin" "$ctx/cni" "$ctx/k8s"
-  cp "$CONTAINERD_BIN"/{containerd,ctr,containerd-shim-runc-v2} "$RUNC_BIN/runc" "$ctx/bin/"
+  cp "$CONTAINERD_BIN"/{containerd,ctr,containerd-shim-runc-v2} "$RUNC_BIN/runc" "$HERE/node/runc-wrapper" "$ctx/bin/"
   cp "$CNI_BIN"/{host-local,loopback,ptp,portmap,bridge} "$ctx/cni/"
   cp "$KUBEADM_BIN/kubeadm" "$K8S_BIN"/{kubelet,kubectl} "$ctx/k8s/"
   cp "$HERE/node/default-storage.yaml" "$ctx/"
   cat >"$ctx/Dockerfile" <<DF
 FROM $BASE_IMAGE
 COPY bin/containerd bin/ctr bin/containerd-shim-runc-v2 /usr/local/bin/
-COPY bin/runc /usr/local/sbin/runc
+# runc behind a wrapper: see e2e/kind/node/runc-wrapper (oom_score_adj and capabilities on our hosts).
+COPY bin/runc /usr/local/sbin/runc.real
+COPY bin/runc-wrapper /usr/local/sbin/runc
 COPY cni/ /opt/cni/bin/
 COPY k8s/ /usr/bin/
 COPY default-storage.yaml /kind/manifests/default-storage.yaml
