@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install tools test test-unit bench bench-quick demo e2e cluster-down clean
+.PHONY: help install tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -44,6 +44,12 @@ bench-quick: install tools ## Benchmarks, quick mode (each under 10 minutes)
 
 e2e: install ## End-to-end suite on a real local cluster (root); writes build/e2e-result.json
 	bash e2e/run.sh
+
+e2e-kind: install ## The suite + multi-node tests on a 3-node kind cluster with JobSet and Kubeflow (root; e2e/kind/README.md)
+	bash e2e/kind/run.sh
+
+kind-down: ## Delete the kind cluster, its S3 container and our dockerd
+	bash e2e/kind/down.sh
 
 demo: install ## Throwaway cluster, sample bucket, a training Job staged end to end, then wiped
 	bash e2e/demo.sh
