@@ -213,7 +213,9 @@ def test_trainjob_or_pytorchjob(cfg, kube, cache_factory, dataset, nodes):
         owners = [o["kind"] for o in p["metadata"].get("ownerReferences") or []]
         assert owners == ["PyTorchJob"], owners
         env = {e["name"] for e in p["spec"]["containers"][0].get("env") or []}
-        assert {"DSCACHE_DIR", "DSCACHE_MANIFEST", "WORLD_SIZE", "RANK"} <= env, env
+        # Both mutated the same container: our webhook (DSCACHE_*) and the training-operator
+        # (PET_*: torchrun's rendezvous settings for a Worker-only job).
+        assert {"DSCACHE_DIR", "DSCACHE_MANIFEST", "PET_NNODES"} <= env, env
     _assert_staged_on(cfg, kube, ns, name, list(by_node))
 
     for p in by_node.values():

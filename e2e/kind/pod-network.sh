@@ -9,10 +9,14 @@ set -Eeuo pipefail
 : "${KUBECTL:?}" "${KUBECONFIG:?}"
 CLUSTER_CIDR=${DSCACHE_KIND_POD_CIDR:-10.244.0.0/16}   # kind's default podSubnet
 DOCKER=/usr/bin/docker
-mapfile -t lines < <("$KUBECTL" get nodes -o jsonpath='{range .items[*]}{.metadata.name} {.spec.podCIDR} {.status.addresses[?(@.type=="InternalIP")].address}{"\n"}{end}')
-for l in "${lines[@]}"; do
-  read -r name cidr _ <<<"$l"
-  [ -n "$cidr" ] || { echo "pod-network: node $name has no podCIDR yet" >&2; exit 1; }
+# A node that just (re)joined gets its podCIDR from the controller-manager a moment later.
+for try in $(seq 60); do
+  mapfile -t lines < <("$KUBECTL" get nodes -o jsonpath='{range .items[*]}{.metadata.name} {.spec.podCIDR} {.status.addresses[?(@.type=="InternalIP")].address}{"\n"}{end}')
+  missing=""
+  for l in "${lines[@]}"; do read -r name cidr _ <<<"$l"; [ -n "$cidr" ] || missing+=" $name"; done
+  [ -z "$missing" ] && break
+  [ "$try" = 60 ] && { echo "pod-network: no podCIDR after 60 s on:$missing" >&2; exit 1; }
+  sleep 1
 done
 for l in "${lines[@]}"; do
   read -r name cidr ip <<<"$l"
