@@ -238,9 +238,12 @@ def _pinned_job(name: str, ns: str, cache: str, cfg, dataset, node: str) -> dict
     return job
 
 
-def _rejoin(node: str) -> None:
-    """Bring the lost node back: its kubelet registers it again; then rewire the pod network."""
+def _rejoin(kube, node: str) -> None:
+    """Bring the lost node back: its kubelet registers it again (with a new podCIDR);
+    then rewire the pod network for it."""
     node_sh("systemctl start kubelet", node=node, check=True)
+    wait_for(f"{node} registered again with a podCIDR",
+             lambda: ((kube.get("node", node) or {}).get("spec") or {}).get("podCIDR"), timeout=120)
     rewire = os.environ.get("DSCACHE_E2E_REJOIN_CMD")
     if rewire:
         subprocess.run(rewire, shell=True, check=True, timeout=300)
@@ -287,5 +290,5 @@ def test_node_lost(cfg, kube, cache_factory, dataset, nodes):
         kube.kubectl("delete", "job", "lost-victim", "-n", ns, "--wait=false", check=False)
         kube.kubectl("delete", "datasetcache", name, "-n", ns, "--wait=true", "--timeout=120s")
     finally:
-        _rejoin(victim)
+        _rejoin(kube, victim)
         wait_for(f"{victim} Ready again", lambda: victim in _schedulable_nodes(kube), timeout=180)
