@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install tools test test-unit bench bench-quick demo e2e cluster-down clean
+.PHONY: help install tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -42,8 +42,20 @@ bench-quick: install tools ## Benchmarks, quick mode (each under 10 minutes)
 	$(PY) bench/stager.py --quick
 	$(PY) bench/operator.py --quick
 
-e2e: install ## End-to-end suite on a real local cluster (root); writes build/e2e-result.json
+# E2E_CLUSTER=kind: the 3-node kind path (e2e/kind/README.md); local: the single-node cluster (e2e/cluster/).
+E2E_CLUSTER ?= local
+e2e: install ## End-to-end suite (root; E2E_CLUSTER=local|kind); writes build/e2e-result.json
+ifeq ($(E2E_CLUSTER),kind)
+	bash e2e/kind/run.sh
+else
 	bash e2e/run.sh
+endif
+
+e2e-kind: install ## The suite + multi-node tests on a 3-node kind cluster with JobSet and Kubeflow (root; e2e/kind/README.md)
+	bash e2e/kind/run.sh
+
+kind-down: ## Delete the kind cluster, its S3 container and our dockerd
+	bash e2e/kind/down.sh
 
 demo: install ## Throwaway cluster, sample bucket, a training Job staged end to end, then wiped
 	bash e2e/demo.sh

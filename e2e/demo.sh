@@ -35,14 +35,13 @@ MODE=${DSCACHE_DEMO_CLUSTER:-}
 if [ -z "$MODE" ]; then
   if command -v docker >/dev/null && docker info >/dev/null 2>&1; then MODE=kind; else MODE=local; fi
 fi
-STAGER_IMAGE=localhost/dscache-stager:e2e
-OPERATOR_IMAGE=localhost/dscache-operator:e2e
-
 if [ "$MODE" = kind ]; then
   say "Docker answers: a kind cluster (e2e/kind/up.sh)"
   # shellcheck source=kind/up.sh
   source e2e/kind/up.sh          # sets KUBECONFIG, KUBECTL, HELM, S3_* , NODE_EXEC, CACHE_ROOT, images
 else
+  STAGER_IMAGE=localhost/dscache-stager:e2e
+  OPERATOR_IMAGE=localhost/dscache-operator:e2e
   say "No Docker daemon: the local real cluster (e2e/cluster/up)"
   t=$SECONDS; e2e/cluster/up 2>&1 | sed 's/^/    /'; note "cluster up in $((SECONDS - t)) s"
   export KUBECONFIG=/var/lib/dscache-e2e/kubeconfig
@@ -133,7 +132,8 @@ COPY=$CACHE_ROOT/ml/imagenet-mini/revs/$REV
 
 wiped=no
 for _ in $(seq 120); do
-  if ! ${NODE_EXEC:-} test -e "$COPY"; then wiped=yes; break; fi; sleep 0.5
+  # On kind NODE_EXEC is "docker exec {node}": run the check on the pod's node.
+  if ! ${NODE_EXEC//\{node\}/$NODE} test -e "$COPY"; then wiped=yes; break; fi; sleep 0.5
 done
 
 for _ in $(seq 60); do   # the controller records the wipe in the status (reconcile interval: 10 s)

@@ -7,7 +7,12 @@
 #   e2e/cluster/tools.sh --path TOOL   print TOOL's bin dir (building it if missing)
 #
 # TOOL is one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm
-#                  cni pause
+#                  cni pause kind kubeadm
+#   kind     sigs.k8s.io/kind (the kind path, e2e/kind/)
+#   kubeadm  kubeadm of $K8S_VERSION, apart from `kubernetes` so that adding it
+#            did not change that cache key; kind's node image needs it
+#   jobset             the JobSet controller (sigs.k8s.io/jobset), for the kind path
+#   training-operator  Kubeflow's training-operator (PyTorchJob), for the kind path
 #   cni   Debian's containernetworking-plugins (bridge, host-local, portmap),
 #         installed with apt-get if missing; its bin dir is /usr/lib/cni.
 #   pause the pod sandbox image, compiled from the k8s.io/kubernetes module
@@ -24,6 +29,9 @@ S5CMD_VERSION=v2.3.0
 CONTAINERD_VERSION=v2.2.9
 RUNC_VERSION=v1.3.6
 HELM_VERSION=v3.19.5
+JOBSET_VERSION=v0.10.1
+TRAINING_OPERATOR_VERSION=v1.8.1
+KIND_VERSION=v0.30.0   # the last kind with cgroup v1 CI (see e2e/kind/README.md)
 PAUSE_VERSION=3.10.1   # build/pause/Makefile TAG in $K8S_VERSION
 # containerd 2.2's default `sandbox` image (pinned_images in its CRI config);
 # the cluster's containerd config names it too, so nothing is ever pulled.
@@ -183,7 +191,11 @@ tool_version() {
     runc) echo "runc-$RUNC_VERSION" ;;
     helm) echo "helm-$HELM_VERSION-stamped" ;;   # -stamped: see build_helm
     pause) echo "pause-$PAUSE_VERSION-$K8S_VERSION" ;;
-    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause)" >&2; exit 2 ;;
+    kind) echo "kind-$KIND_VERSION" ;;
+    kubeadm) echo "kubeadm-$K8S_VERSION" ;;
+    jobset) echo "jobset-$JOBSET_VERSION" ;;
+    training-operator) echo "training-operator-$TRAINING_OPERATOR_VERSION" ;;
+    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator)" >&2; exit 2 ;;
   esac
 }
 
@@ -220,6 +232,13 @@ build_tool() {
     runc) build_runc "$out" ;;
     helm) build_helm "$out" ;;
     pause) build_pause "$out" ;;
+    kind) CGO_ENABLED=0 go_install "$out" sigs.k8s.io/kind "$KIND_VERSION" sigs.k8s.io/kind ;;
+    kubeadm) build_k8s "$out" kubeadm ;;
+    # The module root is the manager (main.go); renamed as in JobSet's own image.
+    jobset) CGO_ENABLED=0 go_install "$out" sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset &&
+      mv "$out/jobset" "$out/manager" ;;
+    training-operator) CGO_ENABLED=0 go_install "$out" github.com/kubeflow/training-operator "$TRAINING_OPERATOR_VERSION" \
+      github.com/kubeflow/training-operator/cmd/training-operator.v1 ;;
   esac
   echo "$((SECONDS - start))" >"$dir.tmp/build-seconds"
   touch "$dir.tmp/.done"
