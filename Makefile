@@ -57,8 +57,9 @@ e2e-kind: install ## The suite + multi-node tests on a 3-node kind cluster with 
 kind-down: ## Delete the kind cluster, its S3 container and our dockerd
 	bash e2e/kind/down.sh
 
-demo: install ## Throwaway cluster, sample bucket, a training Job staged end to end, then wiped
-	bash e2e/demo.sh
+NODES ?= 1
+demo: install ## Throwaway cluster, sample bucket, a training Job staged end to end, then wiped (NODES=3: + a JobSet on 3 kind nodes)
+	NODES=$(NODES) bash e2e/demo.sh
 
 cluster-down: ## Stop the local cluster and leave the machine clean
 	bash e2e/cluster/down
