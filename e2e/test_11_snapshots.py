@@ -26,7 +26,7 @@ import pytest
 from conftest import (RELEASE_NS, assert_complete, cache_status, describe_pods, host_copy, init_summary,
                       job_condition, job_pods, send_go)
 from support import workloads as w
-from support.kube import node_path_exists, wait_for
+from support.kube import NodeExecError, node_path_exists, wait_for
 
 REVISION_ANNOTATION = "dscache.io/revision"  # dscache_contract.ANNOTATION_REVISION
 WIPE_SELECTOR = "app.kubernetes.io/name=dscache-wipe"
@@ -213,7 +213,8 @@ def test_snapshot_isolation(cfg, kube, s3, cache_factory, dataset):
     # Side by side on the node while A still reads its own.
     c = host_copy(cfg, ns, name)
     assert job_condition(kube, ns, "iso-a") is None, "Job A ended before B was checked"
-    assert node_path_exists(f"{c}/revs/{rev_a}/meta/complete") and node_path_exists(f"{c}/revs/{rev_b}/meta/complete")
+    assert (node_path_exists(f"{c}/revs/{rev_a}/meta/complete", node=node)
+            and node_path_exists(f"{c}/revs/{rev_b}/meta/complete", node=node))
 
     assert_complete(kube, ns, "iso-a", timeout=240)
     out = logs(kube, ns, job_pods(kube, ns, "iso-a")[0])
@@ -243,6 +244,7 @@ class ReadyMonitor:
         self.path = host_copy(cfg, ns, name)
         self.samples = self.ready_samples = 0
         self.violations: list[str] = []
+        self.exec_errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -258,6 +260,9 @@ class ReadyMonitor:
         while not self._stop.is_set():
             try:
                 self._sample()
+            except NodeExecError as e:
+                # Not being able to look at the node is a broken test, never "no evidence".
+                self.exec_errors.append(str(e))
             except Exception:  # noqa: BLE001 - a failed kubectl call is no evidence either way
                 pass
             time.sleep(0.2)
@@ -265,13 +270,15 @@ class ReadyMonitor:
     def _sample(self) -> None:
         obj = self.kube.get("datasetcache", self.name, self.ns) or {}
         rv = obj.get("metadata", {}).get("resourceVersion")
-        held = [r["id"] for n in (obj.get("status") or {}).get("nodes") or [] if n.get("state") == "Ready"
+        held = [(n["node"], r["id"]) for n in (obj.get("status") or {}).get("nodes") or []
+                if n.get("state") == "Ready"
                 for r in n.get("revisions") or [] if r.get("consumers", 0) > 0 and not r.get("wipedAt")]
         self.samples += 1
         if not held:
             return
-        self.ready_samples += 1
-        missing = [r for r in held if not node_path_exists(f"{self.path}/revs/{r}/meta/complete")]
+        missing = [(node, r) for node, r in held
+                   if not node_path_exists(f"{self.path}/revs/{r}/meta/complete", node=node)]
+        self.ready_samples += 1  # counted only once the disk was really looked at
         if missing:
             again = self.kube.get("datasetcache", self.name, self.ns) or {}
             if again.get("metadata", {}).get("resourceVersion") == rv:
@@ -312,6 +319,7 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
                                    "ready_while_missing": len(monitor.violations)})
     assert not reader_failures, "\n\n".join(reader_failures)
     assert not monitor.violations, monitor.violations
+    assert not monitor.exec_errors, monitor.exec_errors[:3]
     assert len(seen_helpers) == rounds and monitor.ready_samples > 0
 
 
@@ -354,7 +362,7 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
 
     wait_for("pod P staged and sleeping in its init container", sleeping, timeout=120,
              describe=lambda: describe_pods(kube, ns, "job-name=saw-2"))
-    assert node_path_exists(f"{c}/revs/{rev2}/meta/complete")
+    assert node_path_exists(f"{c}/revs/{rev2}/meta/complete", node=node)
 
     send_go(kube, ns, pod1["metadata"]["name"])
     assert_complete(kube, ns, "saw-1")
@@ -365,13 +373,14 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
         # The helper is deleted once the operator has read its result, so remember every one seen.
         helpers.update(p["metadata"]["uid"] for p in _wipe_helpers(kube, ns, name)
                        if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-revision") == rev1)
-        return bool(helpers) and not node_path_exists(f"{c}/revs/{rev1}")
+        return bool(helpers) and not node_path_exists(f"{c}/revs/{rev1}", node=node)
 
     wait_for(f"revision {rev1} wiped on {node}", rev1_wiped, timeout=90, interval=0.2,
              describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
     # The wipe ran while P was still in its init container, and took nothing P needs.
     assert sleeping() is not None, "the init container finished before the wipe: the test proved nothing"
-    assert node_path_exists(f"{c}/revs/{rev2}/meta/complete") and node_path_exists(f"{c}/lock")
+    assert (node_path_exists(f"{c}/revs/{rev2}/meta/complete", node=node)
+            and node_path_exists(f"{c}/lock", node=node))
 
     assert_complete(kube, ns, "saw-2", timeout=180)
     pod2 = job_pods(kube, ns, "saw-2")[0]
@@ -415,4 +424,4 @@ def test_cache_mount_read_only(cfg, kube, cache_factory, dataset):
         seen[container] = out.strip()
     record(cfg, "test_cache_mount_read_only", {"outcome": "EROFS", **seen})
     assert not node_path_exists(f"{host_copy(cfg, ns, name)}/revs/{current_revision(kube, ns, name)}/data/"
-                                "poked-by-main-create")
+                                "poked-by-main-create", node=pod["spec"]["nodeName"])

@@ -28,6 +28,7 @@ import yaml
 
 from conftest import REPO, RELEASE_NS, cache_status, host_copy, init_summary
 from support import workloads as w
+from support import revs
 from support.kube import node_path_exists, node_sh, wait_for
 
 pytestmark = pytest.mark.multinode
@@ -126,11 +127,16 @@ def _node_states(kube, ns: str, name: str) -> dict[str, str]:
     return {e["node"]: e.get("state") for e in cache_status(kube, ns, name).get("nodes") or []}
 
 
+def _revision(kube, ns: str, name: str) -> str:
+    """The revision every pod of these tests was admitted with (no refresh happens meanwhile)."""
+    return cache_status(kube, ns, name)["revision"]["id"]
+
+
 def _assert_staged_on(cfg, kube, ns: str, name: str, nodes: list[str]) -> None:
-    path = host_copy(cfg, ns, name)
+    path, rev = host_copy(cfg, ns, name), _revision(kube, ns, name)
     for node in nodes:
-        assert node_path_exists(f"{path}/.dscache/complete", node=node), f"no complete copy on {node}"
-        count = node_sh(f"wc -l < {path}/.dscache/manifest.jsonl", node=node).stdout.strip()
+        assert node_path_exists(revs.complete_marker(path, rev), node=node), f"no complete {rev} on {node}"
+        count = node_sh(f"wc -l < {revs.manifest(path, rev)}", node=node).stdout.strip()
         inode = node_sh(f"stat -c %d:%i {path}", node=node).stdout.strip()
         assert count and int(count) > 0, (node, count)
         assert inode, node
@@ -142,13 +148,16 @@ def _assert_staged_on(cfg, kube, ns: str, name: str, nodes: list[str]) -> None:
                       all(s.get(n) == "Ready" for n in nodes) and s, timeout=60,
                       describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
     assert cache_status(kube, ns, name).get("readyNodes") == len(nodes), states
+    # One dataset version on every node: each node's status holds exactly the pinned revision.
+    held = {e["node"]: {r["id"] for r in e.get("revisions") or []}
+            for e in cache_status(kube, ns, name).get("nodes") or [] if e["node"] in nodes}
+    assert all(ids == {rev} for ids in held.values()) and len(held) == len(nodes), (rev, held)
 
 
 def _assert_wiped_on(cfg, kube, ns: str, name: str, nodes: list[str]) -> None:
-    path = host_copy(cfg, ns, name)
+    path, rev = host_copy(cfg, ns, name), _revision(kube, ns, name)
     for node in nodes:
-        wait_for(f"the copy on {node} to be wiped", lambda n=node: not node_path_exists(path, node=n),
-                 timeout=120, describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+        revs.wait_revision_wiped(kube, ns, name, path, rev, node, timeout=120)
     wait_for("every node Wiped in the status",
              lambda: all(_node_states(kube, ns, name).get(n) == "Wiped" for n in nodes), timeout=60,
              describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
@@ -271,7 +280,8 @@ def test_node_lost(cfg, kube, cache_factory, dataset, nodes):
         wait_for(f"{victim} to leave the Ready nodes", lambda: _node_states(kube, ns, name).get(victim) != "Ready"
                  and cache_status(kube, ns, name).get("readyNodes") == 1, timeout=180,
                  describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
-        assert node_path_exists(f"{host_copy(cfg, ns, name)}/.dscache/complete", node=survivor)
+        assert node_path_exists(revs.complete_marker(host_copy(cfg, ns, name), _revision(kube, ns, name)),
+                                node=survivor)
         # No helper pod loops on the lost node: over a minute, at most one helper pod
         # object for it ever exists (a loop shows as new UIDs).
         seen: set[str] = set()
