@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from conftest import REPO, RELEASE, RELEASE_NS, _split_image
-from support.kube import wait_for
+from support.kube import node_sh, wait_for
 
 README = REPO / "README.md"
 SAMPLE_ENDPOINT = "http://10.251.0.1:9000"
@@ -81,7 +82,7 @@ def _substitute(cmd: str, cfg, workdir: Path) -> str:
     return out
 
 
-def _fresh(kube) -> None:
+def _fresh(kube, cache_root: str) -> None:
     """A cluster as the README reader has it: no release, no namespace ml, no dscache-system."""
     kube.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "180s", check=False)
     if kube.get("namespace", "ml") is not None:
@@ -90,6 +91,11 @@ def _fresh(kube) -> None:
                          "-p", '{"metadata":{"finalizers":null}}', check=False)
         kube.kubectl("delete", "namespace", "ml", "--wait=true", timeout=180)
     kube.kubectl("delete", "namespace", RELEASE_NS, "--ignore-not-found", "--wait=true", timeout=180)
+    # A fresh cluster holds no copy of ml/* on its nodes. Earlier runs (make demo, other
+    # branches with another on-disk layout) may have left one that no running operator
+    # knows about; a stager would then sync over it.
+    for node in kube.items("nodes"):
+        node_sh(f"rm -rf {shlex.quote(cache_root)}/ml", check=True, node=node["metadata"]["name"])
 
 
 def test_readme_path_verbatim(cfg, kube, s3, dataset, release):
@@ -112,7 +118,7 @@ def test_readme_path_verbatim(cfg, kube, s3, dataset, release):
     assert "secretNamespaces" not in joined and "readSecrets" not in joined, \
         "the README path must work with the chart's defaults for Secret reading"
 
-    _fresh(kube)
+    _fresh(kube, cfg.cache_root)
     bindir = Path(tempfile.mkdtemp(prefix="dscache-readme-bin-"))
     (bindir / "kubectl").symlink_to(kube.kubectl_bin)
     (bindir / "helm").symlink_to(kube.helm_bin)
