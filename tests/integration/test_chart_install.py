@@ -191,6 +191,20 @@ def test_operator_runs_with_the_charts_rbac(api: KubeAPI, helm, s3_server, bucke
     assert [b["metadata"]["name"] for b in crbs
             if b["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == "dscache"] == ["dscache-discovery"]
 
+    # The API server's RBAC authorizer sees new bindings through its own informer, a
+    # moment after they are created: wait until it grants them, so a 403 in the logs
+    # below means a missing rule, not a binding still in flight.
+    def granted() -> bool:
+        user = f"system:serviceaccount:{NS}:dscache-controller"
+        checks = [{"verb": "list", "group": "jobset.x-k8s.io", "resource": "jobsets", "namespace": "ml-team"},
+                  {"verb": "create", "resource": "pods", "namespace": NS},
+                  {"verb": "get", "resource": "secrets", "namespace": "ml-team"}]
+        return all(api.create("/apis/authorization.k8s.io/v1/subjectaccessreviews", {
+            "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+            "spec": {"user": user, "groups": ["system:serviceaccounts"], "resourceAttributes": c}})
+            ["status"].get("allowed") for c in checks)
+    api.wait_for(granted, 30, what="the chart's RBAC in effect")
+
     procs: list[subprocess.Popen] = []
     try:
         env = chart_env(api, "dscache-controller")
