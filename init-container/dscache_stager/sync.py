@@ -1,18 +1,12 @@
 """The cold path of ``dscache-stage sync``: list, check, copy and seal one revision.
 
-stage.py runs the whole command; this module is imported only when the
-revision is not on the node yet (asyncio alone costs a warm start ~20 ms).
-
-1. Access proof, always: one cheap request with this pod's own credentials
-   (HEAD of the revision's first object when it is already on the node, else
-   one listing page), so a pod that may not read the bucket never gets the
-   data, even when another pod staged it (exit 3).
-2. Under C's lock: write this pod's lease, then
-   - warm: the revision is complete on the node; done, without listing;
-   - cold: list (streamed, hashed with the contract's RevisionHasher), GET with
-     If-Match, write into C/revs/<rev>; if the listing is not revision <rev>
-     any more, or an object changed under us, remove the incomplete revision
-     and fail (exit 9): the pod never sees a mix of two versions.
+stage.py runs the whole command (access proof, lock, lease, warm start; see
+its docstring); this module is imported only when the revision is not on the
+node yet (asyncio alone costs a warm start ~20 ms). Here: list (streamed,
+hashed with the contract's RevisionHasher), GET with If-Match, write into
+C/revs/<rev>; if the listing is not revision <rev> any more, or an object
+changed under us, remove the incomplete revision and fail (exit 9): the pod
+never sees a mix of two versions.
 A complete revision is never modified: a newer one is staged beside it.
 """
 
