@@ -27,7 +27,6 @@ import ssl
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "operator"))
 
-from tests.support.kubeapi import ApiError, KubeAPI, Operator  # noqa: E402
+from tests.support.kubeapi import KubeAPI, Operator  # noqa: E402
 from tests.support.s3server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
 
 
@@ -62,31 +61,56 @@ def hwm_mib(pid: int) -> float:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     import os
+
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- webhook load ---------------------------------------------------------------------
 
+
 def admission_review(ns: str, cache: str) -> bytes:
-    job = {"apiVersion": "batch/v1", "kind": "Job",
-           "metadata": {"name": "train", "namespace": ns, "annotations": {"dscache.io/cache": cache}},
-           "spec": {"template": {"metadata": {}, "spec": {
-               "restartPolicy": "Never",
-               "containers": [{"name": "train", "image": "trainer:1", "command": ["python", "train.py"]}]}}}}
-    return json.dumps({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {"uid": str(uuid.uuid4()), "kind": {"group": "batch", "version": "v1", "kind": "Job"},
-                    "resource": {"group": "batch", "version": "v1", "resource": "jobs"},
-                    "requestKind": {"group": "batch", "version": "v1", "kind": "Job"},
-                    "namespace": ns, "operation": "CREATE", "name": "train",
-                    "userInfo": {"username": "bench"}, "object": job, "oldObject": None,
-                    "dryRun": False, "options": {}}}).encode()
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "train", "namespace": ns, "annotations": {"dscache.io/cache": cache}},
+        "spec": {
+            "template": {
+                "metadata": {},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "train", "image": "trainer:1", "command": ["python", "train.py"]}],
+                },
+            }
+        },
+    }
+    return json.dumps(
+        {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": str(uuid.uuid4()),
+                "kind": {"group": "batch", "version": "v1", "kind": "Job"},
+                "resource": {"group": "batch", "version": "v1", "resource": "jobs"},
+                "requestKind": {"group": "batch", "version": "v1", "kind": "Job"},
+                "namespace": ns,
+                "operation": "CREATE",
+                "name": "train",
+                "userInfo": {"username": "bench"},
+                "object": job,
+                "oldObject": None,
+                "dryRun": False,
+                "options": {},
+            },
+        }
+    ).encode()
 
 
-async def drive_webhook(url: str, cafile: Path, body: bytes, rate: float, seconds: float,
-                        concurrency: int = 32) -> dict:
+async def drive_webhook(
+    url: str, cafile: Path, body: bytes, rate: float, seconds: float, concurrency: int = 32
+) -> dict:
     """Open loop: every request has a scheduled start; latency = completion - scheduled start."""
     import aiohttp
+
     ctx = ssl.create_default_context(cafile=str(cafile))
     latencies: list[float] = []
     errors = 0
@@ -107,7 +131,7 @@ async def drive_webhook(url: str, cafile: Path, body: bytes, rate: float, second
                     data = await r.json()
                     if r.status != 200 or not data["response"]["allowed"]:
                         errors += 1
-            except Exception:  # noqa: BLE001
+            except Exception:
                 errors += 1
             latencies.append((time.perf_counter() - scheduled) * 1000)
 
@@ -120,31 +144,49 @@ async def drive_webhook(url: str, cafile: Path, body: bytes, rate: float, second
             delay = target - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            max_lag = max(max_lag, time.perf_counter() - target)   # the generator itself falling behind
+            max_lag = max(max_lag, time.perf_counter() - target)  # the generator itself falling behind
             tasks.append(asyncio.create_task(one(target)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
     latencies.sort()
-    return {"requests": n, "errors": errors, "rps": n / elapsed,
-            "p50_ms": statistics.median(latencies),
-            "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
-            "max_ms": latencies[-1], "max_send_lag_ms": max_lag * 1000}
+    return {
+        "requests": n,
+        "errors": errors,
+        "rps": n / elapsed,
+        "p50_ms": statistics.median(latencies),
+        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        "max_ms": latencies[-1],
+        "max_send_lag_ms": max_lag * 1000,
+    }
 
 
 # --- cluster population ------------------------------------------------------------------
 
-def populate(k: KubeAPI, s3: S3Server, bucket: str, caches: int, pods: int, namespaces: int,
-             nodes: int) -> list[tuple[str, str]]:
+
+def populate(
+    k: KubeAPI, s3: S3Server, bucket: str, caches: int, pods: int, namespaces: int, nodes: int
+) -> list[tuple[str, str]]:
     import base64
-    from tests.support.kubeapi import REPO as R, load_yaml_docs
+
+    from tests.support.kubeapi import REPO as R
+    from tests.support.kubeapi import load_yaml_docs
+
     (rb,) = load_yaml_docs(R / "operator" / "deploy" / "rbac-secrets.yaml")
     names = []
     for i in range(namespaces):
         ns = k.namespace(f"bench-{i}")
-        k.create(f"/api/v1/namespaces/{ns}/secrets", {
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-keys"},
-            "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(ACCESS_KEY.encode()).decode(),
-                     "AWS_SECRET_ACCESS_KEY": base64.b64encode(SECRET_KEY.encode()).decode()}})
+        k.create(
+            f"/api/v1/namespaces/{ns}/secrets",
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "s3-keys"},
+                "data": {
+                    "AWS_ACCESS_KEY_ID": base64.b64encode(ACCESS_KEY.encode()).decode(),
+                    "AWS_SECRET_ACCESS_KEY": base64.b64encode(SECRET_KEY.encode()).decode(),
+                },
+            },
+        )
         k.apply_yaml_docs([{**rb, "metadata": {**rb["metadata"], "namespace": ns}}])
     for c in range(caches):
         ns = f"bench-{c % namespaces}"
@@ -152,25 +194,51 @@ def populate(k: KubeAPI, s3: S3Server, bucket: str, caches: int, pods: int, name
 
     def make_cache(item):
         ns, name = item
-        k.create(f"/apis/dscache.io/v1alpha1/namespaces/{ns}/datasetcaches", {
-            "apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache", "metadata": {"name": name},
-            "spec": {"source": {"uri": f"s3://{bucket}/data/", "endpoint": s3.endpoint,
-                                "region": "us-east-1", "addressingStyle": "path",
-                                "credentials": {"secretRef": {"name": "s3-keys"}}},
-                     "mountPath": "/data"}})
+        k.create(
+            f"/apis/dscache.io/v1alpha1/namespaces/{ns}/datasetcaches",
+            {
+                "apiVersion": "dscache.io/v1alpha1",
+                "kind": "DatasetCache",
+                "metadata": {"name": name},
+                "spec": {
+                    "source": {
+                        "uri": f"s3://{bucket}/data/",
+                        "endpoint": s3.endpoint,
+                        "region": "us-east-1",
+                        "addressingStyle": "path",
+                        "credentials": {"secretRef": {"name": "s3-keys"}},
+                    },
+                    "mountPath": "/data",
+                },
+            },
+        )
 
     def make_pod(i):
         ns, cache = names[i % len(names)]
-        k.create(f"/api/v1/namespaces/{ns}/pods", {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"train-{i}", "annotations": {"dscache.io/cache": cache,
-                                                                "dscache.io/volume": "HostPath"},
-                         # as the webhook leaves them:
-                         "labels": {"app": "train", "dscache.io/consumer": "true"}},
-            "spec": {"nodeName": f"gpu-{(i + i // len(names)) % nodes}",
-                     "containers": [{"name": "train", "image": "trainer:1",
-                                     "command": ["python", "train.py"],
-                                     "env": [{"name": "DSCACHE_DIR", "value": "/data"}]}]}})
+        k.create(
+            f"/api/v1/namespaces/{ns}/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": f"train-{i}",
+                    "annotations": {"dscache.io/cache": cache, "dscache.io/volume": "HostPath"},
+                    # as the webhook leaves them:
+                    "labels": {"app": "train", "dscache.io/consumer": "true"},
+                },
+                "spec": {
+                    "nodeName": f"gpu-{(i + i // len(names)) % nodes}",
+                    "containers": [
+                        {
+                            "name": "train",
+                            "image": "trainer:1",
+                            "command": ["python", "train.py"],
+                            "env": [{"name": "DSCACHE_DIR", "value": "/data"}],
+                        }
+                    ],
+                },
+            },
+        )
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
@@ -186,8 +254,11 @@ def populate(k: KubeAPI, s3: S3Server, bucket: str, caches: int, pods: int, name
 def count_converged(k: KubeAPI, want_nodes: bool) -> tuple[int, int]:
     # Only the populated caches: the webhook's "hot" cache (bench-hook, patched Ready by
     # hand) must not count towards convergence.
-    items = [c for c in k.request("GET", "/apis/dscache.io/v1alpha1/datasetcaches")["items"]
-             if c["metadata"]["namespace"].startswith("bench-") and c["metadata"]["namespace"] != "bench-hook"]
+    items = [
+        c
+        for c in k.request("GET", "/apis/dscache.io/v1alpha1/datasetcaches")["items"]
+        if c["metadata"]["namespace"].startswith("bench-") and c["metadata"]["namespace"] != "bench-hook"
+    ]
     ready = sum(1 for c in items if (c.get("status") or {}).get("phase") == "Ready")
     with_nodes = sum(1 for c in items if (c.get("status") or {}).get("nodes"))
     return ready, with_nodes
@@ -202,13 +273,19 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=50)
     ap.add_argument("--rate", type=float, default=200.0, help="AdmissionReviews per second")
     ap.add_argument("--seconds", type=float, default=None, help="webhook load duration")
-    ap.add_argument("--converge-timeout", type=float, default=420.0,
-                    help="seconds the controller gets to converge (default 420); exit 2 if it does not")
+    ap.add_argument(
+        "--converge-timeout",
+        type=float,
+        default=420.0,
+        help="seconds the controller gets to converge (default 420); exit 2 if it does not",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
-    ap.add_argument("--profile-memory", action="store_true",
-                    help="tracemalloc in the controller; print its top allocations (slow)")
+    ap.add_argument(
+        "--profile-memory", action="store_true", help="tracemalloc in the controller; print its top allocations (slow)"
+    )
     args = ap.parse_args()
     import signal
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
     seconds = args.seconds or (15.0 if args.quick else 60.0)
 
@@ -230,25 +307,44 @@ def main() -> int:
         # 1. Webhook latency, on its own (the controller is not running yet).
         op.start("webhook")
         k.namespace("bench-hook", {"dscache.io/injection": "enabled"})
-        k.create("/apis/dscache.io/v1alpha1/namespaces/bench-hook/datasetcaches", {
-            "apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache", "metadata": {"name": "hot"},
-            "spec": {"source": {"uri": f"s3://{bucket}/data/"}, "mountPath": "/data"}})
-        k.merge_patch("/apis/dscache.io/v1alpha1/namespaces/bench-hook/datasetcaches/hot/status",
-                      # A pinned revision, as the controller would set it: admission needs one.
-                      {"status": {"phase": "Ready", "revision": {
-                          "id": "r-0123456789abcdef0123", "objects": 1, "bytes": 1,
-                          "listedAt": "2026-01-01T00:00:00Z"}}})
+        k.create(
+            "/apis/dscache.io/v1alpha1/namespaces/bench-hook/datasetcaches",
+            {
+                "apiVersion": "dscache.io/v1alpha1",
+                "kind": "DatasetCache",
+                "metadata": {"name": "hot"},
+                "spec": {"source": {"uri": f"s3://{bucket}/data/"}, "mountPath": "/data"},
+            },
+        )
+        k.merge_patch(
+            "/apis/dscache.io/v1alpha1/namespaces/bench-hook/datasetcaches/hot/status",
+            # A pinned revision, as the controller would set it: admission needs one.
+            {
+                "status": {
+                    "phase": "Ready",
+                    "revision": {
+                        "id": "r-0123456789abcdef0123",
+                        "objects": 1,
+                        "bytes": 1,
+                        "listedAt": "2026-01-01T00:00:00Z",
+                    },
+                }
+            },
+        )
         time.sleep(1.0)
         url = f"https://127.0.0.1:{op.webhook_port}/dscache-hostpath"
         log(f"driving {args.rate:.0f} AdmissionReviews/s for {seconds:.0f}s at {url}")
         hook_pid = op.procs["webhook"].pid
         hook_cpu0 = cpu_seconds(hook_pid)
-        stats = asyncio.run(drive_webhook(url, k.certs / "ca.crt", admission_review("bench-hook", "hot"),
-                                          args.rate, seconds))
+        stats = asyncio.run(
+            drive_webhook(url, k.certs / "ca.crt", admission_review("bench-hook", "hot"), args.rate, seconds)
+        )
         hook_cpu = cpu_seconds(hook_pid) - hook_cpu0
         load_during = float(Path("/proc/loadavg").read_text().split()[0])
-        log(f"webhook: {json.dumps({k_: round(v, 2) for k_, v in stats.items()})}, "
-            f"cpu {hook_cpu:.1f}s, rss {rss_mib(hook_pid):.0f} MiB")
+        log(
+            f"webhook: {json.dumps({k_: round(v, 2) for k_, v in stats.items()})}, "
+            f"cpu {hook_cpu:.1f}s, rss {rss_mib(hook_pid):.0f} MiB"
+        )
         if stats["errors"]:
             raise RuntimeError(f"{stats['errors']} AdmissionReviews failed")
 
@@ -265,15 +361,16 @@ def main() -> int:
             time.sleep(3)
             peak = max(peak, rss_mib(proc.pid))
             ready, with_nodes = count_converged(k, True)
-            log(f"controller: {ready}/{args.caches} Ready, {with_nodes} with node entries, "
-                f"rss {rss_mib(proc.pid):.0f} MiB, cpu {cpu_seconds(proc.pid):.0f}s")
+            log(
+                f"controller: {ready}/{args.caches} Ready, {with_nodes} with node entries, "
+                f"rss {rss_mib(proc.pid):.0f} MiB, cpu {cpu_seconds(proc.pid):.0f}s"
+            )
             if ready >= args.caches and with_nodes >= min(args.caches, args.pods):
                 break
         converge_s = time.monotonic() - t0
         converged = ready >= args.caches and with_nodes >= min(args.caches, args.pods)
         if not converged:
-            log(f"NOT CONVERGED after {converge_s:.0f}s: {ready}/{args.caches} Ready, "
-                f"{with_nodes} with node entries")
+            log(f"NOT CONVERGED after {converge_s:.0f}s: {ready}/{args.caches} Ready, {with_nodes} with node entries")
         # Steady state: a few reconcile rounds after convergence.
         samples = []
         cpu0 = cpu_seconds(proc.pid)
@@ -283,12 +380,18 @@ def main() -> int:
         steady_cpu = (cpu_seconds(proc.pid) - cpu0) / 20
         rss = max(samples)
         if args.profile_memory:
-            import os, signal
+            import os
+            import signal
+
             os.kill(proc.pid, signal.SIGUSR2)  # top allocations into the controller log
             time.sleep(5)
-            print("\n".join(l for l in op.log("controller").splitlines() if "dscache.memory" in l or l.startswith("  ")))
-        log(f"controller {'converged' if converged else 'had NOT converged'} in {converge_s:.0f}s; steady RSS {rss:.0f} MiB (peak {hwm_mib(proc.pid):.0f}), "
-            f"steady CPU {steady_cpu * 100:.0f}% of a core")
+            print(
+                "\n".join(l for l in op.log("controller").splitlines() if "dscache.memory" in l or l.startswith("  "))
+            )
+        log(
+            f"controller {'converged' if converged else 'had NOT converged'} in {converge_s:.0f}s; steady RSS {rss:.0f} MiB (peak {hwm_mib(proc.pid):.0f}), "
+            f"steady CPU {steady_cpu * 100:.0f}% of a core"
+        )
         result = {
             "webhook_rps": round(stats["rps"], 1),
             "webhook_p50_ms": round(stats["p50_ms"], 2),

@@ -44,8 +44,7 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def make_source(root: Path, count: int, size: int, large_count: int,
-                large_size: int) -> tuple[Path, dict[str, str]]:
+def make_source(root: Path, count: int, size: int, large_count: int, large_size: int) -> tuple[Path, dict[str, str]]:
     """Files to upload: small/ spread over 100 dirs, large/ a few big ones; and {key: sha256}."""
     src = root / "src"
     digests: dict[str, str] = {}
@@ -63,7 +62,7 @@ def make_source(root: Path, count: int, size: int, large_count: int,
         h = hashlib.sha256()
         with open(src / "large" / f"blob{j}.bin", "wb") as f:
             for off in range(0, large_size, len(chunk)):
-                piece = j.to_bytes(8, "little") + chunk[8:min(len(chunk), large_size - off)]
+                piece = j.to_bytes(8, "little") + chunk[8 : min(len(chunk), large_size - off)]
                 f.write(piece)
                 h.update(piece)
         digests[f"large/blob{j}.bin"] = h.hexdigest()
@@ -78,11 +77,10 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def verify_dscache(dest: Path, revision: str, prefix: str, digests: dict[str, str], summary: dict,
-                   warm: bool) -> None:
+def verify_dscache(dest: Path, revision: str, prefix: str, digests: dict[str, str], summary: dict, warm: bool) -> None:
     """The staged revision holds exactly the source's bytes, and the summary says what happened."""
     data = dest / "revs" / revision / "data"
-    want = {k[len(prefix) + 1:]: v for k, v in digests.items() if k.startswith(prefix + "/")}
+    want = {k[len(prefix) + 1 :]: v for k, v in digests.items() if k.startswith(prefix + "/")}
     got = {}
     for root, _, files in os.walk(data):
         for f in files:
@@ -107,32 +105,76 @@ class Tools:
         self.rclone = shutil.which("rclone")
 
     def revision(self, prefix: str) -> str:
-        out = subprocess.run([self.stage, "revision", f"s3://{BUCKET}/{prefix}", "--endpoint-url", self.ep],
-                             env=self.env, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [self.stage, "revision", f"s3://{BUCKET}/{prefix}", "--endpoint-url", self.ep],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         return json.loads(out)["revision"]
 
-    def command(self, tool: str, prefix: str, dest: Path, large_size: int = 0, large_count: int = 0,
-                revision: str = "", pod: str = "bench") -> list[str]:
+    def command(
+        self,
+        tool: str,
+        prefix: str,
+        dest: Path,
+        large_size: int = 0,
+        large_count: int = 0,
+        revision: str = "",
+        pod: str = "bench",
+    ) -> list[str]:
         uri = f"s3://{BUCKET}/{prefix}"
         if tool in ("dscache", "warm"):
-            return [self.stage, "sync", uri, str(dest), "--revision", revision, "--pod-uid", pod,
-                    "--endpoint-url", self.ep, "--progress-interval", "60"]
+            return [
+                self.stage,
+                "sync",
+                uri,
+                str(dest),
+                "--revision",
+                revision,
+                "--pod-uid",
+                pod,
+                "--endpoint-url",
+                self.ep,
+                "--progress-interval",
+                "60",
+            ]
         if tool == "s5cmd":
             return [self.s5cmd, "--endpoint-url", self.ep, "cp", f"{uri}/*", f"{dest}/"]
         if tool == "awscli":
             return [self.aws, "s3", "sync", uri, str(dest), "--endpoint-url", self.ep, "--only-show-errors"]
         if tool == "rclone":
-            return [self.rclone, "copy", f":s3:{BUCKET}/{prefix}", str(dest), "--s3-provider", "Other",
-                    "--s3-endpoint", self.ep, "--s3-access-key-id", self.env["AWS_ACCESS_KEY_ID"],
-                    "--s3-secret-access-key", self.env["AWS_SECRET_ACCESS_KEY"], "--s3-region", "us-east-1",
-                    "--s3-force-path-style"]
+            return [
+                self.rclone,
+                "copy",
+                f":s3:{BUCKET}/{prefix}",
+                str(dest),
+                "--s3-provider",
+                "Other",
+                "--s3-endpoint",
+                self.ep,
+                "--s3-access-key-id",
+                self.env["AWS_ACCESS_KEY_ID"],
+                "--s3-secret-access-key",
+                self.env["AWS_SECRET_ACCESS_KEY"],
+                "--s3-region",
+                "us-east-1",
+                "--s3-force-path-style",
+            ]
         if tool in ("dd", "dd-fdatasync"):
             # "dd": the plain sequential write (into the page cache, as the
             # other tools' writes are). "dd-fdatasync": the disk itself.
             mib = large_size >> 20
             sync = " conv=fdatasync" if tool == "dd-fdatasync" else ""
-            return ["bash", "-c", " && ".join(
-                f"dd if=/dev/zero of={dest}/blob{j}.bin bs=1M count={mib} status=none{sync}" for j in range(large_count))]
+            return [
+                "bash",
+                "-c",
+                " && ".join(
+                    f"dd if=/dev/zero of={dest}/blob{j}.bin bs=1M count={mib} status=none{sync}"
+                    for j in range(large_count)
+                ),
+            ]
         raise ValueError(tool)
 
 
@@ -192,8 +234,12 @@ def main() -> int:
         src, digests = make_source(work, small_count, args.small_size, args.large_count, large_size)
         server.make_bucket(BUCKET)
         t = time.perf_counter()
-        subprocess.run([tools.s5cmd, "--endpoint-url", server.endpoint, "cp", f"{src}/*", f"s3://{BUCKET}/"],
-                       env=env, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [tools.s5cmd, "--endpoint-url", server.endpoint, "cp", f"{src}/*", f"s3://{BUCKET}/"],
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         log(f"uploaded in {time.perf_counter() - t:.1f}s")
         shutil.rmtree(src)
         revs = {p: tools.revision(p) for p in ("small", "large")}
@@ -203,14 +249,16 @@ def main() -> int:
         warm: list[float] = []
         large: dict[str, list[float]] = {"dscache": [], "s5cmd": [], "dd": [], "dd-fdatasync": []}
         for r in range(args.runs):
-            order = list(small)[r % len(small):] + list(small)[:r % len(small)]
+            order = list(small)[r % len(small) :] + list(small)[: r % len(small)]
             for tool in order:
                 dest = work / "dest" / tool
                 fresh(dest)
                 dt, out = timed(tools.command(tool, "small", dest, revision=revs["small"], pod=f"cold-{r}"), env)
                 n, b = tree_bytes(dest / "revs" / revs["small"] / "data" if tool == "dscache" else dest)
                 if (n, b) != (small_count, small_count * args.small_size):
-                    raise RuntimeError(f"{tool} copied {n} files / {b} B, expected {small_count} / {small_count * args.small_size}")
+                    raise RuntimeError(
+                        f"{tool} copied {n} files / {b} B, expected {small_count} / {small_count * args.small_size}"
+                    )
                 small[tool].append(dt)
                 log(f"small run {r + 1} {tool}: {dt:.2f}s ({small_count / dt:.0f} obj/s)")
                 if tool == "dscache":
@@ -220,11 +268,12 @@ def main() -> int:
                     verify_dscache(dest, revs["small"], "small", digests, json.loads(out), warm=True)
                     warm.append(dt)
                     log(f"small run {r + 1} dscache warm: {dt:.3f}s (verified: no listing, same bytes)")
-            for tool in list(large)[r % len(large):] + list(large)[:r % len(large)]:
+            for tool in list(large)[r % len(large) :] + list(large)[: r % len(large)]:
                 dest = work / "dest" / f"large-{tool}"
                 fresh(dest)
-                dt, out = timed(tools.command(tool, "large", dest, large_size, args.large_count,
-                                              revision=revs["large"]), env)
+                dt, out = timed(
+                    tools.command(tool, "large", dest, large_size, args.large_count, revision=revs["large"]), env
+                )
                 if tool == "dscache":
                     verify_dscache(dest, revs["large"], "large", digests, json.loads(out), warm=False)
                 large[tool].append(dt)
@@ -238,19 +287,29 @@ def main() -> int:
     med = {k: round(statistics.median(v), 3) for k, v in small.items()}
     lmed = {k: round(statistics.median(v), 3) for k, v in large.items()}
     result = {
-        "small_objects": small_count, "small_bytes": small_count * args.small_size,
+        "small_objects": small_count,
+        "small_bytes": small_count * args.small_size,
         "small_s": med,
-        "large_bytes": args.large_count * large_size, "large_s": {"dscache": lmed["dscache"], "s5cmd": lmed["s5cmd"]},
-        "dd_s": lmed["dd"], "warm_s": round(statistics.median(warm), 3),
-        "cold_s": med["dscache"], "warm_runs_s": [round(w, 3) for w in warm],
+        "large_bytes": args.large_count * large_size,
+        "large_s": {"dscache": lmed["dscache"], "s5cmd": lmed["s5cmd"]},
+        "dd_s": lmed["dd"],
+        "warm_s": round(statistics.median(warm), 3),
+        "cold_s": med["dscache"],
+        "warm_runs_s": [round(w, 3) for w in warm],
     }
     result["warm_speedup"] = round(med["dscache"] / result["warm_s"], 1)
-    log(f"small: dscache is {med['s5cmd'] / med['dscache']:.2f}x s5cmd (target 1.5)"
-        + (f", {med['awscli'] / med['dscache']:.1f}x aws-cli (target 5)" if "awscli" in med else ""))
-    log(f"large: {lmed['s5cmd'] / lmed['dscache']:.2f}x s5cmd (target 0.9), {lmed['dd'] / lmed['dscache']:.2f}x dd (target 0.8); "
-        f"{lmed['dd-fdatasync'] / lmed['dscache']:.2f}x dd with fdatasync ({lmed['dd-fdatasync']}s, the disk itself)")
-    log(f"warm: {result['warm_speedup']}x faster than cold at {small_count} objects "
-        f"({result['warm_s']}s vs {med['dscache']}s; target 50)")
+    log(
+        f"small: dscache is {med['s5cmd'] / med['dscache']:.2f}x s5cmd (target 1.5)"
+        + (f", {med['awscli'] / med['dscache']:.1f}x aws-cli (target 5)" if "awscli" in med else "")
+    )
+    log(
+        f"large: {lmed['s5cmd'] / lmed['dscache']:.2f}x s5cmd (target 0.9), {lmed['dd'] / lmed['dscache']:.2f}x dd (target 0.8); "
+        f"{lmed['dd-fdatasync'] / lmed['dscache']:.2f}x dd with fdatasync ({lmed['dd-fdatasync']}s, the disk itself)"
+    )
+    log(
+        f"warm: {result['warm_speedup']}x faster than cold at {small_count} objects "
+        f"({result['warm_s']}s vs {med['dscache']}s; target 50)"
+    )
     log(f"load average at the end: {os.getloadavg()[0]:.1f} (noise from other work on the machine)")
     print(json.dumps(result), flush=True)
     return 0

@@ -31,13 +31,13 @@ import shutil
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-
-from support.kube import Kube, node_path_exists, wait_for
 from support import workloads as w
+from support.kube import Kube, node_path_exists, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASE = "dscache"
@@ -63,8 +63,9 @@ def _tool(env: str, tool: str, binary: str) -> str:
     if os.environ.get(env):
         return os.environ[env]
     try:
-        out = subprocess.run(["bash", str(REPO / "e2e/cluster/tools.sh"), "--path", tool],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["bash", str(REPO / "e2e/cluster/tools.sh"), "--path", tool], capture_output=True, text=True, timeout=60
+        )
         lines = out.stdout.strip().splitlines()
         if out.returncode == 0 and lines and Path(lines[-1], binary).exists():
             return str(Path(lines[-1], binary))
@@ -115,11 +116,18 @@ def cfg() -> Config:
 
 @pytest.fixture(scope="session")
 def kube(cfg: Config) -> Kube:
-    k = Kube(_tool("DSCACHE_E2E_KUBECTL", "kubernetes", "kubectl"), cfg.kubeconfig,
-             _tool("DSCACHE_E2E_HELM", "helm", "helm"))
-    wait_for("a Ready node", lambda: any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for n in k.items("nodes") for c in n["status"].get("conditions", [])), timeout=120)
+    k = Kube(
+        _tool("DSCACHE_E2E_KUBECTL", "kubernetes", "kubectl"), cfg.kubeconfig, _tool("DSCACHE_E2E_HELM", "helm", "helm")
+    )
+    wait_for(
+        "a Ready node",
+        lambda: any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for n in k.items("nodes")
+            for c in n["status"].get("conditions", [])
+        ),
+        timeout=120,
+    )
     return k
 
 
@@ -127,12 +135,15 @@ def kube(cfg: Config) -> Kube:
 def s3(cfg: Config):
     import boto3
     from botocore.config import Config as BotoConfig
-    return boto3.client("s3", endpoint_url=cfg.s3["AWS_ENDPOINT_URL"],
-                        aws_access_key_id=cfg.s3["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=cfg.s3["AWS_SECRET_ACCESS_KEY"],
-                        region_name=cfg.s3.get("AWS_REGION", "us-east-1"),
-                        config=BotoConfig(s3={"addressing_style": "path"},
-                                          proxies={}, retries={"max_attempts": 5}))
+
+    return boto3.client(
+        "s3",
+        endpoint_url=cfg.s3["AWS_ENDPOINT_URL"],
+        aws_access_key_id=cfg.s3["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=cfg.s3["AWS_SECRET_ACCESS_KEY"],
+        region_name=cfg.s3.get("AWS_REGION", "us-east-1"),
+        config=BotoConfig(s3={"addressing_style": "path"}, proxies={}, retries={"max_attempts": 5}),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -150,8 +161,17 @@ def _strip_stale_namespaces(kube: Kube) -> None:
         if not name.startswith(NS_PREFIX):
             continue
         for dsc in kube.items("datasetcaches.dscache.io", namespace=name):
-            kube.kubectl("patch", "datasetcache", dsc["metadata"]["name"], "-n", name, "--type=merge",
-                         "-p", '{"metadata":{"finalizers":null}}', check=False)
+            kube.kubectl(
+                "patch",
+                "datasetcache",
+                dsc["metadata"]["name"],
+                "-n",
+                name,
+                "--type=merge",
+                "-p",
+                '{"metadata":{"finalizers":null}}',
+                check=False,
+            )
         kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
@@ -161,15 +181,27 @@ def namespaces(cfg: Config, kube: Kube) -> dict[str, str]:
     if kube.get("crd", "datasetcaches.dscache.io") is not None:
         _strip_stale_namespaces(kube)
     names = {"main": f"{NS_PREFIX}{cfg.run_id}", "baseline": f"{NS_PREFIX}{cfg.run_id}-psa"}
-    kube.apply([
-        {"apiVersion": "v1", "kind": "Namespace",
-         "metadata": {"name": names["main"], "labels": {"dscache.io/injection": "enabled"}}},
-        {"apiVersion": "v1", "kind": "Namespace",
-         "metadata": {"name": names["baseline"], "labels": {
-             "dscache.io/injection": "enabled",
-             "pod-security.kubernetes.io/enforce": "baseline",
-             "pod-security.kubernetes.io/enforce-version": "latest"}}},
-    ])
+    kube.apply(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": names["main"], "labels": {"dscache.io/injection": "enabled"}},
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {
+                    "name": names["baseline"],
+                    "labels": {
+                        "dscache.io/injection": "enabled",
+                        "pod-security.kubernetes.io/enforce": "baseline",
+                        "pod-security.kubernetes.io/enforce-version": "latest",
+                    },
+                },
+            },
+        ]
+    )
     for ns in names.values():
         kube.apply(w.s3_secret("s3-keys", ns, cfg.s3["AWS_ACCESS_KEY_ID"], cfg.s3["AWS_SECRET_ACCESS_KEY"]))
     return names
@@ -183,10 +215,12 @@ def _release_diagnosis(kube: Kube) -> str:
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
             if cs.get("ready"):
                 continue
-            prev = kube.kubectl("logs", name, "-n", RELEASE_NS, "-c", cs["name"], "--previous", "--tail=8",
-                                check=False)
-            cur = prev if prev.returncode == 0 and prev.stdout.strip() else kube.kubectl(
-                "logs", name, "-n", RELEASE_NS, "-c", cs["name"], "--tail=8", check=False)
+            prev = kube.kubectl("logs", name, "-n", RELEASE_NS, "-c", cs["name"], "--previous", "--tail=8", check=False)
+            cur = (
+                prev
+                if prev.returncode == 0 and prev.stdout.strip()
+                else kube.kubectl("logs", name, "-n", RELEASE_NS, "-c", cs["name"], "--tail=8", check=False)
+            )
             out.append(f"--- {name}/{cs['name']} (restarts {cs.get('restartCount')}):\n{cur.stdout.strip()}")
     return "\n".join(out)
 
@@ -207,8 +241,11 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
     st_repo, st_tag = _split_image(cfg.stager_image)
     sets = [
         f"cacheRoot={cfg.cache_root}",
-        f"image.repository={op_repo}", f"image.tag={op_tag}", f"image.pullPolicy={cfg.pull_policy}",
-        f"stager.image.repository={st_repo}", f"stager.image.tag={st_tag}",
+        f"image.repository={op_repo}",
+        f"image.tag={op_tag}",
+        f"image.pullPolicy={cfg.pull_policy}",
+        f"stager.image.repository={st_repo}",
+        f"stager.image.tag={st_tag}",
         f"stager.image.pullPolicy={cfg.pull_policy}",
         # Faster convergence for a test run (defaults: 10 s and 60 s).
         "controller.reconcileIntervalSeconds=2",
@@ -216,21 +253,39 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
         "sourceCheck.secretNamespaces={" + ",".join(namespaces.values()) + "}",
     ]
     if installed and cfg.reuse:
-        kube.helm("upgrade", RELEASE, str(REPO / "charts/dscache"), "-n", RELEASE_NS, "--wait",
-                  "--timeout", "300s", *sum((["--set", s] for s in sets), []), *cfg.helm_args)
+        kube.helm(
+            "upgrade",
+            RELEASE,
+            str(REPO / "charts/dscache"),
+            "-n",
+            RELEASE_NS,
+            "--wait",
+            "--timeout",
+            "300s",
+            *sum((["--set", s] for s in sets), []),
+            *cfg.helm_args,
+        )
         info["reused"] = True
     else:
         if installed:
             kube.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "180s")
         kube.kubectl("create", "namespace", RELEASE_NS, check=False)
         # Wipe helpers mount a hostPath: the release namespace must stay privileged.
-        kube.kubectl("label", "namespace", RELEASE_NS, "--overwrite",
-                     "pod-security.kubernetes.io/enforce=privileged")
+        kube.kubectl("label", "namespace", RELEASE_NS, "--overwrite", "pod-security.kubernetes.io/enforce=privileged")
         t0 = time.monotonic()
         try:
-            p = kube.helm("install", RELEASE, str(REPO / "charts/dscache"), "-n", RELEASE_NS,
-                          "--wait", "--timeout", "180s", *sum((["--set", s] for s in sets), []),
-                          *cfg.helm_args)
+            p = kube.helm(
+                "install",
+                RELEASE,
+                str(REPO / "charts/dscache"),
+                "-n",
+                RELEASE_NS,
+                "--wait",
+                "--timeout",
+                "180s",
+                *sum((["--set", s] for s in sets), []),
+                *cfg.helm_args,
+            )
         except Exception as e:
             raise RuntimeError(f"helm install failed: {e}\n{_release_diagnosis(kube)}") from None
         info["install_seconds"] = round(time.monotonic() - t0, 1)
@@ -250,20 +305,31 @@ def cache_factory(cfg: Config, kube: Kube, release, namespaces, dataset) -> Call
     """Create a DatasetCache over the session's bucket and wait until it is Ready."""
     counter = iter(range(1000))
 
-    def make(prefix: str = "ds", namespace: str | None = None, retention: dict | None = None,
-             secret: str | None = "s3-keys", ready: bool = True, ds: w.Dataset | None = None) -> dict:
+    def make(
+        prefix: str = "ds",
+        namespace: str | None = None,
+        retention: dict | None = None,
+        secret: str | None = "s3-keys",
+        ready: bool = True,
+        ds: w.Dataset | None = None,
+    ) -> dict:
         ns = namespace or namespaces["main"]
         name = f"{prefix}-{next(counter)}"
         kube.apply(w.dataset_cache(name, ns, ds or dataset, cfg.endpoint_pod, secret, retention=retention))
         if ready:
-            wait_for(f"DatasetCache {ns}/{name} phase Ready",
-                     lambda: (cache_status(kube, ns, name).get("phase") == "Ready"), timeout=60,
-                     describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+            wait_for(
+                f"DatasetCache {ns}/{name} phase Ready",
+                lambda: cache_status(kube, ns, name).get("phase") == "Ready",
+                timeout=60,
+                describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+            )
         return {"name": name, "namespace": ns}
+
     return make
 
 
 # --- helpers the tests share --------------------------------------------------------------
+
 
 def cache_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
     obj = kube.get("datasetcache", name, ns) or {}
@@ -299,8 +365,12 @@ def describe_pods(kube: Kube, ns: str, selector: str | None = None) -> str:
 
 
 def wait_job(kube: Kube, ns: str, job: str, timeout: float = 180) -> str:
-    return wait_for(f"Job {ns}/{job} to finish", lambda: job_condition(kube, ns, job), timeout=timeout,
-                    describe=lambda: describe_pods(kube, ns, f"job-name={job}"))
+    return wait_for(
+        f"Job {ns}/{job} to finish",
+        lambda: job_condition(kube, ns, job),
+        timeout=timeout,
+        describe=lambda: describe_pods(kube, ns, f"job-name={job}"),
+    )
 
 
 def assert_complete(kube: Kube, ns: str, job: str, timeout: float = 180) -> None:
@@ -309,8 +379,9 @@ def assert_complete(kube: Kube, ns: str, job: str, timeout: float = 180) -> None
     if state != "Complete":
         detail = kube.kubectl("describe", "job", job, "-n", ns, check=False).stdout[-3000:]
         events = kube.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False).stdout[-3000:]
-        raise AssertionError(f"Job {ns}/{job} {state}:\n{detail}\n{describe_pods(kube, ns, f'job-name={job}')}"
-                             f"\n--- events\n{events}")
+        raise AssertionError(
+            f"Job {ns}/{job} {state}:\n{detail}\n{describe_pods(kube, ns, f'job-name={job}')}\n--- events\n{events}"
+        )
 
 
 def init_summary(pod: dict[str, Any]) -> dict[str, Any]:
@@ -325,12 +396,23 @@ def init_summary(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def send_go(kube: Kube, ns: str, pod: str) -> None:
-    kube.kubectl("exec", pod, "-n", ns, "-c", w.TRAIN_CONTAINER, "--", "/opt/dscache/bin/python3", "-c",
-                 f"open('{w.SIGNAL_DIR}/go', 'w').close()")
+    kube.kubectl(
+        "exec",
+        pod,
+        "-n",
+        ns,
+        "-c",
+        w.TRAIN_CONTAINER,
+        "--",
+        "/opt/dscache/bin/python3",
+        "-c",
+        f"open('{w.SIGNAL_DIR}/go', 'w').close()",
+    )
 
 
 def wait_verified(kube: Kube, ns: str, job: str, timeout: float = 120) -> dict[str, Any]:
     """Wait until the Job's pod printed VERIFIED (the training container checked the data)."""
+
     def verified():
         pods = job_pods(kube, ns, job)
         for p in pods:
@@ -340,17 +422,28 @@ def wait_verified(kube: Kube, ns: str, job: str, timeout: float = 120) -> dict[s
             if p.get("status", {}).get("phase") == "Failed":
                 raise AssertionError(f"pod failed:\n{describe_pods(kube, ns, f'job-name={job}')}")
         return None
-    return wait_for(f"Job {ns}/{job}'s training container to verify the data", verified, timeout=timeout,
-                    describe=lambda: describe_pods(kube, ns, f"job-name={job}"))
+
+    return wait_for(
+        f"Job {ns}/{job}'s training container to verify the data",
+        verified,
+        timeout=timeout,
+        describe=lambda: describe_pods(kube, ns, f"job-name={job}"),
+    )
 
 
 def host_copy(cfg: Config, ns: str, cache: str) -> str:
     return f"{cfg.cache_root}/{ns}/{cache}"
 
 
-def wait_wiped(cfg: Config, kube: Kube, ns: str, cache: str, timeout: float = 90,
-               node: str | None = None) -> None:
+def wait_wiped(cfg: Config, kube: Kube, ns: str, cache: str, timeout: float = 90, node: str | None = None) -> None:
     path = host_copy(cfg, ns, cache)
-    wait_for(f"the node's copy {path} to be wiped", lambda: not node_path_exists(path, node), timeout=timeout,
-             describe=lambda: json.dumps(cache_status(kube, ns, cache), indent=1) + "\n" + kube.kubectl(
-                 "get", "pods", "-n", RELEASE_NS, "-o", "wide", check=False).stdout)
+    wait_for(
+        f"the node's copy {path} to be wiped",
+        lambda: not node_path_exists(path, node),
+        timeout=timeout,
+        describe=lambda: (
+            json.dumps(cache_status(kube, ns, cache), indent=1)
+            + "\n"
+            + kube.kubectl("get", "pods", "-n", RELEASE_NS, "-o", "wide", check=False).stdout
+        ),
+    )

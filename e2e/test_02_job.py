@@ -2,8 +2,7 @@
 
 import json
 
-from conftest import (assert_complete, cache_status, host_copy, init_summary, node_entry, send_go,
-                      wait_verified)
+from conftest import assert_complete, cache_status, host_copy, init_summary, node_entry, send_go, wait_verified
 from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, node_sh, wait_for
@@ -29,8 +28,8 @@ def test_annotated_job_gets_data_and_copy_is_wiped(cfg, kube, cache_factory, dat
     # Read-only views of the revision: its data at mountPath, its metadata beside, never inside.
     assert sorted(mounts, key=lambda m: m["mountPath"]) == [
         {"name": "dscache-data", "mountPath": "/data", "readOnly": True, "subPath": f"revs/{rev}/data"},
-        {"name": "dscache-data", "mountPath": revs.META_MOUNT_PATH, "readOnly": True,
-         "subPath": f"revs/{rev}/meta"}], mounts
+        {"name": "dscache-data", "mountPath": revs.META_MOUNT_PATH, "readOnly": True, "subPath": f"revs/{rev}/meta"},
+    ], mounts
     env = {e["name"]: e.get("value") for e in train["env"]}
     assert env["DSCACHE_DIR"] == "/data" and env["DSCACHE_MANIFEST"] == f"{revs.META_MOUNT_PATH}/manifest.jsonl", env
 
@@ -55,9 +54,12 @@ def test_annotated_job_gets_data_and_copy_is_wiped(cfg, kube, cache_factory, dat
     assert (summary["revision"], summary["warm"]) == (rev, False), summary
 
     # The DatasetCache shows that node's bytes and seconds.
-    entry = wait_for("node state Ready in the DatasetCache status",
-                     lambda: (e := node_entry(kube, ns, name)).get("state") == "Ready" and e, timeout=30,
-                     describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    entry = wait_for(
+        "node state Ready in the DatasetCache status",
+        lambda: (e := node_entry(kube, ns, name)).get("state") == "Ready" and e,
+        timeout=30,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
     assert entry["node"] == pod["spec"]["nodeName"]
     assert entry["bytes"] == dataset.bytes and entry["objects"] == dataset.objects, entry
     assert entry["seconds"] > 0 and abs(entry["seconds"] - summary["seconds"]) < 0.01, (entry, summary)
@@ -69,7 +71,10 @@ def test_annotated_job_gets_data_and_copy_is_wiped(cfg, kube, cache_factory, dat
     # Job complete: the node's copy of the revision (and its lease) is wiped from the
     # host filesystem; the cache dir, the mount source of later pods, stays.
     revs.wait_revision_wiped(kube, ns, name, path, rev, node)
-    entry = wait_for("node state Wiped in the status",
-                     lambda: (e := node_entry(kube, ns, name)).get("state") == "Wiped" and e, timeout=30)
+    entry = wait_for(
+        "node state Wiped in the status",
+        lambda: (e := node_entry(kube, ns, name)).get("state") == "Wiped" and e,
+        timeout=30,
+    )
     assert entry["bytes"] == dataset.bytes and entry["seconds"] > 0 and entry.get("wipedAt"), entry
     assert entry["consumers"] == 0

@@ -10,8 +10,7 @@ copy lasts long enough for the second pod to arrive while it runs.
 import datetime
 import json
 
-from conftest import (assert_complete, cache_status, host_copy, init_summary, job_pods, send_go,
-                      wait_verified)
+from conftest import assert_complete, cache_status, host_copy, init_summary, job_pods, send_go, wait_verified
 from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, wait_for
@@ -29,6 +28,7 @@ def _log_span(kube, ns: str, pod: str) -> tuple[float, float]:
         # RFC 3339 with nanoseconds: keep microseconds for fromisoformat.
         head, _, frac = text.rstrip("Z").partition(".")
         return datetime.datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}+00:00").timestamp()
+
     return ts(stamps[0]), ts(stamps[-1])
 
 
@@ -36,8 +36,12 @@ def test_two_jobs_copy_once(cfg, kube, cache_factory, dataset, namespaces):
     ns = namespaces["main"]
     name = "shared-slow"
     kube.apply(w.dataset_cache(name, ns, dataset, cfg.endpoint_pod, "s3-keys", resources=SLOW))
-    wait_for(f"DatasetCache {ns}/{name} phase Ready", lambda: cache_status(kube, ns, name).get("phase") == "Ready",
-             timeout=60, describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    wait_for(
+        f"DatasetCache {ns}/{name} phase Ready",
+        lambda: cache_status(kube, ns, name).get("phase") == "Ready",
+        timeout=60,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
     # One annotated on the Job, the other only on its pod template.
     kube.create(w.training_job("pair-a", ns, name, cfg.stager_image, dataset, wait=True))
     kube.create(w.training_job("pair-b", ns, name, cfg.stager_image, dataset, wait=True, on_template=True))
@@ -54,7 +58,8 @@ def test_two_jobs_copy_once(cfg, kube, cache_factory, dataset, namespaces):
     starts, ends = [s for s, _ in spans.values()], [e for _, e in spans.values()]
     assert max(starts) < min(ends), (
         f"the two stagers did not run at the same time (first/last log line per Job: {spans}); "
-        "this test then proves nothing about copying once at once")
+        "this test then proves nothing about copying once at once"
+    )
 
     for p in pods.values():
         send_go(kube, ns, p["metadata"]["name"])

@@ -18,8 +18,12 @@ def test_wrong_keys_show_access_denied(cfg, kube, cache_factory, namespaces):
     kube.apply(w.s3_secret("wrong-keys", ns, cfg.s3["AWS_ACCESS_KEY_ID"], "not-the-secret"))
     cache = cache_factory("badsecret", secret="wrong-keys", ready=False)
     name = cache["name"]
-    st = wait_for("phase Failed with SourceReady=False", lambda: _failed(kube, ns, name), timeout=60,
-                  describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    st = wait_for(
+        "phase Failed with SourceReady=False",
+        lambda: _failed(kube, ns, name),
+        timeout=60,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
     cond = next(c for c in st["conditions"] if c["type"] == "SourceReady")
     assert cond["reason"] == "AccessDenied", cond
     assert "access denied" in cond["message"], cond
@@ -36,7 +40,11 @@ def test_missing_secret_shows_secret_not_found(cfg, kube, cache_factory, namespa
     ns = namespaces["main"]
     cache = cache_factory("nosecret", secret="does-not-exist", ready=False)
     name = cache["name"]
-    st = wait_for("phase Failed", lambda: _failed(kube, ns, name), timeout=60,
-                  describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    st = wait_for(
+        "phase Failed",
+        lambda: _failed(kube, ns, name),
+        timeout=60,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
     cond = next(c for c in st["conditions"] if c["type"] == "SourceReady")
     assert cond["reason"] == "SecretNotFound" and "does-not-exist" in cond["message"], cond

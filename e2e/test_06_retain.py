@@ -22,9 +22,12 @@ def test_retained_copy_is_reused(cfg, kube, cache_factory, dataset):
     rev = revs.pod_revision(pod1)
     assert first["fetched_bytes"] == dataset.bytes and (first["revision"], first["warm"]) == (rev, False), first
     # No consumer left: the controller has seen that (consumers 0) and still keeps the copy.
-    wait_for("consumers 0 in the status", lambda: node_entry(kube, ns, name).get("consumers") == 0
-             and node_entry(kube, ns, name).get("state") == "Ready", timeout=30,
-             describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    wait_for(
+        "consumers 0 in the status",
+        lambda: node_entry(kube, ns, name).get("consumers") == 0 and node_entry(kube, ns, name).get("state") == "Ready",
+        timeout=30,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
     time.sleep(5)  # more than two reconcile intervals (2 s in the e2e install)
     assert node_path_exists(revs.complete_marker(path, rev), node), "RetainWhileUsed copy was wiped"
     assert node_entry(kube, ns, name)["state"] == "Ready"
@@ -39,8 +42,7 @@ def test_retained_copy_is_reused(cfg, kube, cache_factory, dataset):
     assert node_path_exists(revs.complete_marker(path, rev), node)
 
     # Deleting the DatasetCache removes the whole cache dir (no lease is left) and then lets it go.
-    kube.kubectl("delete", "jobs", "retain-1", "retain-2", "-n", ns, "--cascade=foreground", "--wait=true",
-                 timeout=120)
+    kube.kubectl("delete", "jobs", "retain-1", "retain-2", "-n", ns, "--cascade=foreground", "--wait=true", timeout=120)
     kube.delete("datasetcache", name, ns)
     wait_wiped(cfg, kube, ns, name, node=node)
     wait_for("the DatasetCache to be deleted", lambda: kube.get("datasetcache", name, ns) is None, timeout=60)

@@ -27,17 +27,26 @@ def test_emptydir_in_baseline_namespace(cfg, kube, cache_factory, dataset, names
     assert summary["fetched_bytes"] == dataset.bytes
     # Nothing on the host under cacheRoot for this namespace.
     assert not node_path_exists(host_copy(cfg, ns, name), pod["spec"]["nodeName"])
-    entry = wait_for("an EmptyDir node entry", lambda: (e := node_entry(kube, ns, name)).get("volume") == "EmptyDir"
-                     and e.get("state") == "Wiped" and e, timeout=30,
-                     describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    entry = wait_for(
+        "an EmptyDir node entry",
+        lambda: (e := node_entry(kube, ns, name)).get("volume") == "EmptyDir" and e.get("state") == "Wiped" and e,
+        timeout=30,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
     assert entry["bytes"] == dataset.bytes, entry
 
 
 def test_baseline_namespace_refuses_hostpath_pods(cfg, kube, release, namespaces):
     """The control: the namespace really enforces baseline (a hostPath pod is refused)."""
     ns = namespaces["baseline"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hostpath-probe", "namespace": ns},
-           "spec": {"containers": [{"name": "c", "image": cfg.stager_image, "imagePullPolicy": "Never"}],
-                    "volumes": [{"name": "h", "hostPath": {"path": "/tmp"}}]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "hostpath-probe", "namespace": ns},
+        "spec": {
+            "containers": [{"name": "c", "image": cfg.stager_image, "imagePullPolicy": "Never"}],
+            "volumes": [{"name": "h", "hostPath": {"path": "/tmp"}}],
+        },
+    }
     p = kube.create(pod, check=False)
     assert p.returncode != 0 and "hostPath" in p.stderr and "baseline" in p.stderr, p.stderr

@@ -20,15 +20,21 @@ def test_bare_pod_with_template_annotation(cfg, kube, cache_factory, dataset):
         if got["status"].get("phase") == "Failed":
             raise AssertionError(kube.logs(POD, ns, w.TRAIN_CONTAINER))
         return "VERIFIED" in kube.logs(POD, ns, w.TRAIN_CONTAINER) and got
+
     pod = wait_for("the Pod's training container to verify the data", verified, timeout=180)
     node = pod["spec"]["nodeName"]
     # The copy is on the node while the pod runs, so the wipe below is real.
     rev = revs.pod_revision(pod)
     assert node_path_exists(revs.complete_marker(host_copy(cfg, ns, name), rev), node)
     send_go(kube, ns, POD)
-    phase = wait_for("the Pod to finish", lambda: (kube.get("pod", POD, ns)["status"].get("phase")
-                                                   in ("Succeeded", "Failed"))
-                     and kube.get("pod", POD, ns)["status"]["phase"], timeout=180)
+    phase = wait_for(
+        "the Pod to finish",
+        lambda: (
+            (kube.get("pod", POD, ns)["status"].get("phase") in ("Succeeded", "Failed"))
+            and kube.get("pod", POD, ns)["status"]["phase"]
+        ),
+        timeout=180,
+    )
     pod = kube.get("pod", POD, ns)
     log = kube.logs(POD, ns, w.TRAIN_CONTAINER)
     assert phase == "Succeeded", log

@@ -26,7 +26,7 @@ from conftest import assert_complete, init_summary, job_pods
 from support import workloads as w
 
 TARGET_S = 3.0
-RUNS = 3   # odd, so the median is one real run
+RUNS = 3  # odd, so the median is one real run
 
 
 def _ts(text: str) -> float:
@@ -73,11 +73,16 @@ def test_timeline_overhead(cfg, kube, cache_factory, dataset):
         cache = cache_factory("timeline")
         runs.append(_measure(cfg, kube, cache["namespace"], cache["name"], dataset, f"timeline-{i}"))
     for r in runs:
-        assert r["copied_bytes"] == dataset.bytes, r   # a real copy was timed, not a reuse
+        assert r["copied_bytes"] == dataset.bytes, r  # a real copy was timed, not a reuse
     overheads = [r["overhead_s"] for r in runs]
     median = round(statistics.median(overheads), 3)
-    result = {"overhead_s": median, "overhead_runs": overheads, "overhead_statistic": "median",
-              "target_s": TARGET_S, "runs": runs}
+    result = {
+        "overhead_s": median,
+        "overhead_runs": overheads,
+        "overhead_statistic": "median",
+        "target_s": TARGET_S,
+        "runs": runs,
+    }
     cfg.results.mkdir(parents=True, exist_ok=True)
     (cfg.results / "timeline.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

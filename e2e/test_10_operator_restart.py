@@ -8,7 +8,7 @@ container in the same pod; its lastState shows exit 137 (128 + SIGKILL).
 
 import json
 
-from conftest import assert_complete, RELEASE_NS, cache_status, host_copy, node_entry, send_go, wait_verified
+from conftest import RELEASE_NS, assert_complete, cache_status, host_copy, node_entry, send_go, wait_verified
 from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, node_pids_of_container, node_sh, wait_for
@@ -17,8 +17,11 @@ CONTROLLER = "app.kubernetes.io/component=controller"
 
 
 def _controller_pod(kube) -> dict:
-    pods = [p for p in kube.items("pods", namespace=RELEASE_NS, selector=CONTROLLER)
-            if not p["metadata"].get("deletionTimestamp")]
+    pods = [
+        p
+        for p in kube.items("pods", namespace=RELEASE_NS, selector=CONTROLLER)
+        if not p["metadata"].get("deletionTimestamp")
+    ]
     assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
     return pods[0]
 
@@ -54,10 +57,21 @@ def test_wipe_survives_controller_kill(cfg, kube, cache_factory, dataset):
 
     revs.wait_revision_wiped(kube, ns, name, host_copy(cfg, ns, name), rev, node, timeout=150)
     # The same pod, its container restarted by the kubelet after a SIGKILL (exit 137).
-    after = wait_for("the controller container restarted and Ready", lambda: (
-        (cs := _status(kube.get("pod", ctl_name, RELEASE_NS))).get("restartCount", 0) > before.get("restartCount", 0)
-        and cs.get("ready") and cs), timeout=120)
+    after = wait_for(
+        "the controller container restarted and Ready",
+        lambda: (
+            (cs := _status(kube.get("pod", ctl_name, RELEASE_NS))).get("restartCount", 0)
+            > before.get("restartCount", 0)
+            and cs.get("ready")
+            and cs
+        ),
+        timeout=120,
+    )
     last = (after.get("lastState") or {}).get("terminated") or {}
     assert last.get("exitCode") == 137, f"the controller did not die of SIGKILL: {last}"
-    wait_for("node state Wiped in the status", lambda: node_entry(kube, ns, name).get("state") == "Wiped",
-             timeout=60, describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    wait_for(
+        "node state Wiped in the status",
+        lambda: node_entry(kube, ns, name).get("state") == "Wiped",
+        timeout=60,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )

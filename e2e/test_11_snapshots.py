@@ -22,16 +22,24 @@ import time
 from typing import Any
 
 import pytest
-
-from conftest import (RELEASE_NS, assert_complete, cache_status, describe_pods, host_copy, init_summary,
-                      job_condition, job_pods, send_go)
+from conftest import (
+    RELEASE_NS,
+    assert_complete,
+    cache_status,
+    describe_pods,
+    host_copy,
+    init_summary,
+    job_condition,
+    job_pods,
+    send_go,
+)
 from support import workloads as w
 from support.kube import NodeExecError, node_path_exists, wait_for
 
 REVISION_ANNOTATION = "dscache.io/revision"  # dscache_contract.ANNOTATION_REVISION
 WIPE_SELECTOR = "app.kubernetes.io/name=dscache-wipe"
 
-READER = r'''
+READER = r"""
 import hashlib, json, os, sys, time
 d, m = os.environ["DSCACHE_DIR"], os.environ["DSCACHE_MANIFEST"]
 rev = os.environ.get("DSCACHE_REVISION", "")
@@ -95,9 +103,9 @@ if sig:
             fail("no go signal")
         time.sleep(0.2)
 print("READER_DONE", flush=True)
-'''
+"""
 
-POKE = r'''
+POKE = r"""
 import errno, os, sys
 where = sys.argv[1]
 results = []
@@ -110,11 +118,21 @@ for what, fn in (("create", lambda p: open(p, "w").close()), ("mkdir", os.mkdir)
         results.append(("EROFS_OK %s" if e.errno == errno.EROFS else "OTHER_ERRNO %s " + errno.errorcode.get(e.errno, "?")) % what)
 print(" | ".join(results), flush=True)
 sys.exit(0 if all(r.startswith("EROFS_OK") for r in results) else 1)
-'''
+"""
 
 
-def reader_job(name: str, ns: str, cache: str, image: str, *, expect: str | None = None, hammer: float = 0,
-               wait: bool = False, node: str | None = None, init_sleep: float = 0) -> dict[str, Any]:
+def reader_job(
+    name: str,
+    ns: str,
+    cache: str,
+    image: str,
+    *,
+    expect: str | None = None,
+    hammer: float = 0,
+    wait: bool = False,
+    node: str | None = None,
+    init_sleep: float = 0,
+) -> dict[str, Any]:
     job = w.training_job(name, ns, cache, image, None, wait=wait)
     spec = job["spec"]["template"]["spec"]
     c = spec["containers"][0]
@@ -126,11 +144,15 @@ def reader_job(name: str, ns: str, cache: str, image: str, *, expect: str | None
     if node:
         spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     if init_sleep:
-        spec["initContainers"] = [{
-            "name": "sleeper", "image": image, "imagePullPolicy": c["imagePullPolicy"],
-            "command": ["/opt/dscache/bin/python3", "-c", f"import time; time.sleep({init_sleep})"],
-            "securityContext": copy.deepcopy(c["securityContext"]),
-        }]
+        spec["initContainers"] = [
+            {
+                "name": "sleeper",
+                "image": image,
+                "imagePullPolicy": c["imagePullPolicy"],
+                "command": ["/opt/dscache/bin/python3", "-c", f"import time; time.sleep({init_sleep})"],
+                "securityContext": copy.deepcopy(c["securityContext"]),
+            }
+        ]
     return job
 
 
@@ -141,9 +163,12 @@ def current_revision(kube, ns: str, name: str) -> str | None:
 def refresh(kube, ns: str, name: str, old: str) -> str:
     """Ask the operator to re-list now (annotation dscache.io/refresh) and wait for a new revision."""
     kube.kubectl("annotate", "datasetcache", name, "-n", ns, "--overwrite", f"dscache.io/refresh={time.time()}")
-    return wait_for(f"DatasetCache {ns}/{name} to pin a revision other than {old}",
-                    lambda: (r := current_revision(kube, ns, name)) and r != old and r, timeout=90,
-                    describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    return wait_for(
+        f"DatasetCache {ns}/{name} to pin a revision other than {old}",
+        lambda: (r := current_revision(kube, ns, name)) and r != old and r,
+        timeout=90,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
 
 
 def pod_of(kube, ns: str, job: str) -> dict[str, Any]:
@@ -175,8 +200,9 @@ def record(cfg, test: str, figures: dict[str, Any]) -> None:
 
 def own_dataset(cfg, s3, tag: str, seed: int) -> w.Dataset:
     """A prefix of the session bucket for this test alone: it is changed underneath the Jobs."""
-    ds = w.Dataset(bucket=f"dscache-e2e-{cfg.run_id}", prefix=f"{tag}-{cfg.run_id}",
-                   files=w.make_files(seed=seed, count=24))
+    ds = w.Dataset(
+        bucket=f"dscache-e2e-{cfg.run_id}", prefix=f"{tag}-{cfg.run_id}", files=w.make_files(seed=seed, count=24)
+    )
     w.upload(s3, ds)
     return ds
 
@@ -189,9 +215,12 @@ def test_snapshot_isolation(cfg, kube, s3, cache_factory, dataset):
     rev_a = wait_for("a pinned revision", lambda: current_revision(kube, ns, name), timeout=30)
 
     kube.create(reader_job("iso-a", ns, name, cfg.stager_image, expect=ds.digest, hammer=120))
-    pod_a = wait_for("Job A reading its copy", lambda: next(
-        (p for p in job_pods(kube, ns, "iso-a") if "VERIFIED" in logs(kube, ns, p)), None), timeout=120,
-        describe=lambda: describe_pods(kube, ns, "job-name=iso-a"))
+    pod_a = wait_for(
+        "Job A reading its copy",
+        lambda: next((p for p in job_pods(kube, ns, "iso-a") if "VERIFIED" in logs(kube, ns, p)), None),
+        timeout=120,
+        describe=lambda: describe_pods(kube, ns, "job-name=iso-a"),
+    )
     node = pod_a["spec"]["nodeName"]
     assert pod_a["metadata"]["annotations"][REVISION_ANNOTATION] == rev_a
 
@@ -213,22 +242,35 @@ def test_snapshot_isolation(cfg, kube, s3, cache_factory, dataset):
     # Side by side on the node while A still reads its own.
     c = host_copy(cfg, ns, name)
     assert job_condition(kube, ns, "iso-a") is None, "Job A ended before B was checked"
-    assert (node_path_exists(f"{c}/revs/{rev_a}/meta/complete", node=node)
-            and node_path_exists(f"{c}/revs/{rev_b}/meta/complete", node=node))
+    assert node_path_exists(f"{c}/revs/{rev_a}/meta/complete", node=node) and node_path_exists(
+        f"{c}/revs/{rev_b}/meta/complete", node=node
+    )
 
     assert_complete(kube, ns, "iso-a", timeout=240)
     out = logs(kube, ns, job_pods(kube, ns, "iso-a")[0])
     m = re.search(r"ISOLATION rounds=(\d+) mismatches=(\d+) missing=(\d+)", out)
     assert m, out[-2000:]
     rounds, mismatches, missing = map(int, m.groups())
-    record(cfg, "test_snapshot_isolation", {"revision_a": rev_a, "revision_b": rev_b, "a_rounds": rounds,
-                                            "a_mismatches": mismatches, "a_missing": missing})
+    record(
+        cfg,
+        "test_snapshot_isolation",
+        {
+            "revision_a": rev_a,
+            "revision_b": rev_b,
+            "a_rounds": rounds,
+            "a_mismatches": mismatches,
+            "a_missing": missing,
+        },
+    )
     assert rounds >= 2 and mismatches == 0 and missing == 0
 
 
 def _wipe_helpers(kube, ns: str, name: str) -> list[dict[str, Any]]:
-    return [p for p in kube.items("pods", namespace=RELEASE_NS, selector=WIPE_SELECTOR)
-            if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-for") == f"{ns}/{name}"]
+    return [
+        p
+        for p in kube.items("pods", namespace=RELEASE_NS, selector=WIPE_SELECTOR)
+        if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-for") == f"{ns}/{name}"
+    ]
 
 
 class ReadyMonitor:
@@ -248,7 +290,7 @@ class ReadyMonitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "ReadyMonitor":
+    def __enter__(self) -> ReadyMonitor:
         self._thread.start()
         return self
 
@@ -263,21 +305,26 @@ class ReadyMonitor:
             except NodeExecError as e:
                 # Not being able to look at the node is a broken test, never "no evidence".
                 self.exec_errors.append(str(e))
-            except Exception:  # noqa: BLE001 - a failed kubectl call is no evidence either way
+            except Exception:
                 pass
             time.sleep(0.2)
 
     def _sample(self) -> None:
         obj = self.kube.get("datasetcache", self.name, self.ns) or {}
         rv = obj.get("metadata", {}).get("resourceVersion")
-        held = [(n["node"], r["id"]) for n in (obj.get("status") or {}).get("nodes") or []
-                if n.get("state") == "Ready"
-                for r in n.get("revisions") or [] if r.get("consumers", 0) > 0 and not r.get("wipedAt")]
+        held = [
+            (n["node"], r["id"])
+            for n in (obj.get("status") or {}).get("nodes") or []
+            if n.get("state") == "Ready"
+            for r in n.get("revisions") or []
+            if r.get("consumers", 0) > 0 and not r.get("wipedAt")
+        ]
         self.samples += 1
         if not held:
             return
-        missing = [(node, r) for node, r in held
-                   if not node_path_exists(f"{self.path}/revs/{r}/meta/complete", node=node)]
+        missing = [
+            (node, r) for node, r in held if not node_path_exists(f"{self.path}/revs/{r}/meta/complete", node=node)
+        ]
         self.ready_samples += 1  # counted only once the disk was really looked at
         if missing:
             again = self.kube.get("datasetcache", self.name, self.ns) or {}
@@ -295,28 +342,54 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
         for i in range(rounds):
             j1, j2 = f"race-{i}-a", f"race-{i}-b"
             kube.create(reader_job(j1, ns, name, cfg.stager_image, expect=dataset.digest))
-            if wait_for(f"Job {j1}", lambda: job_condition(kube, ns, j1), timeout=180,
-                        describe=lambda: describe_pods(kube, ns, f"job-name={j1}")) != "Complete":
+            if (
+                wait_for(
+                    f"Job {j1}",
+                    lambda: job_condition(kube, ns, j1),
+                    timeout=180,
+                    describe=lambda: describe_pods(kube, ns, f"job-name={j1}"),
+                )
+                != "Complete"
+            ):
                 reader_failures.append(f"{j1}: {describe_pods(kube, ns, f'job-name={j1}')[-1500:]}")
             node = job_pods(kube, ns, j1)[0]["spec"]["nodeName"]
             # The moment a new wipe helper for this cache appears, the next Job arrives.
-            helper = wait_for(f"a wipe helper after {j1}", lambda: next(
-                (p for p in _wipe_helpers(kube, ns, name) if p["metadata"]["uid"] not in seen_helpers), None),
-                timeout=90, interval=0.1, describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+            helper = wait_for(
+                f"a wipe helper after {j1}",
+                lambda: next(
+                    (p for p in _wipe_helpers(kube, ns, name) if p["metadata"]["uid"] not in seen_helpers), None
+                ),
+                timeout=90,
+                interval=0.1,
+                describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+            )
             kube.create(reader_job(j2, ns, name, cfg.stager_image, expect=dataset.digest, node=node))
             seen_helpers.add(helper["metadata"]["uid"])
-            state = wait_for(f"Job {j2}", lambda: job_condition(kube, ns, j2), timeout=180,
-                             describe=lambda: describe_pods(kube, ns, f"job-name={j2}"))
+            state = wait_for(
+                f"Job {j2}",
+                lambda: job_condition(kube, ns, j2),
+                timeout=180,
+                describe=lambda: describe_pods(kube, ns, f"job-name={j2}"),
+            )
             if state != "Complete":
                 reader_failures.append(f"{j2}: {describe_pods(kube, ns, f'job-name={j2}')[-1500:]}")
             else:
                 warm += bool(init_summary(job_pods(kube, ns, j2)[0])["warm"])
             kube.kubectl("delete", "job", j1, j2, "-n", ns, "--wait=false", "--cascade=background")
-    record(cfg, "test_wipe_race", {"rounds": rounds, "helpers_raced": len(seen_helpers),
-                                   "second_job_warm": warm, "second_job_restaged": rounds - warm,
-                                   "reader_failures": len(reader_failures), "status_samples": monitor.samples,
-                                   "ready_samples_checked_on_disk": monitor.ready_samples,
-                                   "ready_while_missing": len(monitor.violations)})
+    record(
+        cfg,
+        "test_wipe_race",
+        {
+            "rounds": rounds,
+            "helpers_raced": len(seen_helpers),
+            "second_job_warm": warm,
+            "second_job_restaged": rounds - warm,
+            "reader_failures": len(reader_failures),
+            "status_samples": monitor.samples,
+            "ready_samples_checked_on_disk": monitor.ready_samples,
+            "ready_while_missing": len(monitor.violations),
+        },
+    )
     assert not reader_failures, "\n\n".join(reader_failures)
     assert not monitor.violations, monitor.violations
     assert not monitor.exec_errors, monitor.exec_errors[:3]
@@ -340,9 +413,12 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
     rev1 = wait_for("a pinned revision", lambda: current_revision(kube, ns, name), timeout=30)
 
     kube.create(reader_job("saw-1", ns, name, cfg.stager_image, expect=ds.digest, wait=True))
-    pod1 = wait_for("Job 1 reading revision 1", lambda: next(
-        (p for p in job_pods(kube, ns, "saw-1") if "VERIFIED" in logs(kube, ns, p)), None), timeout=120,
-        describe=lambda: describe_pods(kube, ns, "job-name=saw-1"))
+    pod1 = wait_for(
+        "Job 1 reading revision 1",
+        lambda: next((p for p in job_pods(kube, ns, "saw-1") if "VERIFIED" in logs(kube, ns, p)), None),
+        timeout=120,
+        describe=lambda: describe_pods(kube, ns, "job-name=saw-1"),
+    )
     node = pod1["spec"]["nodeName"]
 
     ds2 = mutated(ds, "labels.json", "val/odd name with spaces (1).txt")
@@ -360,8 +436,12 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
             raise AssertionError(f"the stager failed: {stager}")
         return pod if "running" in (sleeper.get("state") or {}) else None
 
-    wait_for("pod P staged and sleeping in its init container", sleeping, timeout=120,
-             describe=lambda: describe_pods(kube, ns, "job-name=saw-2"))
+    wait_for(
+        "pod P staged and sleeping in its init container",
+        sleeping,
+        timeout=120,
+        describe=lambda: describe_pods(kube, ns, "job-name=saw-2"),
+    )
     assert node_path_exists(f"{c}/revs/{rev2}/meta/complete", node=node)
 
     send_go(kube, ns, pod1["metadata"]["name"])
@@ -371,24 +451,34 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
 
     def rev1_wiped() -> bool:
         # The helper is deleted once the operator has read its result, so remember every one seen.
-        helpers.update(p["metadata"]["uid"] for p in _wipe_helpers(kube, ns, name)
-                       if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-revision") == rev1)
+        helpers.update(
+            p["metadata"]["uid"]
+            for p in _wipe_helpers(kube, ns, name)
+            if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-revision") == rev1
+        )
         return bool(helpers) and not node_path_exists(f"{c}/revs/{rev1}", node=node)
 
-    wait_for(f"revision {rev1} wiped on {node}", rev1_wiped, timeout=90, interval=0.2,
-             describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    wait_for(
+        f"revision {rev1} wiped on {node}",
+        rev1_wiped,
+        timeout=90,
+        interval=0.2,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
     # The wipe ran while P was still in its init container, and took nothing P needs.
     assert sleeping() is not None, "the init container finished before the wipe: the test proved nothing"
-    assert (node_path_exists(f"{c}/revs/{rev2}/meta/complete", node=node)
-            and node_path_exists(f"{c}/lock", node=node))
+    assert node_path_exists(f"{c}/revs/{rev2}/meta/complete", node=node) and node_path_exists(f"{c}/lock", node=node)
 
     assert_complete(kube, ns, "saw-2", timeout=180)
     pod2 = job_pods(kube, ns, "saw-2")[0]
     summary = init_summary(pod2)
     assert summary["revision"] == rev2
     assert f"VERIFIED revision={rev2}" in logs(kube, ns, pod2)
-    record(cfg, "test_stage_after_wipe", {"revision_1": rev1, "revision_2": rev2, "helpers_for_rev1": len(helpers),
-                                          "stager_warm": summary["warm"]})
+    record(
+        cfg,
+        "test_stage_after_wipe",
+        {"revision_1": rev1, "revision_2": rev2, "helpers_for_rev1": len(helpers), "stager_warm": summary["warm"]},
+    )
 
 
 def test_cache_mount_read_only(cfg, kube, cache_factory, dataset):
@@ -397,18 +487,22 @@ def test_cache_mount_read_only(cfg, kube, cache_factory, dataset):
     ns, name = cache["namespace"], cache["name"]
     job = w.training_job("ro-poke", ns, name, cfg.stager_image, None)
     spec = job["spec"]["template"]["spec"]
-    root = {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]}}
+    root = {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     main = spec["containers"][0]
     main.update({"command": ["/opt/dscache/bin/python3", "-c", POKE, "/poke"], "securityContext": root})
     main["env"].append({"name": "WHO", "value": "main"})
     main["volumeMounts"].append({"name": "dscache-data", "mountPath": "/poke"})
-    spec["initContainers"] = [{
-        "name": "poke-init", "image": cfg.stager_image, "imagePullPolicy": main["imagePullPolicy"],
-        "command": ["/opt/dscache/bin/python3", "-c", POKE, "/poke-init"], "securityContext": root,
-        "env": [{"name": "WHO", "value": "init"}],
-        "volumeMounts": [{"name": "dscache-data", "mountPath": "/poke-init"}],
-    }]
+    spec["initContainers"] = [
+        {
+            "name": "poke-init",
+            "image": cfg.stager_image,
+            "imagePullPolicy": main["imagePullPolicy"],
+            "command": ["/opt/dscache/bin/python3", "-c", POKE, "/poke-init"],
+            "securityContext": root,
+            "env": [{"name": "WHO", "value": "init"}],
+            "volumeMounts": [{"name": "dscache-data", "mountPath": "/poke-init"}],
+        }
+    ]
     created = kube.create(job, check=False)
     if created.returncode != 0:
         # Refused at admission: the message must say why.
@@ -423,5 +517,7 @@ def test_cache_mount_read_only(cfg, kube, cache_factory, dataset):
         assert "EROFS_OK create" in out and "EROFS_OK mkdir" in out, f"{container}: {out}"
         seen[container] = out.strip()
     record(cfg, "test_cache_mount_read_only", {"outcome": "EROFS", **seen})
-    assert not node_path_exists(f"{host_copy(cfg, ns, name)}/revs/{current_revision(kube, ns, name)}/data/"
-                                "poked-by-main-create", node=pod["spec"]["nodeName"])
+    assert not node_path_exists(
+        f"{host_copy(cfg, ns, name)}/revs/{current_revision(kube, ns, name)}/data/poked-by-main-create",
+        node=pod["spec"]["nodeName"],
+    )

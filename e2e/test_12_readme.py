@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from conftest import REPO, RELEASE, RELEASE_NS, _split_image
+from conftest import RELEASE, RELEASE_NS, REPO, _split_image
 from support.kube import node_sh, wait_for
 
 README = REPO / "README.md"
@@ -64,15 +64,18 @@ def _substitute(cmd: str, cfg, workdir: Path) -> str:
     if out.startswith("helm install"):
         assert README_OPERATOR_REPO in out and README_STAGER_REPO in out, out
         out = out.replace(README_OPERATOR_REPO, op_repo).replace(README_STAGER_REPO, st_repo)
-        out += (f" --set image.tag={op_tag} --set image.pullPolicy={cfg.pull_policy}"
-                f" --set stager.image.tag={st_tag} --set stager.image.pullPolicy={cfg.pull_policy}")
+        out += (
+            f" --set image.tag={op_tag} --set image.pullPolicy={cfg.pull_policy}"
+            f" --set stager.image.tag={st_tag} --set stager.image.pullPolicy={cfg.pull_policy}"
+        )
     if "e2e/samples/datasetcache.yaml" in out:
         text = (REPO / "e2e/samples/datasetcache.yaml").read_text()
         assert text.count("REPLACE_ME") == 2 and SAMPLE_ENDPOINT in text
         text = text.replace(SAMPLE_ENDPOINT, cfg.endpoint_pod)
         text = text.replace("AWS_ACCESS_KEY_ID: REPLACE_ME", f'AWS_ACCESS_KEY_ID: "{cfg.s3["AWS_ACCESS_KEY_ID"]}"')
-        text = text.replace("AWS_SECRET_ACCESS_KEY: REPLACE_ME",
-                            f'AWS_SECRET_ACCESS_KEY: "{cfg.s3["AWS_SECRET_ACCESS_KEY"]}"')
+        text = text.replace(
+            "AWS_SECRET_ACCESS_KEY: REPLACE_ME", f'AWS_SECRET_ACCESS_KEY: "{cfg.s3["AWS_SECRET_ACCESS_KEY"]}"'
+        )
         (workdir / "datasetcache.yaml").write_text(text)
         out = out.replace("e2e/samples/datasetcache.yaml", str(workdir / "datasetcache.yaml"))
     if "e2e/samples/job.yaml" in out:
@@ -87,8 +90,17 @@ def _fresh(kube, cache_root: str) -> None:
     kube.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "180s", check=False)
     if kube.get("namespace", "ml") is not None:
         for dsc in kube.items("datasetcaches.dscache.io", namespace="ml"):
-            kube.kubectl("patch", "datasetcache", dsc["metadata"]["name"], "-n", "ml", "--type=merge",
-                         "-p", '{"metadata":{"finalizers":null}}', check=False)
+            kube.kubectl(
+                "patch",
+                "datasetcache",
+                dsc["metadata"]["name"],
+                "-n",
+                "ml",
+                "--type=merge",
+                "-p",
+                '{"metadata":{"finalizers":null}}',
+                check=False,
+            )
         kube.kubectl("delete", "namespace", "ml", "--wait=true", timeout=180)
     kube.kubectl("delete", "namespace", RELEASE_NS, "--ignore-not-found", "--wait=true", timeout=180)
     # A fresh cluster holds no copy of ml/* on its nodes. Earlier runs (make demo, other
@@ -112,11 +124,16 @@ def test_readme_path_verbatim(cfg, kube, s3, dataset, release):
         s3.put_object(Bucket="demo-datasets", Key=f"imagenet-mini/{key}", Body=data)
     commands = readme_commands()
     joined = "\n".join(commands)
-    for must in ("helm install dscache charts/dscache", "kubectl apply -f e2e/samples/datasetcache.yaml",
-                 "kubectl apply -f e2e/samples/job.yaml", "dscache.io/injection=enabled"):
+    for must in (
+        "helm install dscache charts/dscache",
+        "kubectl apply -f e2e/samples/datasetcache.yaml",
+        "kubectl apply -f e2e/samples/job.yaml",
+        "dscache.io/injection=enabled",
+    ):
         assert must in joined, f"the README path lost {must!r}:\n{joined}"
-    assert "secretNamespaces" not in joined and "readSecrets" not in joined, \
+    assert "secretNamespaces" not in joined and "readSecrets" not in joined, (
         "the README path must work with the chart's defaults for Secret reading"
+    )
 
     _fresh(kube, cfg.cache_root)
     bindir = Path(tempfile.mkdtemp(prefix="dscache-readme-bin-"))
@@ -132,15 +149,18 @@ def test_readme_path_verbatim(cfg, kube, s3, dataset, release):
         if p.returncode != 0:
             diag = kube.kubectl("describe", "dsc", "-n", "ml", check=False).stdout[-3000:]
             pods = kube.kubectl("describe", "pods", "-n", "ml", check=False).stdout[-3000:]
-            raise AssertionError("a README command failed:\n" + "\n".join(transcript)
-                                 + f"\n--- kubectl describe dsc -n ml\n{diag}\n--- pods\n{pods}")
+            raise AssertionError(
+                "a README command failed:\n"
+                + "\n".join(transcript)
+                + f"\n--- kubectl describe dsc -n ml\n{diag}\n--- pods\n{pods}"
+            )
     print("\n".join(transcript))
 
     # What the README promises the reader sees: the cache Ready, the Job complete, its log.
     dsc = kube.get("datasetcache", "imagenet-mini", "ml")
     assert dsc["status"]["phase"] == "Ready", dsc["status"]
     cond = next(c for c in dsc["status"]["conditions"] if c["type"] == "SourceReady")
-    assert cond["status"] == "True", cond   # the controller read the Secret with the chart's defaults
+    assert cond["status"] == "True", cond  # the controller read the Secret with the chart's defaults
     job = kube.get("job", "train-resnet", "ml")
     assert any(c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"]), job
     log = kube.kubectl("logs", "job/train-resnet", "-n", "ml", "-c", "train").stdout

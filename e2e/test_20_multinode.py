@@ -25,10 +25,9 @@ from typing import Any
 
 import pytest
 import yaml
-
-from conftest import REPO, RELEASE_NS, cache_status, host_copy, init_summary
-from support import workloads as w
+from conftest import RELEASE_NS, REPO, cache_status, host_copy, init_summary
 from support import revs
+from support import workloads as w
 from support.kube import node_path_exists, node_sh, wait_for
 
 pytestmark = pytest.mark.multinode
@@ -45,8 +44,7 @@ def _sample(name: str) -> dict[str, Any]:
 def _schedulable_nodes(kube) -> list[str]:
     out = []
     for n in kube.items("nodes"):
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in n["status"].get("conditions", []))
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in n["status"].get("conditions", []))
         no_schedule = any(t.get("effect") in ("NoSchedule", "NoExecute") for t in n["spec"].get("taints") or [])
         if ready and not no_schedule and not n["spec"].get("unschedulable"):
             out.append(n["metadata"]["name"])
@@ -62,12 +60,18 @@ def nodes(kube) -> list[str]:
 
 def _spread(key: str) -> dict[str, Any]:
     """Required pod anti-affinity on `key`: one pod per node."""
-    return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-        {"labelSelector": {"matchLabels": {"e2e-spread": key}}, "topologyKey": HOSTNAME}]}}
+    return {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": {"e2e-spread": key}}, "topologyKey": HOSTNAME}
+            ]
+        }
+    }
 
 
-def _train_template(sample_tpl: dict[str, Any], cache: str, cfg, dataset, container: str,
-                    spread: str) -> dict[str, Any]:
+def _train_template(
+    sample_tpl: dict[str, Any], cache: str, cfg, dataset, container: str, spread: str
+) -> dict[str, Any]:
     """The sample's pod template with our image and verifying program; the sample's
     opt-in annotation is kept as written, pointed at this test's cache."""
     tpl = copy.deepcopy(sample_tpl)
@@ -76,8 +80,9 @@ def _train_template(sample_tpl: dict[str, Any], cache: str, cfg, dataset, contai
     meta["annotations"]["dscache.io/cache"] = cache
     meta.setdefault("labels", {}).update({"e2e": "dscache", "e2e-spread": spread})
     sample_container = tpl["spec"]["containers"][0]
-    spec = w.train_pod_spec(cfg.stager_image, dataset, wait=True,
-                            restart_policy=tpl["spec"].get("restartPolicy", "Never"))
+    spec = w.train_pod_spec(
+        cfg.stager_image, dataset, wait=True, restart_policy=tpl["spec"].get("restartPolicy", "Never")
+    )
     spec["containers"][0]["name"] = sample_container["name"]
     assert sample_container["name"] == container, sample_container["name"]
     spec["affinity"] = _spread(spread)
@@ -95,21 +100,29 @@ def _describe(kube, ns: str, spread: str) -> str:
     return out + "\n" + ev
 
 
-def _wait_verified_everywhere(kube, ns: str, spread: str, container: str, want_nodes: int,
-                              dataset) -> dict[str, dict[str, Any]]:
+def _wait_verified_everywhere(
+    kube, ns: str, spread: str, container: str, want_nodes: int, dataset
+) -> dict[str, dict[str, Any]]:
     """Wait until `want_nodes` pods on distinct nodes printed VERIFIED; return them by node."""
+
     def verified():
         by_node = {}
         for p in _pods(kube, ns, spread):
             if p.get("status", {}).get("phase") == "Failed":
-                raise AssertionError(f"pod {p['metadata']['name']} failed:\n"
-                                     f"{kube.logs(p['metadata']['name'], ns, container)[-2000:]}")
+                raise AssertionError(
+                    f"pod {p['metadata']['name']} failed:\n{kube.logs(p['metadata']['name'], ns, container)[-2000:]}"
+                )
             node = p["spec"].get("nodeName")
             if node and "VERIFIED" in kube.logs(p["metadata"]["name"], ns, container):
                 by_node[node] = p
         return by_node if len(by_node) >= want_nodes else None
-    by_node = wait_for(f"{want_nodes} pods on distinct nodes to verify the data", verified, timeout=240,
-                       describe=lambda: _describe(kube, ns, spread))
+
+    by_node = wait_for(
+        f"{want_nodes} pods on distinct nodes to verify the data",
+        verified,
+        timeout=240,
+        describe=lambda: _describe(kube, ns, spread),
+    )
     for node, p in by_node.items():
         log = kube.logs(p["metadata"]["name"], ns, container)
         assert f"VERIFIED objects={dataset.objects} bytes={dataset.bytes} uid={w.TRAIN_UID}" in log, log
@@ -119,8 +132,18 @@ def _wait_verified_everywhere(kube, ns: str, spread: str, container: str, want_n
 
 
 def _go(kube, ns: str, pod: str, container: str) -> None:
-    kube.kubectl("exec", pod, "-n", ns, "-c", container, "--", "/opt/dscache/bin/python3", "-c",
-                 f"open('{w.SIGNAL_DIR}/go', 'w').close()")
+    kube.kubectl(
+        "exec",
+        pod,
+        "-n",
+        ns,
+        "-c",
+        container,
+        "--",
+        "/opt/dscache/bin/python3",
+        "-c",
+        f"open('{w.SIGNAL_DIR}/go', 'w').close()",
+    )
 
 
 def _node_states(kube, ns: str, name: str) -> dict[str, str]:
@@ -143,14 +166,19 @@ def _assert_staged_on(cfg, kube, ns: str, name: str, nodes: list[str]) -> None:
     # Each node has its own disk: the same path is a different directory on each.
     ids = {node_sh(f"stat -f -c %i {path}; stat -c %d:%i {path}; cat /etc/hostname", node=n).stdout for n in nodes}
     assert len(ids) == len(nodes), f"the copies on {nodes} are not distinct: {ids}"
-    states = wait_for(f"{len(nodes)} Ready nodes in the DatasetCache status",
-                      lambda: (s := _node_states(kube, ns, name)) and
-                      all(s.get(n) == "Ready" for n in nodes) and s, timeout=60,
-                      describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    states = wait_for(
+        f"{len(nodes)} Ready nodes in the DatasetCache status",
+        lambda: (s := _node_states(kube, ns, name)) and all(s.get(n) == "Ready" for n in nodes) and s,
+        timeout=60,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
     assert cache_status(kube, ns, name).get("readyNodes") == len(nodes), states
     # One dataset version on every node: each node's status holds exactly the pinned revision.
-    held = {e["node"]: {r["id"] for r in e.get("revisions") or []}
-            for e in cache_status(kube, ns, name).get("nodes") or [] if e["node"] in nodes}
+    held = {
+        e["node"]: {r["id"] for r in e.get("revisions") or []}
+        for e in cache_status(kube, ns, name).get("nodes") or []
+        if e["node"] in nodes
+    }
     assert all(ids == {rev} for ids in held.values()) and len(held) == len(nodes), (rev, held)
 
 
@@ -158,9 +186,12 @@ def _assert_wiped_on(cfg, kube, ns: str, name: str, nodes: list[str]) -> None:
     path, rev = host_copy(cfg, ns, name), _revision(kube, ns, name)
     for node in nodes:
         revs.wait_revision_wiped(kube, ns, name, path, rev, node, timeout=120)
-    wait_for("every node Wiped in the status",
-             lambda: all(_node_states(kube, ns, name).get(n) == "Wiped" for n in nodes), timeout=60,
-             describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
+    wait_for(
+        "every node Wiped in the status",
+        lambda: all(_node_states(kube, ns, name).get(n) == "Wiped" for n in nodes),
+        timeout=60,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
 
 
 def _condition(obj: dict[str, Any] | None, *types: str) -> str | None:
@@ -180,8 +211,9 @@ def test_distributed_job_every_node(cfg, kube, cache_factory, dataset, nodes):
     # The sample's shape, sized to the cluster: 3 child Jobs of one pod each, one per node.
     rj["replicas"] = 3
     rj["template"]["spec"].update({"parallelism": 1, "completions": 1, "backoffLimit": 0})
-    rj["template"]["spec"]["template"] = _train_template(rj["template"]["spec"]["template"], name, cfg,
-                                                         dataset, "train", spread)
+    rj["template"]["spec"]["template"] = _train_template(
+        rj["template"]["spec"]["template"], name, cfg, dataset, "train", spread
+    )
     kube.create(js)
 
     by_node = _wait_verified_everywhere(kube, ns, spread, "train", 3, dataset)
@@ -193,8 +225,12 @@ def test_distributed_job_every_node(cfg, kube, cache_factory, dataset, nodes):
 
     for p in by_node.values():
         _go(kube, ns, p["metadata"]["name"], "train")
-    wait_for(f"JobSet {spread} Completed", lambda: _condition(kube.get("jobset", spread, ns), "Completed", "Failed"),
-             timeout=180, describe=lambda: json.dumps((kube.get("jobset", spread, ns) or {}).get("status"), indent=1))
+    wait_for(
+        f"JobSet {spread} Completed",
+        lambda: _condition(kube.get("jobset", spread, ns), "Completed", "Failed"),
+        timeout=180,
+        describe=lambda: json.dumps((kube.get("jobset", spread, ns) or {}).get("status"), indent=1),
+    )
     assert _condition(kube.get("jobset", spread, ns), "Completed", "Failed") == "Completed"
     _assert_wiped_on(cfg, kube, ns, name, list(by_node))
 
@@ -229,16 +265,22 @@ def test_trainjob_or_pytorchjob(cfg, kube, cache_factory, dataset, nodes):
 
     for p in by_node.values():
         _go(kube, ns, p["metadata"]["name"], "pytorch")
-    wait_for(f"PyTorchJob {spread} Succeeded",
-             lambda: _condition(kube.get("pytorchjob", spread, ns), "Succeeded", "Failed"), timeout=180,
-             describe=lambda: json.dumps((kube.get("pytorchjob", spread, ns) or {}).get("status"), indent=1))
+    wait_for(
+        f"PyTorchJob {spread} Succeeded",
+        lambda: _condition(kube.get("pytorchjob", spread, ns), "Succeeded", "Failed"),
+        timeout=180,
+        describe=lambda: json.dumps((kube.get("pytorchjob", spread, ns) or {}).get("status"), indent=1),
+    )
     assert _condition(kube.get("pytorchjob", spread, ns), "Succeeded", "Failed") == "Succeeded"
     _assert_wiped_on(cfg, kube, ns, name, list(by_node))
 
 
 def _helpers_for(kube, node: str) -> list[dict[str, Any]]:
-    return [p for p in kube.items("pods", namespace=RELEASE_NS)
-            if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-node") == node]
+    return [
+        p
+        for p in kube.items("pods", namespace=RELEASE_NS)
+        if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-node") == node
+    ]
 
 
 def _pinned_job(name: str, ns: str, cache: str, cfg, dataset, node: str) -> dict[str, Any]:
@@ -251,8 +293,11 @@ def _rejoin(kube, node: str) -> None:
     """Bring the lost node back: its kubelet registers it again (with a new podCIDR);
     then rewire the pod network for it."""
     node_sh("systemctl start kubelet", node=node, check=True)
-    wait_for(f"{node} registered again with a podCIDR",
-             lambda: ((kube.get("node", node) or {}).get("spec") or {}).get("podCIDR"), timeout=120)
+    wait_for(
+        f"{node} registered again with a podCIDR",
+        lambda: ((kube.get("node", node) or {}).get("spec") or {}).get("podCIDR"),
+        timeout=120,
+    )
     rewire = os.environ.get("DSCACHE_E2E_REJOIN_CMD")
     if rewire:
         subprocess.run(rewire, shell=True, check=True, timeout=300)
@@ -267,9 +312,14 @@ def test_node_lost(cfg, kube, cache_factory, dataset, nodes):
     kube.create(_pinned_job("lost-survivor", ns, name, cfg, dataset, survivor))
     kube.create(_pinned_job("lost-victim", ns, name, cfg, dataset, victim))
     for job in ("lost-survivor", "lost-victim"):
-        wait_for(f"Job {job} to verify", lambda j=job: any(
-            "VERIFIED" in kube.logs(p["metadata"]["name"], ns, w.TRAIN_CONTAINER)
-            for p in kube.items("pods", namespace=ns, selector=f"job-name={j}")), timeout=180)
+        wait_for(
+            f"Job {job} to verify",
+            lambda j=job: any(
+                "VERIFIED" in kube.logs(p["metadata"]["name"], ns, w.TRAIN_CONTAINER)
+                for p in kube.items("pods", namespace=ns, selector=f"job-name={j}")
+            ),
+            timeout=180,
+        )
     _assert_staged_on(cfg, kube, ns, name, [survivor, victim])
 
     # The node is lost in the middle of the Job: kubelet stopped, Node object deleted.
@@ -277,11 +327,18 @@ def test_node_lost(cfg, kube, cache_factory, dataset, nodes):
     try:
         kube.kubectl("delete", "node", victim, "--wait=true", "--timeout=60s")
         # Converges: the lost node is no longer counted Ready; the surviving copy is untouched.
-        wait_for(f"{victim} to leave the Ready nodes", lambda: _node_states(kube, ns, name).get(victim) != "Ready"
-                 and cache_status(kube, ns, name).get("readyNodes") == 1, timeout=180,
-                 describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1))
-        assert node_path_exists(revs.complete_marker(host_copy(cfg, ns, name), _revision(kube, ns, name)),
-                                node=survivor)
+        wait_for(
+            f"{victim} to leave the Ready nodes",
+            lambda: (
+                _node_states(kube, ns, name).get(victim) != "Ready"
+                and cache_status(kube, ns, name).get("readyNodes") == 1
+            ),
+            timeout=180,
+            describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+        )
+        assert node_path_exists(
+            revs.complete_marker(host_copy(cfg, ns, name), _revision(kube, ns, name)), node=survivor
+        )
         # No helper pod loops on the lost node: over a minute, at most one helper pod
         # object for it ever exists (a loop shows as new UIDs).
         seen: set[str] = set()

@@ -35,6 +35,7 @@ _ns_ids = itertools.count()
 def kube_api(tmp_path_factory: pytest.TempPathFactory):
     """A real kube-apiserver + etcd (no kubelet, no controllers) for the session."""
     from tests.support.kubeapi import KubeAPI
+
     api = KubeAPI(workdir=tmp_path_factory.mktemp("kubeapi")).start()
     yield api
     api.stop()
@@ -45,6 +46,7 @@ def dscache_operator(kube_api, tmp_path_factory: pytest.TempPathFactory):
     """CRD + RBAC + MutatingWebhookConfiguration installed from the repo, and
     the controller and webhook running as their own ServiceAccounts."""
     from tests.support.kubeapi import Operator
+
     op = Operator(kube=kube_api, workdir=tmp_path_factory.mktemp("operator")).install()
     op.start("webhook")
     op.start("controller")

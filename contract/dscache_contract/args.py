@@ -38,50 +38,98 @@ def _csv(value: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``dscache-stage`` command line."""
     fmt = argparse.RawDescriptionHelpFormatter
-    p = _Parser(prog="dscache-stage", formatter_class=fmt, epilog=_exit_codes(),
-                description="Stage a pinned revision of an S3 prefix onto the node's disk, or release and "
-                            "remove staged revisions.")
+    p = _Parser(
+        prog="dscache-stage",
+        formatter_class=fmt,
+        epilog=_exit_codes(),
+        description="Stage a pinned revision of an S3 prefix onto the node's disk, or release and "
+        "remove staged revisions.",
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def source_options(s: argparse.ArgumentParser) -> None:
         s.add_argument("source", metavar="s3://BUCKET/PREFIX")
         s.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph RGW, OBS, OSS...)")
         s.add_argument("--region", help="bucket region (default: us-east-1; the environment is not consulted)")
-        s.add_argument("--addressing-style", choices=["path", "virtual"],
-                       help="default: path with --endpoint-url, virtual otherwise")
-        s.add_argument("--include", action="append", default=[], metavar="GLOB",
-                       help="only keys (relative to PREFIX) matching a GLOB; repeatable")
-        s.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                       help="skip keys (relative to PREFIX) matching a GLOB; repeatable; wins over --include")
-        s.add_argument("--retry-timeout", type=float, metavar="SECONDS",
-                       help="keep retrying a failing S3 request this long (default: 120)")
+        s.add_argument(
+            "--addressing-style",
+            choices=["path", "virtual"],
+            help="default: path with --endpoint-url, virtual otherwise",
+        )
+        s.add_argument(
+            "--include",
+            action="append",
+            default=[],
+            metavar="GLOB",
+            help="only keys (relative to PREFIX) matching a GLOB; repeatable",
+        )
+        s.add_argument(
+            "--exclude",
+            action="append",
+            default=[],
+            metavar="GLOB",
+            help="skip keys (relative to PREFIX) matching a GLOB; repeatable; wins over --include",
+        )
+        s.add_argument(
+            "--retry-timeout",
+            type=float,
+            metavar="SECONDS",
+            help="keep retrying a failing S3 request this long (default: 120)",
+        )
 
-    s = sub.add_parser("sync", formatter_class=fmt, epilog=_exit_codes(),
-                       help="stage revision REV of s3://BUCKET/PREFIX into CACHE_DIR/revs/REV")
+    s = sub.add_parser(
+        "sync",
+        formatter_class=fmt,
+        epilog=_exit_codes(),
+        help="stage revision REV of s3://BUCKET/PREFIX into CACHE_DIR/revs/REV",
+    )
     source_options(s)
     s.add_argument("cache_dir", metavar="CACHE_DIR", help="the cache dir C (the volume's mount point)")
-    s.add_argument("--revision", required=True, metavar="REV",
-                   help="the revision the pod was admitted with (r-...); 'dscache-stage revision' prints one")
-    s.add_argument("--pod-uid", metavar="UID",
-                   help="this pod's UID, for its lease on REV (default: $DSCACHE_POD_UID; none: no lease)")
+    s.add_argument(
+        "--revision",
+        required=True,
+        metavar="REV",
+        help="the revision the pod was admitted with (r-...); 'dscache-stage revision' prints one",
+    )
+    s.add_argument(
+        "--pod-uid",
+        metavar="UID",
+        help="this pod's UID, for its lease on REV (default: $DSCACHE_POD_UID; none: no lease)",
+    )
     s.add_argument("--concurrency", type=int, metavar="N", help="requests in flight (default: 32 per CPU, 64-256)")
-    s.add_argument("--termination-log", metavar="PATH",
-                   help="where the final line also goes (default: /dev/termination-log if it exists)")
+    s.add_argument(
+        "--termination-log",
+        metavar="PATH",
+        help="where the final line also goes (default: /dev/termination-log if it exists)",
+    )
     s.add_argument("--progress-interval", type=float, default=3.0, metavar="SECONDS")
 
-    w = sub.add_parser("wipe", formatter_class=fmt, epilog=_exit_codes(),
-                       help="release leases, then remove a revision (or the whole cache dir) nobody holds")
+    w = sub.add_parser(
+        "wipe",
+        formatter_class=fmt,
+        epilog=_exit_codes(),
+        help="release leases, then remove a revision (or the whole cache dir) nobody holds",
+    )
     w.add_argument("cache_dir", metavar="CACHE_DIR")
     w.add_argument("--root", required=True, metavar="ROOT", help="the node's cache root; nothing outside is touched")
     which = w.add_mutually_exclusive_group(required=True)
     which.add_argument("--revision", metavar="REV", help="remove CACHE_DIR/revs/REV once no lease holds it")
     which.add_argument("--all", action="store_true", help="remove CACHE_DIR once no lease at all remains")
-    w.add_argument("--release", type=_csv, action="extend", default=[], metavar="UID[,UID...]",
-                   help="lease files to delete first (pods known to be finished); repeatable")
+    w.add_argument(
+        "--release",
+        type=_csv,
+        action="extend",
+        default=[],
+        metavar="UID[,UID...]",
+        help="lease files to delete first (pods known to be finished); repeatable",
+    )
     w.add_argument("--termination-log", metavar="PATH")
 
-    r = sub.add_parser("revision", formatter_class=fmt,
-                       help="list the source and print its current revision id, objects and bytes (JSON)")
+    r = sub.add_parser(
+        "revision",
+        formatter_class=fmt,
+        help="list the source and print its current revision id, objects and bytes (JSON)",
+    )
     source_options(r)
     return p
 
@@ -144,15 +192,25 @@ class StageArgs:
         return argv
 
     @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "StageArgs":
-        return cls(source=ns.source, revision=ns.revision, cache_dir=ns.cache_dir, pod_uid=ns.pod_uid,
-                   endpoint_url=ns.endpoint_url, region=ns.region, addressing_style=ns.addressing_style,
-                   include=tuple(ns.include), exclude=tuple(ns.exclude), concurrency=ns.concurrency,
-                   termination_log=ns.termination_log, progress_interval=ns.progress_interval,
-                   retry_timeout=ns.retry_timeout)
+    def from_namespace(cls, ns: argparse.Namespace) -> StageArgs:
+        return cls(
+            source=ns.source,
+            revision=ns.revision,
+            cache_dir=ns.cache_dir,
+            pod_uid=ns.pod_uid,
+            endpoint_url=ns.endpoint_url,
+            region=ns.region,
+            addressing_style=ns.addressing_style,
+            include=tuple(ns.include),
+            exclude=tuple(ns.exclude),
+            concurrency=ns.concurrency,
+            termination_log=ns.termination_log,
+            progress_interval=ns.progress_interval,
+            retry_timeout=ns.retry_timeout,
+        )
 
     @classmethod
-    def from_argv(cls, argv: list[str]) -> "StageArgs":
+    def from_argv(cls, argv: list[str]) -> StageArgs:
         ns = build_parser().parse_args(argv)
         if ns.command != "sync":
             raise ArgsError(f"expected a sync command line, got {ns.command!r}")
@@ -191,12 +249,18 @@ class WipeArgs:
         return argv
 
     @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "WipeArgs":
-        return cls(cache_dir=ns.cache_dir, root=ns.root, revision=ns.revision, all_revisions=ns.all,
-                   release=tuple(ns.release), termination_log=ns.termination_log)
+    def from_namespace(cls, ns: argparse.Namespace) -> WipeArgs:
+        return cls(
+            cache_dir=ns.cache_dir,
+            root=ns.root,
+            revision=ns.revision,
+            all_revisions=ns.all,
+            release=tuple(ns.release),
+            termination_log=ns.termination_log,
+        )
 
     @classmethod
-    def from_argv(cls, argv: list[str]) -> "WipeArgs":
+    def from_argv(cls, argv: list[str]) -> WipeArgs:
         ns = build_parser().parse_args(argv)
         if ns.command != "wipe":
             raise ArgsError(f"expected a wipe command line, got {ns.command!r}")

@@ -21,7 +21,15 @@ import os
 import re
 
 from .names import (
-    COMPLETE_NAME, DATA_DIR, JOURNAL_NAME, LEASES_DIR, LOCK_NAME, MANIFEST_NAME, META_DIR, REVS_DIR, TMP_DIR,
+    COMPLETE_NAME,
+    DATA_DIR,
+    JOURNAL_NAME,
+    LEASES_DIR,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    META_DIR,
+    REVS_DIR,
+    TMP_DIR,
 )
 
 # "r-" + 20 hex digits of a sha256 (see revision.py): short enough for a label

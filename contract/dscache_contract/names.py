@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 __all__ = [
-    "VOLUME_NAME", "STAGER_CONTAINER_NAME", "STAGER_COMMAND", "STAGE_MOUNT_PATH", "META_MOUNT_PATH",
-    "ENV_DIR", "ENV_MANIFEST", "ENV_REVISION", "ENV_POD_UID", "POD_UID_ARG",
-    "ANNOTATION_CACHE", "ANNOTATION_REVISION", "TERMINATION_LOG",
-    "LOCK_NAME", "REVS_DIR", "LEASES_DIR", "DATA_DIR", "META_DIR", "TMP_DIR",
-    "MANIFEST_NAME", "COMPLETE_NAME", "JOURNAL_NAME", "manifest_env_value",
+    "ANNOTATION_CACHE",
+    "ANNOTATION_REVISION",
+    "COMPLETE_NAME",
+    "DATA_DIR",
+    "ENV_DIR",
+    "ENV_MANIFEST",
+    "ENV_POD_UID",
+    "ENV_REVISION",
+    "JOURNAL_NAME",
+    "LEASES_DIR",
+    "LOCK_NAME",
+    "MANIFEST_NAME",
+    "META_DIR",
+    "META_MOUNT_PATH",
+    "POD_UID_ARG",
+    "REVS_DIR",
+    "STAGER_COMMAND",
+    "STAGER_CONTAINER_NAME",
+    "STAGE_MOUNT_PATH",
+    "TERMINATION_LOG",
+    "TMP_DIR",
+    "VOLUME_NAME",
+    "manifest_env_value",
 ]
 
 # The pod volume that carries the node's cache dir C (hostPath) or an emptyDir.
@@ -23,7 +41,7 @@ STAGE_MOUNT_PATH = "/dscache"
 META_MOUNT_PATH = "/var/run/dscache"
 
 # Env vars set in training containers.
-ENV_DIR = "DSCACHE_DIR"            # = spec.mountPath: the revision's data, nothing else
+ENV_DIR = "DSCACHE_DIR"  # = spec.mountPath: the revision's data, nothing else
 ENV_MANIFEST = "DSCACHE_MANIFEST"  # = META_MOUNT_PATH/manifest.jsonl
 ENV_REVISION = "DSCACHE_REVISION"  # the revision id the pod was admitted with
 # Env var of the stager container, filled from the downward API (metadata.uid).

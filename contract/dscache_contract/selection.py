@@ -17,7 +17,7 @@ def parse_source(uri: str) -> tuple[str, str]:
     """
     if not isinstance(uri, str) or not uri.startswith("s3://"):
         raise ValueError(f"source must look like s3://BUCKET/PREFIX, got {uri!r}")
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
     if not bucket:
         raise ValueError(f"source {uri!r} names no bucket; use s3://BUCKET/PREFIX")
     prefix = prefix.strip("/")
@@ -54,7 +54,7 @@ class Selection:
     exclude: tuple[str, ...] = ()
 
     @classmethod
-    def from_source(cls, uri: str, include=(), exclude=()) -> "Selection":
+    def from_source(cls, uri: str, include=(), exclude=()) -> Selection:
         return cls(parse_source(uri)[1], tuple(include), tuple(exclude))
 
     def relative(self, key: str) -> str | None:
@@ -65,7 +65,7 @@ class Selection:
         key = normalize_key(key)
         if not key.startswith(self.prefix):
             return None
-        rel = key[len(self.prefix):]
+        rel = key[len(self.prefix) :]
         if not rel or not selected(rel, self.include, self.exclude):
             return None
         return rel

@@ -14,17 +14,17 @@ from enum import IntEnum
 
 class ExitCode(IntEnum):
     OK = 0
-    INTERNAL = 1        # a bug: report it with the log
-    USAGE = 2           # bad command line or source URI
-    SOURCE = 3          # the bucket cannot be read with this pod's credentials
-    NO_SPACE = 4        # the destination cannot hold the objects still to copy
-    HOSTILE_KEYS = 5    # object keys that cannot be written safely
-    DESTINATION = 6     # writing the destination failed
-    TRANSIENT = 7       # S3 kept failing after every retry
-    BUSY = 8            # wipe only: a stager holds the lock; nothing was done
-    REVISION_GONE = 9   # the bucket can no longer serve the pinned revision
-    CACHE_GONE = 10     # the cache dir (the pod's mount source) was removed
-    INTERRUPTED = 130   # SIGINT
+    INTERNAL = 1  # a bug: report it with the log
+    USAGE = 2  # bad command line or source URI
+    SOURCE = 3  # the bucket cannot be read with this pod's credentials
+    NO_SPACE = 4  # the destination cannot hold the objects still to copy
+    HOSTILE_KEYS = 5  # object keys that cannot be written safely
+    DESTINATION = 6  # writing the destination failed
+    TRANSIENT = 7  # S3 kept failing after every retry
+    BUSY = 8  # wipe only: a stager holds the lock; nothing was done
+    REVISION_GONE = 9  # the bucket can no longer serve the pinned revision
+    CACHE_GONE = 10  # the cache dir (the pod's mount source) was removed
+    INTERRUPTED = 130  # SIGINT
 
 
 EXIT_CODE_HELP: dict[ExitCode, str] = {
@@ -32,16 +32,16 @@ EXIT_CODE_HELP: dict[ExitCode, str] = {
     ExitCode.INTERNAL: "internal error (a bug: please report it with the log)",
     ExitCode.USAGE: "bad command line or source URI",
     ExitCode.SOURCE: "the bucket cannot be read: no such bucket, access denied, bad credentials, "
-                     "unreachable endpoint (checked on every run, warm or cold)",
+    "unreachable endpoint (checked on every run, warm or cold)",
     ExitCode.NO_SPACE: "the destination cannot hold the objects still to copy",
     ExitCode.HOSTILE_KEYS: "object keys that cannot be written safely under the destination",
     ExitCode.DESTINATION: "writing the destination failed: disk full, permissions, a read-only filesystem",
     ExitCode.TRANSIENT: "S3 kept failing (throttling, 5xx, dropped connections) after every retry",
     ExitCode.BUSY: "wipe only: a stager holds the cache's lock; nothing was done, retry later",
     ExitCode.REVISION_GONE: "the bucket no longer holds the revision the pod was admitted with "
-                            "(an object changed or was deleted); nothing was served",
+    "(an object changed or was deleted); nothing was served",
     ExitCode.CACHE_GONE: "the cache dir on the node was removed after the pod started "
-                         "(its DatasetCache was deleted); recreate the pod",
+    "(its DatasetCache was deleted); recreate the pod",
     ExitCode.INTERRUPTED: "interrupted (SIGINT)",
 }
 
@@ -81,7 +81,7 @@ class StageSummary:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StageSummary":
+    def from_dict(cls, d: dict) -> StageSummary:
         return _from_dict(cls, d)
 
 
@@ -104,7 +104,7 @@ class WipeSummary:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "WipeSummary":
+    def from_dict(cls, d: dict) -> WipeSummary:
         return _from_dict(cls, d)
 
 
@@ -125,6 +125,6 @@ class ManifestEntry:
         return json.dumps(d)
 
     @classmethod
-    def from_json(cls, line: str) -> "ManifestEntry":
+    def from_json(cls, line: str) -> ManifestEntry:
         d = json.loads(line)
         return cls(d["key"], d["path"], int(d["size"]), d["etag"], d.get("versionId"))

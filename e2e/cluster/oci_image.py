@@ -7,6 +7,7 @@ image layout (oci-layout, index.json, blobs/sha256/...) by hand and tar it.
 `ctr -n k8s.io images import` reads the name from the index's
 io.containerd.image.name annotation. Output is byte-for-byte reproducible.
 """
+
 import argparse
 import hashlib
 import io
@@ -57,10 +58,12 @@ def main():
     manifest = {
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                   "digest": config_digest, "size": len(config_data)},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
-                    "digest": layer_digest, "size": len(layer)}],
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config_digest,
+            "size": len(config_data),
+        },
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": len(layer)}],
     }
     manifest_digest, manifest_data = blob(json.dumps(manifest, sort_keys=True).encode())
 
@@ -68,19 +71,22 @@ def main():
     index = {
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.index.v1+json",
-        "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": manifest_digest, "size": len(manifest_data),
-            "platform": {"architecture": "amd64", "os": "linux"},
-            "annotations": {"io.containerd.image.name": a.ref,
-                            "org.opencontainers.image.ref.name": tag},
-        }],
+        "manifests": [
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": manifest_digest,
+                "size": len(manifest_data),
+                "platform": {"architecture": "amd64", "os": "linux"},
+                "annotations": {"io.containerd.image.name": a.ref, "org.opencontainers.image.ref.name": tag},
+            }
+        ],
     }
 
-    entries = [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}', 0o644),
-               ("index.json", json.dumps(index, sort_keys=True).encode(), 0o644)]
-    for digest, data in ((layer_digest, layer), (config_digest, config_data),
-                         (manifest_digest, manifest_data)):
+    entries = [
+        ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}', 0o644),
+        ("index.json", json.dumps(index, sort_keys=True).encode(), 0o644),
+    ]
+    for digest, data in ((layer_digest, layer), (config_digest, config_data), (manifest_digest, manifest_data)):
         entries.append(("blobs/sha256/" + digest.split(":", 1)[1], data, 0o644))
     with open(a.out + ".tmp", "wb") as f:
         f.write(tar_bytes(entries))

@@ -11,7 +11,8 @@ import os
 import shlex
 import subprocess
 import time
-from typing import Any, Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -22,8 +23,9 @@ class CommandError(RuntimeError):
         super().__init__(f"{shlex.join(cmd)} -> exit {rc}\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}")
 
 
-def run(cmd: list[str], *, input: str | None = None, check: bool = True,
-        timeout: float = 120) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], *, input: str | None = None, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise CommandError(cmd, p.returncode, p.stdout, p.stderr)
@@ -35,16 +37,19 @@ class Kube:
         self.kubectl_bin, self.kubeconfig, self.helm_bin = kubectl, kubeconfig, helm
 
     # --- kubectl ---------------------------------------------------------------------
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 120) -> subprocess.CompletedProcess:
-        return run([self.kubectl_bin, "--kubeconfig", self.kubeconfig, *args],
-                   input=input, check=check, timeout=timeout)
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        return run(
+            [self.kubectl_bin, "--kubeconfig", self.kubeconfig, *args], input=input, check=check, timeout=timeout
+        )
 
     def helm(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
         return run([self.helm_bin, "--kubeconfig", self.kubeconfig, *args], check=check, timeout=timeout)
 
-    def get(self, kind: str, name: str | None = None, namespace: str | None = None,
-            selector: str | None = None) -> dict[str, Any] | None:
+    def get(
+        self, kind: str, name: str | None = None, namespace: str | None = None, selector: str | None = None
+    ) -> dict[str, Any] | None:
         args = ["get", kind]
         if name:
             args.append(name)
@@ -71,8 +76,9 @@ class Kube:
     def create(self, obj: dict[str, Any], check: bool = True) -> subprocess.CompletedProcess:
         return self.kubectl("create", "-f", "-", input=json.dumps(obj), check=check)
 
-    def delete(self, kind: str, name: str, namespace: str | None = None, wait: bool = False,
-               extra: Iterable[str] = ()) -> None:
+    def delete(
+        self, kind: str, name: str, namespace: str | None = None, wait: bool = False, extra: Iterable[str] = ()
+    ) -> None:
         args = ["delete", kind, name, "--ignore-not-found", f"--wait={'true' if wait else 'false'}", *extra]
         if namespace:
             args += ["-n", namespace]
@@ -86,8 +92,13 @@ class Kube:
         return data["serverVersion"]["gitVersion"]
 
 
-def wait_for(what: str, fn: Callable[[], T], timeout: float = 120, interval: float = 0.5,
-             describe: Callable[[], str] | None = None) -> T:
+def wait_for(
+    what: str,
+    fn: Callable[[], T],
+    timeout: float = 120,
+    interval: float = 0.5,
+    describe: Callable[[], str] | None = None,
+) -> T:
     """Poll ``fn`` until it returns something truthy; fail with ``what`` (and a diagnosis) on timeout."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
@@ -98,17 +109,20 @@ def wait_for(what: str, fn: Callable[[], T], timeout: float = 120, interval: flo
                 return value
         except (AssertionError, NodeExecError):
             raise  # a failed check, or a node we cannot look at: retrying would only hide it
-        except Exception as e:  # noqa: BLE001 - transient kubectl/API errors are retried
+        except Exception as e:
             last_exc = e
         if time.monotonic() > deadline:
             detail = ""
             if describe is not None:
                 try:
                     detail = "\n" + describe()
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     detail = f"\n(describe failed: {e})"
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}"
-                               + (f" (last error: {last_exc})" if last_exc else "") + detail)
+            raise TimeoutError(
+                f"timed out after {timeout:.0f}s waiting for {what}"
+                + (f" (last error: {last_exc})" if last_exc else "")
+                + detail
+            )
         time.sleep(interval)
 
 
@@ -145,8 +159,10 @@ def node_path_exists(path: str, node: str | None = None) -> bool:
     p = node_sh(f"if [ -e {shlex.quote(path)} ]; then echo present; else echo absent; fi", node=node)
     answer = p.stdout.strip()
     if p.returncode != 0 or answer not in ("present", "absent"):
-        raise NodeExecError(f"cannot tell whether {path} exists on node {node or '(local)'}: exit "
-                            f"{p.returncode}, stdout {p.stdout[-300:]!r}, stderr {p.stderr[-300:]!r}")
+        raise NodeExecError(
+            f"cannot tell whether {path} exists on node {node or '(local)'}: exit "
+            f"{p.returncode}, stdout {p.stdout[-300:]!r}, stderr {p.stderr[-300:]!r}"
+        )
     return answer == "present"
 
 
@@ -159,10 +175,10 @@ def node_pids_of_container(container_id: str, node: str | None = None) -> list[i
     cid = container_id.split("://", 1)[-1]
     if not cid or not all(c in "0123456789abcdef" for c in cid):
         raise NodeExecError(f"not a container ID: {container_id!r}")
-    p = node_sh(f"for d in /proc/[0-9]*; do grep -qs {cid} $d/cgroup && echo ${{d#/proc/}}; done; echo end",
-                node=node)
+    p = node_sh(f"for d in /proc/[0-9]*; do grep -qs {cid} $d/cgroup && echo ${{d#/proc/}}; done; echo end", node=node)
     lines = p.stdout.split()
     if p.returncode != 0 or not lines or lines[-1] != "end":
-        raise NodeExecError(f"cannot list the processes of container {cid[:12]} on {node or '(local)'}: "
-                            f"{p.stderr[-300:]}")
+        raise NodeExecError(
+            f"cannot list the processes of container {cid[:12]} on {node or '(local)'}: {p.stderr[-300:]}"
+        )
     return [int(x) for x in lines[:-1]]

@@ -18,7 +18,7 @@ from typing import Any
 from .kube import node_path_exists, wait_for
 
 REVISION_ANNOTATION = "dscache.io/revision"  # dscache_contract.ANNOTATION_REVISION
-META_MOUNT_PATH = "/var/run/dscache"          # dscache_contract.META_MOUNT_PATH
+META_MOUNT_PATH = "/var/run/dscache"  # dscache_contract.META_MOUNT_PATH
 
 
 def pod_revision(pod: dict[str, Any]) -> str:
@@ -44,16 +44,20 @@ def lease(c: str, rev: str, pod_uid: str) -> str:
     return f"{c}/leases/{rev}/{pod_uid}"
 
 
-def wait_revision_wiped(kube, ns: str, cache: str, c: str, rev: str, node: str | None,
-                        timeout: float = 90) -> None:
+def wait_revision_wiped(kube, ns: str, cache: str, c: str, rev: str, node: str | None, timeout: float = 90) -> None:
     """Wait until the node holds neither the revision nor a lease on it, then check that
     C itself (the mount source of any later pod) is still there."""
+
     def gone() -> bool:
         return not node_path_exists(rev_dir(c, rev), node) and not node_path_exists(f"{c}/leases/{rev}", node)
 
     def describe() -> str:
         obj = kube.get("datasetcache", cache, ns) or {}
-        return json.dumps(obj.get("status") or {}, indent=1) + "\n" + kube.kubectl(
-            "get", "pods", "-n", "dscache-system", "-o", "wide", check=False).stdout
+        return (
+            json.dumps(obj.get("status") or {}, indent=1)
+            + "\n"
+            + kube.kubectl("get", "pods", "-n", "dscache-system", "-o", "wide", check=False).stdout
+        )
+
     wait_for(f"revision {rev} wiped from {c} on {node or 'the node'}", gone, timeout=timeout, describe=describe)
     assert node_path_exists(c, node), f"the wipe of {rev} removed the cache dir {c} itself"

@@ -11,7 +11,7 @@ from typing import Any
 
 TRAIN_UID = 1000
 TRAIN_CONTAINER = "train"
-INIT_NAME = "dscache-stage"   # the injected init container (operator/dscache_operator/injection.py)
+INIT_NAME = "dscache-stage"  # the injected init container (operator/dscache_operator/injection.py)
 SIGNAL_DIR = "/signal"
 
 # The "training" program: the first thing it does is print when it started;
@@ -21,7 +21,7 @@ SIGNAL_DIR = "/signal"
 # read-only, and optionally waits for a go signal from the test (a file in an
 # emptyDir, written with kubectl exec) so the test can look at the node while
 # the pod still runs.
-TRAIN_SCRIPT = r'''
+TRAIN_SCRIPT = r"""
 import errno, hashlib, json, os, sys, time
 print("TRAIN_START %.3f" % time.time(), flush=True)
 def fail(msg):
@@ -78,14 +78,14 @@ if sig:
             fail("no go signal")
         time.sleep(0.2)
 print("TRAIN_DONE", flush=True)
-'''
+"""
 
 
 @dataclass
 class Dataset:
     bucket: str
     prefix: str
-    files: dict[str, bytes] = field(default_factory=dict)   # key relative to prefix -> content
+    files: dict[str, bytes] = field(default_factory=dict)  # key relative to prefix -> content
 
     @property
     def uri(self) -> str:
@@ -128,11 +128,17 @@ def upload(s3: Any, ds: Dataset) -> None:
     s3.put_object(Bucket=ds.bucket, Key="other/not-staged.bin", Body=b"x" * 1000)
 
 
-def dataset_cache(name: str, namespace: str, ds: Dataset, endpoint: str, secret: str | None,
-                  mount_path: str = "/data", retention: dict[str, Any] | None = None,
-                  resources: dict[str, Any] | None = None) -> dict[str, Any]:
-    source: dict[str, Any] = {"uri": ds.uri, "endpoint": endpoint, "region": "us-east-1",
-                              "addressingStyle": "path"}
+def dataset_cache(
+    name: str,
+    namespace: str,
+    ds: Dataset,
+    endpoint: str,
+    secret: str | None,
+    mount_path: str = "/data",
+    retention: dict[str, Any] | None = None,
+    resources: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    source: dict[str, Any] = {"uri": ds.uri, "endpoint": endpoint, "region": "us-east-1", "addressingStyle": "path"}
     if secret:
         source["credentials"] = {"secretRef": {"name": secret}}
     spec: dict[str, Any] = {"source": source, "mountPath": mount_path}
@@ -140,18 +146,25 @@ def dataset_cache(name: str, namespace: str, ds: Dataset, endpoint: str, secret:
         spec["retention"] = retention
     if resources:
         spec["resources"] = resources
-    return {"apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache",
-            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+    return {
+        "apiVersion": "dscache.io/v1alpha1",
+        "kind": "DatasetCache",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
 
 
 def s3_secret(name: str, namespace: str, key_id: str, secret_key: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
-            "type": "Opaque",
-            "stringData": {"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret_key}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace},
+        "type": "Opaque",
+        "stringData": {"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret_key},
+    }
 
 
-def train_pod_spec(image: str, ds: Dataset | None, wait: bool = False,
-                   restart_policy: str = "Never") -> dict[str, Any]:
+def train_pod_spec(image: str, ds: Dataset | None, wait: bool = False, restart_policy: str = "Never") -> dict[str, Any]:
     env = [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
     if ds is not None:
         env.append({"name": "EXPECT_DIGEST", "value": ds.digest})
@@ -166,24 +179,40 @@ def train_pod_spec(image: str, ds: Dataset | None, wait: bool = False,
         "terminationGracePeriodSeconds": 2,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": TRAIN_UID, "runAsGroup": TRAIN_UID,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [{
-            "name": TRAIN_CONTAINER,
-            "image": image,
-            "imagePullPolicy": os.environ.get("DSCACHE_E2E_PULL_POLICY", "Never"),
-            "command": ["/opt/dscache/bin/python3", "-c", TRAIN_SCRIPT],
-            "env": env,
-            "volumeMounts": mounts,
-            "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                                "capabilities": {"drop": ["ALL"]}},
-        }],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": TRAIN_UID,
+            "runAsGroup": TRAIN_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": TRAIN_CONTAINER,
+                "image": image,
+                "imagePullPolicy": os.environ.get("DSCACHE_E2E_PULL_POLICY", "Never"),
+                "command": ["/opt/dscache/bin/python3", "-c", TRAIN_SCRIPT],
+                "env": env,
+                "volumeMounts": mounts,
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "runAsNonRoot": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }
+        ],
         "volumes": volumes,
     }
 
 
-def training_job(name: str, namespace: str, cache: str | None, image: str, ds: Dataset | None,
-                 wait: bool = False, on_template: bool = False) -> dict[str, Any]:
+def training_job(
+    name: str,
+    namespace: str,
+    cache: str | None,
+    image: str,
+    ds: Dataset | None,
+    wait: bool = False,
+    on_template: bool = False,
+) -> dict[str, Any]:
     """A batch Job; the opt-in annotation on the Job (default) or only on its pod template."""
     annotations = {"dscache.io/cache": cache} if cache else {}
     meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": {"e2e": "dscache"}}
@@ -192,19 +221,30 @@ def training_job(name: str, namespace: str, cache: str | None, image: str, ds: D
         tmeta["annotations"] = annotations
     else:
         meta["annotations"] = annotations
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
-            "spec": {"backoffLimit": 0, "template": {"metadata": tmeta,
-                                                     "spec": train_pod_spec(image, ds, wait)}}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {"backoffLimit": 0, "template": {"metadata": tmeta, "spec": train_pod_spec(image, ds, wait)}},
+    }
 
 
-def bare_pod(name: str, namespace: str, cache: str, image: str, ds: Dataset,
-             wait: bool = False) -> dict[str, Any]:
+def bare_pod(name: str, namespace: str, cache: str, image: str, ds: Dataset, wait: bool = False) -> dict[str, Any]:
     """A Pod as a Kubeflow-style operator creates it from a replica spec's pod template:
     the annotation sits on the pod itself, no Job owns it."""
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace,
-                         "labels": {"e2e": "dscache", "training.kubeflow.org/job-name": "mnist",
-                                    "training.kubeflow.org/replica-type": "master",
-                                    "training.kubeflow.org/replica-index": "0"},
-                         "annotations": {"dscache.io/cache": cache}},
-            "spec": train_pod_spec(image, ds, wait)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {
+                "e2e": "dscache",
+                "training.kubeflow.org/job-name": "mnist",
+                "training.kubeflow.org/replica-type": "master",
+                "training.kubeflow.org/replica-index": "0",
+            },
+            "annotations": {"dscache.io/cache": cache},
+        },
+        "spec": train_pod_spec(image, ds, wait),
+    }

@@ -7,7 +7,14 @@ import os
 import sys
 
 from dscache_contract import (
-    ENV_POD_UID, TERMINATION_LOG, ArgsError, ExitCode, Selection, StageArgs, WipeArgs, build_parser,
+    ENV_POD_UID,
+    TERMINATION_LOG,
+    ArgsError,
+    ExitCode,
+    Selection,
+    StageArgs,
+    WipeArgs,
+    build_parser,
 )
 
 from .errors import StageError, UsageError
@@ -41,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         _write_log(log, f"error: {e}")
         return ExitCode.USAGE
     log = getattr(ns, "termination_log", None) or (
-        DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None)
+        DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None
+    )
     try:
         if ns.command == "sync":
             line = _sync(ns).to_json()
         elif ns.command == "wipe":
-            from .wipe import wipe  # noqa: PLC0415 - keeps obstore out of the wipe helper's start-up
+            from .wipe import wipe
 
             line = wipe(_args(WipeArgs.from_namespace, ns)).to_json()
         else:
@@ -55,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(log, e.exit_code, str(e))
     except KeyboardInterrupt:
         return _fail(log, ExitCode.INTERRUPTED, "interrupted")
-    except Exception as e:  # noqa: BLE001 - a bug; still leave a reason behind
+    except Exception as e:
         import traceback
 
         traceback.print_exc()
@@ -73,38 +81,49 @@ def _args(build, ns):
 
 
 def _source(ns) -> S3Source:
-    return S3Source.parse(ns.source, endpoint_url=ns.endpoint_url, region=ns.region,
-                          addressing_style=ns.addressing_style,
-                          **({"retry_timeout": ns.retry_timeout} if getattr(ns, "retry_timeout", None) else {}))
+    return S3Source.parse(
+        ns.source,
+        endpoint_url=ns.endpoint_url,
+        region=ns.region,
+        addressing_style=ns.addressing_style,
+        **({"retry_timeout": ns.retry_timeout} if getattr(ns, "retry_timeout", None) else {}),
+    )
 
 
 def _sync(ns):
-    from .stage import sync  # noqa: PLC0415
-    from .sync_options import SyncOptions, default_concurrency  # noqa: PLC0415
+    from .stage import sync
+    from .sync_options import SyncOptions, default_concurrency
 
     args: StageArgs = _args(StageArgs.from_namespace, ns)
     pod_uid = args.pod_uid or os.environ.get(ENV_POD_UID) or None
     if pod_uid and pod_uid.startswith("$("):
-        raise UsageError(f"--pod-uid {pod_uid} was not expanded: set env {ENV_POD_UID} from the downward "
-                         f"API (fieldRef metadata.uid) in the stager container")
+        raise UsageError(
+            f"--pod-uid {pod_uid} was not expanded: set env {ENV_POD_UID} from the downward "
+            f"API (fieldRef metadata.uid) in the stager container"
+        )
     if pod_uid:
-        from dscache_contract import validate_pod_uid  # noqa: PLC0415
+        from dscache_contract import validate_pod_uid
 
         try:
             validate_pod_uid(pod_uid)
         except ValueError as e:
             raise UsageError(str(e)) from e
-    opts = SyncOptions(source=_source(ns), cache_dir=os.path.abspath(args.cache_dir), revision=args.revision,
-                       pod_uid=pod_uid, filters=Filters(list(args.include), list(args.exclude)),
-                       concurrency=args.concurrency or default_concurrency(),
-                       progress_interval=args.progress_interval)
+    opts = SyncOptions(
+        source=_source(ns),
+        cache_dir=os.path.abspath(args.cache_dir),
+        revision=args.revision,
+        pod_uid=pod_uid,
+        filters=Filters(list(args.include), list(args.exclude)),
+        concurrency=args.concurrency or default_concurrency(),
+        progress_interval=args.progress_interval,
+    )
     return sync(opts, Progress())
 
 
 def _revision(ns) -> dict:
-    import asyncio  # noqa: PLC0415
+    import asyncio
 
-    from .sync import current_revision  # noqa: PLC0415
+    from .sync import current_revision
 
     source = _source(ns)
     return asyncio.run(current_revision(source, Selection(source.prefix, tuple(ns.include), tuple(ns.exclude))))

@@ -75,8 +75,15 @@ FILE_MODE = 0o444
 class Fetcher:
     """Downloads objects into temp files under ``tree``'s tmp dir and moves them into place."""
 
-    def __init__(self, store: S3Store, tree: LocalTree, tmp_dir: str, requests: asyncio.Semaphore,
-                 on_bytes: Callable[[int], None], zero_copy: bool) -> None:
+    def __init__(
+        self,
+        store: S3Store,
+        tree: LocalTree,
+        tmp_dir: str,
+        requests: asyncio.Semaphore,
+        on_bytes: Callable[[int], None],
+        zero_copy: bool,
+    ) -> None:
         self.store = store
         self.zero_copy = zero_copy and rawhttp.available()
         self.splicers = ThreadPoolExecutor(16, thread_name_prefix="splice")
@@ -134,7 +141,7 @@ class Fetcher:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         self._place(tmp, rel)
@@ -203,7 +210,7 @@ class Fetcher:
                 if e.status == 412:
                     raise PreconditionError(str(e)) from e
                 # 5xx, 429 and a 206 with the wrong framing are worth another try.
-                if e.status < 500 and e.status not in (206, 429) or attempt == OBJECT_ATTEMPTS:
+                if (e.status < 500 and e.status not in (206, 429)) or attempt == OBJECT_ATTEMPTS:
                     raise GenericError(str(e)) from e
             except rawhttp.PeerError as e:
                 if attempt == OBJECT_ATTEMPTS:

@@ -33,9 +33,11 @@ Entry = ManifestEntry
 
 
 def cache_gone_message(c: str) -> str:
-    return (f"the cache dir {c} was removed from the node after this pod started (its DatasetCache was "
-            f"deleted, or the node's copy wiped with --all); nothing was staged. Delete this pod so that "
-            f"it is recreated with a fresh cache dir, or recreate the DatasetCache first")
+    return (
+        f"the cache dir {c} was removed from the node after this pod started (its DatasetCache was "
+        f"deleted, or the node's copy wiped with --all); nothing was staged. Delete this pod so that "
+        f"it is recreated with a fresh cache dir, or recreate the DatasetCache first"
+    )
 
 
 def check_cache_dir(c: str) -> None:
@@ -51,8 +53,9 @@ def check_cache_dir(c: str) -> None:
         try:
             os.makedirs(c, 0o755, exist_ok=True)
         except OSError as e:
-            raise DestinationError(f"cannot create the cache dir {c}: {e.strerror}; "
-                                   f"check the cache volume and its permissions") from e
+            raise DestinationError(
+                f"cannot create the cache dir {c}: {e.strerror}; check the cache volume and its permissions"
+            ) from e
         return
     if not stat.S_ISDIR(st.st_mode):
         raise DestinationError(f"the cache dir {c} is not a directory; check the cache volume")
@@ -77,8 +80,9 @@ def cache_lock(c: str, on_wait: Callable[[], None] | None = None, blocking: bool
         except FileNotFoundError as e:
             raise CacheGoneError(cache_gone_message(c)) from e
         except OSError as e:
-            raise DestinationError(f"cannot open {path}: {e.strerror}; check the cache volume "
-                                   f"and its permissions") from e
+            raise DestinationError(
+                f"cannot open {path}: {e.strerror}; check the cache volume and its permissions"
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -110,8 +114,7 @@ def write_lease(c: str, rev: str, pod_uid: str) -> str:
     path = contract.lease_path(c, rev, pod_uid)
     try:
         os.makedirs(d, 0o755, exist_ok=True)
-        write_atomic(path, json.dumps({"pod_uid": pod_uid, "revision": rev, "at": time.time()}) + "\n",
-                     d, mode=0o644)
+        write_atomic(path, json.dumps({"pod_uid": pod_uid, "revision": rev, "at": time.time()}) + "\n", d, mode=0o644)
     except FileNotFoundError as e:
         raise CacheGoneError(cache_gone_message(c)) from e
     except OSError as e:

@@ -102,7 +102,7 @@ async def list_objects(store: S3Store, prefix: str) -> AsyncIterator[list[Remote
             await out.put(None)
         except InvalidPathError as e:
             await out.put(UnrepresentableKeys(str(e)))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
+        except Exception as e:
             await out.put(e)
 
     producer = asyncio.create_task(produce())
@@ -126,7 +126,9 @@ def list_keys_raw(source: S3Source) -> list[str]:
 
     style = resolve_addressing_style(source.endpoint_url, source.addressing_style)
     client = boto3.client(
-        "s3", endpoint_url=source.endpoint_url, region_name=resolve_region(source.region),
+        "s3",
+        endpoint_url=source.endpoint_url,
+        region_name=resolve_region(source.region),
         config=Config(s3={"addressing_style": style}, retries={"mode": "adaptive", "max_attempts": 10}),
     )
     keys: list[str] = []

@@ -37,9 +37,11 @@ class Progress:
         elapsed = max(time.monotonic() - self.started, 1e-6)
         rate = self.fetched_bytes / elapsed
         more = "" if self.listing_done else "+"
-        text = (f"{self.fetched_objects}/{self.to_fetch_objects}{more} objects, "
-                f"{human_bytes(self.fetched_bytes)}/{human_bytes(self.to_fetch_bytes)}{more}, "
-                f"{rate / 1e6:.1f} MB/s")
+        text = (
+            f"{self.fetched_objects}/{self.to_fetch_objects}{more} objects, "
+            f"{human_bytes(self.fetched_bytes)}/{human_bytes(self.to_fetch_bytes)}{more}, "
+            f"{rate / 1e6:.1f} MB/s"
+        )
         if self.skipped:
             text += f", {self.skipped} already present"
         if self.listing_done and rate > 0:

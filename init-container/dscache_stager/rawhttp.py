@@ -52,8 +52,12 @@ def get_range_into(url: str, start: int, end: int, fd: int, etag: str | None, ti
     except OSError as e:
         raise PeerError(f"connect to {u.netloc}: {e}") from e
     with sock:
-        lines = [f"GET {u.path}?{u.query} HTTP/1.1", f"Host: {u.netloc}",
-                 f"Range: bytes={start}-{end - 1}", "Connection: close"]
+        lines = [
+            f"GET {u.path}?{u.query} HTTP/1.1",
+            f"Host: {u.netloc}",
+            f"Range: bytes={start}-{end - 1}",
+            "Connection: close",
+        ]
         if etag:
             lines.append(f'If-Match: "{etag}"')
         try:
@@ -64,10 +68,15 @@ def get_range_into(url: str, start: int, end: int, fd: int, etag: str | None, ti
         status, headers = _parse_head(head)
         if status != 206:
             raise HttpStatus(status, (body[:300] or head[:300]).decode("latin-1", "replace"))
-        if headers.get("transfer-encoding", "identity") != "identity" or \
-                int(headers.get("content-length", -1)) != end - start:
-            raise HttpStatus(status, f"unexpected framing {headers.get('transfer-encoding')} "
-                                     f"{headers.get('content-length')} for {end - start} bytes")
+        if (
+            headers.get("transfer-encoding", "identity") != "identity"
+            or int(headers.get("content-length", -1)) != end - start
+        ):
+            raise HttpStatus(
+                status,
+                f"unexpected framing {headers.get('transfer-encoding')} "
+                f"{headers.get('content-length')} for {end - start} bytes",
+            )
         offset = start
         if body:
             os.pwrite(fd, body, offset)

@@ -9,10 +9,10 @@ from datetime import timedelta
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 
 from dscache_contract import parse_source, resolve_addressing_style, resolve_region
-from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
 
 from .errors import SourceError, StageError, TransientError, UsageError
 
@@ -31,7 +31,7 @@ class S3Source:
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT
 
     @classmethod
-    def parse(cls, uri: str, **kw: Any) -> "S3Source":
+    def parse(cls, uri: str, **kw: Any) -> S3Source:
         try:
             bucket, prefix = parse_source(uri)
         except ValueError as e:
@@ -44,7 +44,7 @@ class S3Source:
 
     def relative(self, key: str) -> str:
         """The path of ``key`` under DEST: the key minus the prefix."""
-        return key[len(self.prefix):]
+        return key[len(self.prefix) :]
 
     def check_reachable(self, timeout: float = 5.0) -> None:
         """Fail in seconds, not after a minute of retries, when a custom endpoint is down."""
@@ -57,8 +57,10 @@ class S3Source:
         try:
             socket.create_connection((url.hostname, port), timeout=timeout).close()
         except OSError as e:
-            raise SourceError(f"cannot reach the S3 endpoint {self.endpoint_url}: {e.strerror or e}; "
-                              f"check the endpoint URL and that the network allows it") from e
+            raise SourceError(
+                f"cannot reach the S3 endpoint {self.endpoint_url}: {e.strerror or e}; "
+                f"check the endpoint URL and that the network allows it"
+            ) from e
 
     def open_store(self, concurrency: int) -> S3Store:
         """An obstore client with pooled connections and retries with jittered backoff.
@@ -85,7 +87,10 @@ class S3Source:
             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10), "base": 2},
         }
         return S3Store(
-            self.bucket, config=config, client_options=client_options, retry_config=retry,
+            self.bucket,
+            config=config,
+            client_options=client_options,
+            retry_config=retry,
             **credentials_for_store(),
         )
 
@@ -120,12 +125,21 @@ def source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
     text = (str(e) or type(e).__name__).split("\n")[0]
     where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
     if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "AccessDenied" in str(e) or "403" in text:
-        return SourceError(f"access denied to {where} with this pod's credentials: check the credentials "
-                           f"Secret (or the pod's IAM role) and that the bucket policy allows ListBucket and "
-                           f"GetObject; a copy already on the node is not served without access ({text})")
+        return SourceError(
+            f"access denied to {where} with this pod's credentials: check the credentials "
+            f"Secret (or the pod's IAM role) and that the bucket policy allows ListBucket and "
+            f"GetObject; a copy already on the node is not served without access ({text})"
+        )
     if "NoSuchBucket" in str(e):
-        return SourceError(f"no such bucket: {source.bucket} at {source.endpoint_url or 'AWS S3'}; "
-                           f"check the bucket name, region and endpoint")
-    if any(s in str(e) for s in ("error sending request", "Connection refused", "dns error", "connect")) and fetched == 0:
-        return SourceError(f"cannot reach the S3 endpoint for {where}: check the endpoint URL and network policy ({text})")
+        return SourceError(
+            f"no such bucket: {source.bucket} at {source.endpoint_url or 'AWS S3'}; "
+            f"check the bucket name, region and endpoint"
+        )
+    if (
+        any(s in str(e) for s in ("error sending request", "Connection refused", "dns error", "connect"))
+        and fetched == 0
+    ):
+        return SourceError(
+            f"cannot reach the S3 endpoint for {where}: check the endpoint URL and network policy ({text})"
+        )
     return TransientError(f"S3 kept failing for {where} after retries with backoff: {text}; re-run to resume")

@@ -51,19 +51,31 @@ def sync(opts, progress: Progress | None = None) -> StageSummary:
         if opts.pod_uid:
             write_lease(c, opts.revision, opts.pod_uid)
         if rev.read_complete() is not None and rev.sealed_before_boot():
-            progress.note(f"revision {opts.revision} was completed before this node last booted and "
-                          "nothing was fsynced: staging it again")
+            progress.note(
+                f"revision {opts.revision} was completed before this node last booted and "
+                "nothing was fsynced: staging it again"
+            )
             rev.remove()
         if (marker := rev.read_complete()) is not None:
             done = StageSummary.from_dict(marker)
-            progress.note(f"revision {opts.revision} is already complete on this node: "
-                          f"{done.objects} objects, {human_bytes(done.bytes)}; nothing to list or copy")
-            return StageSummary(objects=done.objects, bytes=done.bytes, skipped=done.objects,
-                                seconds=time.monotonic() - started, revision=opts.revision, warm=True)
-        from .sync import cold  # noqa: PLC0415 - asyncio and the data plane, only when needed
+            progress.note(
+                f"revision {opts.revision} is already complete on this node: "
+                f"{done.objects} objects, {human_bytes(done.bytes)}; nothing to list or copy"
+            )
+            return StageSummary(
+                objects=done.objects,
+                bytes=done.bytes,
+                skipped=done.objects,
+                seconds=time.monotonic() - started,
+                revision=opts.revision,
+                warm=True,
+            )
+        from .sync import cold
 
-        progress.note(f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
-                      f"({opts.concurrency} requests in flight)")
+        progress.note(
+            f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
+            f"({opts.concurrency} requests in flight)"
+        )
         return cold(opts, rev, store, progress)
 
 

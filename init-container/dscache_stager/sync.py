@@ -22,7 +22,11 @@ from obstore.exceptions import BaseError, PreconditionError
 from dscache_contract import RevisionHasher, Selection, StageSummary
 
 from .errors import (
-    DestinationError, HostileKeysError, NoSpaceError, RevisionGoneError, StageError,
+    DestinationError,
+    HostileKeysError,
+    NoSpaceError,
+    RevisionGoneError,
+    StageError,
 )
 from .fetch import Fetcher, ObjectGone, exists
 from .keys import TreeShape, unsafe_reason
@@ -91,8 +95,14 @@ class _Run:
         self.free = st.f_bavail * st.f_frsize
         self.needed = 0
         self.requests = asyncio.Semaphore(self.opts.concurrency)
-        self.fetcher = Fetcher(self.store, self.tree, rev.tmp, self.requests, self.progress.add_bytes,
-                               zero_copy=(self.source.endpoint_url or "").startswith("http://"))
+        self.fetcher = Fetcher(
+            self.store,
+            self.tree,
+            rev.tmp,
+            self.requests,
+            self.progress.add_bytes,
+            zero_copy=(self.source.endpoint_url or "").startswith("http://"),
+        )
         queue: asyncio.Queue[RemoteObject | None] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
         workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 
@@ -115,8 +125,7 @@ class _Run:
                 if stale:
                     self.tree.remove(stale)
                 summary = self._summary(len(stale))
-            rev.mark_complete(sorted(self.entries.values(), key=lambda e: e.path), self.tree.dirs,
-                              summary.to_dict())
+            rev.mark_complete(sorted(self.entries.values(), key=lambda e: e.path), self.tree.dirs, summary.to_dict())
             return summary
         except RevisionGoneError:
             self._drop_revision()
@@ -126,7 +135,8 @@ class _Run:
             raise RevisionGoneError(
                 f"an object under {self.source.uri} changed or was deleted after revision {rev.rev} was "
                 f"pinned ({_first_line(e)}); the bucket can no longer serve revision {rev.rev}, so nothing "
-                f"was staged. {_revision_advice()}") from e
+                f"was staged. {_revision_advice()}"
+            ) from e
         except OSError as e:
             raise _destination_error(e, rev.dir) from e
         except BaseError as e:
@@ -139,7 +149,7 @@ class _Run:
     def _drop_revision(self) -> None:
         try:
             self.journal.close()
-        except Exception:  # noqa: BLE001 - best effort before removing the dir
+        except Exception:
             pass
         self.rev.remove()
 
@@ -150,7 +160,8 @@ class _Run:
                 f"revision {self.rev.rev} of {self.source.uri} (the one this pod was admitted with) is no "
                 f"longer in the bucket: it lists as revision {got} now ({self.hasher.objects} objects, "
                 f"{self.hasher.bytes} bytes). Objects were changed, added or deleted after the revision was "
-                f"pinned, so nothing was staged. {_revision_advice()}")
+                f"pinned, so nothing was staged. {_revision_advice()}"
+            )
 
     # --- listing ------------------------------------------------------------
 
@@ -193,8 +204,9 @@ class _Run:
                 rel = relative(key)
                 if rel and not key.endswith("/") and (reason := unsafe_reason(rel)):
                     self.hostile.append((key, reason))
-            raise HostileKeysError(self._hostile_message() if self.hostile else
-                                   f"a key under {self.source.uri} cannot be copied: {e}") from e
+            raise HostileKeysError(
+                self._hostile_message() if self.hostile else f"a key under {self.source.uri} cannot be copied: {e}"
+            ) from e
         progress.listing_done = True
 
     def _reserve(self, objs: list[RemoteObject]) -> None:
@@ -208,7 +220,8 @@ class _Run:
                 f"{self.needed} bytes ({human_bytes(self.needed)}) but only {self.free} bytes "
                 f"({human_bytes(self.free)}) are free; free space on the node's cache disk (older "
                 f"revisions are removed once no pod holds them), narrow the source with include/exclude, "
-                f"or use a larger disk")
+                f"or use a larger disk"
+            )
 
     async def _settle_empties(self, known: dict[str, Entry]) -> None:
         """Empty objects: a real empty file, or a directory marker ``a/`` that obstore shows as ``a``.
@@ -219,6 +232,7 @@ class _Run:
         connections, so 3,000 empty files cost 3,000 small requests on at most
         --concurrency connections. Creating an empty file opens no connection.
         """
+
         async def settle(obj: RemoteObject, rel: str) -> None:
             if self.shape.is_dir(rel):
                 return  # a directory marker of a directory we fill anyway
@@ -270,24 +284,33 @@ class _Run:
 
     def _summary(self, deleted: int) -> StageSummary:
         return StageSummary(
-            objects=len(self.entries), bytes=sum(e.size for e in self.entries.values()),
-            skipped=self.progress.skipped, fetched_bytes=self.fetched_bytes, deleted=deleted,
-            seconds=time.monotonic() - self.started, revision=self.rev.rev, warm=False,
+            objects=len(self.entries),
+            bytes=sum(e.size for e in self.entries.values()),
+            skipped=self.progress.skipped,
+            fetched_bytes=self.fetched_bytes,
+            deleted=deleted,
+            seconds=time.monotonic() - self.started,
+            revision=self.rev.rev,
+            warm=False,
             fetched_objects=self.progress.fetched_objects,
         )
 
     def _hostile_message(self) -> str:
         shown = "; ".join(f"{k!r} ({why})" for k, why in self.hostile[:MAX_KEYS_SHOWN])
         more = f" and {len(self.hostile) - MAX_KEYS_SHOWN} more" if len(self.hostile) > MAX_KEYS_SHOWN else ""
-        return (f"{len(self.hostile)} object key(s) under {self.source.uri} cannot be written safely "
-                f"under the cache dir: {shown}{more}; rename them in the bucket or exclude them "
-                f"with an exclude glob")
+        return (
+            f"{len(self.hostile)} object key(s) under {self.source.uri} cannot be written safely "
+            f"under the cache dir: {shown}{more}; rename them in the bucket or exclude them "
+            f"with an exclude glob"
+        )
 
 
 def _revision_advice() -> str:
-    return ("Pods admitted from now on get the bucket's current revision: re-run the Job (or delete its "
-            "pending pods), or restore the objects. Data that must stay fixed while Jobs run belongs "
-            "under a new prefix per version.")
+    return (
+        "Pods admitted from now on get the bucket's current revision: re-run the Job (or delete its "
+        "pending pods), or restore the objects. Data that must stay fixed while Jobs run belongs "
+        "under a new prefix per version."
+    )
 
 
 def _first_line(e: BaseException) -> str:

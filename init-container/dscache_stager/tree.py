@@ -13,7 +13,6 @@ import stat
 from collections.abc import Iterator
 
 
-
 class LocalTree:
     def __init__(self, dest: str) -> None:
         self.dest = dest

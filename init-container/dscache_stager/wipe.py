@@ -50,8 +50,10 @@ def wipe(args: WipeArgs) -> WipeSummary:
                     remove_tree(c)
                     out.removed = True
     except BlockingIOError:
-        raise BusyError(f"{c} is locked by a running stager (staging a revision); nothing was released "
-                        f"or removed; retry once it is done") from None
+        raise BusyError(
+            f"{c} is locked by a running stager (staging a revision); nothing was released "
+            f"or removed; retry once it is done"
+        ) from None
     return out
 
 

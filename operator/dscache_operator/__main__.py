@@ -1,8 +1,8 @@
 """Entry points (one image, two roles):
 
-    python -m dscache_operator controller   # reconcile DatasetCaches, track consumers, wipe
-    python -m dscache_operator webhook      # serve the mutating admission webhook (TLS)
-    python -m dscache_operator crdgen       # print the CRD generated from the models
+python -m dscache_operator controller   # reconcile DatasetCaches, track consumers, wipe
+python -m dscache_operator webhook      # serve the mutating admission webhook (TLS)
+python -m dscache_operator crdgen       # print the CRD generated from the models
 """
 
 from __future__ import annotations
@@ -26,13 +26,16 @@ def debug_memory_on_signal() -> None:
     """DSCACHE_DEBUG_MEMORY=1: SIGUSR2 logs the top allocations (tracemalloc)."""
     import signal
     import tracemalloc
+
     tracemalloc.start(8)
 
     def dump(*_):
         snap = tracemalloc.take_snapshot()
         for stat in snap.statistics("traceback")[:15]:
             logging.getLogger("dscache.memory").warning(
-                f"{stat.size / 2**20:.1f} MiB in {stat.count} blocks:\n" + "\n".join(stat.traceback.format()[-6:]))
+                f"{stat.size / 2**20:.1f} MiB in {stat.count} blocks:\n" + "\n".join(stat.traceback.format()[-6:])
+            )
+
     signal.signal(signal.SIGUSR2, dump)
 
 
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     role = argv[0] if argv else ""
     if role == "crdgen":
         from . import crdgen
+
         crdgen.main()
         return 0
     if role not in ("controller", "webhook"):
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .common import Context, memo_for
     from .settings import Settings
+
     # The one place settings are read: everything else gets them through the Context.
     settings = Settings.from_env()
     ctx = Context(settings=settings)
@@ -64,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         from .webhook import make_registry
     namespaces = list(settings.watch_namespaces)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
-    kopf.run(registry=make_registry(settings), standalone=True, clusterwide=not namespaces,
-             namespaces=namespaces, liveness_endpoint=liveness, memo=memo_for(ctx))
+    kopf.run(
+        registry=make_registry(settings),
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=liveness,
+        memo=memo_for(ctx),
+    )
     return 0
 
 

@@ -59,6 +59,7 @@ def ctx_of(memo: Any) -> Context:
 
 async def start_metrics(ctx: Context) -> None:
     from . import metrics
+
     if ctx.metrics_runner is None:
         ctx.metrics_runner = await metrics.serve(ctx.settings.metrics_port)
 
@@ -75,7 +76,8 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+        prefix=GROUP, key="last-handled-configuration"
+    )
     # Only warnings/errors of handlers become Kubernetes Events; our own Events
     # are posted explicitly with kopf.event().
     settings.posting.level = logging.WARNING

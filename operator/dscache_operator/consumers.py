@@ -30,10 +30,20 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
-from .models import (CACHE_ANNOTATION, NodeRevision, NodeState, NodeStatus, PodPhase, Retention,
-                     RetentionPolicy, VolumeMode, parse_duration)
+from .models import (
+    CACHE_ANNOTATION,
+    NodeRevision,
+    NodeState,
+    NodeStatus,
+    PodPhase,
+    Retention,
+    RetentionPolicy,
+    VolumeMode,
+    parse_duration,
+)
 
 # Fixed names (dscache_contract), repeated here to keep this module import-light.
 INIT_NAME = "dscache-stage"
@@ -52,9 +62,10 @@ class OwnerRef(NamedTuple):
 
 class OwnerInfo(NamedTuple):
     """One owner object: whether it finished, and its own controller owner."""
+
     kind: str
     name: str
-    finished: bool | None     # None: this kind has no finished state (e.g. RayCluster)
+    finished: bool | None  # None: this kind has no finished state (e.g. RayCluster)
     owner: OwnerRef | None
 
 
@@ -62,11 +73,11 @@ class PodInfo(NamedTuple):
     name: str
     node: str | None
     phase: str
-    owner: OwnerRef | None   # the controller ownerReference, if any
-    mode: str                # HostPath | EmptyDir
-    init: str | None         # None (not injected/seen), waiting, running, ok, failed
-    started: str | None      # init container start (RFC 3339)
-    message: str | None      # init container termination message
+    owner: OwnerRef | None  # the controller ownerReference, if any
+    mode: str  # HostPath | EmptyDir
+    init: str | None  # None (not injected/seen), waiting, running, ok, failed
+    started: str | None  # init container start (RFC 3339)
+    message: str | None  # init container termination message
     uid: str = ""
     revision: str | None = None
 
@@ -110,7 +121,9 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         phase=status.get("phase") or PodPhase.PENDING,
         owner=controller_ref(meta),
         mode=annotations.get(MODE_ANNOTATION, VolumeMode.HOST_PATH),
-        init=init, started=started, message=(message or "").strip() or None,
+        init=init,
+        started=started,
+        message=(message or "").strip() or None,
         uid=meta.get("uid", ""),
         revision=annotations.get(REVISION_ANNOTATION),
     )
@@ -126,9 +139,11 @@ def pod_key(body: dict[str, Any]) -> tuple[str, str] | None:
 
 # --- owners: each kind's "finished" -------------------------------------------------------
 
+
 def _condition_true(body: dict[str, Any], types: tuple[str, ...]) -> bool:
-    return any(c.get("type") in types and c.get("status") == "True"
-               for c in (body.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") in types and c.get("status") == "True" for c in (body.get("status") or {}).get("conditions") or []
+    )
 
 
 def job_finished(body: dict[str, Any]) -> bool:
@@ -137,8 +152,11 @@ def job_finished(body: dict[str, Any]) -> bool:
 
 def _rayjob_finished(body: dict[str, Any]) -> bool:
     status = body.get("status") or {}
-    return status.get("jobDeploymentStatus") in ("Complete", "Failed") or \
-        status.get("jobStatus") in ("SUCCEEDED", "FAILED", "STOPPED")
+    return status.get("jobDeploymentStatus") in ("Complete", "Failed") or status.get("jobStatus") in (
+        "SUCCEEDED",
+        "FAILED",
+        "STOPPED",
+    )
 
 
 def _volcano_finished(body: dict[str, Any]) -> bool:
@@ -148,21 +166,27 @@ def _volcano_finished(body: dict[str, Any]) -> bool:
 
 class OwnerKind(NamedTuple):
     kind: str
-    group_path: str          # /apis/<group>/<version>
+    group_path: str  # /apis/<group>/<version>
     plural: str
-    finished: Callable[[dict[str, Any]], bool] | None   # None: never finishes by itself
+    finished: Callable[[dict[str, Any]], bool] | None  # None: never finishes by itself
 
 
 #: The owner kinds whose finished condition we know. Their CRDs are optional:
 #: an absent one is simply an empty view (see informer.py).
 OWNER_KINDS: tuple[OwnerKind, ...] = (
     OwnerKind("Job", "/apis/batch/v1", "jobs", job_finished),
-    OwnerKind("JobSet", "/apis/jobset.x-k8s.io/v1alpha2", "jobsets",
-              lambda b: _condition_true(b, ("Completed", "Failed"))),
-    OwnerKind("PyTorchJob", "/apis/kubeflow.org/v1", "pytorchjobs",
-              lambda b: _condition_true(b, ("Succeeded", "Failed"))),
-    OwnerKind("TrainJob", "/apis/trainer.kubeflow.org/v1alpha1", "trainjobs",
-              lambda b: _condition_true(b, ("Complete", "Failed"))),
+    OwnerKind(
+        "JobSet", "/apis/jobset.x-k8s.io/v1alpha2", "jobsets", lambda b: _condition_true(b, ("Completed", "Failed"))
+    ),
+    OwnerKind(
+        "PyTorchJob", "/apis/kubeflow.org/v1", "pytorchjobs", lambda b: _condition_true(b, ("Succeeded", "Failed"))
+    ),
+    OwnerKind(
+        "TrainJob",
+        "/apis/trainer.kubeflow.org/v1alpha1",
+        "trainjobs",
+        lambda b: _condition_true(b, ("Complete", "Failed")),
+    ),
     OwnerKind("RayJob", "/apis/ray.io/v1", "rayjobs", _rayjob_finished),
     OwnerKind("RayCluster", "/apis/ray.io/v1", "rayclusters", None),
     OwnerKind("Job.batch.volcano.sh", "/apis/batch.volcano.sh/v1alpha1", "jobs", _volcano_finished),
@@ -175,7 +199,7 @@ def owner_info(kind: OwnerKind, body: dict[str, Any]) -> OwnerInfo:
     return OwnerInfo(kind.kind, meta.get("name", ""), finished, controller_ref(meta))
 
 
-OwnerLookup = Callable[[str], "OwnerInfo | None"]   # uid -> info (None: not in any view)
+OwnerLookup = Callable[[str], "OwnerInfo | None"]  # uid -> info (None: not in any view)
 
 
 def top_owner(pod: PodInfo, owners: OwnerLookup) -> tuple[OwnerRef | None, OwnerInfo | None]:
@@ -202,13 +226,14 @@ def holds(pod: PodInfo, owners: OwnerLookup, deleting: bool = False) -> bool:
         return False
     ref, info = top_owner(pod, owners)
     if info is None:
-        return False           # unknown kind, or an owner already gone: pod phase decides
+        return False  # unknown kind, or an owner already gone: pod phase decides
     if info.finished is None:  # a kind that never finishes by itself (RayCluster): alive while it exists
         return True
     return not info.finished
 
 
 # --- helpers -------------------------------------------------------------------------------
+
 
 def parse_time(text: str | None) -> datetime.datetime | None:
     if not text:
@@ -217,7 +242,7 @@ def parse_time(text: str | None) -> datetime.datetime | None:
 
 
 def fmt_time(t: datetime.datetime) -> str:
-    return t.astimezone(datetime.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return t.astimezone(datetime.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def termination_summary(message: str | None) -> dict[str, Any]:
@@ -237,11 +262,13 @@ def termination_summary(message: str | None) -> dict[str, Any]:
 
 # --- planning ------------------------------------------------------------------------------
 
+
 class Release(NamedTuple):
     """One wipe step to take: remove ``revision`` (None: the whole cache dir, on
     deletion) on the node once the leases of ``release`` are deleted.
     ``newest_use``: the newest stager start of that revision there (a helper created
     before it decided on stale facts and is replaced)."""
+
     revision: str | None
     release: tuple[str, ...]
     newest_use: datetime.datetime | None = None
@@ -271,11 +298,19 @@ def _ttl_passed(last_used: str | None, retention: Retention, now: datetime.datet
     return (now - last).total_seconds() >= parse_duration(retention.ttlAfterLastUse or "0s")
 
 
-def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owners: OwnerLookup,
-              retention: Retention, now: datetime.datetime, deleting: bool = False,
-              blocked_everywhere: frozenset[str] = frozenset(),
-              block_all: bool = False, keep_wiped: float = 3600.0,
-              live_anywhere: frozenset[str] = frozenset()) -> NodePlan | None:
+def plan_node(
+    node: str,
+    prior: NodeStatus | None,
+    pods: Iterable[PodInfo],
+    owners: OwnerLookup,
+    retention: Retention,
+    now: datetime.datetime,
+    deleting: bool = False,
+    blocked_everywhere: frozenset[str] = frozenset(),
+    block_all: bool = False,
+    keep_wiped: float = 3600.0,
+    live_anywhere: frozenset[str] = frozenset(),
+) -> NodePlan | None:
     """``blocked_everywhere``: revisions of unscheduled live pods (they may land here);
     ``block_all``: an unscheduled live pod of unknown revision exists;
     ``live_anywhere``: UIDs of every pod of the cache that still holds its revision.
@@ -293,12 +328,12 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
     relevant = [p for p in pods if p in consumers or _started_after(p, wiped_at)]
     if prior is None and not relevant:
         return None  # only old, finished pods: nothing of theirs is on the node any more
-    entry = (prior.model_copy(deep=True) if prior is not None
-             else NodeStatus(node=node, state=NodeState.STAGING))
+    entry = prior.model_copy(deep=True) if prior is not None else NodeStatus(node=node, state=NodeState.STAGING)
 
     if relevant:
-        entry.volume = (VolumeMode.HOST_PATH if any(p.mode == VolumeMode.HOST_PATH for p in relevant)
-                        else VolumeMode.EMPTY_DIR)
+        entry.volume = (
+            VolumeMode.HOST_PATH if any(p.mode == VolumeMode.HOST_PATH for p in relevant) else VolumeMode.EMPTY_DIR
+        )
         # Ready means: what the live consumers hold is on disk. So while any
         # consumer's stager has not finished (it may be re-staging a revision a
         # wipe just removed), the node is Staging, even if older pods were Ready.
@@ -375,8 +410,9 @@ def plan_node(node: str, prior: NodeStatus | None, pods: Iterable[PodInfo], owne
                 continue
             release = {p.uid for p in done_here if p.uid and p.revision == r.id}
             release.update(u for u in r.strayLeases if u not in live_anywhere)
-            wipes.append(Release(r.id, tuple(sorted(release)),
-                                 _newest(p for p in relevant if p.revision in (r.id, None))))
+            wipes.append(
+                Release(r.id, tuple(sorted(release)), _newest(p for p in relevant if p.revision in (r.id, None)))
+            )
         if not active and not consumers and prior is not None and entry.state != NodeState.WIPED:
             # Nothing of any revision left here (or a copy that predates revisions).
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
@@ -387,9 +423,16 @@ def _newest(pods: Iterable[PodInfo]) -> datetime.datetime | None:
     return max((parse_time(p.started) for p in pods if p.started), default=None)
 
 
-def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo], owners: OwnerLookup,
-               retention: Retention, now: datetime.datetime, deleting: bool = False,
-               keep_wiped: float = 3600.0, gone_nodes: frozenset[str] = frozenset()) -> dict[str, NodePlan]:
+def plan_nodes(
+    prior: list[NodeStatus],
+    pods: Iterable[PodInfo],
+    owners: OwnerLookup,
+    retention: Retention,
+    now: datetime.datetime,
+    deleting: bool = False,
+    keep_wiped: float = 3600.0,
+    gone_nodes: frozenset[str] = frozenset(),
+) -> dict[str, NodePlan]:
     """``gone_nodes``: nodes the API server says no longer exist. They are dropped
     from status and get no wipe helper (their disks went with them)."""
     pods = list(pods)
@@ -416,8 +459,19 @@ def plan_nodes(prior: list[NodeStatus], pods: Iterable[PodInfo], owners: OwnerLo
             wiped = parse_time(old.wipedAt)
             if wiped is None or (now - wiped).total_seconds() > keep_wiped:
                 continue  # keep status bounded: forget long-wiped nodes no pod refers to
-        plan = plan_node(node, old, by_node.get(node, []), owners, retention, now, deleting,
-                         frozenset(blocked), block_all, keep_wiped, live)
+        plan = plan_node(
+            node,
+            old,
+            by_node.get(node, []),
+            owners,
+            retention,
+            now,
+            deleting,
+            frozenset(blocked),
+            block_all,
+            keep_wiped,
+            live,
+        )
         if plan is not None:
             plans[node] = plan
     return plans

@@ -17,12 +17,23 @@ from typing import Any
 
 import kopf
 
-from . import common, sourcecheck, status as st, wipe
+from . import common, sourcecheck, wipe
+from . import status as st
 from .common import Context, ctx_of
 from .consumers import MAX_STRAY_LEASES, fmt_time, plan_nodes
 from .kube import ApiError
 from .metrics import METRICS
-from .models import GROUP, PLURAL, REFRESH_ANNOTATION, VERSION, DatasetCacheSpec, NodeState, NodeStatus, Phase, VolumeMode
+from .models import (
+    GROUP,
+    PLURAL,
+    REFRESH_ANNOTATION,
+    VERSION,
+    DatasetCacheSpec,
+    NodeState,
+    NodeStatus,
+    Phase,
+    VolumeMode,
+)
 from .views import Views
 
 CACHES = (GROUP, VERSION, PLURAL)
@@ -31,7 +42,7 @@ AUTH_FAILURE_LIMIT = 300.0
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def _events_for_transitions(body: kopf.Body, prior: dict[str, NodeStatus], entries: list[NodeStatus]) -> None:
@@ -40,15 +51,31 @@ def _events_for_transitions(body: kopf.Body, prior: dict[str, NodeStatus], entri
         if old is not None and old.state == e.state:
             continue
         if e.state == NodeState.READY:
-            kopf.event(body, type="Normal", reason="NodeReady",
-                       message=f"node {e.node}: {e.objects} objects, {e.bytes} bytes staged in {e.seconds} s")
+            kopf.event(
+                body,
+                type="Normal",
+                reason="NodeReady",
+                message=f"node {e.node}: {e.objects} objects, {e.bytes} bytes staged in {e.seconds} s",
+            )
         elif e.state == NodeState.FAILED:
             kopf.event(body, type="Warning", reason="NodeFailed", message=f"node {e.node}: {e.message}")
 
 
-async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, status: Any, namespace: str,
-                    name: str, patch: kopf.Patch, memo: Any, logger: Any,
-                    deleting: bool = False, **_: Any) -> tuple[int, int] | None:
+async def reconcile(
+    ctx: Context,
+    *,
+    body: kopf.Body,
+    meta: Any,
+    spec: Any,
+    status: Any,
+    namespace: str,
+    name: str,
+    patch: kopf.Patch,
+    memo: Any,
+    logger: Any,
+    deleting: bool = False,
+    **_: Any,
+) -> tuple[int, int] | None:
     """Recompute and patch status; return (live consumers, copies not yet wiped),
     or None while the pod/Job views are still filling (no node decision then)."""
     cache = DatasetCacheSpec.model_validate(dict(spec))
@@ -58,24 +85,41 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
     kube = ctx.api()
 
     # 1. The source, on create/spec change (and retried while it is failing).
-    why = None if deleting else sourcecheck.source_due(
-        meta, current, memo, ctx.settings.source_retry_interval, cache.refresh.interval, now)
+    why = (
+        None
+        if deleting
+        else sourcecheck.source_due(
+            meta, current, memo, ctx.settings.source_retry_interval, cache.refresh.interval, now
+        )
+    )
     if why is not None:
         result = await sourcecheck.check_source(kube, namespace, cache, ctx.settings.namespace)
         memo.last_check = time.monotonic()
         METRICS.inc("dscache_source_checks_total", "Source checks by reason.", reason=result.reason)
         generation = meta.get("generation")
         conditions = st.set_condition(
-            current.get("conditions") or [], type=st.SOURCE_READY,
-            status={True: "True", False: "False", None: "Unknown"}[result.ok], reason=result.reason,
-            message=result.message, generation=generation, now=now)
+            current.get("conditions") or [],
+            type=st.SOURCE_READY,
+            status={True: "True", False: "False", None: "Unknown"}[result.ok],
+            reason=result.reason,
+            message=result.message,
+            generation=generation,
+            now=now,
+        )
         old = st.get_condition(current, st.SOURCE_READY)
         if not old or old.get("reason") != result.reason or old.get("observedGeneration") != generation:
-            kopf.event(body, type="Warning" if result.ok is False else "Normal",
-                       reason="SourceChecked" if result.ok else result.reason, message=result.message)
-        wanted.update(conditions=conditions, observedGeneration=generation,
-                      phase=Phase.FAILED if result.ok is False else Phase.READY,
-                      **st.source_fragment(result.objects, result.bytes))
+            kopf.event(
+                body,
+                type="Warning" if result.ok is False else "Normal",
+                reason="SourceChecked" if result.ok else result.reason,
+                message=result.message,
+            )
+        wanted.update(
+            conditions=conditions,
+            observedGeneration=generation,
+            phase=Phase.FAILED if result.ok is False else Phase.READY,
+            **st.source_fragment(result.objects, result.bytes),
+        )
         token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
         if token is not None:
             wanted["observedRefresh"] = token
@@ -83,9 +127,13 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
             old_rev = (current.get("revision") or {}).get("id")
             wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now)
             if old_rev != result.revision:
-                kopf.event(body, type="Normal", reason="RevisionPinned",
-                           message=f"revision {result.revision} ({result.objects} objects, {result.bytes} "
-                                   f"bytes) pinned ({why}); was {old_rev or 'none'}")
+                kopf.event(
+                    body,
+                    type="Normal",
+                    reason="RevisionPinned",
+                    message=f"revision {result.revision} ({result.objects} objects, {result.bytes} "
+                    f"bytes) pinned ({why}); was {old_rev or 'none'}",
+                )
         elif result.ok is None and current.get("revision"):
             wanted["revision"] = None  # nothing verifiable to pin any more
     elif not current.get("phase"):
@@ -111,13 +159,18 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
         entry = plan.entry
         if node in gone:
             # Its disk went with it: drop it from status, and never start a helper there.
-            kopf.event(body, type="Normal", reason="NodeGone",
-                       message=f"node {node} no longer exists; dropped from status (no wipe needed)")
+            kopf.event(
+                body,
+                type="Normal",
+                reason="NodeGone",
+                message=f"node {node} no longer exists; dropped from status (no wipe needed)",
+            )
             continue
         live += entry.consumers
         for step in plan.wipes:
-            outcome, leases = await wipe.drive(kube, ctx.settings, body, namespace, name, entry, step,
-                                               step.newest_use, logger, now=now)
+            outcome, leases = await wipe.drive(
+                kube, ctx.settings, body, namespace, name, entry, step, step.newest_use, logger, now=now
+            )
             for r in entry.revisions:
                 if step.revision not in (None, r.id):
                     continue
@@ -129,8 +182,12 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
                     r.strayLeases = sorted(set(leases))[:MAX_STRAY_LEASES]
             if outcome is not wipe.Outcome.REMOVED:
                 pending += 1
-        if plan.wipe and not any(r.wipedAt is None for r in entry.revisions) and not entry.consumers \
-                and entry.state != NodeState.WIPED:
+        if (
+            plan.wipe
+            and not any(r.wipedAt is None for r in entry.revisions)
+            and not entry.consumers
+            and entry.state != NodeState.WIPED
+        ):
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
         elif not plan.wipe and entry.state != NodeState.WIPED and entry.volume == VolumeMode.HOST_PATH:
             pending += 1
@@ -142,8 +199,9 @@ async def reconcile(ctx: Context, *, body: kopf.Body, meta: Any, spec: Any, stat
     diff = st.changed(current, wanted)
     for key, value in diff.items():
         patch.status[key] = value
-    METRICS.set_cache(namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING,
-                      [e.state for e in entries])
+    METRICS.set_cache(
+        namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING, [e.state for e in entries]
+    )
     return live, pending
 
 
@@ -201,12 +259,10 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
             await reconcile(ctx, memo=memo, **kwargs)
 
     @kopf.on.delete(*CACHES, registry=registry)
-    async def finalize(body: kopf.Body, name: str, namespace: str, retry: int, memo: Any,
-                       **kwargs: Any) -> None:
+    async def finalize(body: kopf.Body, name: str, namespace: str, retry: int, memo: Any, **kwargs: Any) -> None:
         """Behind our finalizer: wait until no pod uses the cache, then wipe every node."""
         ctx = ctx_of(memo)
-        result = await reconcile(ctx, body=body, name=name, namespace=namespace, memo=memo,
-                                 deleting=True, **kwargs)
+        result = await reconcile(ctx, body=body, name=name, namespace=namespace, memo=memo, deleting=True, **kwargs)
         if result is None:
             raise kopf.TemporaryError("waiting for the pod and Job views to fill", delay=1)
         live, pending = result
@@ -214,8 +270,12 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
         delay = min(60.0, max(1.0, ctx.settings.reconcile_interval / 2) * (1 + retry))
         if live:
             if retry == 0:
-                kopf.event(body, type="Normal", reason="DeletionWaiting",
-                           message=f"{live} pod(s) still use this cache; its copies are wiped once they end")
+                kopf.event(
+                    body,
+                    type="Normal",
+                    reason="DeletionWaiting",
+                    message=f"{live} pod(s) still use this cache; its copies are wiped once they end",
+                )
             raise kopf.TemporaryError(f"{live} consumer pod(s) still alive", delay=delay)
         if pending:
             raise kopf.TemporaryError(f"{pending} node copies still being wiped", delay=delay)

@@ -102,14 +102,16 @@ def crd() -> dict[str, Any]:
                 "shortNames": models.SHORT_NAMES,
                 "categories": ["all", "dscache"],
             },
-            "versions": [{
-                "name": models.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": models.PRINTER_COLUMNS,
-                "schema": {"openAPIV3Schema": openapi_schema()},
-            }],
+            "versions": [
+                {
+                    "name": models.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": models.PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                }
+            ],
         },
     }
 

@@ -18,7 +18,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import aiohttp
 
@@ -34,8 +35,16 @@ class Gone(Exception):
 
 
 class Informer:
-    def __init__(self, kube: Kube, path: str, label_selector: str, extract: Extract,
-                 page_size: int = 500, watch_timeout: int = 300, optional: bool = False) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        path: str,
+        label_selector: str,
+        extract: Extract,
+        page_size: int = 500,
+        watch_timeout: int = 300,
+        optional: bool = False,
+    ) -> None:
         self.kube = kube
         #: optional: a kind whose CRD may not be installed (or that RBAC does not
         #: grant): 404/403 on the list make an empty, ready view that retries later.
@@ -106,12 +115,18 @@ class Informer:
             raise
 
     async def _watch(self, rv: str) -> str:
-        params = {"watch": "1", "resourceVersion": rv, "allowWatchBookmarks": "true",
-                  "labelSelector": self.label_selector, "timeoutSeconds": str(self.watch_timeout)}
+        params = {
+            "watch": "1",
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "labelSelector": self.label_selector,
+            "timeoutSeconds": str(self.watch_timeout),
+        }
         session = await self.kube.watch_session()
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.watch_timeout + 30)
-        async with session.get(self.kube.server + self.path, params=params, timeout=timeout,
-                               headers=self.kube.auth_headers()) as resp:
+        async with session.get(
+            self.kube.server + self.path, params=params, timeout=timeout, headers=self.kube.auth_headers()
+        ) as resp:
             if resp.status == 410:
                 raise Gone()
             if resp.status >= 400:
@@ -158,8 +173,10 @@ class Informer:
                 if self.optional and e.status in (403, 404):  # CRD absent (or removed), or not granted
                     rv = ""
                     if not self.ready.is_set() or len(self):
-                        logger.info(f"{self.path}: {e.status}, an optional kind: an empty view "
-                                    f"(looking again in {self.absent_retry:.0f}s)")
+                        logger.info(
+                            f"{self.path}: {e.status}, an optional kind: an empty view "
+                            f"(looking again in {self.absent_retry:.0f}s)"
+                        )
                     self._by_uid, self._by_key = {}, {}
                     self.ready.set()
                     await asyncio.sleep(self.absent_retry)
@@ -178,11 +195,13 @@ class Informer:
                     self.auth_failing_since = time.monotonic()
                 if self.kube.reload_token():
                     continue
-                logger.warning(f"watching {self.path}: {e.status} {'unauthorised' if e.status == 401 else 'forbidden'}; "
-                               f"the view is not ready until it can list again (retrying in {delay:.1f}s)")
+                logger.warning(
+                    f"watching {self.path}: {e.status} {'unauthorised' if e.status == 401 else 'forbidden'}; "
+                    f"the view is not ready until it can list again (retrying in {delay:.1f}s)"
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30)
-            except Exception as e:  # noqa: BLE001 - keep watching; state stays as last known
+            except Exception as e:
                 logger.warning(f"watching {self.path} failed ({e!r}); retrying in {delay:.1f}s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30)
@@ -191,14 +210,25 @@ class Informer:
 class MultiInformer:
     """One informer per watched namespace (or one cluster-wide), keyed by (namespace, ...)."""
 
-    def __init__(self, kube: Kube, group_path: str, plural: str, namespaces: tuple[str, ...],
-                 label_selector: str, extract: Extract, optional: bool = False) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        group_path: str,
+        plural: str,
+        namespaces: tuple[str, ...],
+        label_selector: str,
+        extract: Extract,
+        optional: bool = False,
+    ) -> None:
         if namespaces:
-            self.informers = {ns: Informer(kube, f"{group_path}/namespaces/{ns}/{plural}",
-                                           label_selector, extract, optional=optional) for ns in namespaces}
+            self.informers = {
+                ns: Informer(kube, f"{group_path}/namespaces/{ns}/{plural}", label_selector, extract, optional=optional)
+                for ns in namespaces
+            }
         else:
-            self.informers = {None: Informer(kube, f"{group_path}/{plural}", label_selector, extract,
-                                             optional=optional)}
+            self.informers = {
+                None: Informer(kube, f"{group_path}/{plural}", label_selector, extract, optional=optional)
+            }
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -210,7 +240,7 @@ class MultiInformer:
         for t in self._tasks:
             try:
                 await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except (asyncio.CancelledError, Exception):
                 pass
 
     @property

@@ -26,9 +26,20 @@ import posixpath
 from typing import Any
 
 import dscache_contract as contract
-from dscache_contract import (ANNOTATION_REVISION, ENV_DIR, ENV_MANIFEST, ENV_POD_UID, ENV_REVISION,
-                              META_MOUNT_PATH, POD_UID_ARG, STAGE_MOUNT_PATH, STAGER_COMMAND,
-                              STAGER_CONTAINER_NAME, TERMINATION_LOG, VOLUME_NAME)
+from dscache_contract import (
+    ANNOTATION_REVISION,
+    ENV_DIR,
+    ENV_MANIFEST,
+    ENV_POD_UID,
+    ENV_REVISION,
+    META_MOUNT_PATH,
+    POD_UID_ARG,
+    STAGE_MOUNT_PATH,
+    STAGER_COMMAND,
+    STAGER_CONTAINER_NAME,
+    TERMINATION_LOG,
+    VOLUME_NAME,
+)
 
 from .models import CACHE_ANNOTATION, CONSUMER_LABEL, DatasetCacheSpec, VolumeMode
 from .settings import Settings
@@ -60,10 +71,18 @@ def _norm(path: str) -> str:
 def stage_args(spec: DatasetCacheSpec, settings: Settings, revision: str) -> contract.StageArgs:
     src = spec.source
     return contract.StageArgs(
-        source=src.uri, revision=revision, cache_dir=STAGE_DIR, pod_uid=POD_UID_ARG,
-        endpoint_url=src.endpoint, region=src.region, addressing_style=src.addressingStyle,
-        include=tuple(src.include), exclude=tuple(src.exclude),
-        concurrency=settings.stager_concurrency or None, termination_log=TERMINATION_LOG)
+        source=src.uri,
+        revision=revision,
+        cache_dir=STAGE_DIR,
+        pod_uid=POD_UID_ARG,
+        endpoint_url=src.endpoint,
+        region=src.region,
+        addressing_style=src.addressingStyle,
+        include=tuple(src.include),
+        exclude=tuple(src.exclude),
+        concurrency=settings.stager_concurrency or None,
+        termination_log=TERMINATION_LOG,
+    )
 
 
 def stager_args(spec: DatasetCacheSpec, settings: Settings, revision: str) -> list[str]:
@@ -91,22 +110,27 @@ def stager_security_context(mode: Mode) -> dict[str, Any]:
     return ctx
 
 
-def init_container(namespace: str, name: str, spec: DatasetCacheSpec,
-                   settings: Settings, mode: Mode, revision: str) -> dict[str, Any]:
+def init_container(
+    namespace: str, name: str, spec: DatasetCacheSpec, settings: Settings, mode: Mode, revision: str
+) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         # The lease file is named by the pod's UID, which exists only once the pod
         # does: the kubelet expands $(DSCACHE_POD_UID) in the args from this.
-        {"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
+        {"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+    ]
     secret = spec.source.secret_name
     if secret:
-        for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
-                              ("AWS_SESSION_TOKEN", True)):
-            env.append({"name": key, "valueFrom": {"secretKeyRef": {
-                "name": secret, "key": key, "optional": optional}}})
+        for key, optional in (
+            ("AWS_ACCESS_KEY_ID", False),
+            ("AWS_SECRET_ACCESS_KEY", False),
+            ("AWS_SESSION_TOKEN", True),
+        ):
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}})
     if spec.source.region:
         env.append({"name": "AWS_REGION", "value": spec.source.region})
-    resources = (spec.resources.model_dump(exclude_none=True) if spec.resources
-                 else copy.deepcopy(settings.stager_resources))
+    resources = (
+        spec.resources.model_dump(exclude_none=True) if spec.resources else copy.deepcopy(settings.stager_resources)
+    )
     return {
         "name": INIT_NAME,
         "image": settings.stager_image,
@@ -124,23 +148,28 @@ def init_container(namespace: str, name: str, spec: DatasetCacheSpec,
 
 def volume(namespace: str, name: str, settings: Settings, mode: Mode) -> dict[str, Any]:
     if mode == VolumeMode.HOST_PATH:
-        return {"name": VOLUME_NAME, "hostPath": {
-            "path": settings.cache_dir(namespace, name), "type": "DirectoryOrCreate"}}
+        return {
+            "name": VOLUME_NAME,
+            "hostPath": {"path": settings.cache_dir(namespace, name), "type": "DirectoryOrCreate"},
+        }
     return {"name": VOLUME_NAME, "emptyDir": {}}
 
 
 def training_mounts(mount_path: str, revision: str) -> list[dict[str, Any]]:
     return [
-        {"name": VOLUME_NAME, "mountPath": mount_path, "readOnly": True,
-         "subPath": contract.data_subpath(revision)},
-        {"name": VOLUME_NAME, "mountPath": META_MOUNT_PATH, "readOnly": True,
-         "subPath": contract.meta_subpath(revision)},
+        {"name": VOLUME_NAME, "mountPath": mount_path, "readOnly": True, "subPath": contract.data_subpath(revision)},
+        {
+            "name": VOLUME_NAME,
+            "mountPath": META_MOUNT_PATH,
+            "readOnly": True,
+            "subPath": contract.meta_subpath(revision),
+        },
     ]
 
 
 def check_clashes(pod_spec: dict[str, Any], cache: str, mount_path: str) -> None:
     ours = {_norm(mount_path): "its mountPath", META_MOUNT_PATH: f"the metadata path {META_MOUNT_PATH}"}
-    for c in (pod_spec.get("containers") or []):
+    for c in pod_spec.get("containers") or []:
         for m in c.get("volumeMounts") or []:
             where = ours.get(_norm(m.get("mountPath", "")))
             if m.get("name") != VOLUME_NAME and where:
@@ -148,19 +177,22 @@ def check_clashes(pod_spec: dict[str, Any], cache: str, mount_path: str) -> None
                     f"DatasetCache {cache!r}: {where} {m.get('mountPath')} clashes with the "
                     f"volume {m.get('name')!r} already mounted there in container "
                     f"{c.get('name')!r}; change spec.mountPath of the DatasetCache or "
-                    f"move that mount.")
+                    f"move that mount."
+                )
     for v in pod_spec.get("volumes") or []:
         if v.get("name") == VOLUME_NAME and not any(
-                ic.get("name") == INIT_NAME for ic in pod_spec.get("initContainers") or []):
+            ic.get("name") == INIT_NAME for ic in pod_spec.get("initContainers") or []
+        ):
             raise InjectionError(
                 f"DatasetCache {cache!r}: the pod already has a volume named "
-                f"{VOLUME_NAME!r}, which dscache reserves; rename that volume.")
+                f"{VOLUME_NAME!r}, which dscache reserves; rename that volume."
+            )
     for c in pod_spec.get("initContainers") or []:
-        if c.get("name") == INIT_NAME and not any(m.get("name") == VOLUME_NAME
-                                                  for m in c.get("volumeMounts") or []):
+        if c.get("name") == INIT_NAME and not any(m.get("name") == VOLUME_NAME for m in c.get("volumeMounts") or []):
             raise InjectionError(
                 f"DatasetCache {cache!r}: the pod already has an init container named "
-                f"{INIT_NAME!r}, which dscache reserves; rename that container.")
+                f"{INIT_NAME!r}, which dscache reserves; rename that container."
+            )
 
 
 def _force_read_only(c: dict[str, Any], revision: str) -> bool:
@@ -182,8 +214,16 @@ def _force_read_only(c: dict[str, Any], revision: str) -> bool:
     return changed
 
 
-def inject(pod_spec: dict[str, Any], *, namespace: str, name: str,
-           spec: DatasetCacheSpec, settings: Settings, mode: Mode, revision: str) -> bool:
+def inject(
+    pod_spec: dict[str, Any],
+    *,
+    namespace: str,
+    name: str,
+    spec: DatasetCacheSpec,
+    settings: Settings,
+    mode: Mode,
+    revision: str,
+) -> bool:
     """Mutate ``pod_spec`` in place; return True if anything changed."""
     check_clashes(pod_spec, name, spec.mountPath)
     changed = False
@@ -236,8 +276,17 @@ def inject(pod_spec: dict[str, Any], *, namespace: str, name: str,
     return changed
 
 
-def inject_object(obj: dict[str, Any], *, kind: str, namespace: str, cache_name: str,
-                  spec: DatasetCacheSpec, settings: Settings, mode: Mode, revision: str) -> bool:
+def inject_object(
+    obj: dict[str, Any],
+    *,
+    kind: str,
+    namespace: str,
+    cache_name: str,
+    spec: DatasetCacheSpec,
+    settings: Settings,
+    mode: Mode,
+    revision: str,
+) -> bool:
     """Inject into a Job's pod template or a Pod; mutate ``obj`` in place.
 
     ``revision`` is the one to pin when the object carries none yet; a revision
@@ -257,12 +306,12 @@ def inject_object(obj: dict[str, Any], *, kind: str, namespace: str, cache_name:
     if existing is not None and any(c.get("name") == INIT_NAME for c in pod_spec.get("initContainers") or []):
         # Already injected (e.g. a Job's pod): keep the mode it was injected with.
         mode = VolumeMode.HOST_PATH if "hostPath" in existing else VolumeMode.EMPTY_DIR
-    changed = inject(pod_spec, namespace=namespace, name=cache_name, spec=spec,
-                     settings=settings, mode=mode, revision=revision)
+    changed = inject(
+        pod_spec, namespace=namespace, name=cache_name, spec=spec, settings=settings, mode=mode, revision=revision
+    )
     # The pods carry the cache name (for the controller's consumer index), the
     # mode and the revision (for wipe planning per node and revision).
-    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: VolumeMode(mode).value,
-              REVISION_ANNOTATION: revision}
+    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: VolumeMode(mode).value, REVISION_ANNOTATION: revision}
     if any(annotations.get(k) != v for k, v in wanted.items()):
         meta["annotations"] = {**annotations, **wanted}
         changed = True
@@ -289,7 +338,8 @@ def pinned_revision(annotations: dict[str, Any], cache: str) -> str | None:
         raise InjectionError(
             f"DatasetCache {cache!r}: annotation {REVISION_ANNOTATION}={rev!r} is not a revision id "
             f"({e}); remove it to get the cache's current revision (kubectl get dsc {cache} "
-            f"-o jsonpath='{{.status.revision.id}}').") from None
+            f"-o jsonpath='{{.status.revision.id}}')."
+        ) from None
 
 
 def _label(meta: dict[str, Any]) -> bool:

@@ -82,15 +82,14 @@ class Kube:
         """Long-lived watch streams get their own (unbounded) pool. No auth header
         here: callers pass auth_headers() per request, so a new token is used."""
         if self._watch_session is None or self._watch_session.closed:
-            self._watch_session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=0))
+            self._watch_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl, limit=0))
         return self._watch_session
 
     async def _s(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=self._pool),
-                timeout=aiohttp.ClientTimeout(total=15))
+                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=self._pool), timeout=aiohttp.ClientTimeout(total=15)
+            )
         return self._session
 
     async def close(self) -> None:
@@ -98,17 +97,21 @@ class Kube:
             if session is not None:
                 await session.close()
 
-    async def request(self, method: str, path: str, body: Any = None,
-                      content_type: str = "application/json",
-                      params: dict[str, str] | None = None) -> dict[str, Any]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         session = await self._s()
         data = None if body is None else json.dumps(body)
         for attempt in (0, 1):
             headers = self.auth_headers()
             if data is not None:
                 headers["Content-Type"] = content_type
-            async with session.request(method, self.server + path, data=data, headers=headers,
-                                       params=params) as resp:
+            async with session.request(method, self.server + path, data=data, headers=headers, params=params) as resp:
                 text = await resp.text()
                 if resp.status == 401 and attempt == 0 and self.reload_token():
                     continue  # the token rotated under us: retry once with the new one
@@ -147,15 +150,19 @@ class Kube:
 
     async def delete_pod(self, namespace: str, name: str) -> None:
         try:
-            await self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
-                               {"propagationPolicy": "Background", "gracePeriodSeconds": 0})
+            await self.request(
+                "DELETE",
+                f"/api/v1/namespaces/{namespace}/pods/{name}",
+                {"propagationPolicy": "Background", "gracePeriodSeconds": 0},
+            )
         except ApiError as e:
             if e.status != 404:
                 raise
 
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        data = await self.request("GET", f"/api/v1/namespaces/{namespace}/pods",
-                                  params={"labelSelector": label_selector})
+        data = await self.request(
+            "GET", f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": label_selector}
+        )
         return data.get("items", [])
 
 
@@ -192,15 +199,18 @@ def token_file_of(info: kopf.ConnectionInfo | None = None) -> str | None:
             continue
         try:
             import yaml
+
             with open(path, encoding="utf-8") as f:
                 config = yaml.safe_load(f) or {}
         except (OSError, ValueError):
             continue
         context_name = config.get("current-context")
-        context = next((c.get("context") or {} for c in config.get("contexts") or []
-                        if c.get("name") == context_name), {})
-        user = next((u.get("user") or {} for u in config.get("users") or []
-                     if u.get("name") == context.get("user")), {})
+        context = next(
+            (c.get("context") or {} for c in config.get("contexts") or [] if c.get("name") == context_name), {}
+        )
+        user = next(
+            (u.get("user") or {} for u in config.get("users") or [] if u.get("name") == context.get("user")), {}
+        )
         if user.get("tokenFile"):
             return str(user["tokenFile"])
     return None
@@ -214,7 +224,8 @@ def kopf_session(info: kopf.ConnectionInfo, watches: int) -> kopf.AiohttpSession
     61 MiB of SSL buffers alone). ``watches`` long-lived streams come on top.
     """
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=16 + watches, ssl=info.as_ssl_context()),
-        headers=info.as_http_headers())
-    return kopf.AiohttpSession(server=info.server, default_namespace=info.default_namespace,
-                               priority=info.priority, aiohttp_session=session)
+        connector=aiohttp.TCPConnector(limit=16 + watches, ssl=info.as_ssl_context()), headers=info.as_http_headers()
+    )
+    return kopf.AiohttpSession(
+        server=info.server, default_namespace=info.default_namespace, priority=info.priority, aiohttp_session=session
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from aiohttp import web
 
@@ -54,18 +54,18 @@ class Metrics:
             out += [f"{name}{labels(k)} {v}" for k, v in sorted(series.items())]
         if self.caches:
             phases = collections.Counter(p for p, _ in self.caches.values())
-            out += ["# HELP dscache_datasetcaches DatasetCaches by phase.",
-                    "# TYPE dscache_datasetcaches gauge"]
+            out += ["# HELP dscache_datasetcaches DatasetCaches by phase.", "# TYPE dscache_datasetcaches gauge"]
             out += [f'dscache_datasetcaches{{phase="{p}"}} {n}' for p, n in sorted(phases.items())]
             states: collections.Counter = collections.Counter()
             for _, s in self.caches.values():
                 states.update(s)
-            out += ["# HELP dscache_node_copies Node copies by state.",
-                    "# TYPE dscache_node_copies gauge"]
+            out += ["# HELP dscache_node_copies Node copies by state.", "# TYPE dscache_node_copies gauge"]
             out += [f'dscache_node_copies{{state="{s}"}} {n}' for s, n in sorted(states.items())]
         if any(self.hist_counts):
-            out += ["# HELP dscache_admission_seconds Time to answer an AdmissionReview.",
-                    "# TYPE dscache_admission_seconds histogram"]
+            out += [
+                "# HELP dscache_admission_seconds Time to answer an AdmissionReview.",
+                "# TYPE dscache_admission_seconds histogram",
+            ]
             acc = 0
             for bound, count in zip(_BUCKETS, self.hist_counts):
                 acc += count

@@ -35,11 +35,12 @@ REFRESH_ANNOTATION = f"{GROUP}/refresh"
 DEFAULT_REFRESH_INTERVAL = "1h"
 
 
-
 # --- the API vocabulary (StrEnum: compares equal to, formats and serialises as its value) ---
+
 
 class Phase(enum.StrEnum):
     """status.phase of a DatasetCache."""
+
     PENDING = "Pending"
     READY = "Ready"
     FAILED = "Failed"
@@ -48,6 +49,7 @@ class Phase(enum.StrEnum):
 
 class NodeState(enum.StrEnum):
     """status.nodes[].state: what one node's copy is."""
+
     STAGING = "Staging"
     READY = "Ready"
     FAILED = "Failed"
@@ -56,6 +58,7 @@ class NodeState(enum.StrEnum):
 
 class VolumeMode(enum.StrEnum):
     """Where a pod's copy lives: a node-level hostPath under cacheRoot, or a per-pod emptyDir."""
+
     HOST_PATH = "HostPath"
     EMPTY_DIR = "EmptyDir"
 
@@ -67,6 +70,7 @@ class RetentionPolicy(enum.StrEnum):
 
 class PodPhase(enum.StrEnum):
     """Kubernetes' own pod phases (read, never written)."""
+
     PENDING = "Pending"
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
@@ -77,9 +81,13 @@ class PodPhase(enum.StrEnum):
 # Kubernetes' own int-or-string (resource quantities).
 Quantity = Annotated[
     int | str,
-    WithJsonSchema({"x-kubernetes-int-or-string": True,
-                    "anyOf": [{"type": "integer"}, {"type": "string"}],
-                    "pattern": r"^[0-9.]+([eE][-+]?[0-9]+|[mkKMGTPE]i?)?$"}),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": r"^[0-9.]+([eE][-+]?[0-9]+|[mkKMGTPE]i?)?$",
+        }
+    ),
 ]
 Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-time"})]
 
@@ -92,56 +100,63 @@ class _Model(BaseModel):
 class SecretRef(_Model):
     name: str = Field(
         description="Name of a Secret in the DatasetCache's namespace with keys "
-                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and optionally "
-                    "AWS_SESSION_TOKEN). Only the init container receives them.",
-        min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and optionally "
+        "AWS_SESSION_TOKEN). Only the init container receives them.",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+    )
 
 
 class Credentials(_Model):
     secretRef: SecretRef | None = Field(
         default=None,
         description="Secret holding static S3 keys. Omit to use the pod's own "
-                    "identity (IRSA, workload identity or an instance role).")
+        "identity (IRSA, workload identity or an instance role).",
+    )
 
 
 class Source(_Model):
     uri: str = Field(
         description="Where the dataset lives: s3://BUCKET/PREFIX/. Everything "
-                    "under PREFIX is staged (after include/exclude).",
-        pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", max_length=1024)
+        "under PREFIX is staged (after include/exclude).",
+        pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$",
+        max_length=1024,
+    )
     endpoint: str | None = Field(
         default=None,
-        description="S3 endpoint URL for S3-compatible stores (MinIO, Ceph RGW, "
-                    "OBS, OSS, GCS). Omit for AWS S3.",
-        pattern=r"^https?://[^\s]+$", max_length=512)
-    region: str | None = Field(
-        default=None, description="Region of the bucket, e.g. us-east-1.",
-        max_length=64)
+        description="S3 endpoint URL for S3-compatible stores (MinIO, Ceph RGW, OBS, OSS, GCS). Omit for AWS S3.",
+        pattern=r"^https?://[^\s]+$",
+        max_length=512,
+    )
+    region: str | None = Field(default=None, description="Region of the bucket, e.g. us-east-1.", max_length=64)
     addressingStyle: Literal["path", "virtual"] | None = Field(
         default=None,
         description="S3 addressing style: 'path' (http://endpoint/bucket/key) "
-                    "or 'virtual' (http://bucket.endpoint/key). Omit for the "
-                    "client's default.")
+        "or 'virtual' (http://bucket.endpoint/key). Omit for the "
+        "client's default.",
+    )
     credentials: Credentials | None = Field(
-        default=None,
-        description="How the stager authenticates. Omit (or leave secretRef "
-                    "empty) for pod identity.")
+        default=None, description="How the stager authenticates. Omit (or leave secretRef empty) for pod identity."
+    )
     include: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
-        default_factory=list, max_length=64,
-        description="Glob patterns (relative to PREFIX); when set, only "
-                    "matching keys are staged.")
+        default_factory=list,
+        max_length=64,
+        description="Glob patterns (relative to PREFIX); when set, only matching keys are staged.",
+    )
     exclude: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
-        default_factory=list, max_length=64,
-        description="Glob patterns (relative to PREFIX) of keys never staged; "
-                    "exclude wins over include.")
+        default_factory=list,
+        max_length=64,
+        description="Glob patterns (relative to PREFIX) of keys never staged; exclude wins over include.",
+    )
 
     @property
     def bucket(self) -> str:
-        return self.uri[len("s3://"):].split("/", 1)[0]
+        return self.uri[len("s3://") :].split("/", 1)[0]
 
     @property
     def prefix(self) -> str:
-        rest = self.uri[len("s3://"):].split("/", 1)
+        rest = self.uri[len("s3://") :].split("/", 1)
         return rest[1] if len(rest) > 1 else ""
 
     @property
@@ -153,91 +168,103 @@ class Source(_Model):
 
 class Retention(_Model):
     model_config = ConfigDict(
-        extra="forbid", use_enum_values=True,
-        json_schema_extra={"x-kubernetes-validations": [{
-            "rule": "has(self.ttlAfterLastUse) == (self.policy == 'RetainWhileUsed')",
-            "message": "ttlAfterLastUse is required with policy RetainWhileUsed "
-                       "and not allowed with WipeOnJobCompletion",
-        }]},
+        extra="forbid",
+        use_enum_values=True,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.ttlAfterLastUse) == (self.policy == 'RetainWhileUsed')",
+                    "message": "ttlAfterLastUse is required with policy RetainWhileUsed "
+                    "and not allowed with WipeOnJobCompletion",
+                }
+            ]
+        },
     )
     policy: RetentionPolicy = Field(
         default=RetentionPolicy.WIPE_ON_JOB_COMPLETION,
         description="WipeOnJobCompletion: a node's copy of a revision is wiped as soon as "
-                    "the workloads that used it complete or fail and no other consumer on "
-                    "that node holds it. RetainWhileUsed: the copy stays for later "
-                    "Jobs and is wiped ttlAfterLastUse after its last consumer ended. "
-                    "A pod uses the cache as long as its top-level owner runs: Job, JobSet, "
-                    "PyTorchJob, TrainJob, RayJob (or RayCluster) and Volcano Job are judged "
-                    "by their finished condition; pods of other owners (or none) by their "
-                    "own phase. A pod not yet scheduled holds its revision on every node.")
+        "the workloads that used it complete or fail and no other consumer on "
+        "that node holds it. RetainWhileUsed: the copy stays for later "
+        "Jobs and is wiped ttlAfterLastUse after its last consumer ended. "
+        "A pod uses the cache as long as its top-level owner runs: Job, JobSet, "
+        "PyTorchJob, TrainJob, RayJob (or RayCluster) and Volcano Job are judged "
+        "by their finished condition; pods of other owners (or none) by their "
+        "own phase. A pod not yet scheduled holds its revision on every node.",
+    )
     ttlAfterLastUse: str | None = Field(
         default=None,
         description="With RetainWhileUsed: how long an unused copy is kept, as a "
-                    "duration such as 30m, 12h or 1h30m (units s, m, h, d).",
-        pattern=r"^([0-9]+[smhd])+$", max_length=32)
+        "duration such as 30m, 12h or 1h30m (units s, m, h, d).",
+        pattern=r"^([0-9]+[smhd])+$",
+        max_length=32,
+    )
 
 
 class ResourceRequirements(_Model):
     requests: dict[str, Quantity] | None = Field(
-        default=None, description="Minimum resources of the stager init container, "
-                                  "e.g. {cpu: 500m, memory: 256Mi}.")
+        default=None, description="Minimum resources of the stager init container, e.g. {cpu: 500m, memory: 256Mi}."
+    )
     limits: dict[str, Quantity] | None = Field(
-        default=None, description="Maximum resources of the stager init container.")
+        default=None, description="Maximum resources of the stager init container."
+    )
 
 
 class Refresh(_Model):
     interval: str = Field(
         default=DEFAULT_REFRESH_INTERVAL,
         description="How often the operator re-lists the source to pin a new revision "
-                    "(default 1h), as a duration such as 30m, 12h or 1h30m; 'Never' for a "
-                    "prefix whose objects never change (e.g. a versioned, write-once path). "
-                    "Jobs keep the revision they were admitted with; only new Jobs get the new "
-                    "one. A spec change, and a change of the annotation dscache.io/refresh, "
-                    "re-list at once.",
-        pattern=r"^(Never|([0-9]+[smhd])+)$", max_length=32)
+        "(default 1h), as a duration such as 30m, 12h or 1h30m; 'Never' for a "
+        "prefix whose objects never change (e.g. a versioned, write-once path). "
+        "Jobs keep the revision they were admitted with; only new Jobs get the new "
+        "one. A spec change, and a change of the annotation dscache.io/refresh, "
+        "re-list at once.",
+        pattern=r"^(Never|([0-9]+[smhd])+)$",
+        max_length=32,
+    )
 
 
 class DatasetCacheSpec(_Model):
     source: Source = Field(description="The S3 dataset to stage.")
     mountPath: str = Field(
         description="Absolute path where training containers see the dataset, "
-                    "read-only. Must not clash with another mount in the pod.",
-        pattern=r"^/[^\x00]*$", max_length=512,
-        json_schema_extra={"x-kubernetes-validations": [{
-            "rule": "!self.split('/').exists(p, p == '..' || p == '.') && self != '/'",
-            "message": "mountPath must be an absolute path without '.' or '..' "
-                       "segments and not '/'",
-        }]})
-    retention: Retention = Field(
-        default_factory=Retention,
-        description="When a node's copy is wiped.")
+        "read-only. Must not clash with another mount in the pod.",
+        pattern=r"^/[^\x00]*$",
+        max_length=512,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!self.split('/').exists(p, p == '..' || p == '.') && self != '/'",
+                    "message": "mountPath must be an absolute path without '.' or '..' segments and not '/'",
+                }
+            ]
+        },
+    )
+    retention: Retention = Field(default_factory=Retention, description="When a node's copy is wiped.")
     resources: ResourceRequirements | None = Field(
         default=None,
-        description="Resources of the injected init container (defaults come "
-                    "from the operator's configuration).")
+        description="Resources of the injected init container (defaults come from the operator's configuration).",
+    )
     refresh: Refresh = Field(
-        default_factory=Refresh,
-        description="When the pinned revision of the source is re-computed.")
+        default_factory=Refresh, description="When the pinned revision of the source is re-computed."
+    )
 
 
 class Condition(_Model):
     """A metav1.Condition."""
 
-    type: str = Field(description="Type of condition in CamelCase, e.g. SourceReady.",
-                      max_length=316)
-    status: Literal["True", "False", "Unknown"] = Field(
-        description="Status of the condition: True, False or Unknown.")
+    type: str = Field(description="Type of condition in CamelCase, e.g. SourceReady.", max_length=316)
+    status: Literal["True", "False", "Unknown"] = Field(description="Status of the condition: True, False or Unknown.")
     observedGeneration: int | None = Field(
-        default=None, ge=0,
-        description="The .metadata.generation this condition was set for.")
-    lastTransitionTime: Timestamp = Field(
-        description="Last time the condition changed status.")
+        default=None, ge=0, description="The .metadata.generation this condition was set for."
+    )
+    lastTransitionTime: Timestamp = Field(description="Last time the condition changed status.")
     reason: str = Field(
         description="Machine-readable CamelCase reason, e.g. NoSuchBucket, "
-                    "AccessDenied, EndpointUnreachable, SecretNotFound.",
-        max_length=1024, min_length=1)
-    message: str = Field(default="", description="Human-readable details and the fix.",
-                         max_length=32768)
+        "AccessDenied, EndpointUnreachable, SecretNotFound.",
+        max_length=1024,
+        min_length=1,
+    )
+    message: str = Field(default="", description="Human-readable details and the fix.", max_length=32768)
 
 
 class NodeRevision(_Model):
@@ -245,57 +272,60 @@ class NodeRevision(_Model):
     consumers: int = Field(default=0, ge=0, description="Live pods on the node that hold this revision.")
     lastUsed: Timestamp | None = Field(default=None, description="When its set of consumers last changed.")
     wipedAt: Timestamp | None = Field(
-        default=None, description="When this revision was removed from the node (kept a while so "
-                                  "that finished pods do not bring it back).")
+        default=None,
+        description="When this revision was removed from the node (kept a while so "
+        "that finished pods do not bring it back).",
+    )
     strayLeases: list[str] = Field(
-        default_factory=list, max_length=200,
+        default_factory=list,
+        max_length=200,
         description="Leases a wipe found that belong to no pod the operator can see (pods deleted "
-                    "while it was not looking); released by the next wipe if still unknown then.")
+        "while it was not looking); released by the next wipe if still unknown then.",
+    )
 
 
 class NodeStatus(_Model):
     node: str = Field(description="Node name.")
     state: NodeState = Field(
         description="Staging: an init container is copying; Ready: the copy is "
-                    "complete; Failed: the last copy failed (see message); Wiped: "
-                    "the copy was removed from the node.")
+        "complete; Failed: the last copy failed (see message); Wiped: "
+        "the copy was removed from the node."
+    )
     volume: VolumeMode = Field(
         default=VolumeMode.HOST_PATH,
         description="HostPath: a node-level copy under the operator's cacheRoot "
-                    "(wiped by a helper pod); EmptyDir: a per-pod copy that the "
-                    "kubelet removes with the pod.")
-    bytes: int | None = Field(default=None, ge=0,
-                              description="Bytes of the dataset on the node.")
-    objects: int | None = Field(default=None, ge=0,
-                                description="Objects of the dataset on the node.")
-    seconds: float | None = Field(default=None, ge=0,
-                                  description="Seconds the last copy took.")
-    consumers: int = Field(default=0, ge=0,
-                           description="Live pods on the node that use this cache.")
-    lastUsed: Timestamp | None = Field(
-        default=None, description="When the set of consumers on the node last changed.")
-    wipedAt: Timestamp | None = Field(
-        default=None, description="When the node's copy was last wiped.")
-    message: str | None = Field(default=None, description="Details of a failure or of a wipe.",
-                                max_length=4096)
+        "(wiped by a helper pod); EmptyDir: a per-pod copy that the "
+        "kubelet removes with the pod.",
+    )
+    bytes: int | None = Field(default=None, ge=0, description="Bytes of the dataset on the node.")
+    objects: int | None = Field(default=None, ge=0, description="Objects of the dataset on the node.")
+    seconds: float | None = Field(default=None, ge=0, description="Seconds the last copy took.")
+    consumers: int = Field(default=0, ge=0, description="Live pods on the node that use this cache.")
+    lastUsed: Timestamp | None = Field(default=None, description="When the set of consumers on the node last changed.")
+    wipedAt: Timestamp | None = Field(default=None, description="When the node's copy was last wiped.")
+    message: str | None = Field(default=None, description="Details of a failure or of a wipe.", max_length=4096)
     revisions: list[NodeRevision] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="Revisions staged (or being staged) on the node and not wiped yet; each is "
-                    "removed only when no pod holds a lease on it.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]})
+        "removed only when no pod holds a lease on it.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
+    )
 
 
 class RevisionStatus(_Model):
-    id: str = Field(description="The pinned revision: r- and 20 hex digits of a sha256 over the "
-                                "selected listing (key, size, ETag, versionId). New pods of Jobs "
-                                "admitted from now on stage exactly this.",
-                    pattern=r"^r-[0-9a-f]{20}$")
+    id: str = Field(
+        description="The pinned revision: r- and 20 hex digits of a sha256 over the "
+        "selected listing (key, size, ETag, versionId). New pods of Jobs "
+        "admitted from now on stage exactly this.",
+        pattern=r"^r-[0-9a-f]{20}$",
+    )
     objects: int = Field(ge=0, description="Objects in this revision.")
     bytes: int = Field(ge=0, description="Bytes in this revision.")
     listedAt: Timestamp = Field(description="When the source was listed for this revision.")
     versioned: bool = Field(
-        default=False,
-        description="Whether versionIds are part of the digest (false: key, size and ETag).")
+        default=False, description="Whether versionIds are part of the digest (false: key, size and ETag)."
+    )
 
 
 class OwnerPin(_Model):
@@ -309,46 +339,46 @@ class DatasetCacheStatus(_Model):
     phase: Phase | None = Field(
         default=None,
         description="Pending: the source is not checked yet; Ready: the source "
-                    "is readable; Failed: see the SourceReady condition; "
-                    "Deleting: node copies are being wiped. Deletion refuses every new pod "
-                    "that asks for this cache (including new pods of Jobs already running), "
-                    "waits only for pods that are still running or pending, then removes "
-                    "each node's copy; a Job that still needs new pods gets them refused with "
-                    "'is being deleted' instead of holding the deletion forever.")
+        "is readable; Failed: see the SourceReady condition; "
+        "Deleting: node copies are being wiped. Deletion refuses every new pod "
+        "that asks for this cache (including new pods of Jobs already running), "
+        "waits only for pods that are still running or pending, then removes "
+        "each node's copy; a Job that still needs new pods gets them refused with "
+        "'is being deleted' instead of holding the deletion forever.",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description="Conditions in the metav1.Condition shape (SourceReady).",
-        json_schema_extra={"x-kubernetes-list-type": "map",
-                           "x-kubernetes-list-map-keys": ["type"]})
-    observedGeneration: int | None = Field(
-        default=None, ge=0, description="The .metadata.generation last checked.")
-    objects: int | None = Field(default=None, ge=0,
-                                description="Objects in the source (after include/exclude).")
-    bytes: int | None = Field(default=None, ge=0,
-                              description="Total bytes in the source (after include/exclude).")
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observedGeneration: int | None = Field(default=None, ge=0, description="The .metadata.generation last checked.")
+    objects: int | None = Field(default=None, ge=0, description="Objects in the source (after include/exclude).")
+    bytes: int | None = Field(default=None, ge=0, description="Total bytes in the source (after include/exclude).")
     size: str | None = Field(default=None, description="bytes, human-readable.")
     revision: RevisionStatus | None = Field(
-        default=None, description="The revision of the source that newly admitted workloads stage.")
+        default=None, description="The revision of the source that newly admitted workloads stage."
+    )
     owners: list[OwnerPin] = Field(
         default_factory=list,
         description="Live workloads using this cache and the revision each is pinned to: a pod "
-                    "admitted for one of them stages that revision, not a newer one.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["uid"]})
+        "admitted for one of them stages that revision, not a newer one.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["uid"]},
+    )
     observedRefresh: str | None = Field(
-        default=None, description="The value of the annotation dscache.io/refresh last acted on.",
-        max_length=1024)
+        default=None, description="The value of the annotation dscache.io/refresh last acted on.", max_length=1024
+    )
     readyNodes: int = Field(default=0, ge=0, description="Nodes with state Ready.")
     nodes: list[NodeStatus] = Field(
-        default_factory=list, description="Per-node state of the copy.",
-        json_schema_extra={"x-kubernetes-list-type": "map",
-                           "x-kubernetes-list-map-keys": ["node"]})
+        default_factory=list,
+        description="Per-node state of the copy.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["node"]},
+    )
 
 
 class DatasetCache(_Model):
     """Stage an S3 dataset onto nodes' local disks for annotated workloads."""
 
-    apiVersion: Literal["dscache.io/v1alpha1"] = Field(
-        default="dscache.io/v1alpha1", description="dscache.io/v1alpha1")
+    apiVersion: Literal["dscache.io/v1alpha1"] = Field(default="dscache.io/v1alpha1", description="dscache.io/v1alpha1")
     kind: Literal["DatasetCache"] = Field(default="DatasetCache", description="DatasetCache")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
     spec: DatasetCacheSpec = Field(description="What to stage and how.")
@@ -379,6 +409,7 @@ def human_bytes(n: int | None) -> str | None:
 def parse_duration(text: str) -> float:
     """'1h30m' -> 5400.0 (units s, m, h, d)."""
     import re
+
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     parts = re.findall(r"([0-9]+)([smhd])", text)
     if not parts or "".join(a + b for a, b in parts) != text:

@@ -10,15 +10,39 @@ import json
 import os
 from typing import Any
 
-
 # <cacheRoot>/<namespace>/<cache> is deleted by wipes, so cacheRoot must be a
 # directory of dscache's own: under /var, a namespace "lib" and a cache
 # "kubelet" would name /var/lib/kubelet. The Helm chart refuses the same list.
-SYSTEM_DIRS = frozenset({
-    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt",
-    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/local", "/var", "/var/lib",
-    "/var/log", "/var/run", "/var/tmp",
-})
+SYSTEM_DIRS = frozenset(
+    {
+        "/",
+        "/bin",
+        "/boot",
+        "/dev",
+        "/etc",
+        "/home",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/media",
+        "/mnt",
+        "/opt",
+        "/proc",
+        "/root",
+        "/run",
+        "/sbin",
+        "/srv",
+        "/sys",
+        "/tmp",
+        "/usr",
+        "/usr/local",
+        "/var",
+        "/var/lib",
+        "/var/log",
+        "/var/run",
+        "/var/tmp",
+    }
+)
 
 
 def _cache_root(value: str) -> str:
@@ -26,9 +50,11 @@ def _cache_root(value: str) -> str:
     if not root.startswith("/"):
         raise ValueError(f"DSCACHE_CACHE_ROOT must be an absolute path, got {value!r}")
     if root in SYSTEM_DIRS:
-        raise ValueError(f"DSCACHE_CACHE_ROOT={value!r} is a system directory: wipes delete "
-                         f"<cacheRoot>/<namespace>/<cache>, so use a directory dedicated to dscache, "
-                         f"e.g. /mnt/nvme/dscache or /var/lib/dscache")
+        raise ValueError(
+            f"DSCACHE_CACHE_ROOT={value!r} is a system directory: wipes delete "
+            f"<cacheRoot>/<namespace>/<cache>, so use a directory dedicated to dscache, "
+            f"e.g. /mnt/nvme/dscache or /var/lib/dscache"
+        )
     return root
 
 
@@ -49,9 +75,9 @@ class Settings:
     stager_pull_policy: str = "IfNotPresent"
     """``DSCACHE_STAGER_PULL_POLICY``: imagePullPolicy of injected/helper containers."""
 
-    stager_resources: dict[str, Any] = dataclasses.field(default_factory=lambda: {
-        "requests": {"cpu": "500m", "memory": "256Mi"},
-        "limits": {"memory": "1Gi"}})
+    stager_resources: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    )
     """``DSCACHE_STAGER_RESOURCES``: JSON resources of the init container when
     the DatasetCache sets none."""
 
@@ -98,7 +124,7 @@ class Settings:
     """``DSCACHE_METRICS_PORT``: port of the Prometheus endpoint (``/metrics``); 0 disables it."""
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
         d = cls()
         get = env.get
@@ -111,8 +137,9 @@ class Settings:
             cache_root=_cache_root(opt("DSCACHE_CACHE_ROOT") or d.cache_root),
             stager_image=opt("DSCACHE_STAGER_IMAGE") or d.stager_image,
             stager_pull_policy=opt("DSCACHE_STAGER_PULL_POLICY") or d.stager_pull_policy,
-            stager_resources=(json.loads(get("DSCACHE_STAGER_RESOURCES"))
-                              if opt("DSCACHE_STAGER_RESOURCES") else d.stager_resources),
+            stager_resources=(
+                json.loads(get("DSCACHE_STAGER_RESOURCES")) if opt("DSCACHE_STAGER_RESOURCES") else d.stager_resources
+            ),
             stager_concurrency=int(get("DSCACHE_STAGER_CONCURRENCY")) if opt("DSCACHE_STAGER_CONCURRENCY") else None,
             namespace=opt("DSCACHE_NAMESPACE") or d.namespace,
             watch_namespaces=tuple(_csv(get("DSCACHE_WATCH_NAMESPACES", ""))),
@@ -120,8 +147,11 @@ class Settings:
             webhook_port=int(opt("DSCACHE_WEBHOOK_PORT") or d.webhook_port),
             webhook_cert=opt("DSCACHE_WEBHOOK_CERT"),
             webhook_key=opt("DSCACHE_WEBHOOK_KEY"),
-            wipe_tolerations=(tuple(json.loads(get("DSCACHE_WIPE_TOLERATIONS")))
-                              if opt("DSCACHE_WIPE_TOLERATIONS") else d.wipe_tolerations),
+            wipe_tolerations=(
+                tuple(json.loads(get("DSCACHE_WIPE_TOLERATIONS")))
+                if opt("DSCACHE_WIPE_TOLERATIONS")
+                else d.wipe_tolerations
+            ),
             wipe_priority_class=opt("DSCACHE_WIPE_PRIORITY_CLASS"),
             reconcile_interval=float(opt("DSCACHE_RECONCILE_INTERVAL") or d.reconcile_interval),
             source_retry_interval=float(opt("DSCACHE_SOURCE_RETRY_INTERVAL") or d.source_retry_interval),

@@ -47,15 +47,21 @@ class CheckResult:
 
 def credentials_from_secret(secret: dict | None, namespace: str, name: str) -> dict[str, str] | CheckResult:
     if secret is None:
-        return CheckResult(False, "SecretNotFound",
-                           f"Secret {namespace}/{name} named in spec.source.credentials.secretRef "
-                           f"does not exist; create it with keys {KEY_ID} and {SECRET_KEY}.")
+        return CheckResult(
+            False,
+            "SecretNotFound",
+            f"Secret {namespace}/{name} named in spec.source.credentials.secretRef "
+            f"does not exist; create it with keys {KEY_ID} and {SECRET_KEY}.",
+        )
     data = secret.get("data") or {}
     missing = [k for k in (KEY_ID, SECRET_KEY) if not data.get(k)]
     if missing:
-        return CheckResult(False, "SecretKeyMissing",
-                           f"Secret {namespace}/{name} lacks key(s) {', '.join(missing)}; "
-                           f"add them (the stager reads {KEY_ID}, {SECRET_KEY} and optionally {TOKEN}).")
+        return CheckResult(
+            False,
+            "SecretKeyMissing",
+            f"Secret {namespace}/{name} lacks key(s) {', '.join(missing)}; "
+            f"add them (the stager reads {KEY_ID}, {SECRET_KEY} and optionally {TOKEN}).",
+        )
     out = {k: base64.b64decode(data[k]).decode() for k in (KEY_ID, SECRET_KEY, TOKEN) if data.get(k)}
     return out
 
@@ -67,13 +73,15 @@ def secret_forbidden(namespace: str, name: str, operator_namespace: str) -> Chec
     those would switch the operator to namespaced mode."""
     upgrade = f"helm upgrade dscache charts/dscache -n {operator_namespace} --reuse-values"
     return CheckResult(
-        False, "SecretForbidden",
+        False,
+        "SecretForbidden",
         f"the operator may not read Secret {namespace}/{name} (spec.source.credentials.secretRef), so it "
         f"cannot list the bucket with the cache's keys. The chart's sourceCheck values forbid it: let it "
         f"read Secrets in every namespace it serves with `{upgrade} --set sourceCheck.readSecrets=true "
         f"--set-json 'sourceCheck.secretNamespaces=[]'`, or add {namespace} to the namespaces already listed "
         f"with `{upgrade} --set 'sourceCheck.secretNamespaces={{<listed>,{namespace}}}'` (use your release "
-        f"name and chart path). The check is retried on its own.")
+        f"name and chart path). The check is retried on its own.",
+    )
 
 
 def selected(rel: str, include: list[str], exclude: list[str]) -> bool:
@@ -82,37 +90,62 @@ def selected(rel: str, include: list[str], exclude: list[str]) -> bool:
 
 
 def _classify(exc: BaseException, source: Source, identity: str) -> CheckResult:
-    from botocore.exceptions import (ClientError, ConnectTimeoutError, EndpointConnectionError,
-                                     NoCredentialsError, ReadTimeoutError)
+    from botocore.exceptions import (
+        ClientError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
+
     where = source.endpoint or "AWS S3"
     if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError)):
-        return CheckResult(False, "EndpointUnreachable",
-                           f"cannot reach the S3 endpoint {where}: {exc}; check spec.source.endpoint "
-                           f"and that the operator can reach it.")
+        return CheckResult(
+            False,
+            "EndpointUnreachable",
+            f"cannot reach the S3 endpoint {where}: {exc}; check spec.source.endpoint "
+            f"and that the operator can reach it.",
+        )
     if isinstance(exc, NoCredentialsError):
         # Pod identity (IRSA, instance role) belongs to the training pods, not to
         # us: say so instead of refusing workloads that may well have access.
-        return CheckResult(None, "NotVerifiable",
-                           "spec.source.credentials is empty (pod identity) and the operator has no "
-                           "S3 identity of its own, so the source was not listed; the stager checks "
-                           "access when a pod starts. Set a secretRef to get the check here.")
+        return CheckResult(
+            None,
+            "NotVerifiable",
+            "spec.source.credentials is empty (pod identity) and the operator has no "
+            "S3 identity of its own, so the source was not listed; the stager checks "
+            "access when a pod starts. Set a secretRef to get the check here.",
+        )
     if isinstance(exc, ClientError):
         code = exc.response.get("Error", {}).get("Code", "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code == "NoSuchBucket" or (status == 404 and not code.startswith("NoSuchKey")):
-            return CheckResult(False, "NoSuchBucket",
-                               f"bucket {source.bucket!r} does not exist at {where}; fix spec.source.uri "
-                               f"(or spec.source.endpoint/region).")
-        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
-                    "InvalidToken", "ExpiredToken", "Forbidden") or status in (401, 403):
-            return CheckResult(False, "AccessDenied",
-                               f"access denied listing {source.uri} at {where} with {identity} "
-                               f"({code or status}); grant s3:ListBucket and s3:GetObject, or fix the keys.")
+            return CheckResult(
+                False,
+                "NoSuchBucket",
+                f"bucket {source.bucket!r} does not exist at {where}; fix spec.source.uri "
+                f"(or spec.source.endpoint/region).",
+            )
+        if code in (
+            "AccessDenied",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "AllAccessDisabled",
+            "InvalidToken",
+            "ExpiredToken",
+            "Forbidden",
+        ) or status in (401, 403):
+            return CheckResult(
+                False,
+                "AccessDenied",
+                f"access denied listing {source.uri} at {where} with {identity} "
+                f"({code or status}); grant s3:ListBucket and s3:GetObject, or fix the keys.",
+            )
         return CheckResult(False, "SourceError", f"listing {source.uri} failed: {code or status}: {exc}")
     return CheckResult(False, "SourceError", f"listing {source.uri} failed: {type(exc).__name__}: {exc}")
 
 
-_clients: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_clients: collections.OrderedDict[tuple, object] = collections.OrderedDict()
 _clients_lock = threading.Lock()
 _MAX_CLIENTS = 32
 
@@ -123,26 +156,30 @@ def _client(source: Source, creds: dict[str, str] | None, timeout: float):
     import boto3
     from botocore.config import Config
 
-    secret_digest = hashlib.sha256(
-        f"{(creds or {}).get(SECRET_KEY)}|{(creds or {}).get(TOKEN)}".encode()).hexdigest()
-    key = (source.endpoint, source.region, source.addressingStyle, (creds or {}).get(KEY_ID),
-           secret_digest, timeout)
+    secret_digest = hashlib.sha256(f"{(creds or {}).get(SECRET_KEY)}|{(creds or {}).get(TOKEN)}".encode()).hexdigest()
+    key = (source.endpoint, source.region, source.addressingStyle, (creds or {}).get(KEY_ID), secret_digest, timeout)
     with _clients_lock:
         client = _clients.get(key)
         if client is not None:
             _clients.move_to_end(key)
             return client
-        cfg = Config(connect_timeout=min(timeout, 5), read_timeout=timeout,
-                     retries={"max_attempts": 2, "mode": "standard"},
-                     s3={"addressing_style": contract.resolve_addressing_style(
-                         source.endpoint, source.addressingStyle)})
+        cfg = Config(
+            connect_timeout=min(timeout, 5),
+            read_timeout=timeout,
+            retries={"max_attempts": 2, "mode": "standard"},
+            s3={"addressing_style": contract.resolve_addressing_style(source.endpoint, source.addressingStyle)},
+        )
         kwargs = {}
         if creds:
-            kwargs = {"aws_access_key_id": creds[KEY_ID], "aws_secret_access_key": creds[SECRET_KEY],
-                      "aws_session_token": creds.get(TOKEN)}
+            kwargs = {
+                "aws_access_key_id": creds[KEY_ID],
+                "aws_secret_access_key": creds[SECRET_KEY],
+                "aws_session_token": creds.get(TOKEN),
+            }
         session = boto3.session.Session(**kwargs)
-        client = session.client("s3", endpoint_url=source.endpoint,
-                                region_name=contract.resolve_region(source.region), config=cfg)
+        client = session.client(
+            "s3", endpoint_url=source.endpoint, region_name=contract.resolve_region(source.region), config=cfg
+        )
         _clients[key] = client
         while len(_clients) > _MAX_CLIENTS:
             _clients.popitem(last=False)
@@ -165,16 +202,26 @@ def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> 
                 if selection.relative(key) is None:
                     continue
                 hasher.add(key, int(item.get("Size", 0)), item.get("ETag"), None)
-    except Exception as exc:  # noqa: BLE001 - classified into a reason
+    except Exception as exc:
         return _classify(exc, source, identity)
     objects, total = hasher.objects, hasher.bytes
     if objects == 0:
-        return CheckResult(False, "NoObjects",
-                           f"{source.uri} holds no objects (after include/exclude); fix "
-                           f"spec.source.uri or the globs.", 0, 0)
+        return CheckResult(
+            False,
+            "NoObjects",
+            f"{source.uri} holds no objects (after include/exclude); fix spec.source.uri or the globs.",
+            0,
+            0,
+        )
     revision = hasher.revision_id()
-    return CheckResult(True, "Listed", f"{objects} objects, {total} bytes in {source.uri} (revision {revision})",
-                       objects, total, revision)
+    return CheckResult(
+        True,
+        "Listed",
+        f"{objects} objects, {total} bytes in {source.uri} (revision {revision})",
+        objects,
+        total,
+        revision,
+    )
 
 
 # Few threads: listings are I/O-bound, and each thread costs memory (see __main__).
@@ -191,8 +238,8 @@ async def check(source: Source, creds: dict[str, str] | None, timeout: float = 2
 
 # --- the controller's glue: credentials from the spec's Secret, and when to check -------------
 
-async def check_source(kube: Kube, namespace: str, spec: DatasetCacheSpec,
-                       operator_namespace: str) -> CheckResult:
+
+async def check_source(kube: Kube, namespace: str, spec: DatasetCacheSpec, operator_namespace: str) -> CheckResult:
     """Read the spec's Secret (if any) with the operator's client, then list the source.
     ``operator_namespace`` is the chart's release namespace, named in the SecretForbidden fix."""
     creds = None
@@ -211,8 +258,9 @@ async def check_source(kube: Kube, namespace: str, spec: DatasetCacheSpec,
     return await check(spec.source, creds)
 
 
-def source_due(meta: Any, status: dict[str, Any], memo: Any, retry_interval: float,
-               refresh_interval: str, now: datetime.datetime) -> str | None:
+def source_due(
+    meta: Any, status: dict[str, Any], memo: Any, retry_interval: float, refresh_interval: str, now: datetime.datetime
+) -> str | None:
     """Why the source must be listed now (None: it need not be).
 
     On create and spec change; again every retry_interval while it fails; when

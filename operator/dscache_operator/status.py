@@ -11,15 +11,21 @@ from .models import NodeState, NodeStatus, human_bytes
 SOURCE_READY = "SourceReady"
 
 
-def set_condition(conditions: list[dict[str, Any]], *, type: str, status: str, reason: str,
-                  message: str, generation: int | None, now: datetime.datetime) -> list[dict[str, Any]]:
+def set_condition(
+    conditions: list[dict[str, Any]],
+    *,
+    type: str,
+    status: str,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: datetime.datetime,
+) -> list[dict[str, Any]]:
     """Return a new list; lastTransitionTime only moves when status changes."""
     out = [dict(c) for c in conditions if c.get("type") != type]
     old = next((c for c in conditions if c.get("type") == type), None)
-    transition = (old.get("lastTransitionTime") if old and old.get("status") == status
-                  else fmt_time(now))
-    cond = {"type": type, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": transition}
+    transition = old.get("lastTransitionTime") if old and old.get("status") == status else fmt_time(now)
+    cond = {"type": type, "status": status, "reason": reason, "message": message, "lastTransitionTime": transition}
     if generation is not None:
         cond["observedGeneration"] = generation
     out.append(cond)
@@ -44,19 +50,17 @@ def changed(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in wanted.items() if current.get(k) != v}
 
 
-def revision_fragment(rev: str, objects: int | None, nbytes: int | None,
-                      now: datetime.datetime) -> dict[str, Any]:
-    return {"id": rev, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now),
-            "versioned": False}
+def revision_fragment(rev: str, objects: int | None, nbytes: int | None, now: datetime.datetime) -> dict[str, Any]:
+    return {"id": rev, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now), "versioned": False}
 
 
-def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]],
-               limit: int = 500) -> list[dict[str, Any]]:
+def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit: int = 500) -> list[dict[str, Any]]:
     """status.owners: every owner in a live consumer pod's ownerReferences chain ->
     the revision its pods stage, so the webhook gives that owner's new pods the
     same revision (a PyTorchJob recreating a worker after a refresh). Pins of
     owners with no live pod left are dropped; the first revision seen wins."""
     from .consumers import holds
+
     old = {o.get("uid"): o for o in prior}
     pins: dict[str, dict[str, Any]] = {}
     for p in sorted(pods, key=lambda p: p.started or ""):

@@ -29,6 +29,7 @@ def _owner_extract(kind: OwnerKind):
     def extract(body: dict[str, Any]):
         meta = body.get("metadata") or {}
         return ((meta.get("namespace"), meta.get("uid")), owner_info(kind, body))
+
     return extract
 
 
@@ -44,8 +45,14 @@ class Views:
         for kind in OWNER_KINDS:
             batch_job = kind.kind == "Job"
             self.owners[kind.kind] = MultiInformer(
-                kube, kind.group_path, kind.plural, namespaces,
-                selector if batch_job else "", _owner_extract(kind), optional=not batch_job)
+                kube,
+                kind.group_path,
+                kind.plural,
+                namespaces,
+                selector if batch_job else "",
+                _owner_extract(kind),
+                optional=not batch_job,
+            )
 
     @property
     def jobs(self) -> MultiInformer:
@@ -76,4 +83,5 @@ class Views:
                 if got:
                     return got[0]
             return None
+
         return lookup

@@ -62,8 +62,9 @@ def cache_view(body: Any) -> CacheView:
         spec, invalid = None, str(e).splitlines()[0]
     revision = (status.get("revision") or {}).get("id")
     pins = {o["uid"]: o["revision"] for o in status.get("owners") or [] if o.get("uid") and o.get("revision")}
-    return CacheView(spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid,
-                     revision, pins)
+    return CacheView(
+        spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid, revision, pins
+    )
 
 
 def index_caches(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
@@ -79,12 +80,16 @@ def _settled(view: CacheView) -> bool:
     """Enough to decide: broken or being deleted, or checked with a revision pinned."""
     checked = view.phase not in (None, Phase.PENDING)
     # NotVerifiable: checked, but the operator cannot list the source, so no revision will come.
-    return view.phase == Phase.FAILED or view.deleting or (
-        checked and (view.revision is not None or view.reason == "NotVerifiable"))
+    return (
+        view.phase == Phase.FAILED
+        or view.deleting
+        or (checked and (view.revision is not None or view.reason == "NotVerifiable"))
+    )
 
 
-async def lookup(ctx: Context, namespace: str, name: str, index: Any,
-                 wait: float = FIRST_REVISION_WAIT) -> CacheView | None:
+async def lookup(
+    ctx: Context, namespace: str, name: str, index: Any, wait: float = FIRST_REVISION_WAIT
+) -> CacheView | None:
     store = index.get((namespace, name)) if index is not None else None
     if store:
         view = next(iter(store))
@@ -98,8 +103,8 @@ async def lookup(ctx: Context, namespace: str, name: str, index: Any,
             body = await ctx.api().get_cache(namespace, name)
         except (ApiError, OSError, kopf.TemporaryError) as e:
             raise kopf.AdmissionError(
-                f"DatasetCache {namespace}/{name}: dscache could not look it up ({e}); retry shortly.",
-                code=503)
+                f"DatasetCache {namespace}/{name}: dscache could not look it up ({e}); retry shortly.", code=503
+            )
         view = cache_view(body) if body is not None else None
         if view is None or _settled(view) or time.monotonic() >= deadline:
             return view
@@ -111,15 +116,18 @@ async def lookup(ctx: Context, namespace: str, name: str, index: Any,
 def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
     ref = f"DatasetCache {namespace}/{name}"
     if view is None:
-        return (f"{ref} does not exist. Create it (kubectl apply -f <datasetcache.yaml> -n {namespace}) "
-                f"or fix the annotation {CACHE_ANNOTATION}.")
+        return (
+            f"{ref} does not exist. Create it (kubectl apply -f <datasetcache.yaml> -n {namespace}) "
+            f"or fix the annotation {CACHE_ANNOTATION}."
+        )
     if view.deleting:
         return f"{ref} is being deleted; recreate it or point {CACHE_ANNOTATION} at another cache."
     if view.invalid or view.spec is None:
         return f"{ref} has an invalid spec ({view.invalid}); fix the DatasetCache."
     if view.phase == Phase.FAILED:
-        return (f"{ref} is broken: {view.reason}: {view.message} "
-                f"(see kubectl describe datasetcache {name} -n {namespace}).")
+        return (
+            f"{ref} is broken: {view.reason}: {view.message} (see kubectl describe datasetcache {name} -n {namespace})."
+        )
     return None
 
 
@@ -138,15 +146,26 @@ def choose_revision(view: CacheView, obj: dict[str, Any]) -> str | None:
 
 
 def no_revision(namespace: str, name: str, view: CacheView) -> str:
-    why = (f"{view.reason}: {view.message}" if view.reason else "the source has not been listed yet")
-    return (f"DatasetCache {namespace}/{name} has no pinned revision yet ({why}). Every pod stages the "
-            f"revision the operator pinned by listing the source, so the operator itself must be able to "
-            f"list it: set spec.source.credentials.secretRef (or give the operator an S3 identity), or "
-            f"retry in a few seconds if the cache was just created.")
+    why = f"{view.reason}: {view.message}" if view.reason else "the source has not been listed yet"
+    return (
+        f"DatasetCache {namespace}/{name} has no pinned revision yet ({why}). Every pod stages the "
+        f"revision the operator pinned by listing the source, so the operator itself must be able to "
+        f"list it: set spec.source.credentials.secretRef (or give the operator an S3 identity), or "
+        f"retry in a few seconds if the cache was just created."
+    )
 
 
-async def mutate(*, mode: VolumeMode, body: kopf.Body, patch: kopf.Patch, namespace: str | None,
-                 resource: kopf.Resource, memo: Any, dscache_caches: Any = None, **_: Any) -> None:
+async def mutate(
+    *,
+    mode: VolumeMode,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    namespace: str | None,
+    resource: kopf.Resource,
+    memo: Any,
+    dscache_caches: Any = None,
+    **_: Any,
+) -> None:
     ctx = ctx_of(memo)
     kind = "Job" if resource.plural == "jobs" else "Pod"
     raw = copy.deepcopy(dict(body))
@@ -157,26 +176,39 @@ async def mutate(*, mode: VolumeMode, body: kopf.Body, patch: kopf.Patch, namesp
     if not _DNS1123.match(cache_name):
         raise kopf.AdmissionError(
             f"{CACHE_ANNOTATION}: {cache_name!r} is not a DatasetCache name; use the name of one "
-            f"DatasetCache in namespace {namespace}.", code=400)
+            f"DatasetCache in namespace {namespace}.",
+            code=400,
+        )
     view = await lookup(ctx, namespace, cache_name, dscache_caches)
     reason = refusal(namespace, cache_name, view)
     if reason:
         raise kopf.AdmissionError(reason, code=400)
     assert view is not None and view.spec is not None
     revision = choose_revision(view, raw)
-    target_meta = (((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job"
-                   else raw.get("metadata")) or {}
+    target_meta = (
+        ((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job" else raw.get("metadata")
+    ) or {}
     if revision is None and REVISION_ANNOTATION not in (target_meta.get("annotations") or {}):
         raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
     try:
-        changed = inject_object(raw, kind=kind, namespace=namespace, cache_name=cache_name,
-                                spec=view.spec, settings=ctx.settings, mode=mode, revision=revision or "")
+        changed = inject_object(
+            raw,
+            kind=kind,
+            namespace=namespace,
+            cache_name=cache_name,
+            spec=view.spec,
+            settings=ctx.settings,
+            mode=mode,
+            revision=revision or "",
+        )
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400)
     if changed:
+
         def apply(target: dict[str, Any]) -> None:
             target.clear()
             target.update(raw)
+
         patch.fns.append(apply)
 
 
@@ -194,7 +226,8 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
         settings.persistence.finalizer = f"{GROUP}/webhook-never-set"
         s = ctx.settings
         settings.admission.server = kopf.WebhookServer(
-            addr=s.webhook_addr, port=s.webhook_port, certfile=s.webhook_cert, pkeyfile=s.webhook_key)
+            addr=s.webhook_addr, port=s.webhook_port, certfile=s.webhook_cert, pkeyfile=s.webhook_key
+        )
         await common.start_metrics(ctx)
 
     @kopf.on.login(registry=registry)
@@ -229,8 +262,10 @@ def _register(registry: kopf.OperatorRegistry, handler_id: str, mode: VolumeMode
             raise
         finally:
             METRICS.observe_admission(time.perf_counter() - started)
-            METRICS.inc("dscache_admission_reviews_total", "AdmissionReviews by outcome.",
-                        mode=mode.value, result=result)
+            METRICS.inc(
+                "dscache_admission_reviews_total", "AdmissionReviews by outcome.", mode=mode.value, result=result
+            )
+
     handler.__name__ = handler_id.replace("-", "_")
     for resource in (("batch", "v1", "jobs"), ("", "v1", "pods")):
         kopf.on.mutate(*resource, id=handler_id, operations=["CREATE"], registry=registry)(handler)

@@ -21,8 +21,9 @@ import enum
 import hashlib
 from typing import Any
 
-import dscache_contract as contract
 import kopf
+
+import dscache_contract as contract
 
 from .consumers import parse_time
 from .injection import stager_security_context
@@ -45,15 +46,22 @@ def helper_name(namespace: str, name: str, node: str, revision: str | None = Non
     return f"dscache-wipe-{digest}"
 
 
-def helper_args(namespace: str, name: str, settings: Settings, revision: str | None,
-                release: tuple[str, ...] = ()) -> list[str]:
-    return contract.WipeArgs(cache_dir=settings.cache_dir(namespace, name), root=settings.cache_root,
-                             revision=revision, all_revisions=revision is None, release=tuple(release),
-                             termination_log=contract.TERMINATION_LOG).to_argv()
+def helper_args(
+    namespace: str, name: str, settings: Settings, revision: str | None, release: tuple[str, ...] = ()
+) -> list[str]:
+    return contract.WipeArgs(
+        cache_dir=settings.cache_dir(namespace, name),
+        root=settings.cache_root,
+        revision=revision,
+        all_revisions=revision is None,
+        release=tuple(release),
+        termination_log=contract.TERMINATION_LOG,
+    ).to_argv()
 
 
-def helper_pod(namespace: str, name: str, node: str, settings: Settings, revision: str | None = None,
-               release: tuple[str, ...] = ()) -> dict[str, Any]:
+def helper_pod(
+    namespace: str, name: str, node: str, settings: Settings, revision: str | None = None, release: tuple[str, ...] = ()
+) -> dict[str, Any]:
     pod_name = helper_name(namespace, name, node, revision)
     root = settings.cache_root
     spec: dict[str, Any] = {
@@ -63,19 +71,20 @@ def helper_pod(namespace: str, name: str, node: str, settings: Settings, revisio
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 5,
-        "containers": [{
-            "name": "wipe",
-            "image": settings.stager_image,
-            "imagePullPolicy": settings.stager_pull_policy,
-            "command": ["dscache-stage"],
-            "args": helper_args(namespace, name, settings, revision, release),
-            "volumeMounts": [{"name": "cache-root", "mountPath": root}],
-            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
-                          "limits": {"memory": "128Mi"}},
-            # uid 0 owns the kubelet-created directories; no capability is needed.
-            "securityContext": stager_security_context(VolumeMode.HOST_PATH),
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-        }],
+        "containers": [
+            {
+                "name": "wipe",
+                "image": settings.stager_image,
+                "imagePullPolicy": settings.stager_pull_policy,
+                "command": ["dscache-stage"],
+                "args": helper_args(namespace, name, settings, revision, release),
+                "volumeMounts": [{"name": "cache-root", "mountPath": root}],
+                "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+                # uid 0 owns the kubelet-created directories; no capability is needed.
+                "securityContext": stager_security_context(VolumeMode.HOST_PATH),
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+            }
+        ],
         "volumes": [{"name": "cache-root", "hostPath": {"path": root, "type": "DirectoryOrCreate"}}],
     }
     if settings.wipe_priority_class:
@@ -86,9 +95,12 @@ def helper_pod(namespace: str, name: str, node: str, settings: Settings, revisio
         "metadata": {
             "name": pod_name,
             "namespace": settings.namespace,
-            "labels": {APP_LABEL: "dscache-wipe", WIPE_LABEL: pod_name[len("dscache-wipe-"):]},
-            "annotations": {"dscache.io/wipe-for": f"{namespace}/{name}", "dscache.io/wipe-node": node,
-                            "dscache.io/wipe-revision": revision or "*"},
+            "labels": {APP_LABEL: "dscache-wipe", WIPE_LABEL: pod_name[len("dscache-wipe-") :]},
+            "annotations": {
+                "dscache.io/wipe-for": f"{namespace}/{name}",
+                "dscache.io/wipe-node": node,
+                "dscache.io/wipe-revision": revision or "*",
+            },
         },
         "spec": spec,
     }
@@ -127,19 +139,29 @@ def helper_message(pod: dict[str, Any]) -> str:
 
 # --- the driver: one step of one node's wipe per reconciliation -------------------------
 
+
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 class Outcome(enum.Enum):
     IN_PROGRESS = "in-progress"
-    REMOVED = "removed"      # gone (or it was never there)
-    KEPT = "kept"            # leases the operator did not release still hold it
+    REMOVED = "removed"  # gone (or it was never there)
+    KEPT = "kept"  # leases the operator did not release still hold it
 
 
-async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name: str,
-                entry: NodeStatus, step: Any, newest_use: datetime.datetime | None, logger: Any,
-                now: datetime.datetime | None = None) -> tuple[Outcome, list[str]]:
+async def drive(
+    kube: Kube,
+    settings: Settings,
+    body: Any,
+    namespace: str,
+    name: str,
+    entry: NodeStatus,
+    step: Any,
+    newest_use: datetime.datetime | None,
+    logger: Any,
+    now: datetime.datetime | None = None,
+) -> tuple[Outcome, list[str]]:
     """Drive one (node, revision) wipe one step. ``step`` is a consumers.Release.
     Returns the outcome and, when KEPT, the leases that kept it."""
     now = now or _now()
@@ -155,23 +177,32 @@ async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name:
         return Outcome.IN_PROGRESS, []
     if state is WipeState.ABSENT:
         created_pod = await kube.create_pod(
-            settings.namespace, helper_pod(namespace, name, entry.node, settings, revision, release))
+            settings.namespace, helper_pod(namespace, name, entry.node, settings, revision, release)
+        )
         if created_pod is not None:
             METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="started")
             logger.info(f"wiping {what} on node {entry.node} with pod {pod_name}")
-            kopf.event(body, type="Normal", reason="Wiping",
-                       message=f"wiping {what} on node {entry.node} (helper pod "
-                               f"{settings.namespace}/{pod_name}, releasing {len(release)} lease(s))")
+            kopf.event(
+                body,
+                type="Normal",
+                reason="Wiping",
+                message=f"wiping {what} on node {entry.node} (helper pod "
+                f"{settings.namespace}/{pod_name}, releasing {len(release)} lease(s))",
+            )
         return Outcome.IN_PROGRESS, []
     if state is WipeState.PENDING:
         if created and (now - created).total_seconds() > PENDING_TIMEOUT:
             # Never wait forever on a helper that cannot start: say why, and retry.
             why = (pod.get("status") or {}).get("message") or _waiting_reason(pod) or "not started"
             METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="timeout")
-            kopf.event(body, type="Warning", reason="WipeStuck",
-                       message=f"the wipe helper {settings.namespace}/{pod_name} on node {entry.node} "
-                               f"was still Pending after {PENDING_TIMEOUT:.0f} s ({why}); deleted, "
-                               f"will retry")
+            kopf.event(
+                body,
+                type="Warning",
+                reason="WipeStuck",
+                message=f"the wipe helper {settings.namespace}/{pod_name} on node {entry.node} "
+                f"was still Pending after {PENDING_TIMEOUT:.0f} s ({why}); deleted, "
+                f"will retry",
+            )
             entry.message = f"wipe helper stuck Pending: {why}"
             await kube.delete_pod(settings.namespace, pod_name)
         return Outcome.IN_PROGRESS, []
@@ -182,8 +213,12 @@ async def drive(kube: Kube, settings: Settings, body: Any, namespace: str, name:
         busy = _exit_code(pod) == int(contract.ExitCode.BUSY)
         METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="busy" if busy else "failed")
         if not busy:  # busy: a stager holds the lock right now; simply try again
-            kopf.event(body, type="Warning", reason="WipeFailed",
-                       message=f"wiping {what} on node {entry.node} failed: {msg}; retrying")
+            kopf.event(
+                body,
+                type="Warning",
+                reason="WipeFailed",
+                message=f"wiping {what} on node {entry.node} failed: {msg}; retrying",
+            )
             entry.message = f"wipe failed: {msg}"
         await kube.delete_pod(settings.namespace, pod_name)
         return Outcome.IN_PROGRESS, []
@@ -225,6 +260,7 @@ def _exit_code(pod: dict[str, Any]) -> int | None:
 
 def _wipe_summary(pod: dict[str, Any]) -> contract.WipeSummary | None:
     from .consumers import termination_summary
+
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         data = termination_summary(((cs.get("state") or {}).get("terminated") or {}).get("message"))
         if data:

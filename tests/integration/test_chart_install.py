@@ -56,14 +56,20 @@ def api(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def helm(api: KubeAPI, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("helm-home")
-    env = {**os.environ, "KUBECONFIG": str(api.kubeconfig), "HELM_CACHE_HOME": str(home / "cache"),
-           "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data")}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(api.kubeconfig),
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+    }
     binary = str(tool_bin("helm") / "helm")
 
     def run(*args: str) -> str:
         proc = subprocess.run([binary, *args], env=env, capture_output=True, text=True)
         assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stderr}"
         return proc.stdout
+
     return run
 
 
@@ -83,14 +89,26 @@ def pems(bundle: bytes) -> list[bytes]:
 def verify(tmp: Path, ca_bundle: bytes, cert: bytes) -> None:
     (tmp / "bundle.pem").write_bytes(ca_bundle)
     (tmp / "cert.pem").write_bytes(cert)
-    subprocess.run(["openssl", "verify", "-CAfile", str(tmp / "bundle.pem"), str(tmp / "cert.pem")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["openssl", "verify", "-CAfile", str(tmp / "bundle.pem"), str(tmp / "cert.pem")],
+        check=True,
+        capture_output=True,
+    )
 
 
 def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: Path):
     # The server validates every object (dry run), then the real install.
-    helm("install", "dscache", str(CHART), "-n", NS, "--create-namespace",
-         "--set", "cacheRoot=/mnt/nvme/dscache", "--dry-run=server")
+    helm(
+        "install",
+        "dscache",
+        str(CHART),
+        "-n",
+        NS,
+        "--create-namespace",
+        "--set",
+        "cacheRoot=/mnt/nvme/dscache",
+        "--dry-run=server",
+    )
     helm("install", "dscache", str(CHART), "-n", NS, "--create-namespace", "--set", "cacheRoot=/mnt/nvme/dscache")
     data, bundles = tls_state(api)
     assert len(bundles) == 6 and all(b == data["ca.crt"] for b in bundles)
@@ -112,8 +130,8 @@ def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: 
     data3, bundles3 = tls_state(api)
     assert data3["tls.crt"] != data["tls.crt"] and data3["ca.crt"] != data["ca.crt"]
     assert all(pems(b) == pems(data3["ca.crt"]) + pems(data["ca.crt"]) for b in bundles3)
-    verify(tmp_path, bundles3[0], data3["tls.crt"])   # pods that already reloaded
-    verify(tmp_path, bundles3[0], data["tls.crt"])    # pods still serving the old one
+    verify(tmp_path, bundles3[0], data3["tls.crt"])  # pods that already reloaded
+    verify(tmp_path, bundles3[0], data["tls.crt"])  # pods still serving the old one
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--reuse-values")
     data4, bundles4 = tls_state(api)
     assert data4 == data3 and all(b == data3["ca.crt"] for b in bundles4)
@@ -128,15 +146,24 @@ def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: 
 
 
 def sa_kubeconfig(api: KubeAPI, sa: str, path: Path) -> Path:
-    token = api.create(f"/api/v1/namespaces/{NS}/serviceaccounts/{sa}/token", {
-        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-        "spec": {"expirationSeconds": 3600}})["status"]["token"]
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": sa,
-        "clusters": [{"name": "c", "cluster": {"server": api.server,
-                                               "certificate-authority": str(api.certs / "ca.crt")}}],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": sa, "context": {"cluster": "c", "user": sa}}]}))
+    token = api.create(
+        f"/api/v1/namespaces/{NS}/serviceaccounts/{sa}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}},
+    )["status"]["token"]
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": sa,
+                "clusters": [
+                    {"name": "c", "cluster": {"server": api.server, "certificate-authority": str(api.certs / "ca.crt")}}
+                ],
+                "users": [{"name": sa, "user": {"token": token}}],
+                "contexts": [{"name": sa, "context": {"cluster": "c", "user": sa}}],
+            }
+        )
+    )
     return path
 
 
@@ -155,22 +182,39 @@ def chart_env(api: KubeAPI, name: str) -> dict[str, str]:
 
 def start(role: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KUBECONFIG", "DSCACHE_"))}
-    return subprocess.Popen([sys.executable, "-m", "dscache_operator", role],
-                            env={**base, **env, "AWS_EC2_METADATA_DISABLED": "true"}, cwd=REPO,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dscache_operator", role],
+        env={**base, **env, "AWS_EC2_METADATA_DISABLED": "true"},
+        cwd=REPO,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def review(port: int, path: str, ca: bytes, host: str, obj: dict[str, Any], ns: str) -> dict[str, Any]:
     """POST an AdmissionReview the way the API server does, trusting only the chart's caBundle
     and checking the certificate against the Service's DNS name."""
     ctx = ssl.create_default_context(cadata=ca.decode())
-    body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": str(uuid.uuid4()), "kind": {"group": "", "version": "v1", "kind": "Pod"},
-        "resource": {"group": "", "version": "v1", "resource": "pods"},
-        "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-        "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-        "namespace": ns, "operation": "CREATE", "userInfo": {"username": "test"},
-        "object": obj, "oldObject": None, "dryRun": False, "options": None}})
+    body = json.dumps(
+        {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": str(uuid.uuid4()),
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+                "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+                "namespace": ns,
+                "operation": "CREATE",
+                "userInfo": {"username": "test"},
+                "object": obj,
+                "oldObject": None,
+                "dryRun": False,
+                "options": None,
+            },
+        }
+    )
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     conn = http.client.HTTPSConnection(host, port, context=ctx, timeout=10)
     conn.sock = ctx.wrap_socket(sock, server_hostname=host)
@@ -188,44 +232,81 @@ def test_operator_runs_with_the_charts_rbac(api: KubeAPI, helm, s3_server, bucke
     helm("upgrade", "--install", "dscache", str(CHART), "-n", NS, "--create-namespace", "-f", str(values))
     # No cluster-wide grant except kopf's read-only discovery.
     crbs = api.get("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings")["items"]
-    assert [b["metadata"]["name"] for b in crbs
-            if b["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == "dscache"] == ["dscache-discovery"]
+    assert [
+        b["metadata"]["name"]
+        for b in crbs
+        if b["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == "dscache"
+    ] == ["dscache-discovery"]
 
     # The API server's RBAC authorizer sees new bindings through its own informer, a
     # moment after they are created: wait until it grants them, so a 403 in the logs
     # below means a missing rule, not a binding still in flight.
     def granted() -> bool:
         user = f"system:serviceaccount:{NS}:dscache-controller"
-        checks = [{"verb": "list", "group": "jobset.x-k8s.io", "resource": "jobsets", "namespace": "ml-team"},
-                  {"verb": "create", "resource": "pods", "namespace": NS},
-                  {"verb": "get", "resource": "secrets", "namespace": "ml-team"}]
-        return all(api.create("/apis/authorization.k8s.io/v1/subjectaccessreviews", {
-            "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
-            "spec": {"user": user, "groups": ["system:serviceaccounts"], "resourceAttributes": c}})
-            ["status"].get("allowed") for c in checks)
+        checks = [
+            {"verb": "list", "group": "jobset.x-k8s.io", "resource": "jobsets", "namespace": "ml-team"},
+            {"verb": "create", "resource": "pods", "namespace": NS},
+            {"verb": "get", "resource": "secrets", "namespace": "ml-team"},
+        ]
+        return all(
+            api.create(
+                "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                {
+                    "apiVersion": "authorization.k8s.io/v1",
+                    "kind": "SubjectAccessReview",
+                    "spec": {"user": user, "groups": ["system:serviceaccounts"], "resourceAttributes": c},
+                },
+            )["status"].get("allowed")
+            for c in checks
+        )
+
     api.wait_for(granted, 30, what="the chart's RBAC in effect")
 
     procs: list[subprocess.Popen] = []
     try:
         env = chart_env(api, "dscache-controller")
         health = free_port()
-        env.update(KUBECONFIG=str(sa_kubeconfig(api, "dscache-controller", tmp_path / "kc-controller")),
-                   DSCACHE_HEALTH_PORT=str(health), DSCACHE_METRICS_PORT="0", DSCACHE_RECONCILE_INTERVAL="1")
+        env.update(
+            KUBECONFIG=str(sa_kubeconfig(api, "dscache-controller", tmp_path / "kc-controller")),
+            DSCACHE_HEALTH_PORT=str(health),
+            DSCACHE_METRICS_PORT="0",
+            DSCACHE_RECONCILE_INTERVAL="1",
+        )
         procs.append(start("controller", env, tmp_path / "controller.log"))
 
         # Source check with the chart's per-namespace Secret RoleBinding.
-        api.create("/api/v1/namespaces/ml-team/secrets", {
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-keys"},
-            "stringData": {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}})
-        api.create("/apis/dscache.io/v1alpha1/namespaces/ml-team/datasetcaches", {
-            "apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache", "metadata": {"name": "ds"},
-            "spec": {"mountPath": "/data", "source": {
-                "uri": f"s3://{bucket}/data/", "endpoint": s3_server.endpoint, "region": "us-east-1",
-                "addressingStyle": "path", "credentials": {"secretRef": {"name": "s3-keys"}}}}})
+        api.create(
+            "/api/v1/namespaces/ml-team/secrets",
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "s3-keys"},
+                "stringData": {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY},
+            },
+        )
+        api.create(
+            "/apis/dscache.io/v1alpha1/namespaces/ml-team/datasetcaches",
+            {
+                "apiVersion": "dscache.io/v1alpha1",
+                "kind": "DatasetCache",
+                "metadata": {"name": "ds"},
+                "spec": {
+                    "mountPath": "/data",
+                    "source": {
+                        "uri": f"s3://{bucket}/data/",
+                        "endpoint": s3_server.endpoint,
+                        "region": "us-east-1",
+                        "addressingStyle": "path",
+                        "credentials": {"secretRef": {"name": "s3-keys"}},
+                    },
+                },
+            },
+        )
 
         def ready():
             c = api.get("/apis/dscache.io/v1alpha1/namespaces/ml-team/datasetcaches/ds")
             return c if (c.get("status") or {}).get("phase") == "Ready" else None
+
         try:
             cache = api.wait_for(ready, 60, what="DatasetCache ml-team/ds Ready")
         except Exception:
@@ -238,15 +319,23 @@ def test_operator_runs_with_the_charts_rbac(api: KubeAPI, helm, s3_server, bucke
         (tmp_path / "tls.key").write_bytes(data["tls.key"])
         env = chart_env(api, "dscache-webhook")
         port = free_port()
-        env.update(KUBECONFIG=str(sa_kubeconfig(api, "dscache-webhook", tmp_path / "kc-webhook")),
-                   DSCACHE_HEALTH_PORT=str(free_port()), DSCACHE_METRICS_PORT="0",
-                   DSCACHE_WEBHOOK_ADDR="127.0.0.1", DSCACHE_WEBHOOK_PORT=str(port),
-                   DSCACHE_WEBHOOK_CERT=str(tmp_path / "tls.crt"), DSCACHE_WEBHOOK_KEY=str(tmp_path / "tls.key"))
+        env.update(
+            KUBECONFIG=str(sa_kubeconfig(api, "dscache-webhook", tmp_path / "kc-webhook")),
+            DSCACHE_HEALTH_PORT=str(free_port()),
+            DSCACHE_METRICS_PORT="0",
+            DSCACHE_WEBHOOK_ADDR="127.0.0.1",
+            DSCACHE_WEBHOOK_PORT=str(port),
+            DSCACHE_WEBHOOK_CERT=str(tmp_path / "tls.crt"),
+            DSCACHE_WEBHOOK_KEY=str(tmp_path / "tls.key"),
+        )
         procs.append(start("webhook", env, tmp_path / "webhook.log"))
         wait_port("127.0.0.1", port)
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": "train", "namespace": "ml-team", "annotations": {"dscache.io/cache": "ds"}},
-               "spec": {"containers": [{"name": "train", "image": "trainer:1"}]}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "train", "namespace": "ml-team", "annotations": {"dscache.io/cache": "ds"}},
+            "spec": {"containers": [{"name": "train", "image": "trainer:1"}]},
+        }
         resp = review(port, "/dscache-hostpath", bundles[0], f"dscache-webhook.{NS}.svc", pod, "ml-team")
         assert resp["allowed"] is True, resp
         patch = json.loads(base64.b64decode(resp["patch"]))

@@ -10,11 +10,11 @@ the way those components would.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import subprocess
 import threading
 import time
-import copy
 
 import pytest
 
@@ -26,39 +26,51 @@ pytestmark = pytest.mark.integration
 
 DSC = "/apis/dscache.io/v1alpha1/namespaces/{ns}/datasetcaches"
 SUMMARY = {"objects": 3, "bytes": 35, "skipped": 0, "fetched_bytes": 35, "seconds": 0.42, "mb_s": 0.1}
-FILES = {"data/a.bin": b"a" * 10, "data/b.bin": b"b" * 10, "data/sub/c.bin": b"c" * 15,
-         "data/skip.tmp": b"x" * 100}
+FILES = {"data/a.bin": b"a" * 10, "data/b.bin": b"b" * 10, "data/sub/c.bin": b"c" * 15, "data/skip.tmp": b"x" * 100}
 
 
 # --- helpers ------------------------------------------------------------------------
+
 
 def b64(s: str) -> str:
     return base64.b64encode(s.encode()).decode()
 
 
 def make_secret(k: KubeAPI, ns: str, name: str, key_id: str, secret: str) -> None:
-    k.create(f"/api/v1/namespaces/{ns}/secrets", {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
-        "data": {"AWS_ACCESS_KEY_ID": b64(key_id), "AWS_SECRET_ACCESS_KEY": b64(secret)}})
+    k.create(
+        f"/api/v1/namespaces/{ns}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name},
+            "data": {"AWS_ACCESS_KEY_ID": b64(key_id), "AWS_SECRET_ACCESS_KEY": b64(secret)},
+        },
+    )
 
 
 def grant_secret_read(k: KubeAPI, ns: str) -> None:
     """What the chart does for each watched namespace (operator/deploy/rbac-secrets.yaml)."""
     from tests.support.kubeapi import REPO, load_yaml_docs
+
     (rb,) = load_yaml_docs(REPO / "operator" / "deploy" / "rbac-secrets.yaml")
     rb["metadata"]["namespace"] = ns
     k.apply_yaml_docs([rb])
 
 
-def make_cache(k: KubeAPI, ns: str, name: str, uri: str, endpoint: str | None = None,
-               secret: str | None = None, **spec) -> dict:
+def make_cache(
+    k: KubeAPI, ns: str, name: str, uri: str, endpoint: str | None = None, secret: str | None = None, **spec
+) -> dict:
     source: dict = {"uri": uri}
     if endpoint:
         source.update(endpoint=endpoint, region="us-east-1", addressingStyle="path")
     if secret:
         source["credentials"] = {"secretRef": {"name": secret}}
-    body = {"apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache",
-            "metadata": {"name": name}, "spec": {"source": source, "mountPath": "/data", **spec}}
+    body = {
+        "apiVersion": "dscache.io/v1alpha1",
+        "kind": "DatasetCache",
+        "metadata": {"name": name},
+        "spec": {"source": source, "mountPath": "/data", **spec},
+    }
     return k.create(DSC.format(ns=ns), body)
 
 
@@ -70,6 +82,7 @@ def wait_phase(k: KubeAPI, ns: str, name: str, phase: str, timeout: float = 30) 
     def ready():
         c = get_cache(k, ns, name)
         return c if c and (c.get("status") or {}).get("phase") == phase else None
+
     return k.wait_for(ready, timeout, what=f"{ns}/{name} phase {phase}")
 
 
@@ -84,8 +97,11 @@ def node_entry(k: KubeAPI, ns: str, name: str, node: str) -> dict | None:
 
 def wait_node_state(k: KubeAPI, ns: str, name: str, node: str, state: str, timeout: float = 30) -> dict:
     """Wait until the cache's status shows ``node`` in ``state``; return that entry."""
-    return k.wait_for(lambda: (lambda n: n if n and n["state"] == state else None)(node_entry(k, ns, name, node)),
-                      timeout=timeout, what=f"{node} {state}")
+    return k.wait_for(
+        lambda: (lambda n: n if n and n["state"] == state else None)(node_entry(k, ns, name, node)),
+        timeout=timeout,
+        what=f"{node} {state}",
+    )
 
 
 def job_body(name: str, cache: str | None, *, template_annotation: bool = False, mounts=None) -> dict:
@@ -95,13 +111,29 @@ def job_body(name: str, cache: str | None, *, template_annotation: bool = False,
         tmeta["annotations"] = {"dscache.io/cache": cache}
     elif cache:
         meta["annotations"] = {"dscache.io/cache": cache}
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {
-        "backoffLimit": 0,
-        "template": {"metadata": tmeta, "spec": {
-            "restartPolicy": "Never",
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
-            "containers": [{"name": "train", "image": "trainer:1", "command": ["python", "train.py"],
-                            "volumeMounts": mounts or []}]}}}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": tmeta,
+                "spec": {
+                    "restartPolicy": "Never",
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+                    "containers": [
+                        {
+                            "name": "train",
+                            "image": "trainer:1",
+                            "command": ["python", "train.py"],
+                            "volumeMounts": mounts or [],
+                        }
+                    ],
+                },
+            },
+        },
+    }
 
 
 def create_job(k: KubeAPI, ns: str, body: dict) -> dict:
@@ -122,14 +154,26 @@ def start_job_pod(k: KubeAPI, ns: str, job: dict, node: str, suffix: str = "0") 
     """What the job controller and the scheduler do: a pod from the template, bound to a node."""
     ensure_node(k, node)
     template = job["spec"]["template"]
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": f"{job['metadata']['name']}-{suffix}",
-                        "labels": dict(template["metadata"].get("labels") or {}),
-                        "annotations": dict(template["metadata"].get("annotations") or {}),
-                        "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job",
-                                             "name": job["metadata"]["name"], "uid": job["metadata"]["uid"],
-                                             "controller": True, "blockOwnerDeletion": True}]},
-           "spec": {**copy.deepcopy(template["spec"]), "nodeName": node}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{job['metadata']['name']}-{suffix}",
+            "labels": dict(template["metadata"].get("labels") or {}),
+            "annotations": dict(template["metadata"].get("annotations") or {}),
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": job["metadata"]["name"],
+                    "uid": job["metadata"]["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {**copy.deepcopy(template["spec"]), "nodeName": node},
+    }
     return k.create(f"/api/v1/namespaces/{ns}/pods", pod)
 
 
@@ -137,24 +181,65 @@ def now_rfc3339(offset: float = 0) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + offset))
 
 
-def kubelet_status(k: KubeAPI, ns: str, pod: str, *, phase: str, init: str, message: str = "",
-                   exit_code: int = 0, started: str | None = None) -> None:
+def kubelet_status(
+    k: KubeAPI,
+    ns: str,
+    pod: str,
+    *,
+    phase: str,
+    init: str,
+    message: str = "",
+    exit_code: int = 0,
+    started: str | None = None,
+) -> None:
     """Patch pod status as a kubelet would: the dscache-stage init container's state."""
     started = started or now_rfc3339(-2)
     if init == "running":
         state = {"running": {"startedAt": started}}
     else:
-        state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-                                "message": message, "startedAt": started, "finishedAt": now_rfc3339()}}
-    status = {"phase": phase, "initContainerStatuses": [{
-        "name": "dscache-stage", "ready": init != "running", "restartCount": 0,
-        "image": "dscache-stager:test", "imageID": "", "state": state}],
-        "containerStatuses": [{"name": "train", "ready": phase == "Running", "restartCount": 0,
-                               "image": "trainer:1", "imageID": "",
-                               "state": {"running": {"startedAt": now_rfc3339()}} if phase == "Running" else
-                               {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": started,
-                                               "finishedAt": now_rfc3339()}} if phase == "Succeeded" else
-                               {"waiting": {"reason": "PodInitializing"}}}]}
+        state = {
+            "terminated": {
+                "exitCode": exit_code,
+                "reason": "Completed" if exit_code == 0 else "Error",
+                "message": message,
+                "startedAt": started,
+                "finishedAt": now_rfc3339(),
+            }
+        }
+    status = {
+        "phase": phase,
+        "initContainerStatuses": [
+            {
+                "name": "dscache-stage",
+                "ready": init != "running",
+                "restartCount": 0,
+                "image": "dscache-stager:test",
+                "imageID": "",
+                "state": state,
+            }
+        ],
+        "containerStatuses": [
+            {
+                "name": "train",
+                "ready": phase == "Running",
+                "restartCount": 0,
+                "image": "trainer:1",
+                "imageID": "",
+                "state": {"running": {"startedAt": now_rfc3339()}}
+                if phase == "Running"
+                else {
+                    "terminated": {
+                        "exitCode": 0,
+                        "reason": "Completed",
+                        "startedAt": started,
+                        "finishedAt": now_rfc3339(),
+                    }
+                }
+                if phase == "Succeeded"
+                else {"waiting": {"reason": "PodInitializing"}},
+            }
+        ],
+    }
     k.merge_patch(f"/api/v1/namespaces/{ns}/pods/{pod}/status", {"status": status})
 
 
@@ -162,40 +247,101 @@ def complete_job(k: KubeAPI, ns: str, name: str, failed: bool = False) -> None:
     """Patch Job status as the job controller would on completion."""
     t = now_rfc3339()
     if failed:
-        conds = [{"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded",
-                  "message": "x", "lastProbeTime": t, "lastTransitionTime": t},
-                 {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                  "message": "x", "lastProbeTime": t, "lastTransitionTime": t}]
-        status = {"startTime": now_rfc3339(-5), "failed": 1, "conditions": conds,
-                  "uncountedTerminatedPods": {}, "ready": 0, "active": 0}
+        conds = [
+            {
+                "type": "FailureTarget",
+                "status": "True",
+                "reason": "BackoffLimitExceeded",
+                "message": "x",
+                "lastProbeTime": t,
+                "lastTransitionTime": t,
+            },
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "BackoffLimitExceeded",
+                "message": "x",
+                "lastProbeTime": t,
+                "lastTransitionTime": t,
+            },
+        ]
+        status = {
+            "startTime": now_rfc3339(-5),
+            "failed": 1,
+            "conditions": conds,
+            "uncountedTerminatedPods": {},
+            "ready": 0,
+            "active": 0,
+        }
     else:
-        conds = [{"type": "SuccessCriteriaMet", "status": "True", "reason": "CompletionsReached",
-                  "message": "x", "lastProbeTime": t, "lastTransitionTime": t},
-                 {"type": "Complete", "status": "True", "reason": "CompletionsReached",
-                  "message": "x", "lastProbeTime": t, "lastTransitionTime": t}]
-        status = {"startTime": now_rfc3339(-5), "completionTime": t, "succeeded": 1,
-                  "conditions": conds, "uncountedTerminatedPods": {}, "ready": 0, "active": 0}
+        conds = [
+            {
+                "type": "SuccessCriteriaMet",
+                "status": "True",
+                "reason": "CompletionsReached",
+                "message": "x",
+                "lastProbeTime": t,
+                "lastTransitionTime": t,
+            },
+            {
+                "type": "Complete",
+                "status": "True",
+                "reason": "CompletionsReached",
+                "message": "x",
+                "lastProbeTime": t,
+                "lastTransitionTime": t,
+            },
+        ]
+        status = {
+            "startTime": now_rfc3339(-5),
+            "completionTime": t,
+            "succeeded": 1,
+            "conditions": conds,
+            "uncountedTerminatedPods": {},
+            "ready": 0,
+            "active": 0,
+        }
     k.merge_patch(f"/apis/batch/v1/namespaces/{ns}/jobs/{name}/status", {"status": status})
 
 
 def helper_pods(k: KubeAPI) -> list[dict]:
-    return k.request("GET", f"/api/v1/namespaces/{OPERATOR_NS}/pods",
-                     params={"labelSelector": "app.kubernetes.io/name=dscache-wipe"})["items"]
+    return k.request(
+        "GET", f"/api/v1/namespaces/{OPERATOR_NS}/pods", params={"labelSelector": "app.kubernetes.io/name=dscache-wipe"}
+    )["items"]
 
 
 def helper_for(k: KubeAPI, ns: str, cache: str) -> list[dict]:
-    return [p for p in helper_pods(k)
-            if p["metadata"]["annotations"].get("dscache.io/wipe-for") == f"{ns}/{cache}"]
+    return [p for p in helper_pods(k) if p["metadata"]["annotations"].get("dscache.io/wipe-for") == f"{ns}/{cache}"]
 
 
 def kubelet_runs_helper(k: KubeAPI, pod: dict, exit_code: int = 0) -> None:
     t = now_rfc3339()
-    k.merge_patch(f"/api/v1/namespaces/{OPERATOR_NS}/pods/{pod['metadata']['name']}/status", {"status": {
-        "phase": "Succeeded" if exit_code == 0 else "Failed",
-        "containerStatuses": [{"name": "wipe", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-                               "state": {"terminated": {"exitCode": exit_code, "startedAt": t,
-                                                        "finishedAt": t, "reason": "Completed",
-                                                        "message": "" if exit_code == 0 else "error: boom"}}}]}})
+    k.merge_patch(
+        f"/api/v1/namespaces/{OPERATOR_NS}/pods/{pod['metadata']['name']}/status",
+        {
+            "status": {
+                "phase": "Succeeded" if exit_code == 0 else "Failed",
+                "containerStatuses": [
+                    {
+                        "name": "wipe",
+                        "ready": False,
+                        "restartCount": 0,
+                        "image": "x",
+                        "imageID": "",
+                        "state": {
+                            "terminated": {
+                                "exitCode": exit_code,
+                                "startedAt": t,
+                                "finishedAt": t,
+                                "reason": "Completed",
+                                "message": "" if exit_code == 0 else "error: boom",
+                            }
+                        },
+                    }
+                ],
+            }
+        },
+    )
 
 
 class HelperWatch:
@@ -206,10 +352,18 @@ class HelperWatch:
         self.added: list[tuple[str, str]] = []
         rv = k.request("GET", f"/api/v1/namespaces/{OPERATOR_NS}/pods")["metadata"]["resourceVersion"]
         self.proc = subprocess.Popen(
-            [kubectl(), "--kubeconfig", str(k.kubeconfig), "get", "--raw",
-             f"/api/v1/namespaces/{OPERATOR_NS}/pods?watch=1&resourceVersion={rv}"
-             f"&labelSelector=app.kubernetes.io%2Fname%3Ddscache-wipe"],
-            stdout=subprocess.PIPE, text=True)
+            [
+                kubectl(),
+                "--kubeconfig",
+                str(k.kubeconfig),
+                "get",
+                "--raw",
+                f"/api/v1/namespaces/{OPERATOR_NS}/pods?watch=1&resourceVersion={rv}"
+                f"&labelSelector=app.kubernetes.io%2Fname%3Ddscache-wipe",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -217,8 +371,7 @@ class HelperWatch:
             ev = json.loads(line)
             if ev["type"] == "ADDED":
                 o = ev["object"]
-                self.added.append((o["metadata"]["annotations"].get("dscache.io/wipe-for"),
-                                   o["spec"].get("nodeName")))
+                self.added.append((o["metadata"]["annotations"].get("dscache.io/wipe-for"), o["spec"].get("nodeName")))
 
     def for_cache(self, ns: str, cache: str) -> list[str]:
         return [node for who, node in self.added if who == f"{ns}/{cache}"]
@@ -237,20 +390,32 @@ def s3_bucket(s3_server, bucket):
 def ready_cache(kube_api, dscache_operator, s3_server, s3_bucket, opted_ns):
     """A DatasetCache over a real bucket, with credentials, in an opted-in namespace."""
     from tests.support.s3server import ACCESS_KEY, SECRET_KEY
+
     k = kube_api
     make_secret(k, opted_ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
     grant_secret_read(k, opted_ns)
-    make_cache(k, opted_ns, "imagenet", f"s3://{s3_bucket}/data/", s3_server.endpoint, "s3-keys",
-               )
+    make_cache(
+        k,
+        opted_ns,
+        "imagenet",
+        f"s3://{s3_bucket}/data/",
+        s3_server.endpoint,
+        "s3-keys",
+    )
     wait_phase(k, opted_ns, "imagenet", "Ready")
     return opted_ns, "imagenet"
 
 
 # --- the API -----------------------------------------------------------------------------
 
+
 def test_crd_installs_and_explains(kube_api, dscache_operator):
-    out = subprocess.run([kubectl(), "--kubeconfig", str(kube_api.kubeconfig), "explain",
-                          "datasetcache.spec.retention"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [kubectl(), "--kubeconfig", str(kube_api.kubeconfig), "explain", "datasetcache.spec.retention"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert "WipeOnJobCompletion" in out and "ttlAfterLastUse" in out
     crd = kube_api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/datasetcaches.dscache.io")
     assert crd["spec"]["names"]["shortNames"] == ["dsc"]
@@ -258,8 +423,13 @@ def test_crd_installs_and_explains(kube_api, dscache_operator):
 
 def test_cel_rejects_ttl_without_retain(kube_api, dscache_operator, opted_ns):
     with pytest.raises(ApiError) as e:
-        make_cache(kube_api, opted_ns, "bad", "s3://bkt/x/",
-                   retention={"policy": "WipeOnJobCompletion", "ttlAfterLastUse": "1h"})
+        make_cache(
+            kube_api,
+            opted_ns,
+            "bad",
+            "s3://bkt/x/",
+            retention={"policy": "WipeOnJobCompletion", "ttlAfterLastUse": "1h"},
+        )
     assert e.value.status == 422 and "ttlAfterLastUse" in e.value.body
 
 
@@ -276,15 +446,20 @@ def test_status_filled_from_real_bucket(kube_api, ready_cache, s3_server):
     assert not any(k.startswith("kopf.zalando.org") for k in c["metadata"].get("annotations", {}))
     # A spec change is re-checked: exclude the temp file.
     kube_api.merge_patch(f"{DSC.format(ns=ns)}/{name}", {"spec": {"source": {"exclude": ["*.tmp"]}}})
-    kube_api.wait_for(lambda: (get_cache(kube_api, ns, name)["status"].get("objects") == 3
-                               and get_cache(kube_api, ns, name)["status"]["bytes"] == 35),
-                      what="re-check after spec change")
+    kube_api.wait_for(
+        lambda: (
+            get_cache(kube_api, ns, name)["status"].get("objects") == 3
+            and get_cache(kube_api, ns, name)["status"]["bytes"] == 35
+        ),
+        what="re-check after spec change",
+    )
     events = kube_api.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
     assert any(e["reason"] == "SourceChecked" and e["involvedObject"]["name"] == name for e in events)
 
 
 def test_no_such_bucket(kube_api, dscache_operator, s3_server, opted_ns):
     from tests.support.s3server import ACCESS_KEY, SECRET_KEY
+
     make_secret(kube_api, opted_ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
     grant_secret_read(kube_api, opted_ns)
     make_cache(kube_api, opted_ns, "nobucket", "s3://does-not-exist/x/", s3_server.endpoint, "s3-keys")
@@ -308,6 +483,7 @@ def test_bad_secret_conditions(kube_api, dscache_operator, s3_server, s3_bucket,
 
 def with_keys(k: KubeAPI, ns: str) -> str:
     from tests.support.s3server import ACCESS_KEY, SECRET_KEY
+
     make_secret(k, ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
     grant_secret_read(k, ns)
     return "s3-keys"
@@ -319,8 +495,9 @@ def test_endpoint_unreachable(kube_api, dscache_operator, opted_ns):
     assert condition(c)["reason"] == "EndpointUnreachable"
 
 
-def test_pod_identity_without_operator_identity_is_not_verifiable(kube_api, dscache_operator, s3_server,
-                                                                 s3_bucket, opted_ns):
+def test_pod_identity_without_operator_identity_is_not_verifiable(
+    kube_api, dscache_operator, s3_server, s3_bucket, opted_ns
+):
     make_cache(kube_api, opted_ns, "irsa", f"s3://{s3_bucket}/data/", s3_server.endpoint)
     c = wait_phase(kube_api, opted_ns, "irsa", "Ready")
     assert (condition(c)["status"], condition(c)["reason"]) == ("Unknown", "NotVerifiable")
@@ -330,10 +507,10 @@ def test_pod_identity_without_operator_identity_is_not_verifiable(kube_api, dsca
     assert "no pinned revision" in e.value.body and "secretRef" in e.value.body
 
 
-def test_secret_without_rolebinding_is_forbidden(kube_api, dscache_operator, s3_server,
-                                                                s3_bucket, opted_ns):
+def test_secret_without_rolebinding_is_forbidden(kube_api, dscache_operator, s3_server, s3_bucket, opted_ns):
     """Without the per-namespace RoleBinding the controller cannot read Secrets."""
     from tests.support.s3server import ACCESS_KEY, SECRET_KEY
+
     make_secret(kube_api, opted_ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
     make_cache(kube_api, opted_ns, "forbidden", f"s3://{s3_bucket}/data/", s3_server.endpoint, "s3-keys")
     c = wait_phase(kube_api, opted_ns, "forbidden", "Failed")
@@ -342,11 +519,13 @@ def test_secret_without_rolebinding_is_forbidden(kube_api, dscache_operator, s3_
 
 # --- admission -------------------------------------------------------------------------------
 
+
 def _injected_counts(pod_spec: dict) -> tuple[int, int, list[int]]:
     inits = [c for c in pod_spec.get("initContainers", []) if c["name"] == "dscache-stage"]
     vols = [v for v in pod_spec.get("volumes", []) if v["name"] == "dscache-data"]
-    mounts = [len([m for m in c.get("volumeMounts", []) if m["name"] == "dscache-data"])
-              for c in pod_spec["containers"]]
+    mounts = [
+        len([m for m in c.get("volumeMounts", []) if m["name"] == "dscache-data"]) for c in pod_spec["containers"]
+    ]
     return len(inits), len(vols), mounts
 
 
@@ -365,9 +544,13 @@ def test_job_in_opted_in_namespace_is_injected_once(kube_api, ready_cache):
     assert StageArgs.from_argv(init["args"]).revision == rev
     train = spec["containers"][0]
     assert {e["name"]: e.get("value") for e in train["env"]} == {
-        "DSCACHE_DIR": "/data", "DSCACHE_MANIFEST": "/var/run/dscache/manifest.jsonl", "DSCACHE_REVISION": rev}
-    assert {"name": "dscache-data", "mountPath": "/data", "readOnly": True,
-            "subPath": f"revs/{rev}/data"} in train["volumeMounts"]
+        "DSCACHE_DIR": "/data",
+        "DSCACHE_MANIFEST": "/var/run/dscache/manifest.jsonl",
+        "DSCACHE_REVISION": rev,
+    }
+    assert {"name": "dscache-data", "mountPath": "/data", "readOnly": True, "subPath": f"revs/{rev}/data"} in train[
+        "volumeMounts"
+    ]
     # The pod the job controller creates from it passes the webhook again: still one of each.
     pod = start_job_pod(kube_api, ns, job, "node-a")
     assert _injected_counts(pod["spec"]) == (1, 1, [2])
@@ -378,10 +561,15 @@ def test_template_annotation_and_bare_pod(kube_api, ready_cache):
     job = create_job(kube_api, ns, job_body("tmpl", name, template_annotation=True))
     assert _injected_counts(job["spec"]["template"]["spec"]) == (1, 1, [2])
     assert job["metadata"]["annotations"]["dscache.io/cache"] == name
-    pod = kube_api.create(f"/api/v1/namespaces/{ns}/pods", {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "pytorchjob-worker-0", "annotations": {"dscache.io/cache": name}},
-        "spec": {"containers": [{"name": "pytorch", "image": "t"}, {"name": "sidecar", "image": "s"}]}})
+    pod = kube_api.create(
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "pytorchjob-worker-0", "annotations": {"dscache.io/cache": name}},
+            "spec": {"containers": [{"name": "pytorch", "image": "t"}, {"name": "sidecar", "image": "s"}]},
+        },
+    )
     assert _injected_counts(pod["spec"]) == (1, 1, [2, 2])
 
 
@@ -419,8 +607,10 @@ def test_mount_clash_is_refused(kube_api, ready_cache):
 
 def test_emptydir_namespace(kube_api, dscache_operator, s3_server, s3_bucket):
     from tests.support.s3server import ACCESS_KEY, SECRET_KEY
-    ns = kube_api.namespace("ml-baseline", {"dscache.io/injection": "enabled",
-                                            "pod-security.kubernetes.io/enforce": "baseline"})
+
+    ns = kube_api.namespace(
+        "ml-baseline", {"dscache.io/injection": "enabled", "pod-security.kubernetes.io/enforce": "baseline"}
+    )
     make_secret(kube_api, ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
     grant_secret_read(kube_api, ns)
     make_cache(kube_api, ns, "ds", f"s3://{s3_bucket}/data/", s3_server.endpoint, "s3-keys")
@@ -432,18 +622,17 @@ def test_emptydir_namespace(kube_api, dscache_operator, s3_server, s3_bucket):
     assert spec["initContainers"][0]["securityContext"]["runAsNonRoot"] is True
     # The kubelet removes emptyDir copies with their pods: Wiped without a helper pod.
     pod = start_job_pod(kube_api, ns, job, "node-e")
-    kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Running", init="done",
-                   message=json.dumps(SUMMARY))
+    kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
     e = wait_node_state(kube_api, ns, "ds", "node-e", "Ready")
     assert e["volume"] == "EmptyDir"
-    kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Succeeded", init="done",
-                   message=json.dumps(SUMMARY))
+    kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
     complete_job(kube_api, ns, "train")
     wait_node_state(kube_api, ns, "ds", "node-e", "Wiped")
     assert helper_for(kube_api, ns, "ds") == []
 
 
 # --- lifecycle: node state, wipe, deletion, restart ---------------------------------------
+
 
 def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
     k = kube_api
@@ -454,8 +643,7 @@ def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
         pod = start_job_pod(k, ns, job, "node-a")
         kubelet_status(k, ns, pod["metadata"]["name"], phase="Pending", init="running")
         wait_node_state(k, ns, name, "node-a", "Staging")
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done",
-                       message=json.dumps(SUMMARY))
+        kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
         e = wait_node_state(k, ns, name, "node-a", "Ready")
         assert (e["bytes"], e["objects"], e["seconds"], e["consumers"]) == (35, 3, 0.42, 1)
         assert get_cache(k, ns, name)["status"]["readyNodes"] == 1
@@ -463,11 +651,9 @@ def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
         # A second Job on another node is still running: its copy must stay.
         job2 = create_job(k, ns, job_body("other", name))
         pod2 = start_job_pod(k, ns, job2, "node-b")
-        kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done",
-                       message=json.dumps(SUMMARY))
+        kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
 
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done",
-                       message=json.dumps(SUMMARY))
+        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
         time.sleep(2.5)
         assert watch.for_cache(ns, name) == [], "wiped while the Job had not completed yet"
         complete_job(k, ns, "train")
@@ -476,8 +662,12 @@ def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
         assert helper["spec"]["tolerations"] == [{"operator": "Exists"}]
         rev = pod["metadata"]["annotations"]["dscache.io/revision"]
         assert WipeArgs.from_argv(helper["spec"]["containers"][0]["args"]) == WipeArgs(
-            cache_dir=f"/var/lib/dscache-test/{ns}/{name}", root="/var/lib/dscache-test", revision=rev,
-            release=(pod["metadata"]["uid"],), termination_log="/dev/termination-log")
+            cache_dir=f"/var/lib/dscache-test/{ns}/{name}",
+            root="/var/lib/dscache-test",
+            revision=rev,
+            release=(pod["metadata"]["uid"],),
+            termination_log="/dev/termination-log",
+        )
         time.sleep(2.5)  # several reconciliations while the helper runs: no second helper
         kubelet_runs_helper(k, helper)
         wait_node_state(k, ns, name, "node-a", "Wiped")
@@ -496,8 +686,15 @@ def test_failed_stager_shows_failed_node(kube_api, ready_cache):
     ns, name = ready_cache
     job = create_job(k, ns, job_body("fails", name))
     pod = start_job_pod(k, ns, job, "node-f")
-    kubelet_status(k, ns, pod["metadata"]["name"], phase="Failed", init="done", exit_code=4,
-                   message="error: not enough free space: need 35 bytes, 0 free")
+    kubelet_status(
+        k,
+        ns,
+        pod["metadata"]["name"],
+        phase="Failed",
+        init="done",
+        exit_code=4,
+        message="error: not enough free space: need 35 bytes, 0 free",
+    )
     e = wait_node_state(k, ns, name, "node-f", "Failed")
     assert "not enough free space" in e["message"]
     events = k.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
@@ -539,8 +736,10 @@ def test_failed_wipe_is_retried(kube_api, ready_cache):
     helper = k.wait_for(lambda: helper_for(k, ns, name), what="helper")[0]
     uid = helper["metadata"]["uid"]
     kubelet_runs_helper(k, helper, exit_code=1)
-    again = k.wait_for(lambda: [p for p in helper_for(k, ns, name) if p["metadata"]["uid"] != uid],
-                       what="a new helper after the failed one")[0]
+    again = k.wait_for(
+        lambda: [p for p in helper_for(k, ns, name) if p["metadata"]["uid"] != uid],
+        what="a new helper after the failed one",
+    )[0]
     kubelet_runs_helper(k, again)
     wait_node_state(k, ns, name, "node-r", "Wiped")
 
@@ -553,19 +752,16 @@ def test_operator_restart_converges(kube_api, dscache_operator, ready_cache):
     try:
         job = create_job(k, ns, job_body("train", name))
         pod = start_job_pod(k, ns, job, "node-x")
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done",
-                       message=json.dumps(SUMMARY))
+        kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
         wait_node_state(k, ns, name, "node-x", "Ready")
         # Another Job keeps node-y busy across the restart.
         job2 = create_job(k, ns, job_body("busy", name))
         pod2 = start_job_pod(k, ns, job2, "node-y")
-        kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done",
-                       message=json.dumps(SUMMARY))
+        kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
         wait_node_state(k, ns, name, "node-y", "Ready")
 
         op.stop("controller", kill=True)  # SIGKILL: no cleanup at all
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done",
-                       message=json.dumps(SUMMARY))
+        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
         complete_job(k, ns, "train")
         time.sleep(1)
         assert helper_for(k, ns, name) == []
@@ -593,10 +789,15 @@ def test_bare_pod_completion_wipes(kube_api, ready_cache):
     k = kube_api
     ns, name = ready_cache
     ensure_node(k, "node-p")
-    pod = k.create(f"/api/v1/namespaces/{ns}/pods", {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "worker-0", "annotations": {"dscache.io/cache": name}},
-        "spec": {"nodeName": "node-p", "containers": [{"name": "train", "image": "t"}]}})
+    pod = k.create(
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "worker-0", "annotations": {"dscache.io/cache": name}},
+            "spec": {"nodeName": "node-p", "containers": [{"name": "train", "image": "t"}]},
+        },
+    )
     assert pod["metadata"]["labels"]["dscache.io/consumer"] == "true"
     kubelet_status(k, ns, "worker-0", phase="Running", init="done", message=json.dumps(SUMMARY))
     wait_node_state(k, ns, name, "node-p", "Ready")
@@ -610,16 +811,27 @@ def test_bare_pod_completion_wipes(kube_api, ready_cache):
 
 def test_retain_while_used_keeps_then_expires(kube_api, dscache_operator, s3_server, s3_bucket, opted_ns):
     k = kube_api
-    make_cache(k, opted_ns, "kept", f"s3://{s3_bucket}/data/", s3_server.endpoint, with_keys(k, opted_ns),
-               retention={"policy": "RetainWhileUsed", "ttlAfterLastUse": "4s"})
+    make_cache(
+        k,
+        opted_ns,
+        "kept",
+        f"s3://{s3_bucket}/data/",
+        s3_server.endpoint,
+        with_keys(k, opted_ns),
+        retention={"policy": "RetainWhileUsed", "ttlAfterLastUse": "4s"},
+    )
     wait_phase(k, opted_ns, "kept", "Ready")
     job = create_job(k, opted_ns, job_body("train", "kept"))
     pod = start_job_pod(k, opted_ns, job, "node-k")
-    kubelet_status(k, opted_ns, pod["metadata"]["name"], phase="Succeeded", init="done",
-                   message=json.dumps(SUMMARY))
+    kubelet_status(k, opted_ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
     complete_job(k, opted_ns, "train")
-    k.wait_for(lambda: (node_entry(k, opted_ns, "kept", "node-k") or {}).get("consumers") == 0
-               and node_entry(k, opted_ns, "kept", "node-k")["state"] == "Ready", what="Ready, unused")
+    k.wait_for(
+        lambda: (
+            (node_entry(k, opted_ns, "kept", "node-k") or {}).get("consumers") == 0
+            and node_entry(k, opted_ns, "kept", "node-k")["state"] == "Ready"
+        ),
+        what="Ready, unused",
+    )
     time.sleep(1.5)
     assert helper_for(k, opted_ns, "kept") == [], "wiped before ttlAfterLastUse"
     helper = k.wait_for(lambda: helper_for(k, opted_ns, "kept"), timeout=20, what="helper after the TTL")[0]
@@ -627,8 +839,7 @@ def test_retain_while_used_keeps_then_expires(kube_api, dscache_operator, s3_ser
     wait_node_state(k, opted_ns, "kept", "node-k", "Wiped")
 
 
-def test_webhook_down_blocks_only_what_asked_for_a_cache_and_cold_start_admits(kube_api, dscache_operator,
-                                                                                ready_cache):
+def test_webhook_down_blocks_only_what_asked_for_a_cache_and_cold_start_admits(kube_api, dscache_operator, ready_cache):
     k = kube_api
     op = dscache_operator
     ns, name = ready_cache
@@ -662,8 +873,7 @@ def test_namespaced_mode(kube_api, dscache_operator, s3_server, s3_bucket):
         wait_phase(k, mine, "ds", "Ready")
         job = create_job(k, mine, job_body("train", "ds"))
         pod = start_job_pod(k, mine, job, "node-n")
-        kubelet_status(k, mine, pod["metadata"]["name"], phase="Succeeded", init="done",
-                       message=json.dumps(SUMMARY))
+        kubelet_status(k, mine, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
         complete_job(k, mine, "train")
         helper = k.wait_for(lambda: helper_for(k, mine, "ds"), what="helper")[0]
         kubelet_runs_helper(k, helper)
@@ -678,8 +888,10 @@ def test_namespaced_mode(kube_api, dscache_operator, s3_server, s3_bucket):
 
 # --- issue 7: revisions, nodes that are gone, rotated tokens ---------------------------------
 
+
 def _expected_revision(files: dict[str, bytes], prefix: str, bucket: str) -> str:
     import hashlib
+
     h = RevisionHasher()
     for key in sorted(files):
         if key.startswith(prefix):
@@ -696,8 +908,12 @@ def test_revision_is_pinned_and_jobs_keep_theirs_across_a_refresh(kube_api, read
     rev = c["status"]["revision"]
     assert rev["id"] == _expected_revision(FILES, "data/", s3_bucket)
     assert (rev["objects"], rev["bytes"]) == (4, 135)
-    out = subprocess.run([kubectl(), "--kubeconfig", str(k.kubeconfig), "get", "dsc", name, "-n", ns],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [kubectl(), "--kubeconfig", str(k.kubeconfig), "get", "dsc", name, "-n", ns],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "REVISION" in out and rev["id"] in out
     job = create_job(k, ns, job_body("old", name))
     assert job["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision"] == rev["id"]
@@ -705,8 +921,12 @@ def test_revision_is_pinned_and_jobs_keep_theirs_across_a_refresh(kube_api, read
     changed = {**FILES, "data/a.bin": b"A" * 11}
     s3_server.put_tree(s3_bucket, {"data/a.bin": changed["data/a.bin"]})
     k.merge_patch(f"{DSC.format(ns=ns)}/{name}", {"metadata": {"annotations": {"dscache.io/refresh": "1"}}})
-    new = k.wait_for(lambda: (lambda r: r if r and r["id"] != rev["id"] else None)(
-        (get_cache(k, ns, name)["status"] or {}).get("revision")), what="a new revision")
+    new = k.wait_for(
+        lambda: (lambda r: r if r and r["id"] != rev["id"] else None)(
+            (get_cache(k, ns, name)["status"] or {}).get("revision")
+        ),
+        what="a new revision",
+    )
     assert new["id"] == _expected_revision(changed, "data/", s3_bucket)
     assert get_cache(k, ns, name)["status"]["observedRefresh"] == "1"
     # A pod the old Job creates now still stages the old revision; a new Job gets the new one.
@@ -749,26 +969,49 @@ def test_api_client_survives_a_rotated_token(kube_api, dscache_operator, tmp_pat
     sa = f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts/dscache-controller/token"
 
     def bound_token(secret: str) -> str:
-        s = k.create(f"/api/v1/namespaces/{OPERATOR_NS}/secrets",
-                     {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret}})
-        return k.create(sa, {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
-            "expirationSeconds": 3600,
-            "boundObjectRef": {"kind": "Secret", "apiVersion": "v1", "name": secret,
-                               "uid": s["metadata"]["uid"]}}})["status"]["token"]
+        s = k.create(
+            f"/api/v1/namespaces/{OPERATOR_NS}/secrets",
+            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret}},
+        )
+        return k.create(
+            sa,
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "expirationSeconds": 3600,
+                    "boundObjectRef": {
+                        "kind": "Secret",
+                        "apiVersion": "v1",
+                        "name": secret,
+                        "uid": s["metadata"]["uid"],
+                    },
+                },
+            },
+        )["status"]["token"]
 
     token_file = tmp_path / "token"
     token_file.write_text(bound_token("rot-1"))
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "t", "cluster": {"server": k.server,
-                                               "certificate-authority": str(k.certs / "ca.crt")}}],
-        "users": [{"name": "u", "user": {"tokenFile": str(token_file)}}],
-        "contexts": [{"name": "c", "context": {"cluster": "t", "user": "u"}}]}))
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [
+                    {"name": "t", "cluster": {"server": k.server, "certificate-authority": str(k.certs / "ca.crt")}}
+                ],
+                "users": [{"name": "u", "user": {"tokenFile": str(token_file)}}],
+                "contexts": [{"name": "c", "context": {"cluster": "t", "user": "u"}}],
+            }
+        )
+    )
     path = "/apis/dscache.io/v1alpha1/datasetcaches"
 
     async def main():
         import os
+
         old = os.environ.get("KUBECONFIG")
         os.environ["KUBECONFIG"] = str(kubeconfig)
         try:
@@ -780,9 +1023,9 @@ def test_api_client_survives_a_rotated_token(kube_api, dscache_operator, tmp_pat
                 os.environ["KUBECONFIG"] = old
         try:
             await kube.request("GET", path)
-            k.delete(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/rot-1")   # the old token is dead
+            k.delete(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/rot-1")  # the old token is dead
             deadline = time.monotonic() + 20
-            while True:   # the API server notices the deleted Secret within its cache's lag
+            while True:  # the API server notices the deleted Secret within its cache's lag
                 try:
                     await kube.request("GET", path)
                     assert time.monotonic() < deadline, "the revoked token kept working"
@@ -790,12 +1033,13 @@ def test_api_client_survives_a_rotated_token(kube_api, dscache_operator, tmp_pat
                 except ApiErrorK as e:
                     assert e.status == 401
                     break
-            token_file.write_text(bound_token("rot-2"))                   # the kubelet rotates it
-            await kube.request("GET", path)                                # re-read on 401, retried
+            token_file.write_text(bound_token("rot-2"))  # the kubelet rotates it
+            await kube.request("GET", path)  # re-read on 401, retried
         finally:
             await kube.close()
 
     from dscache_operator.kube import ApiError as ApiErrorK
+
     asyncio.run(main())
 
 
@@ -806,43 +1050,97 @@ def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operato
     k = kube_api
     op = dscache_operator
     ns, name = ready_cache
-    k.apply_yaml_docs([{
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "pytorchjobs.kubeflow.org"},
-        "spec": {"group": "kubeflow.org", "scope": "Namespaced",
-                 "names": {"kind": "PyTorchJob", "plural": "pytorchjobs", "singular": "pytorchjob"},
-                 "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
-                               "schema": {"openAPIV3Schema": {"type": "object",
-                                                              "x-kubernetes-preserve-unknown-fields": True}}}]}}])
-    k.wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in (k.get(
-        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pytorchjobs.kubeflow.org").get("status")
-        or {}).get("conditions") or []), what="PyTorchJob CRD")
-    op.stop("controller")   # the absent kind is looked at again every minute; do not wait for that
+    k.apply_yaml_docs(
+        [
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": "pytorchjobs.kubeflow.org"},
+                "spec": {
+                    "group": "kubeflow.org",
+                    "scope": "Namespaced",
+                    "names": {"kind": "PyTorchJob", "plural": "pytorchjobs", "singular": "pytorchjob"},
+                    "versions": [
+                        {
+                            "name": "v1",
+                            "served": True,
+                            "storage": True,
+                            "subresources": {"status": {}},
+                            "schema": {
+                                "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                            },
+                        }
+                    ],
+                },
+            }
+        ]
+    )
+    k.wait_for(
+        lambda: any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in (
+                k.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pytorchjobs.kubeflow.org").get("status")
+                or {}
+            ).get("conditions")
+            or []
+        ),
+        what="PyTorchJob CRD",
+    )
+    op.stop("controller")  # the absent kind is looked at again every minute; do not wait for that
     op.start("controller")
-    pt = k.create(f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs",
-                  {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "pt"},
-                   "spec": {}})
+    pt = k.create(
+        f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs",
+        {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "pt"}, "spec": {}},
+    )
     ensure_node(k, "node-pt")
-    worker = k.create(f"/api/v1/namespaces/{ns}/pods", {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "pt-worker-0", "annotations": {"dscache.io/cache": name},
-                     "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "pt",
-                                          "uid": pt["metadata"]["uid"], "controller": True}]},
-        "spec": {"nodeName": "node-pt", "restartPolicy": "Never",
-                 "containers": [{"name": "pytorch", "image": "t"}]}})
+    worker = k.create(
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "pt-worker-0",
+                "annotations": {"dscache.io/cache": name},
+                "ownerReferences": [
+                    {
+                        "apiVersion": "kubeflow.org/v1",
+                        "kind": "PyTorchJob",
+                        "name": "pt",
+                        "uid": pt["metadata"]["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": {
+                "nodeName": "node-pt",
+                "restartPolicy": "Never",
+                "containers": [{"name": "pytorch", "image": "t"}],
+            },
+        },
+    )
     rev = worker["metadata"]["annotations"]["dscache.io/revision"]
     kubelet_status(k, ns, "pt-worker-0", phase="Running", init="done", message=json.dumps(SUMMARY))
     wait_node_state(k, ns, name, "node-pt", "Ready")
-    k.wait_for(lambda: any(o["uid"] == pt["metadata"]["uid"] and o["revision"] == rev
-                           for o in get_cache(k, ns, name)["status"].get("owners") or []),
-               what="the PyTorchJob pinned in status.owners")
+    k.wait_for(
+        lambda: any(
+            o["uid"] == pt["metadata"]["uid"] and o["revision"] == rev
+            for o in get_cache(k, ns, name)["status"].get("owners") or []
+        ),
+        what="the PyTorchJob pinned in status.owners",
+    )
     kubelet_status(k, ns, "pt-worker-0", phase="Failed", init="done", message=json.dumps(SUMMARY))
     time.sleep(3)
     assert helper_for(k, ns, name) == [], "wiped while the PyTorchJob still runs (it may recreate the worker)"
     assert node_entry(k, ns, name, "node-pt")["consumers"] == 1
     t = now_rfc3339()
-    k.merge_patch(f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/pt/status", {"status": {"conditions": [
-        {"type": "Succeeded", "status": "True", "lastTransitionTime": t, "reason": "Done"}]}})
+    k.merge_patch(
+        f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/pt/status",
+        {
+            "status": {
+                "conditions": [{"type": "Succeeded", "status": "True", "lastTransitionTime": t, "reason": "Done"}]
+            }
+        },
+    )
     helper = k.wait_for(lambda: helper_for(k, ns, name), what="helper once the PyTorchJob finished")[0]
     args = WipeArgs.from_argv(helper["spec"]["containers"][0]["args"])
     assert (args.revision, args.release) == (rev, (worker["metadata"]["uid"],))
@@ -864,7 +1162,7 @@ def test_deleting_a_cache_whose_job_still_needs_pods_does_not_deadlock(kube_api,
     time.sleep(2)
     assert helper_for(k, ns, name) == [], "wiped while the Job may still start a pod"
     k.delete(f"{DSC.format(ns=ns)}/{name}")
-    with pytest.raises(ApiError) as e:   # what the job controller's next pod gets
+    with pytest.raises(ApiError) as e:  # what the job controller's next pod gets
         start_job_pod(k, ns, job, "node-dl", suffix="1")
     assert "being deleted" in e.value.body
     helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper although the Job runs")[0]

@@ -22,9 +22,26 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_operator_api import (
-    DSC, SUMMARY, ApiError, complete_job, condition, create_job, get_cache, grant_secret_read, helper_for,
-    job_body, kubelet_runs_helper, kubelet_status, make_cache, make_secret, now_rfc3339, start_job_pod,
-    wait_node_state, wait_phase, with_keys)
+    DSC,
+    SUMMARY,
+    ApiError,
+    complete_job,
+    condition,
+    create_job,
+    get_cache,
+    grant_secret_read,
+    helper_for,
+    job_body,
+    kubelet_runs_helper,
+    kubelet_status,
+    make_cache,
+    make_secret,
+    now_rfc3339,
+    start_job_pod,
+    wait_node_state,
+    wait_phase,
+    with_keys,
+)
 from tests.support.kubeapi import REPO, wait_port
 from tests.support.s3server import ACCESS_KEY, SECRET_KEY, free_port
 
@@ -37,13 +54,14 @@ DATA = {"data/a.bin": b"a" * 10, "data/b.bin": b"b" * 20}
 
 # --- metrics ----------------------------------------------------------------------------
 
+
 def metric(text: str, name: str, **labels: str) -> float:
     """The value of one sample in Prometheus text format (0 when absent)."""
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
         if line.startswith("#"):
             continue
-        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$', line)
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$", line)
         if not m or m.group(1) != name:
             continue
         got = ",".join(sorted(p for p in (m.group(2) or "").split(",") if p))
@@ -60,7 +78,8 @@ def test_prometheus_metrics(kube_api, dscache_operator, s3_server, opted_ns):
         try:
             return op.metrics(role)
         except OSError:
-            return None   # the process may still be starting its metrics server
+            return None  # the process may still be starting its metrics server
+
     ctl0 = k.wait_for(lambda: scrape("controller"), what="controller /metrics")
     hook0 = k.wait_for(lambda: scrape("webhook"), what="webhook /metrics")
     refused0 = metric(hook0, "dscache_admission_reviews_total", mode="HostPath", result="refused")
@@ -72,14 +91,22 @@ def test_prometheus_metrics(kube_api, dscache_operator, s3_server, opted_ns):
     wait_phase(k, opted_ns, "gone", "Failed")
     with pytest.raises(ApiError):
         create_job(k, opted_ns, job_body("train", "gone"))
-    create_job(k, opted_ns, job_body("plain", None))   # not annotated: never reaches the webhook
+    create_job(k, opted_ns, job_body("plain", None))  # not annotated: never reaches the webhook
 
-    text = k.wait_for(lambda: (lambda t: t if metric(t, "dscache_datasetcaches", phase="Failed") >= 1 else None)(
-        op.metrics("controller")), what="controller metrics")
+    text = k.wait_for(
+        lambda: (lambda t: t if metric(t, "dscache_datasetcaches", phase="Failed") >= 1 else None)(
+            op.metrics("controller")
+        ),
+        what="controller metrics",
+    )
     assert metric(text, "dscache_source_checks_total", reason="NoSuchBucket") >= nobucket0 + 1
     # The gauge counts the caches in phase Failed right now, cluster-wide.
-    failed = sum(1 for ns in [opted_ns] for c in k.get(DSC.format(ns=ns))["items"]
-                 if (c.get("status") or {}).get("phase") == "Failed")
+    failed = sum(
+        1
+        for ns in [opted_ns]
+        for c in k.get(DSC.format(ns=ns))["items"]
+        if (c.get("status") or {}).get("phase") == "Failed"
+    )
     assert metric(text, "dscache_datasetcaches", phase="Failed") >= failed >= 1
     hook = op.metrics("webhook")
     assert metric(hook, "dscache_admission_reviews_total", mode="HostPath", result="refused") == refused0 + 1
@@ -93,6 +120,7 @@ def test_prometheus_metrics(kube_api, dscache_operator, s3_server, opted_ns):
 
 # --- the webhook never writes, observed in the API server's audit log --------------------
 
+
 def test_webhook_process_never_writes(kube_api, dscache_operator, s3_server, s3_bucket_truth, opted_ns):
     """Every request the webhook's ServiceAccount made this session, from the audit log:
     reads only. The log is live (it shows the webhook's own reads, and the controller's
@@ -100,19 +128,20 @@ def test_webhook_process_never_writes(kube_api, dscache_operator, s3_server, s3_
     k = kube_api
     make_cache(k, opted_ns, "audited", f"s3://{s3_bucket_truth}/data/", s3_server.endpoint, with_keys(k, opted_ns))
     wait_phase(k, opted_ns, "audited", "Ready")
-    job = create_job(k, opted_ns, job_body("train", "audited"))     # admitted: index hit
+    job = create_job(k, opted_ns, job_body("train", "audited"))  # admitted: index hit
     assert job["spec"]["template"]["spec"]["initContainers"]
     with pytest.raises(ApiError):
-        create_job(k, opted_ns, job_body("train2", "no-such-cache"))   # refused: a GET on the miss
+        create_job(k, opted_ns, job_body("train2", "no-such-cache"))  # refused: a GET on the miss
     time.sleep(1)
     events = k.audit_events()
     mine = [e for e in events if e["user"]["username"] == WEBHOOK_USER]
     controller = [e for e in events if e["user"]["username"].endswith(":dscache-controller")]
-    assert any(e["verb"] in ("list", "watch") and e.get("objectRef", {}).get("resource") == "datasetcaches"
-               for e in mine), \
-        "the audit log shows no webhook request at all: the observation is broken"
-    assert any(e["verb"] == "get" and e.get("objectRef", {}).get("name") == "no-such-cache" for e in mine), \
+    assert any(
+        e["verb"] in ("list", "watch") and e.get("objectRef", {}).get("resource") == "datasetcaches" for e in mine
+    ), "the audit log shows no webhook request at all: the observation is broken"
+    assert any(e["verb"] == "get" and e.get("objectRef", {}).get("name") == "no-such-cache" for e in mine), (
         "the webhook's GET on an index miss is not in the audit log"
+    )
     assert any(e["verb"] in WRITE_VERBS for e in controller), "the controller's writes are not audited either"
     writes = [(e["verb"], e["requestURI"], e["responseStatus"].get("code")) for e in mine if e["verb"] in WRITE_VERBS]
     assert writes == [], writes
@@ -125,6 +154,7 @@ def s3_bucket_truth(s3_server, bucket):
 
 
 # --- source check: Failed, then fixed, then Ready ----------------------------------------
+
 
 def test_source_check_recovers_from_failed_to_ready(kube_api, dscache_operator, s3_server, opted_ns):
     k = kube_api
@@ -140,8 +170,11 @@ def test_source_check_recovers_from_failed_to_ready(kube_api, dscache_operator, 
     assert "SecretForbidden" in refused.value.body
     grant_secret_read(k, opted_ns)
     # 2. Now the keys are read, but the bucket does not exist yet: NoSuchBucket.
-    k.wait_for(lambda: condition(get_cache(k, opted_ns, "later"))["reason"] == "NoSuchBucket", timeout=30,
-               what="NoSuchBucket after the Secret became readable")
+    k.wait_for(
+        lambda: condition(get_cache(k, opted_ns, "later"))["reason"] == "NoSuchBucket",
+        timeout=30,
+        what="NoSuchBucket after the Secret became readable",
+    )
     assert get_cache(k, opted_ns, "later")["status"]["phase"] == "Failed"
     # 3. The bucket appears: the retry (DSCACHE_SOURCE_RETRY_INTERVAL=3 s here) turns it Ready.
     s3_server.make_bucket("recovering-bucket")
@@ -156,6 +189,7 @@ def test_source_check_recovers_from_failed_to_ready(kube_api, dscache_operator, 
 
 # --- a stale wipe helper is deleted, not run -----------------------------------------------
 
+
 def test_stale_wipe_helper_is_deleted(kube_api, dscache_operator, s3_server, s3_bucket_truth, opted_ns):
     """A helper created for a wipe, then overtaken by a new stager on that node: the
     controller deletes it (its wipe would be judged on stale state) and starts a new one."""
@@ -164,24 +198,37 @@ def test_stale_wipe_helper_is_deleted(kube_api, dscache_operator, s3_server, s3_
     wait_phase(k, opted_ns, "st", "Ready")
     job1 = create_job(k, opted_ns, job_body("one", "st"))
     pod1 = start_job_pod(k, opted_ns, job1, "node-s")
-    kubelet_status(k, opted_ns, pod1["metadata"]["name"], phase="Succeeded", init="done",
-                   message=json.dumps(SUMMARY))
+    kubelet_status(k, opted_ns, pod1["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
     complete_job(k, opted_ns, "one")
     stale = k.wait_for(lambda: helper_for(k, opted_ns, "st"), what="the first helper")[0]
     stale_uid = stale["metadata"]["uid"]
     # The helper never runs (as if its node were slow to start it); a new Job's stager
     # starts on that node after the helper was created...
-    time.sleep(1.2)   # creationTimestamp has whole seconds
+    time.sleep(1.2)  # creationTimestamp has whole seconds
     job2 = create_job(k, opted_ns, job_body("two", "st"))
     pod2 = start_job_pod(k, opted_ns, job2, "node-s")
-    started2 = now_rfc3339()   # after the helper's creationTimestamp
+    started2 = now_rfc3339()  # after the helper's creationTimestamp
     assert started2 > stale["metadata"]["creationTimestamp"], (started2, stale["metadata"])
-    kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Running", init="done",
-                   message=json.dumps(SUMMARY), started=started2)
+    kubelet_status(
+        k,
+        opted_ns,
+        pod2["metadata"]["name"],
+        phase="Running",
+        init="done",
+        message=json.dumps(SUMMARY),
+        started=started2,
+    )
     wait_node_state(k, opted_ns, "st", "node-s", "Ready")
     # ...and finishes: the wipe is due again, and the old helper is stale.
-    kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Succeeded", init="done",
-                   message=json.dumps(SUMMARY), started=started2)
+    kubelet_status(
+        k,
+        opted_ns,
+        pod2["metadata"]["name"],
+        phase="Succeeded",
+        init="done",
+        message=json.dumps(SUMMARY),
+        started=started2,
+    )
     complete_job(k, opted_ns, "two")
     # The controller deletes the stale helper (a pod that never started goes at once;
     # one still Terminating would wait for its node's kubelet: play that kubelet) and
@@ -191,20 +238,35 @@ def test_stale_wipe_helper_is_deleted(kube_api, dscache_operator, s3_server, s3_
         helpers = helper_for(k, opted_ns, "st")
         for p in helpers:
             if p["metadata"]["uid"] == stale_uid and p["metadata"].get("deletionTimestamp"):
-                k.request("DELETE", f"/api/v1/namespaces/dscache-system/pods/{p['metadata']['name']}",
-                          {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
-                           "preconditions": {"uid": stale_uid}})
+                k.request(
+                    "DELETE",
+                    f"/api/v1/namespaces/dscache-system/pods/{p['metadata']['name']}",
+                    {
+                        "apiVersion": "v1",
+                        "kind": "DeleteOptions",
+                        "gracePeriodSeconds": 0,
+                        "preconditions": {"uid": stale_uid},
+                    },
+                )
         if any(p["metadata"]["uid"] == stale_uid for p in helpers):
             return None
         return [p for p in helpers if p["metadata"]["uid"] != stale_uid]
+
     try:
         fresh = k.wait_for(replaced, timeout=30, what="the stale helper deleted and replaced")[0]
     except AssertionError as e:
-        raise AssertionError(f"{e}\nstatus: {json.dumps(get_cache(k, opted_ns, 'st').get('status'), indent=1)}\n"
-                             f"helpers: {[p['metadata'] for p in helper_for(k, opted_ns, 'st')]}") from None
+        raise AssertionError(
+            f"{e}\nstatus: {json.dumps(get_cache(k, opted_ns, 'st').get('status'), indent=1)}\n"
+            f"helpers: {[p['metadata'] for p in helper_for(k, opted_ns, 'st')]}"
+        ) from None
     # The audit log shows the controller's DELETE of the stale helper (the test never ran it).
-    deletes = [e for e in k.audit_events() if e["verb"] == "delete" and e["user"]["username"].endswith(
-        ":dscache-controller") and e.get("objectRef", {}).get("name") == stale["metadata"]["name"]]
+    deletes = [
+        e
+        for e in k.audit_events()
+        if e["verb"] == "delete"
+        and e["user"]["username"].endswith(":dscache-controller")
+        and e.get("objectRef", {}).get("name") == stale["metadata"]["name"]
+    ]
     assert deletes, "no DELETE of the stale helper by the controller in the audit log"
     assert fresh["spec"]["nodeName"] == "node-s"
     assert all(p["metadata"]["uid"] != stale_uid for p in helper_for(k, opted_ns, "st")), "stale helper kept"
@@ -214,15 +276,21 @@ def test_stale_wipe_helper_is_deleted(kube_api, dscache_operator, s3_server, s3_
 
 # --- the informer relists after a real 410 Gone -----------------------------------------
 
+
 def compact_etcd(k) -> int:
     """Compact etcd's history up to now, as the API server does every 5 minutes, through
     etcd's JSON gateway: a watch from an older resourceVersion then gets 410 Gone."""
+
     def post(path: str, body: dict) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{k.etcd_port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{k.etcd_port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
-    rev = int(post("/v3/kv/range", {"key": "Lw=="})["header"]["revision"])   # key "/"
+
+    rev = int(post("/v3/kv/range", {"key": "Lw=="})["header"]["revision"])  # key "/"
     post("/v3/kv/compaction", {"revision": rev, "physical": True})
     return rev
 
@@ -233,25 +301,37 @@ def test_informer_relists_after_410_gone(kube_api, opted_ns):
     a watch from an old resourceVersion gets the real 410 Gone; the informer relists and
     keeps watching. The informer code is the same for any resource."""
     import kopf
+
     from dscache_operator.informer import Gone, Informer
     from dscache_operator.kube import Kube
 
     k = kube_api
-    info = kopf.ConnectionInfo(server=k.server, ca_path=str(k.certs / "ca.crt"),
-                               certificate_path=str(k.certs / "admin.crt"),
-                               private_key_path=str(k.certs / "admin.key"))
+    info = kopf.ConnectionInfo(
+        server=k.server,
+        ca_path=str(k.certs / "ca.crt"),
+        certificate_path=str(k.certs / "admin.crt"),
+        private_key_path=str(k.certs / "admin.key"),
+    )
 
     def obj(name: str) -> dict:
-        return {"apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": name, "labels": {"dscache.io/consumer": "true"}}, "data": {"x": "y"}}
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "labels": {"dscache.io/consumer": "true"}},
+            "data": {"x": "y"},
+        }
 
     k.create(f"/api/v1/namespaces/{opted_ns}/configmaps", obj("before"))
     compact_etcd(k)
 
     async def scenario() -> tuple[list[str], list[str], set[str]]:
         kube = Kube(info)
-        inf = Informer(kube, f"/api/v1/namespaces/{opted_ns}/configmaps", "dscache.io/consumer=true",
-                       lambda b: ("objs", b["metadata"]["name"]))
+        inf = Informer(
+            kube,
+            f"/api/v1/namespaces/{opted_ns}/configmaps",
+            "dscache.io/consumer=true",
+            lambda b: ("objs", b["metadata"]["name"]),
+        )
         lists: list[str] = []
         gone: list[str] = []
         real_list, real_watch = inf._list, inf._watch
@@ -269,6 +349,7 @@ def test_informer_relists_after_410_gone(kube_api, opted_ns):
             except Gone:
                 gone.append(rv)
                 raise
+
         inf._list, inf._watch = list_then_too_old, watch
         task = asyncio.create_task(inf.run())
         try:
@@ -291,7 +372,7 @@ def test_informer_relists_after_410_gone(kube_api, opted_ns):
     assert gone and gone[0] == "1", f"the API server did not answer 410 Gone to resourceVersion 1: {gone}"
     assert len(lists) >= 2, f"no relist after 410 Gone: {len(lists)} list(s), {len(gone)} Gone answers"
     assert gone == ["1"], f"410 Gone more than once: {gone[:5]}..."
-    assert names >= {"before", "after"}, names   # the relisted informer keeps watching
+    assert names >= {"before", "after"}, names  # the relisted informer keeps watching
 
 
 # --- the webhook with the API server really unreachable ---------------------------------
@@ -375,17 +456,30 @@ def review(ns: str, cache: str) -> dict:
     body = job_body(f"j-{uuid.uuid4().hex[:6]}", cache)
     body["metadata"]["namespace"] = ns
     gvk = {"group": "batch", "version": "v1", "kind": "Job"}
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": str(uuid.uuid4()), "kind": gvk, "requestKind": gvk,
-        "resource": {"group": "batch", "version": "v1", "resource": "jobs"},
-        "requestResource": {"group": "batch", "version": "v1", "resource": "jobs"},
-        "name": body["metadata"]["name"], "namespace": ns, "operation": "CREATE",
-        "userInfo": {"username": "tester"}, "object": body, "oldObject": None, "dryRun": False,
-        "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}}}
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": gvk,
+            "requestKind": gvk,
+            "resource": {"group": "batch", "version": "v1", "resource": "jobs"},
+            "requestResource": {"group": "batch", "version": "v1", "resource": "jobs"},
+            "name": body["metadata"]["name"],
+            "namespace": ns,
+            "operation": "CREATE",
+            "userInfo": {"username": "tester"},
+            "object": body,
+            "oldObject": None,
+            "dryRun": False,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+        },
+    }
 
 
-def test_webhook_with_the_api_server_unreachable(kube_api, dscache_operator, s3_server, s3_bucket_truth,
-                                                 opted_ns, tmp_path: Path):
+def test_webhook_with_the_api_server_unreachable(
+    kube_api, dscache_operator, s3_server, s3_bucket_truth, opted_ns, tmp_path: Path
+):
     """A webhook whose only way to the API server is a tunnel we cut: an unknown cache is
     refused with a retryable message (fail closed, answered in time), a cache already in
     its index is still served; once the tunnel is back, the API's answer is used again."""
@@ -398,23 +492,32 @@ def test_webhook_with_the_api_server_unreachable(kube_api, dscache_operator, s3_
     kc["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{tunnel.port}"
     (tmp_path / "kubeconfig").write_text(json.dumps(kc))
     port = free_port()
-    env = {**op.env("webhook"), "KUBECONFIG": str(tmp_path / "kubeconfig"), "DSCACHE_WEBHOOK_PORT": str(port),
-           "DSCACHE_METRICS_PORT": "0", "DSCACHE_HEALTH_PORT": "0"}
+    env = {
+        **op.env("webhook"),
+        "KUBECONFIG": str(tmp_path / "kubeconfig"),
+        "DSCACHE_WEBHOOK_PORT": str(port),
+        "DSCACHE_METRICS_PORT": "0",
+        "DSCACHE_HEALTH_PORT": "0",
+    }
     log = open(tmp_path / "webhook.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "dscache_operator", "webhook"], env=env, cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dscache_operator", "webhook"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+    )
     ctx = ssl.create_default_context(cafile=str(k.certs / "ca.crt"))
 
     def ask(cache: str) -> tuple[dict, float]:
         t0 = time.monotonic()
-        req = urllib.request.Request(f"https://127.0.0.1:{port}/dscache-hostpath",
-                                     data=json.dumps(review(opted_ns, cache)).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"https://127.0.0.1:{port}/dscache-hostpath",
+            data=json.dumps(review(opted_ns, cache)).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, context=ctx, timeout=30) as r:
             return json.loads(r.read())["response"], time.monotonic() - t0
 
     try:
         wait_port("127.0.0.1", port)
+
         # Through the tunnel: the index fills, the known cache is admitted with a patch.
         # A patch alone does not prove the index holds the cache (a miss falls through
         # to a GET that admits too): wait until an admission made no GET of it.
@@ -424,12 +527,18 @@ def test_webhook_with_the_api_server_unreachable(kube_api, dscache_operator, s3_
         def served_from_index() -> dict | None:
             before = len(k.audit_events())
             resp, _ = ask("known")
-            gets = [e for e in k.audit_events()[before:] if tunnelled(e) and e["verb"] == "get"
-                    and e.get("objectRef", {}).get("name") == "known"]
+            gets = [
+                e
+                for e in k.audit_events()[before:]
+                if tunnelled(e) and e["verb"] == "get" and e.get("objectRef", {}).get("name") == "known"
+            ]
             return resp if resp.get("patch") and not gets else None
+
         k.wait_for(served_from_index, timeout=30, what="the webhook's index through the tunnel")
-        assert any(tunnelled(e) and e["verb"] == "list" and e.get("objectRef", {}).get("resource") == "datasetcaches"
-                   for e in k.audit_events()), "no list of DatasetCaches through the tunnel: the observation is broken"
+        assert any(
+            tunnelled(e) and e["verb"] == "list" and e.get("objectRef", {}).get("resource") == "datasetcaches"
+            for e in k.audit_events()
+        ), "no list of DatasetCaches through the tunnel: the observation is broken"
 
         tunnel.cut()
         with pytest.raises(ConnectionRefusedError):
@@ -446,8 +555,13 @@ def test_webhook_with_the_api_server_unreachable(kube_api, dscache_operator, s3_
         assert proc.poll() is None, (tmp_path / "webhook.log").read_text()[-2000:]
 
         tunnel.restore()
-        resp, _ = k.wait_for(lambda: (lambda r: r if "does not exist" in (r[0].get("status") or {}).get(
-            "message", "") else None)(ask("never-created")), timeout=30, what="the API's answer after restore")
+        resp, _ = k.wait_for(
+            lambda: (lambda r: r if "does not exist" in (r[0].get("status") or {}).get("message", "") else None)(
+                ask("never-created")
+            ),
+            timeout=30,
+            what="the API's answer after restore",
+        )
         assert resp["allowed"] is False
     finally:
         proc.terminate()

@@ -33,8 +33,8 @@ def _damage(data: Path) -> Path:
     victim = data / "part-03.bin"
     size = victim.stat().st_size
     mode = victim.stat().st_mode
-    os.chmod(victim, 0o644)   # a complete revision is sealed 0444
-    victim.write_bytes(b"\0" * size)   # same size, wrong bytes: what a lost page cache leaves
+    os.chmod(victim, 0o644)  # a complete revision is sealed 0444
+    victim.write_bytes(b"\0" * size)  # same size, wrong bytes: what a lost page cache leaves
     os.chmod(victim, mode)
     return victim
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import dscache_contract as contract
 from tests.support.faultproxy import FaultProxy, deny_after, random_faults
 from tests.support.s3server import S3Server
-import dscache_contract as contract
 from tests.support.stager import boto3_revision, data_dir, data_tree, expected_tree, stage
 
 pytestmark = pytest.mark.integration
@@ -42,8 +42,16 @@ def test_cli_exit_7_when_s3_keeps_failing(s3_server: S3Server, bucket: str, tmp_
     throttle_gets = lambda n, line: "slowdown" if line.startswith("GET ") and "list-type" not in line else "pass"
     proxy = FaultProxy(upstream(s3_server), throttle_gets).start()
     try:
-        r = stage(s3_server, f"s3://{bucket}/t/", tmp_path / "c", rev, endpoint=proxy.endpoint,
-                  retry_timeout=1.0, termination_log=str(tmp_path / "t"), timeout=120)
+        r = stage(
+            s3_server,
+            f"s3://{bucket}/t/",
+            tmp_path / "c",
+            rev,
+            endpoint=proxy.endpoint,
+            retry_timeout=1.0,
+            termination_log=str(tmp_path / "t"),
+            timeout=120,
+        )
     finally:
         proxy.stop()
     assert r.code == 7, r.stderr
@@ -61,8 +69,15 @@ def test_credentials_revoked_mid_run_fail_cleanly(s3_server: S3Server, bucket: s
     cache = tmp_path / "c"
     dest = data_dir(cache, rev)
     try:
-        r = stage(s3_server, f"s3://{bucket}/r/", cache, rev, concurrency=4, termination_log=str(tmp_path / "t"),
-                  endpoint=proxy.endpoint)
+        r = stage(
+            s3_server,
+            f"s3://{bucket}/r/",
+            cache,
+            rev,
+            concurrency=4,
+            termination_log=str(tmp_path / "t"),
+            endpoint=proxy.endpoint,
+        )
     finally:
         proxy.stop()
     assert r.code == 3, r.stderr
@@ -80,12 +95,14 @@ def test_credentials_revoked_mid_run_fail_cleanly(s3_server: S3Server, bucket: s
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A size- and inode-limited tmpfs, like a nearly full NVMe."""
+
     def mount(size: str, inodes: int = 10_000) -> Path:
         mnt = tmp_path / f"disk-{size}-{inodes}"
         mnt.mkdir()
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(mnt)], check=True)
         mounts.append(mnt)
         return mnt
+
     mounts: list[Path] = []
     yield mount
     for m in mounts:

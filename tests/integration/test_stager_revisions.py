@@ -22,7 +22,14 @@ from dscache_stager.wipe import wipe
 from tests.support.faultproxy import FaultProxy
 from tests.support.s3server import S3Server
 from tests.support.stager import (
-    boto3_revision, data_dir, data_tree, expected_tree, stage, stage_cmd, stage_env, sync_argv,
+    boto3_revision,
+    data_dir,
+    data_tree,
+    expected_tree,
+    stage,
+    stage_cmd,
+    stage_env,
+    sync_argv,
 )
 
 pytestmark = pytest.mark.integration
@@ -39,13 +46,18 @@ def snapshot(d: Path) -> dict[str, tuple]:
         for f in files:
             p = Path(root, f)
             st = p.lstat()
-            out[str(p.relative_to(d))] = (hashlib.sha256(p.read_bytes()).hexdigest(), st.st_ino, st.st_mtime_ns,
-                                          st.st_mode)
+            out[str(p.relative_to(d))] = (
+                hashlib.sha256(p.read_bytes()).hexdigest(),
+                st.st_ino,
+                st.st_mtime_ns,
+                st.st_mode,
+            )
     return out
 
 
 def test_a_stager_without_access_exits_3_even_while_another_holds_a_complete_copy(
-        s3_server: S3Server, bucket: str, tmp_path: Path):
+    s3_server: S3Server, bucket: str, tmp_path: Path
+):
     files = dataset()
     s3_server.put_tree(bucket, files)
     uri, cache = f"s3://{bucket}/ds/", tmp_path / "c"
@@ -57,8 +69,9 @@ def test_a_stager_without_access_exits_3_even_while_another_holds_a_complete_cop
     with open(cache / "lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         t = time.monotonic()
-        r = stage(s3_server, uri, cache, rev, pod_uid="denied", env=denied,
-                  termination_log=str(tmp_path / "t"), timeout=60)
+        r = stage(
+            s3_server, uri, cache, rev, pod_uid="denied", env=denied, termination_log=str(tmp_path / "t"), timeout=60
+        )
         assert time.monotonic() - t < 30
     assert r.code == 3, r.stderr
     assert "access denied" in r.stderr and "not served without access" in r.stderr
@@ -72,7 +85,8 @@ def test_a_stager_without_access_exits_3_even_while_another_holds_a_complete_cop
 
 @pytest.mark.parametrize("change", ["overwrite", "delete", "add"])
 def test_bucket_changed_after_pinning_fails_with_exit_9_and_serves_nothing(
-        s3_server: S3Server, bucket: str, tmp_path: Path, change: str):
+    s3_server: S3Server, bucket: str, tmp_path: Path, change: str
+):
     files = dataset()
     s3_server.put_tree(bucket, files)
     uri, cache = f"s3://{bucket}/ds/", tmp_path / "c"
@@ -100,8 +114,7 @@ def test_bucket_changed_after_pinning_fails_with_exit_9_and_serves_nothing(
     assert ok.code == 0, ok.stderr
 
 
-def test_an_object_replaced_mid_copy_fails_with_exit_9_never_a_mix(s3_server: S3Server, bucket: str,
-                                                                     tmp_path: Path):
+def test_an_object_replaced_mid_copy_fails_with_exit_9_never_a_mix(s3_server: S3Server, bucket: str, tmp_path: Path):
     files = dataset(60)
     s3_server.put_tree(bucket, files)
     uri, cache = f"s3://{bucket}/ds/", tmp_path / "c"
@@ -128,8 +141,9 @@ def test_an_object_replaced_mid_copy_fails_with_exit_9_never_a_mix(s3_server: S3
     assert not os.path.exists(contract.revision_dir(str(cache), pinned))
 
 
-def test_a_complete_revision_is_never_modified_by_a_later_sync_of_another(s3_server: S3Server, bucket: str,
-                                                                          tmp_path: Path):
+def test_a_complete_revision_is_never_modified_by_a_later_sync_of_another(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+):
     files = dataset()
     s3_server.put_tree(bucket, files)
     uri, cache = f"s3://{bucket}/ds/", tmp_path / "c"
@@ -159,9 +173,9 @@ def test_a_complete_revision_is_never_modified_by_a_later_sync_of_another(s3_ser
     assert snapshot(data_dir(cache, r1)) == before
 
 
-def test_a_stager_waiting_behind_a_real_wipe_stages_the_revision_again(s3_server: S3Server, bucket: str,
-                                                                        tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch):
+def test_a_stager_waiting_behind_a_real_wipe_stages_the_revision_again(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     files = dataset()
     s3_server.put_tree(bucket, files)
     uri = f"s3://{bucket}/ds/"
@@ -180,13 +194,20 @@ def test_a_stager_waiting_behind_a_real_wipe_stages_the_revision_again(s3_server
 
     monkeypatch.setattr(wipe_mod, "remove_tree", slow_remove)
     result: dict = {}
-    w = threading.Thread(target=lambda: result.setdefault(
-        "wipe", wipe(WipeArgs(str(cache), str(root), revision=rev, release=("job-1",)))))
+    w = threading.Thread(
+        target=lambda: result.setdefault(
+            "wipe", wipe(WipeArgs(str(cache), str(root), revision=rev, release=("job-1",)))
+        )
+    )
     w.start()
     assert deleting.wait(10)
-    p = subprocess.Popen(stage_cmd(*sync_argv(uri, cache, rev, pod_uid="job-2"), "--endpoint-url",
-                                   s3_server.endpoint), env=stage_env(s3_server),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        stage_cmd(*sync_argv(uri, cache, rev, pod_uid="job-2"), "--endpoint-url", s3_server.endpoint),
+        env=stage_env(s3_server),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(1.5)
     assert p.poll() is None  # waiting on the lock the wipe holds
     go_on.set()

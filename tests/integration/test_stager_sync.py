@@ -19,7 +19,15 @@ import dscache_contract as contract
 from tests.support.faultproxy import FaultProxy
 from tests.support.s3server import S3Server
 from tests.support.stager import (
-    boto3_revision, data_dir, data_tree, expected_tree, run_stage, stage, stage_cmd, stage_env, sync_argv,
+    boto3_revision,
+    data_dir,
+    data_tree,
+    expected_tree,
+    run_stage,
+    stage,
+    stage_cmd,
+    stage_env,
+    sync_argv,
 )
 
 pytestmark = pytest.mark.integration
@@ -44,8 +52,9 @@ def recording_proxy(server: S3Server) -> tuple[FaultProxy, list[str]]:
     return FaultProxy((server.host, server.port), policy).start(), lines
 
 
-def test_copies_prefix_exactly_with_manifest_summary_lease_and_sealed_tree(s3_server: S3Server, bucket: str,
-                                                                           tmp_path: Path):
+def test_copies_prefix_exactly_with_manifest_summary_lease_and_sealed_tree(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+):
     files = sample()
     s3_server.put_tree(bucket, files)
     uri = f"s3://{bucket}/data/"
@@ -81,8 +90,14 @@ def test_copies_prefix_exactly_with_manifest_summary_lease_and_sealed_tree(s3_se
 
 def test_stager_and_operator_compute_the_same_revision(s3_server: S3Server, bucket: str, tmp_path: Path):
     """The `revision` subcommand lists with obstore, the operator with boto3: same contract, same id."""
-    files = sample(40) | {"data/m/": b"", "data/m/in": b"x", "data/empty": b"", "data/lone/": b"",
-                          "data/a-b": b"sorts before a/ in S3", "data/a/x": b"ax"}
+    files = sample(40) | {
+        "data/m/": b"",
+        "data/m/in": b"x",
+        "data/empty": b"",
+        "data/lone/": b"",
+        "data/a-b": b"sorts before a/ in S3",
+        "data/a/x": b"ax",
+    }
     s3_server.put_tree(bucket, files)
     for include, exclude in [((), ()), (("part1/*", "*.txt"), ("*f001*",)), ((), ("m/*",))]:
         args = [f"--include={g}" for g in include] + [f"--exclude={g}" for g in exclude]
@@ -100,8 +115,13 @@ def test_prefix_without_trailing_slash_means_directory(s3_server: S3Server, buck
 
 
 def test_include_and_exclude(s3_server: S3Server, bucket: str, tmp_path: Path):
-    files = {"d/train/a.tfrecord": b"1", "d/train/b.tfrecord": b"2", "d/train/skip.tmp": b"3",
-             "d/val/c.tfrecord": b"4", "d/README": b"5"}
+    files = {
+        "d/train/a.tfrecord": b"1",
+        "d/train/b.tfrecord": b"2",
+        "d/train/skip.tmp": b"3",
+        "d/val/c.tfrecord": b"4",
+        "d/README": b"5",
+    }
     s3_server.put_tree(bucket, files)
     inc, exc = ("train/*", "*.md"), ("*.tmp",)
     rev = boto3_revision(s3_server, f"s3://{bucket}/d/", inc, exc)
@@ -110,8 +130,7 @@ def test_include_and_exclude(s3_server: S3Server, bucket: str, tmp_path: Path):
     assert set(data_tree(data_dir(tmp_path / "c", rev))) == {"train/a.tfrecord", "train/b.tfrecord"}
 
 
-def test_warm_start_lists_nothing_and_proves_access_with_one_request(s3_server: S3Server, bucket: str,
-                                                                      tmp_path: Path):
+def test_warm_start_lists_nothing_and_proves_access_with_one_request(s3_server: S3Server, bucket: str, tmp_path: Path):
     files = {f"w/{i}.bin": os.urandom(2000) for i in range(300)}
     s3_server.put_tree(bucket, files)
     uri, cache = f"s3://{bucket}/w/", tmp_path / "c"
@@ -141,15 +160,19 @@ def test_resume_after_sigkill_gives_byte_exact_tree(s3_server: S3Server, bucket:
     journal, complete = Path(contract.journal_path(str(cache), rev)), Path(contract.complete_path(str(cache), rev))
     want = expected_tree(files, "k/")
     # A slow link (one request at a time) so that every kill lands mid-copy.
-    cmd = stage_cmd(*sync_argv(uri, cache, rev, concurrency=1, progress_interval=0.1),
-                    "--endpoint-url", s3_server.endpoint)
+    cmd = stage_cmd(
+        *sync_argv(uri, cache, rev, concurrency=1, progress_interval=0.1), "--endpoint-url", s3_server.endpoint
+    )
     kills = 0
     for _ in range(3):
         p = subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         before = journal.stat().st_size if journal.exists() else 0
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and p.poll() is None and \
-                (not journal.exists() or journal.stat().st_size <= before):
+        while (
+            time.monotonic() < deadline
+            and p.poll() is None
+            and (not journal.exists() or journal.stat().st_size <= before)
+        ):
             time.sleep(0.02)
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -186,10 +209,16 @@ def test_concurrent_stagers_copy_once(s3_server: S3Server, bucket: str, tmp_path
     # Hold the lock so that all three pods of the "Job" start while it is taken.
     with open(cache / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        procs = [subprocess.Popen(stage_cmd(*sync_argv(uri, cache, rev, pod_uid=f"pod-{i}"),
-                                            "--endpoint-url", s3_server.endpoint),
-                                  env=stage_env(s3_server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in range(3)]
+        procs = [
+            subprocess.Popen(
+                stage_cmd(*sync_argv(uri, cache, rev, pod_uid=f"pod-{i}"), "--endpoint-url", s3_server.endpoint),
+                env=stage_env(s3_server),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(3)
+        ]
         deadline = time.monotonic() + 30
         while _lock_waiters(cache / "lock") < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -206,9 +235,9 @@ def test_concurrent_stagers_copy_once(s3_server: S3Server, bucket: str, tmp_path
 
 def test_directory_markers_and_empty_files_without_a_request_each(s3_server: S3Server, bucket: str, tmp_path: Path):
     files = {"m/": b"", "m/dir/": b"", "m/dir/f.bin": b"data", "m/lone/": b""}
-    files |= {f"m/e/{i:04d}/": b"" for i in range(100)}           # markers of directories we fill anyway
+    files |= {f"m/e/{i:04d}/": b"" for i in range(100)}  # markers of directories we fill anyway
     files |= {f"m/e/{i:04d}/x.bin": b"x" for i in range(100)}
-    files |= {f"m/z/{i:04d}.txt": b"" for i in range(200)}         # real empty files
+    files |= {f"m/z/{i:04d}.txt": b"" for i in range(200)}  # real empty files
     s3_server.put_tree(bucket, files)
     uri, cache = f"s3://{bucket}/m/", tmp_path / "c"
     rev = boto3_revision(s3_server, uri)
@@ -230,8 +259,7 @@ def test_directory_markers_and_empty_files_without_a_request_each(s3_server: S3S
 
 
 def test_no_such_bucket(s3_server: S3Server, tmp_path: Path):
-    r = stage(s3_server, "s3://does-not-exist/x/", tmp_path / "c", "r-" + "0" * 20,
-              termination_log=str(tmp_path / "t"))
+    r = stage(s3_server, "s3://does-not-exist/x/", tmp_path / "c", "r-" + "0" * 20, termination_log=str(tmp_path / "t"))
     assert r.code == 3, r.stderr
     assert "no such bucket: does-not-exist" in r.stderr
     assert (tmp_path / "t").read_text().startswith("error: no such bucket")
@@ -239,6 +267,7 @@ def test_no_such_bucket(s3_server: S3Server, tmp_path: Path):
 
 def test_unreachable_endpoint_fails_fast(s3_server: S3Server, tmp_path: Path):
     from tests.support.s3server import free_port
+
     t = time.monotonic()
     r = stage(s3_server, "s3://b/x/", tmp_path / "c", "r-" + "0" * 20, endpoint=f"http://127.0.0.1:{free_port()}")
     assert r.code == 3 and "cannot reach the S3 endpoint" in r.stderr
@@ -250,14 +279,23 @@ def test_bad_usage(s3_server: S3Server, tmp_path: Path):
     assert r.code == 2 and "s3://BUCKET/PREFIX" in r.stderr
     r = run_stage(s3_server, "sync", "s3://b/x", str(tmp_path / "c"), "--revision", "latest")
     assert r.code == 2 and "not a dscache revision id" in r.stderr
-    r = run_stage(s3_server, "sync", "s3://b/x", str(tmp_path / "c"), "--revision", "r-" + "0" * 20,
-                  "--pod-uid", contract.POD_UID_ARG)
+    r = run_stage(
+        s3_server,
+        "sync",
+        "s3://b/x",
+        str(tmp_path / "c"),
+        "--revision",
+        "r-" + "0" * 20,
+        "--pod-uid",
+        contract.POD_UID_ARG,
+    )
     assert r.code == 2 and "was not expanded" in r.stderr
 
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["splice", "obstore-stream"])
-def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, tmp_path: Path, zero_copy: bool,
-                                              monkeypatch: pytest.MonkeyPatch):
+def test_large_object_paths_write_exact_bytes(
+    s3_server: S3Server, bucket: str, tmp_path: Path, zero_copy: bool, monkeypatch: pytest.MonkeyPatch
+):
     """Both large-object paths: splice (plain-HTTP endpoints) and obstore streaming (HTTPS)."""
     import asyncio
 
@@ -272,8 +310,14 @@ def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, 
         monkeypatch.setenv(k, v)
     store = S3Source.parse(f"s3://{bucket}/big/", endpoint_url=s3_server.endpoint).open_store(8)
     (tmp_path / "tmp").mkdir()
-    fetcher = Fetcher(store, LocalTree(str(tmp_path)), str(tmp_path / "tmp"), asyncio.Semaphore(8), lambda n: None,
-                      zero_copy=zero_copy)
+    fetcher = Fetcher(
+        store,
+        LocalTree(str(tmp_path)),
+        str(tmp_path / "tmp"),
+        asyncio.Semaphore(8),
+        lambda n: None,
+        zero_copy=zero_copy,
+    )
     try:
         got = asyncio.run(fetcher.fetch("big/blob", "out/blob", len(body), etag))
     finally:
@@ -288,11 +332,13 @@ def test_large_object_paths_write_exact_bytes(s3_server: S3Server, bucket: str, 
 def test_cli_exit_1_on_an_internal_error_leaves_a_reason(s3_server: S3Server, bucket: str, tmp_path: Path):
     """Any unexpected exception: exit 1, a traceback on stderr, and one line in the termination log."""
     s3_server.put_tree(bucket, {"i/a": b"a"})
-    boom = ("import sys, dscache_stager.stage as s\n"
-            "def sync(*a, **k): raise RuntimeError('simulated bug')\n"
-            "s.sync = sync\n"
-            "from dscache_stager.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
+    boom = (
+        "import sys, dscache_stager.stage as s\n"
+        "def sync(*a, **k): raise RuntimeError('simulated bug')\n"
+        "s.sync = sync\n"
+        "from dscache_stager.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
     argv = sync_argv(f"s3://{bucket}/i/", tmp_path / "c", "r-" + "0" * 20, termination_log=str(tmp_path / "t"))
     p = subprocess.run([sys.executable, "-c", boom, *argv], env=stage_env(s3_server), capture_output=True, text=True)
     assert p.returncode == 1, p.stderr

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SLOW_DOWN = (
-    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
-    b"Connection: close\r\n\r\n%s"
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
 )
 SLOW_DOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -29,8 +28,7 @@ ACCESS_DENIED_BODY = (
     b"<Message>The AWS Access Key Id you provided has been revoked.</Message></Error>"
 )
 ACCESS_DENIED = (
-    b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
-    b"Connection: close\r\n\r\n%s"
+    b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
 )
 
 # Decides what happens to the n-th request (0-based) with this request line.
@@ -68,7 +66,7 @@ class FaultProxy:
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         ready = threading.Event()
         self._loop = asyncio.new_event_loop()
 

@@ -46,16 +46,29 @@ class S3Server:
             "AWS_DEFAULT_REGION": REGION,
         }
 
-    def start(self) -> "S3Server":
+    def start(self) -> S3Server:
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         binary = tool_bin("s3") / "versitygw"
         self.proc = subprocess.Popen(
-            [str(binary), "--access", ACCESS_KEY, "--secret", SECRET_KEY,
-             "--region", REGION, "--port", f"{self.host}:{self.port}",
-             # Real S3 keeps connections alive; versitygw does not by default.
-             "--keep-alive", "--quiet", "posix", str(self.root)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                str(binary),
+                "--access",
+                ACCESS_KEY,
+                "--secret",
+                SECRET_KEY,
+                "--region",
+                REGION,
+                "--port",
+                f"{self.host}:{self.port}",
+                # Real S3 keeps connections alive; versitygw does not by default.
+                "--keep-alive",
+                "--quiet",
+                "posix",
+                str(self.root),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -78,8 +91,11 @@ class S3Server:
 
     def client(self):
         return boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name=REGION,
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
         )
 
     def make_bucket(self, name: str) -> None:

@@ -35,14 +35,16 @@ def stage_env(server: S3Server, **extra: str) -> dict[str, str]:
     return {**env, **server.env, **extra}
 
 
-def run_stage(server: S3Server, *args: str, endpoint: str | None = None, env: dict | None = None,
-              timeout: float = 300) -> StageResult:
+def run_stage(
+    server: S3Server, *args: str, endpoint: str | None = None, env: dict | None = None, timeout: float = 300
+) -> StageResult:
     """Any dscache-stage command line; sync and revision get the server's endpoint."""
     extra = ["--endpoint-url", endpoint or server.endpoint] if args and args[0] in ("sync", "revision") else []
     if args and args[0] == "sync":
         extra += ["--progress-interval", "0.5"]
-    p = subprocess.run(stage_cmd(*args, *extra), env=env or stage_env(server), capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(
+        stage_cmd(*args, *extra), env=env or stage_env(server), capture_output=True, text=True, timeout=timeout
+    )
     return StageResult(p.returncode, p.stdout, p.stderr)
 
 
@@ -51,10 +53,20 @@ def sync_argv(uri: str, cache: Path, revision: str, pod_uid: str | None = "pod-1
     return contract.StageArgs(source=uri, revision=revision, cache_dir=str(cache), pod_uid=pod_uid, **kw).to_argv()
 
 
-def stage(server: S3Server, uri: str, cache: Path, revision: str, pod_uid: str | None = "pod-1",
-          endpoint: str | None = None, env: dict | None = None, timeout: float = 300, **kw) -> StageResult:
-    return run_stage(server, *sync_argv(uri, cache, revision, pod_uid, **kw), endpoint=endpoint, env=env,
-                     timeout=timeout)
+def stage(
+    server: S3Server,
+    uri: str,
+    cache: Path,
+    revision: str,
+    pod_uid: str | None = "pod-1",
+    endpoint: str | None = None,
+    env: dict | None = None,
+    timeout: float = 300,
+    **kw,
+) -> StageResult:
+    return run_stage(
+        server, *sync_argv(uri, cache, revision, pod_uid, **kw), endpoint=endpoint, env=env, timeout=timeout
+    )
 
 
 def boto3_revision(server: S3Server, uri: str, include=(), exclude=()) -> str:
@@ -84,5 +96,8 @@ def data_tree(dest: Path) -> dict[str, str]:
 
 
 def expected_tree(files: dict[str, bytes], prefix: str) -> dict[str, str]:
-    return {k[len(prefix):]: hashlib.sha256(v).hexdigest() for k, v in files.items()
-            if k.startswith(prefix) and not k.endswith("/")}
+    return {
+        k[len(prefix) :]: hashlib.sha256(v).hexdigest()
+        for k, v in files.items()
+        if k.startswith(prefix) and not k.endswith("/")
+    }

@@ -17,10 +17,16 @@ TOOLS_SH = REPO / "e2e" / "cluster" / "tools.sh"
 @functools.cache
 def tool_bin(tool: str) -> Path:
     """Return the bin directory of ``tool`` (see tools.sh for the names)."""
-    out = subprocess.run(
-        ["bash", str(TOOLS_SH), "--path", tool],
-        check=True, stdout=subprocess.PIPE, text=True,
-    ).stdout.strip().splitlines()[-1]
+    out = (
+        subprocess.run(
+            ["bash", str(TOOLS_SH), "--path", tool],
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     return Path(out)
 
 

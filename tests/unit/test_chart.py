@@ -45,34 +45,50 @@ VALUE_SETS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
     # The install command of the product brief, as is (no -n: namespace "default").
     "product-command": ("default", {"cacheRoot": "/mnt/nvme/dscache"}, []),
     "defaults": (NS, {}, []),
-    "watch-namespaces": (NS, {
-        "watchNamespaces": ["ml-team", "research"],
-        "sourceCheck": {"secretNamespaces": ["shared-data"]},
-        "rbac": {"scopeToWatchNamespaces": True},
-        "stager": {"image": {"repository": "registry.example/dscache-stager", "tag": "1.2.3",
-                             "pullPolicy": "Always"},
-                   "concurrency": 64,
-                   "resources": {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}},
-        "wipe": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                 "priorityClassName": "system-node-critical"},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
-        "controller": {"serviceAccount": {"annotations": {
-            "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/dscache"}}},
-        "webhook": {"replicas": 3, "timeoutSeconds": 10},
-        "imagePullSecrets": [{"name": "regcred"}],
-    }, ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]),
+    "watch-namespaces": (
+        NS,
+        {
+            "watchNamespaces": ["ml-team", "research"],
+            "sourceCheck": {"secretNamespaces": ["shared-data"]},
+            "rbac": {"scopeToWatchNamespaces": True},
+            "stager": {
+                "image": {"repository": "registry.example/dscache-stager", "tag": "1.2.3", "pullPolicy": "Always"},
+                "concurrency": 64,
+                "resources": {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+            },
+            "wipe": {
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "priorityClassName": "system-node-critical",
+            },
+            "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+            "controller": {
+                "serviceAccount": {
+                    "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/dscache"}
+                }
+            },
+            "webhook": {"replicas": 3, "timeoutSeconds": 10},
+            "imagePullSecrets": [{"name": "regcred"}],
+        },
+        ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"],
+    ),
     "cert-manager": (NS, {"certManager": {"enabled": True}}, ["--api-versions", "cert-manager.io/v1"]),
     # Secret reading narrowed to two namespaces, and turned off.
     "secret-namespaces": (NS, {"sourceCheck": {"secretNamespaces": ["ml", "shared-data"]}}, []),
     "no-secrets": (NS, {"sourceCheck": {"readSecrets": False}}, []),
-    "minimal": ("ops", {
-        "fullnameOverride": "dsc",
-        "crds": {"install": False},
-        "metrics": {"enabled": False},
-        "webhook": {"podDisruptionBudget": {"enabled": False}},
-        "certManager": {"enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer",
-                                                        "group": "cert-manager.io"}},
-    }, ["--api-versions", "cert-manager.io/v1"]),
+    "minimal": (
+        "ops",
+        {
+            "fullnameOverride": "dsc",
+            "crds": {"install": False},
+            "metrics": {"enabled": False},
+            "webhook": {"podDisruptionBudget": {"enabled": False}},
+            "certManager": {
+                "enabled": True,
+                "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"},
+            },
+        },
+        ["--api-versions", "cert-manager.io/v1"],
+    ),
 }
 
 
@@ -82,22 +98,47 @@ def helm() -> str:
 
 
 def run_helm(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([helm, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "HELM_CACHE_HOME": tempfile.gettempdir() + "/dscache-helm-cache",
-                               "HELM_CONFIG_HOME": tempfile.gettempdir() + "/dscache-helm-config"})
+    proc = subprocess.run(
+        [helm, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            "HELM_CACHE_HOME": tempfile.gettempdir() + "/dscache-helm-cache",
+            "HELM_CONFIG_HOME": tempfile.gettempdir() + "/dscache-helm-config",
+        },
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
 
 
-def template(helm: str, namespace: str = NS, values: dict[str, Any] | None = None,
-             extra: list[str] | None = None, check: bool = True,
-             kube_version: str = KUBE_VERSION) -> subprocess.CompletedProcess:
+def template(
+    helm: str,
+    namespace: str = NS,
+    values: dict[str, Any] | None = None,
+    extra: list[str] | None = None,
+    check: bool = True,
+    kube_version: str = KUBE_VERSION,
+) -> subprocess.CompletedProcess:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(values or {}, f)
         f.flush()
-        return run_helm(helm, "template", "dscache", str(CHART), "--namespace", namespace,
-                        "--kube-version", kube_version, "-f", f.name, *(extra or []), check=check)
+        return run_helm(
+            helm,
+            "template",
+            "dscache",
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--kube-version",
+            kube_version,
+            "-f",
+            f.name,
+            *(extra or []),
+            check=check,
+        )
 
 
 def docs_of(text: str) -> list[dict[str, Any]]:
@@ -138,8 +179,10 @@ def refresh(path: Path, content: str) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(content)
-    pytest.fail(f"UPDATE_GOLDEN: {path.relative_to(REPO)} was {'stale' if old is not None else 'missing'} "
-                "and has been rewritten; review `git diff` and run again without UPDATE_GOLDEN")
+    pytest.fail(
+        f"UPDATE_GOLDEN: {path.relative_to(REPO)} was {'stale' if old is not None else 'missing'} "
+        "and has been rewritten; review `git diff` and run again without UPDATE_GOLDEN"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +199,9 @@ def test_lint_strict(helm: str, name: str, tmp_path: Path):
     vf = tmp_path / "values.yaml"
     vf.write_text(yaml.safe_dump(values))
     for strict in ([], ["--strict"]):
-        out = run_helm(helm, "lint", str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION,
-                       "-f", str(vf), *strict)
+        out = run_helm(
+            helm, "lint", str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION, "-f", str(vf), *strict
+        )
         assert "0 chart(s) failed" in out.stdout, out.stdout
         assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
 
@@ -171,7 +215,8 @@ def test_template_matches_golden(helm: str, name: str):
     assert golden.exists(), f"{golden} is missing; create it with UPDATE_GOLDEN=1"
     assert rendered == golden.read_text(), (
         f"`helm template` output for value set {name!r} differs from {golden.relative_to(REPO)}; "
-        "if the change is intended, regenerate with UPDATE_GOLDEN=1 and review the diff")
+        "if the change is intended, regenerate with UPDATE_GOLDEN=1 and review the diff"
+    )
 
 
 def test_chart_crd_is_the_generated_one():
@@ -180,7 +225,8 @@ def test_chart_crd_is_the_generated_one():
     refresh(copy, source.read_text())
     assert copy.read_text() == source.read_text(), (
         "charts/dscache/files/datasetcache.yaml differs from crds/datasetcache.yaml; "
-        "run `cp crds/datasetcache.yaml charts/dscache/files/` (or UPDATE_GOLDEN=1)")
+        "run `cp crds/datasetcache.yaml charts/dscache/files/` (or UPDATE_GOLDEN=1)"
+    )
 
 
 # --- the admission webhook ------------------------------------------------------------------
@@ -221,8 +267,7 @@ def test_webhook_safety_settings(helm: str, name: str):
         assert hook["rules"][0]["operations"] == ["CREATE"]
         assert "dscache.io/cache" in hook["matchConditions"][0]["expression"]
         ref = hook["clientConfig"]["service"]
-        assert (ref["name"], ref["namespace"], ref["port"]) == (
-            svc["metadata"]["name"], namespace, 443)
+        assert (ref["name"], ref["namespace"], ref["port"]) == (svc["metadata"]["name"], namespace, 443)
         assert ref["path"] in ("/dscache-hostpath", "/dscache-emptydir")
 
 
@@ -237,16 +282,27 @@ def test_generated_certificate_is_consistent(default_docs, tmp_path: Path):
     assert base64.b64decode(bundles.pop()) == data["ca.crt"]
     for key, blob in data.items():
         (tmp_path / key).write_bytes(blob)
-    subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt")],
-                   check=True, capture_output=True)
-    text = subprocess.run(["openssl", "x509", "-in", str(tmp_path / "tls.crt"), "-noout", "-text"],
-                          check=True, capture_output=True, text=True).stdout
+    subprocess.run(
+        ["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt")],
+        check=True,
+        capture_output=True,
+    )
+    text = subprocess.run(
+        ["openssl", "x509", "-in", str(tmp_path / "tls.crt"), "-noout", "-text"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     for dns in ("dscache-webhook.dscache-system.svc", "dscache-webhook.dscache-system.svc.cluster.local"):
         assert f"DNS:{dns}" in text
     # The key matches the certificate.
-    pub = [subprocess.run(["openssl", *args], check=True, capture_output=True).stdout for args in (
-        ["x509", "-in", str(tmp_path / "tls.crt"), "-noout", "-pubkey"],
-        ["pkey", "-in", str(tmp_path / "tls.key"), "-pubout"])]
+    pub = [
+        subprocess.run(["openssl", *args], check=True, capture_output=True).stdout
+        for args in (
+            ["x509", "-in", str(tmp_path / "tls.crt"), "-noout", "-pubkey"],
+            ["pkey", "-in", str(tmp_path / "tls.key"), "-pubout"],
+        )
+    ]
     assert pub[0] == pub[1]
     # The webhook pods mount this Secret and point the process at it.
     deploy = one(default_docs, "Deployment", "dscache-webhook")
@@ -262,8 +318,9 @@ def test_cert_manager_mode(helm: str):
     assert not find(docs, "Secret"), "cert-manager writes the serving Secret, not the chart"
     mwc = one(docs, "MutatingWebhookConfiguration")
     assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NS}/dscache-webhook"
-    assert all("caBundle" not in h["clientConfig"] for h in mwc["webhooks"]), \
+    assert all("caBundle" not in h["clientConfig"] for h in mwc["webhooks"]), (
         "an empty caBundle in the template would erase the injected one on every upgrade"
+    )
     cert = one(docs, "Certificate", "dscache-webhook")
     assert cert["spec"]["secretName"] == "dscache-webhook-tls"
     assert "dscache-webhook.dscache-system.svc" in cert["spec"]["dnsNames"]
@@ -329,12 +386,16 @@ def test_webhook_deployment_pdb_and_service(default_docs):
 def test_env_names_are_the_operator_settings(default_docs):
     """Every DSCACHE_* variable the chart sets is one settings.py reads, and the
     chart sets every one except those with no chart meaning."""
-    known = set(re.findall(r'"(DSCACHE_[A-Z_]+)"', (REPO / "operator" / "dscache_operator" / "settings.py").read_text()))
+    known = set(
+        re.findall(r'"(DSCACHE_[A-Z_]+)"', (REPO / "operator" / "dscache_operator" / "settings.py").read_text())
+    )
     assert len(known) > 10
     webhook_only = {"DSCACHE_WEBHOOK_ADDR", "DSCACHE_WEBHOOK_PORT", "DSCACHE_WEBHOOK_CERT", "DSCACHE_WEBHOOK_KEY"}
     optional = {"DSCACHE_STAGER_CONCURRENCY", "DSCACHE_WIPE_PRIORITY_CLASS"}  # set only when given
-    for name, wanted in (("dscache-controller", known - webhook_only - optional),
-                         ("dscache-webhook", known - optional)):
+    for name, wanted in (
+        ("dscache-controller", known - webhook_only - optional),
+        ("dscache-webhook", known - optional),
+    ):
         (c,) = one(default_docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
         env = env_of(c)
         assert set(env) <= known, set(env) - known
@@ -342,7 +403,9 @@ def test_env_names_are_the_operator_settings(default_docs):
         assert env["DSCACHE_CACHE_ROOT"] == "/var/lib/dscache"
         assert env["DSCACHE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
         assert json.loads(env["DSCACHE_STAGER_RESOURCES"]) == {
-            "requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+            "requests": {"cpu": "500m", "memory": "256Mi"},
+            "limits": {"memory": "1Gi"},
+        }
         assert json.loads(env["DSCACHE_WIPE_TOLERATIONS"]) == [{"operator": "Exists"}]
         assert env["DSCACHE_STAGER_IMAGE"] == "dscache-stager:0.1.0"
 
@@ -390,23 +453,29 @@ def test_operator_pods_run_restricted(helm: str):
 
 
 def _rules(doc: dict[str, Any]) -> list[tuple]:
-    return sorted((tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(sorted(r["verbs"])))
-                  for r in doc["rules"])
+    return sorted(
+        (tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in doc["rules"]
+    )
 
 
 def test_rbac_rules_are_operator_deploy_rbac_yaml(default_docs):
     """The default render == rbac.yaml + the cluster-wide Secret `get` binding."""
     expected = docs_of((DEPLOY / "rbac.yaml").read_text()) + docs_of(
-        (DEPLOY / "rbac-secrets-clusterwide.yaml").read_text())
+        (DEPLOY / "rbac-secrets-clusterwide.yaml").read_text()
+    )
     for kind in ("ClusterRole", "Role"):
         want = {d["metadata"]["name"]: _rules(d) for d in find(expected, kind)}
         got = {d["metadata"]["name"]: _rules(d) for d in find(default_docs, kind)}
         assert got == want, kind
     for kind in ("ClusterRoleBinding", "RoleBinding"):
-        want = {(d["metadata"]["name"], d["roleRef"]["name"],
-                 tuple((s["name"], s["namespace"]) for s in d["subjects"])) for d in find(expected, kind)}
-        got = {(d["metadata"]["name"], d["roleRef"]["name"],
-                tuple((s["name"], s["namespace"]) for s in d["subjects"])) for d in find(default_docs, kind)}
+        want = {
+            (d["metadata"]["name"], d["roleRef"]["name"], tuple((s["name"], s["namespace"]) for s in d["subjects"]))
+            for d in find(expected, kind)
+        }
+        got = {
+            (d["metadata"]["name"], d["roleRef"]["name"], tuple((s["name"], s["namespace"]) for s in d["subjects"]))
+            for d in find(default_docs, kind)
+        }
         assert got == want, kind
 
 
@@ -422,15 +491,21 @@ def test_rbac_least_privilege(helm: str):
         # Secrets cluster-wide only in the cluster-wide default (readSecrets, no
         # secretNamespaces): never when Secret reading is narrowed, off, or scoped.
         sc = values.get("sourceCheck", {})
-        clusterwide_ok = (sc.get("readSecrets", True) and not sc.get("secretNamespaces")
-                          and not values.get("watchNamespaces"))
+        clusterwide_ok = (
+            sc.get("readSecrets", True) and not sc.get("secretNamespaces") and not values.get("watchNamespaces")
+        )
         for crb in find(docs, "ClusterRoleBinding"):
             role = roles[("ClusterRole", crb["roleRef"]["name"])]
             if any("secrets" in r["resources"] for r in role["rules"]):
                 assert clusterwide_ok, (name, crb)
                 assert [(s["kind"], s["name"]) for s in crb["subjects"]] == [
-                    ("ServiceAccount", "dscache-controller" if "fullnameOverride" not in values
-                     else f"{values['fullnameOverride']}-controller")], (name, crb)
+                    (
+                        "ServiceAccount",
+                        "dscache-controller"
+                        if "fullnameOverride" not in values
+                        else f"{values['fullnameOverride']}-controller",
+                    )
+                ], (name, crb)
         # Pod writes only in the release namespace.
         for rb in find(docs, "RoleBinding"):
             ref = rb["roleRef"]
@@ -452,10 +527,12 @@ def test_rbac_watch_namespaces(helm: str):
     # ...and only kopf's read-only discovery of cluster-scoped objects stays cluster-wide.
     assert _rules(one(docs, "ClusterRole", "dscache-discovery")) == [
         (("",), ("namespaces",), ("list", "watch")),
-        (("apiextensions.k8s.io",), ("customresourcedefinitions",), ("list", "watch"))]
+        (("apiextensions.k8s.io",), ("customresourcedefinitions",), ("list", "watch")),
+    ]
     # rbac.scopeToWatchNamespaces=false: the bindings of operator/deploy/rbac.yaml.
-    docs = docs_of(template(helm, values={"watchNamespaces": ["ml-team"],
-                                          "rbac": {"scopeToWatchNamespaces": False}}).stdout)
+    docs = docs_of(
+        template(helm, values={"watchNamespaces": ["ml-team"], "rbac": {"scopeToWatchNamespaces": False}}).stdout
+    )
     for sa in ("dscache-controller", "dscache-webhook"):
         assert one(docs, "ClusterRoleBinding", sa)["roleRef"]["name"] == sa
         assert not find(docs, "RoleBinding", sa)
@@ -476,7 +553,9 @@ def test_secret_reading_values(helm: str):
     namespace, values, extra = VALUE_SETS["secret-namespaces"]
     docs = docs_of(template(helm, namespace, values, extra).stdout)
     assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", "dscache-source-check")) == [
-        "ml", "shared-data"]
+        "ml",
+        "shared-data",
+    ]
     assert not find(docs, "ClusterRoleBinding", "dscache-source-check")
     # Off: no binding to the Secret role anywhere, and NOTES say how to turn it on.
     namespace, values, extra = VALUE_SETS["no-secrets"]
@@ -491,38 +570,81 @@ def test_secret_reading_values(helm: str):
 def render_notes(helm: str, values: dict[str, Any]) -> str:
     """NOTES.txt as `helm install` prints it (`helm template` skips NOTES, so render a copy)."""
     import shutil
+
     with tempfile.TemporaryDirectory() as tmp:
         chart = Path(tmp, "dscache")
         shutil.copytree(CHART, chart)
         notes = chart / "templates" / "NOTES.txt"
         (chart / "templates" / "_notes.tpl").write_text(
-            '{{- define "test.notes" -}}\n' + notes.read_text() + '\n{{- end }}\n')
+            '{{- define "test.notes" -}}\n' + notes.read_text() + "\n{{- end }}\n"
+        )
         notes.unlink()
         (chart / "templates" / "notes.yaml").write_text('notes: {{ include "test.notes" . | toJson }}\n')
         with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
             yaml.safe_dump(values, f)
             f.flush()
-            out = run_helm(helm, "template", "dscache", str(chart), "--namespace", NS, "--kube-version",
-                           KUBE_VERSION, "-f", f.name, "--show-only", "templates/notes.yaml").stdout
+            out = run_helm(
+                helm,
+                "template",
+                "dscache",
+                str(chart),
+                "--namespace",
+                NS,
+                "--kube-version",
+                KUBE_VERSION,
+                "-f",
+                f.name,
+                "--show-only",
+                "templates/notes.yaml",
+            ).stdout
         return yaml.safe_load(out)["notes"]
 
 
 def test_secret_forbidden_upgrade_lines_render(helm: str):
     """The two `helm upgrade` fixes the SecretForbidden message gives do what it says."""
-    docs = docs_of(run_helm(helm, "template", "dscache", str(CHART), "--namespace", NS, "--kube-version",
-                            KUBE_VERSION, "--set", "sourceCheck.readSecrets=false",
-                            "--set", "sourceCheck.readSecrets=true",
-                            "--set-json", "sourceCheck.secretNamespaces=[]").stdout)
+    docs = docs_of(
+        run_helm(
+            helm,
+            "template",
+            "dscache",
+            str(CHART),
+            "--namespace",
+            NS,
+            "--kube-version",
+            KUBE_VERSION,
+            "--set",
+            "sourceCheck.readSecrets=false",
+            "--set",
+            "sourceCheck.readSecrets=true",
+            "--set-json",
+            "sourceCheck.secretNamespaces=[]",
+        ).stdout
+    )
     assert one(docs, "ClusterRoleBinding", "dscache-source-check")
-    docs = docs_of(run_helm(helm, "template", "dscache", str(CHART), "--namespace", NS, "--kube-version",
-                            KUBE_VERSION, "--set", "sourceCheck.secretNamespaces={team-a,ml}").stdout)
+    docs = docs_of(
+        run_helm(
+            helm,
+            "template",
+            "dscache",
+            str(CHART),
+            "--namespace",
+            NS,
+            "--kube-version",
+            KUBE_VERSION,
+            "--set",
+            "sourceCheck.secretNamespaces={team-a,ml}",
+        ).stdout
+    )
     assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", "dscache-source-check")) == [
-        "ml", "team-a"]
+        "ml",
+        "team-a",
+    ]
 
 
 def test_secret_forbidden_message_names_the_chart_values():
     """The SecretForbidden message points at sourceCheck, with a runnable upgrade line."""
     from dscache_operator.sourcecheck import secret_forbidden
+
     got = secret_forbidden("ml", "s3-keys", "dscache-system")
     assert (got.ok, got.reason) == (False, "SecretForbidden")
     assert "ml/s3-keys" in got.message
@@ -548,23 +670,26 @@ def test_crd_rendered_from_the_generated_file(default_docs, helm: str):
 # --- values.schema.json and input checks ----------------------------------------------------
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"cacheRoot": "relative/dir"}, "at '/cacheRoot': 'relative/dir' does not match pattern"),
-    ({"cacheRoot": "/var/../etc"}, "at '/cacheRoot'"),
-    ({"cacheRoot": "/"}, "at '/cacheRoot'"),
-    ({"cacheRoot": 5}, "at '/cacheRoot'"),
-    ({"cacheRoot": "/var"}, 'cacheRoot "/var" is a system directory'),
-    ({"cacheRoot": "/var/lib/"}, 'cacheRoot "/var/lib/" is a system directory'),
-    ({"webhook": {"timeoutSeconds": 30}}, "at '/webhook/timeoutSeconds': maximum: got 30, want 10"),
-    ({"webhook": {"replicas": 0}}, "at '/webhook/replicas'"),
-    ({"watchNamespaces": ["Not_A_Namespace"]}, "at '/watchNamespaces/0'"),
-    ({"watchNamespaces": ["a", "a"]}, "at '/watchNamespaces'"),
-    ({"stager": {"image": {"pullPolicy": "Sometimes"}}}, "at '/stager/image/pullPolicy'"),
-    ({"stager": {"concurrency": 0}}, "at '/stager/concurrency'"),
-    ({"wipe": {"tolerations": [{"operator": "Maybe"}]}}, "at '/wipe/tolerations/0/operator'"),
-    ({"metrics": {"port": 70000}}, "at '/metrics/port'"),
-    ({"cacheroot": "/mnt/nvme"}, "additional properties 'cacheroot' not allowed"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"cacheRoot": "relative/dir"}, "at '/cacheRoot': 'relative/dir' does not match pattern"),
+        ({"cacheRoot": "/var/../etc"}, "at '/cacheRoot'"),
+        ({"cacheRoot": "/"}, "at '/cacheRoot'"),
+        ({"cacheRoot": 5}, "at '/cacheRoot'"),
+        ({"cacheRoot": "/var"}, 'cacheRoot "/var" is a system directory'),
+        ({"cacheRoot": "/var/lib/"}, 'cacheRoot "/var/lib/" is a system directory'),
+        ({"webhook": {"timeoutSeconds": 30}}, "at '/webhook/timeoutSeconds': maximum: got 30, want 10"),
+        ({"webhook": {"replicas": 0}}, "at '/webhook/replicas'"),
+        ({"watchNamespaces": ["Not_A_Namespace"]}, "at '/watchNamespaces/0'"),
+        ({"watchNamespaces": ["a", "a"]}, "at '/watchNamespaces'"),
+        ({"stager": {"image": {"pullPolicy": "Sometimes"}}}, "at '/stager/image/pullPolicy'"),
+        ({"stager": {"concurrency": 0}}, "at '/stager/concurrency'"),
+        ({"wipe": {"tolerations": [{"operator": "Maybe"}]}}, "at '/wipe/tolerations/0/operator'"),
+        ({"metrics": {"port": 70000}}, "at '/metrics/port'"),
+        ({"cacheroot": "/mnt/nvme"}, "additional properties 'cacheroot' not allowed"),
+    ],
+)
 def test_bad_values_are_refused_clearly(helm: str, values: dict[str, Any], message: str):
     proc = template(helm, values=values, check=False)
     assert proc.returncode != 0, f"{values} was accepted"

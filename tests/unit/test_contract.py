@@ -12,46 +12,66 @@ from dscache_contract.args import ArgsError
 REV = "r-0123456789abcdef0123"
 
 
-@pytest.mark.parametrize("args", [
-    c.StageArgs(source="s3://b/p", revision=REV),
-    c.StageArgs(source="s3://b", revision=REV, cache_dir="/x/y", pod_uid=c.POD_UID_ARG,
-                endpoint_url="http://minio:9000", region="eu-west-1", addressing_style="virtual",
-                include=("train/*", "-odd", "a b"), exclude=("*.tmp", "--x"), concurrency=8,
-                termination_log="/dev/termination-log", progress_interval=0.5,
-                retry_timeout=2.5),
-    c.StageArgs(source="s3://b/p/", revision=REV, pod_uid="6f1c4c2e-8b1a-4c1e-9d7e-0e5a3c1b2a9f"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        c.StageArgs(source="s3://b/p", revision=REV),
+        c.StageArgs(
+            source="s3://b",
+            revision=REV,
+            cache_dir="/x/y",
+            pod_uid=c.POD_UID_ARG,
+            endpoint_url="http://minio:9000",
+            region="eu-west-1",
+            addressing_style="virtual",
+            include=("train/*", "-odd", "a b"),
+            exclude=("*.tmp", "--x"),
+            concurrency=8,
+            termination_log="/dev/termination-log",
+            progress_interval=0.5,
+            retry_timeout=2.5,
+        ),
+        c.StageArgs(source="s3://b/p/", revision=REV, pod_uid="6f1c4c2e-8b1a-4c1e-9d7e-0e5a3c1b2a9f"),
+    ],
+)
 def test_stage_args_round_trip(args: c.StageArgs):
     argv = args.to_argv()
     assert argv[0] == "sync"
     assert c.StageArgs.from_argv(argv) == args
 
 
-@pytest.mark.parametrize("args", [
-    c.WipeArgs("/root/ns/ds", "/root", revision=REV),
-    c.WipeArgs("/root/ns/ds", "/root", revision=REV, release=("u1", "u-2"), termination_log="/t"),
-    c.WipeArgs("/root/ns/ds", "/root", all_revisions=True, release=("u1",)),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        c.WipeArgs("/root/ns/ds", "/root", revision=REV),
+        c.WipeArgs("/root/ns/ds", "/root", revision=REV, release=("u1", "u-2"), termination_log="/t"),
+        c.WipeArgs("/root/ns/ds", "/root", all_revisions=True, release=("u1",)),
+    ],
+)
 def test_wipe_args_round_trip(args: c.WipeArgs):
     assert c.WipeArgs.from_argv(args.to_argv()) == args
 
 
 def test_release_may_be_repeated_or_comma_separated():
-    w = c.WipeArgs.from_argv(["wipe", "/r/n/c", "--root", "/r", "--revision", REV, "--release", "a,b",
-                              "--release", "c"])
+    w = c.WipeArgs.from_argv(
+        ["wipe", "/r/n/c", "--root", "/r", "--revision", REV, "--release", "a,b", "--release", "c"]
+    )
     assert w.release == ("a", "b", "c")
 
 
-@pytest.mark.parametrize("argv, why", [
-    (["sync", "s3://b/p", "/c"], "--revision"),
-    (["sync", "s3://b/p", "/c", "--revision", "latest"], "not a dscache revision id"),
-    (["sync", "bucket/p", "/c", "--revision", REV], "s3://BUCKET"),
-    (["sync", "s3://b/p", "/c", "--revision", REV, "--pod-uid", "../etc"], "plain token"),
-    (["sync", "s3://b/p", "/c", "--revision", REV, "--concurrency", "0"], "at least 1"),
-    (["wipe", "/r/n/c", "--root", "/r"], "one of the arguments --revision --all is required"),
-    (["wipe", "/r/n/c", "--root", "/r", "--revision", REV, "--all"], "not allowed with"),
-    (["wipe", "/r/n/c", "--root", "/r", "--all", "--release", "a/b"], "plain token"),
-])
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["sync", "s3://b/p", "/c"], "--revision"),
+        (["sync", "s3://b/p", "/c", "--revision", "latest"], "not a dscache revision id"),
+        (["sync", "bucket/p", "/c", "--revision", REV], "s3://BUCKET"),
+        (["sync", "s3://b/p", "/c", "--revision", REV, "--pod-uid", "../etc"], "plain token"),
+        (["sync", "s3://b/p", "/c", "--revision", REV, "--concurrency", "0"], "at least 1"),
+        (["wipe", "/r/n/c", "--root", "/r"], "one of the arguments --revision --all is required"),
+        (["wipe", "/r/n/c", "--root", "/r", "--revision", REV, "--all"], "not allowed with"),
+        (["wipe", "/r/n/c", "--root", "/r", "--all", "--release", "a/b"], "plain token"),
+    ],
+)
 def test_bad_argv_says_what_is_wrong(argv: list[str], why: str):
     cls = c.StageArgs if argv[0] == "sync" else c.WipeArgs
     with pytest.raises(ArgsError, match=why.replace("(", r"\(")):
@@ -62,11 +82,13 @@ def test_digest_canonical_encoding_is_as_documented():
     h = c.RevisionHasher()
     h.add("p/a.bin", 3, '"abc"')
     h.add("p/dir/", 0, "d41d8cd98f00b204e9800998ecf8427e")
-    h.add("p/v", 10, "W/\"e1\"", "v1")
-    want = hashlib.sha256(b"dscache-revision-v1\n"
-                          b"7:p/a.bin,1:3,3:abc,-"
-                          b"5:p/dir,1:0,32:d41d8cd98f00b204e9800998ecf8427e,-"
-                          b"3:p/v,2:10,2:e1,2:v1,").hexdigest()
+    h.add("p/v", 10, 'W/"e1"', "v1")
+    want = hashlib.sha256(
+        b"dscache-revision-v1\n"
+        b"7:p/a.bin,1:3,3:abc,-"
+        b"5:p/dir,1:0,32:d41d8cd98f00b204e9800998ecf8427e,-"
+        b"3:p/v,2:10,2:e1,2:v1,"
+    ).hexdigest()
     assert h.hexdigest() == want
     assert h.revision_id() == "r-" + want[:20]
     assert (h.objects, h.bytes) == (3, 13)
@@ -92,7 +114,7 @@ def test_digest_depends_on_every_field_and_on_order():
     ]
     assert len({base, *variants}) == len(variants) + 1
     # Quotes and the directory marker's trailing '/' are not part of the identity.
-    assert rev(('a', 1, '"e"'), ("b/", 2, "f")) == rev(("a", 1, "e"), ("b", 2, "f"))
+    assert rev(("a", 1, '"e"'), ("b/", 2, "f")) == rev(("a", 1, "e"), ("b", 2, "f"))
     assert rev() == "r-" + hashlib.sha256(b"dscache-revision-v1\n").hexdigest()[:20]
 
 
@@ -101,18 +123,24 @@ def test_selection_include_exclude_and_prefix():
     assert s.prefix == "data/"
     assert s.relative("data/train/a/b.rec") == "train/a/b.rec"  # '*' crosses '/'
     assert s.relative("data/meta.json") == "meta.json"
-    assert s.relative("data/train/x.tmp") is None            # exclude wins
-    assert s.relative("data/val/a.rec") is None               # no include matched
-    assert s.relative("data/") is None                        # the prefix's own marker
-    assert s.relative("data2/train/a") is None                 # outside the prefix
-    assert s.relative("data/train/dir/") == "train/dir"       # marker as the stager's lister shows it
+    assert s.relative("data/train/x.tmp") is None  # exclude wins
+    assert s.relative("data/val/a.rec") is None  # no include matched
+    assert s.relative("data/") is None  # the prefix's own marker
+    assert s.relative("data2/train/a") is None  # outside the prefix
+    assert s.relative("data/train/dir/") == "train/dir"  # marker as the stager's lister shows it
     assert c.Selection().relative("x") == "x"
     assert not c.selected("x", [], ["*"])
 
 
-@pytest.mark.parametrize("uri, bucket, prefix", [
-    ("s3://b", "b", ""), ("s3://b/", "b", ""), ("s3://b/a/b", "b", "a/b/"), ("s3://b//a//", "b", "a/"),
-])
+@pytest.mark.parametrize(
+    "uri, bucket, prefix",
+    [
+        ("s3://b", "b", ""),
+        ("s3://b/", "b", ""),
+        ("s3://b/a/b", "b", "a/b/"),
+        ("s3://b//a//", "b", "a/"),
+    ],
+)
 def test_parse_source(uri: str, bucket: str, prefix: str):
     assert c.parse_source(uri) == (bucket, prefix)
 

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import datetime
 
-from dscache_operator.consumers import (OwnerInfo, OwnerRef, PodInfo, job_finished, plan_nodes, pod_info,
-                                        termination_summary)
+from dscache_contract import WipeArgs
+from dscache_operator import wipe
+from dscache_operator.consumers import (
+    OwnerInfo,
+    OwnerRef,
+    PodInfo,
+    job_finished,
+    plan_nodes,
+    pod_info,
+    termination_summary,
+)
 from dscache_operator.models import NodeRevision, NodeStatus, Retention
 from dscache_operator.settings import Settings
-from dscache_operator import wipe
-from dscache_contract import WipeArgs
 
-NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.timezone.utc)
+NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
 WIPE = Retention()
 SUMMARY = '{"objects": 3, "bytes": 300, "skipped": 0, "fetched_bytes": 300, "seconds": 1.5, "mb_s": 0.2}'
 
@@ -20,19 +27,32 @@ REV = "r-0123456789abcdef0123"
 REV2 = "r-fedcba9876543210fedc"
 
 
-def pod(name="p", node="n1", phase="Running", job="train", init="ok", started="2026-11-21T11:00:00Z",
-        message=SUMMARY, mode="HostPath", revision=REV, kind="Job", uid=None):
+def pod(
+    name="p",
+    node="n1",
+    phase="Running",
+    job="train",
+    init="ok",
+    started="2026-11-21T11:00:00Z",
+    message=SUMMARY,
+    mode="HostPath",
+    revision=REV,
+    kind="Job",
+    uid=None,
+):
     owner = OwnerRef(kind, job, f"uid-{job}") if job else None
     return PodInfo(name, node, phase, owner, mode, init, started, message, uid or f"uid-{name}", revision)
 
 
 def jobs(**state):
     """Owner lookup: Job name -> finished (None: not in any view)."""
+
     def lookup(uid):
-        name = uid[len("uid-"):]
+        name = uid[len("uid-") :]
         if name not in state or state[name] is None:
             return None
         return OwnerInfo("Job", name, state[name], None)
+
     return lookup
 
 
@@ -41,18 +61,34 @@ def node(name="n1", state="Ready", revisions=(REV,), **kw):
 
 
 def test_pod_info_reads_init_status_and_owner():
-    body = {"metadata": {"name": "p", "namespace": "ml",
-                         "annotations": {"dscache.io/cache": "c", "dscache.io/volume": "HostPath"},
-                         "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": "train"}]},
-            "spec": {"nodeName": "gpu-1"},
-            "status": {"phase": "Running", "initContainerStatuses": [{
-                "name": "dscache-stage", "state": {"terminated": {
-                    "exitCode": 0, "startedAt": "2026-11-21T11:00:00Z", "message": SUMMARY}}}]}}
+    body = {
+        "metadata": {
+            "name": "p",
+            "namespace": "ml",
+            "annotations": {"dscache.io/cache": "c", "dscache.io/volume": "HostPath"},
+            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": "train"}],
+        },
+        "spec": {"nodeName": "gpu-1"},
+        "status": {
+            "phase": "Running",
+            "initContainerStatuses": [
+                {
+                    "name": "dscache-stage",
+                    "state": {"terminated": {"exitCode": 0, "startedAt": "2026-11-21T11:00:00Z", "message": SUMMARY}},
+                }
+            ],
+        },
+    }
     body["metadata"]["ownerReferences"][0].update(uid="u1", controller=True)
     body["metadata"]["annotations"]["dscache.io/revision"] = REV
     info = pod_info(body)
     assert (info.node, info.owner, info.init, info.mode, info.revision) == (
-        "gpu-1", OwnerRef("Job", "train", "u1"), "ok", "HostPath", REV)
+        "gpu-1",
+        OwnerRef("Job", "train", "u1"),
+        "ok",
+        "HostPath",
+        REV,
+    )
     assert termination_summary(info.message)["bytes"] == 300
 
 
@@ -71,9 +107,12 @@ def test_running_consumer_makes_ready_node_without_wipe():
 
 
 def test_staging_and_failed_states():
-    assert plan_nodes([], [pod(init="running", message=None)], jobs(train=False), WIPE, NOW)["n1"].entry.state == "Staging"
-    failed = plan_nodes([], [pod(phase="Failed", init="failed", message="error: bucket gone")],
-                        jobs(train=False), WIPE, NOW)["n1"]
+    assert (
+        plan_nodes([], [pod(init="running", message=None)], jobs(train=False), WIPE, NOW)["n1"].entry.state == "Staging"
+    )
+    failed = plan_nodes(
+        [], [pod(phase="Failed", init="failed", message="error: bucket gone")], jobs(train=False), WIPE, NOW
+    )["n1"]
     assert failed.entry.state == "Failed" and "bucket gone" in failed.entry.message
 
 
@@ -104,11 +143,17 @@ def test_each_node_decided_separately():
 
 def test_retain_while_used_waits_for_ttl():
     keep = Retention(policy="RetainWhileUsed", ttlAfterLastUse="1h")
-    recent = [NodeStatus(node="n1", state="Ready", consumers=0, revisions=[
-        NodeRevision(id=REV, lastUsed="2026-11-21T11:30:00Z")])]
+    recent = [
+        NodeStatus(
+            node="n1", state="Ready", consumers=0, revisions=[NodeRevision(id=REV, lastUsed="2026-11-21T11:30:00Z")]
+        )
+    ]
     assert not plan_nodes(recent, [pod(phase="Succeeded")], jobs(train=True), keep, NOW)["n1"].wipe
-    old = [NodeStatus(node="n1", state="Ready", consumers=0, revisions=[
-        NodeRevision(id=REV, lastUsed="2026-11-21T10:30:00Z")])]
+    old = [
+        NodeStatus(
+            node="n1", state="Ready", consumers=0, revisions=[NodeRevision(id=REV, lastUsed="2026-11-21T10:30:00Z")]
+        )
+    ]
     assert plan_nodes(old, [pod(phase="Succeeded")], jobs(train=True), keep, NOW)["n1"].wipe
 
 
@@ -129,8 +174,9 @@ def test_emptydir_copies_need_no_helper():
 
 
 def test_unscheduled_and_stale_pods_create_no_entries():
-    plans = plan_nodes([], [pod(node=None), pod(name="old", phase="Succeeded", init=None, started=None)],
-                       jobs(train=True), WIPE, NOW)
+    plans = plan_nodes(
+        [], [pod(node=None), pod(name="old", phase="Succeeded", init=None, started=None)], jobs(train=True), WIPE, NOW
+    )
     assert plans == {}
 
 
@@ -154,25 +200,35 @@ def test_wipe_helper_pod_is_pinned_tolerant_and_confined():
     assert spec["automountServiceAccountToken"] is False
     (c,) = spec["containers"]
     assert WipeArgs.from_argv(c["args"]) == WipeArgs(
-        cache_dir="/mnt/nvme/dscache/ml/imagenet", root="/mnt/nvme/dscache", revision=REV,
-        release=("u1", "u2"), termination_log="/dev/termination-log")
+        cache_dir="/mnt/nvme/dscache/ml/imagenet",
+        root="/mnt/nvme/dscache",
+        revision=REV,
+        release=("u1", "u2"),
+        termination_log="/dev/termination-log",
+    )
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert spec["volumes"] == [{"name": "cache-root", "hostPath": {
-        "path": "/mnt/nvme/dscache", "type": "DirectoryOrCreate"}}]
+    assert spec["volumes"] == [
+        {"name": "cache-root", "hostPath": {"path": "/mnt/nvme/dscache", "type": "DirectoryOrCreate"}}
+    ]
 
 
 def test_long_wiped_nodes_without_pods_are_forgotten():
     recent = NodeStatus(node="n1", state="Wiped", wipedAt="2026-11-21T11:30:00Z")
     old = NodeStatus(node="n2", state="Wiped", wipedAt="2026-11-21T09:00:00Z")
     old_with_pod = NodeStatus(node="n3", state="Wiped", wipedAt="2026-11-21T09:00:00Z")
-    plans = plan_nodes([recent, old, old_with_pod],
-                       [pod(node="n3", phase="Succeeded", started="2026-11-21T08:00:00Z")],
-                       jobs(train=True), WIPE, NOW)
+    plans = plan_nodes(
+        [recent, old, old_with_pod],
+        [pod(node="n3", phase="Succeeded", started="2026-11-21T08:00:00Z")],
+        jobs(train=True),
+        WIPE,
+        NOW,
+    )
     assert sorted(plans) == ["n1", "n3"]
     assert not plans["n3"].wipe and plans["n3"].entry.state == "Wiped"
 
 
 # --- issue 7: revisions, leases, owners -------------------------------------------------------
+
 
 def owners(**infos):
     """uid -> OwnerInfo."""
@@ -191,8 +247,11 @@ def test_each_revision_is_released_apart_and_only_when_no_pod_holds_it():
 def test_unscheduled_pod_blocks_its_revision_on_every_node():
     """The wipe race of issue 7 (3): the next consumer is still Pending."""
     prior = [node("n1", consumers=1), node("n2", consumers=1)]
-    pods = [pod("a-0", node="n1", job="a", phase="Succeeded"), pod("a-1", node="n2", job="a", phase="Succeeded"),
-            pod("b-0", node=None, job="b", phase="Pending", init=None, started=None, message=None)]
+    pods = [
+        pod("a-0", node="n1", job="a", phase="Succeeded"),
+        pod("a-1", node="n2", job="a", phase="Succeeded"),
+        pod("b-0", node=None, job="b", phase="Pending", init=None, started=None, message=None),
+    ]
     plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
     assert not plans["n1"].wipe and not plans["n2"].wipe
     # A pending pod of another revision blocks only that revision.
@@ -233,16 +292,19 @@ def test_raycluster_holds_while_it_exists_and_rayjob_decides_above_it():
     assert not plan_nodes([node(consumers=1)], [p0], owners(**{"uid-rc": rc}), WIPE, NOW)["n1"].wipe
     rc_owned = rc._replace(owner=OwnerRef("RayJob", "rj", "uid-rj"))
     rj_done = OwnerInfo("RayJob", "rj", True, None)
-    assert plan_nodes([node(consumers=1)], [p0], owners(**{"uid-rc": rc_owned, "uid-rj": rj_done}),
-                      WIPE, NOW)["n1"].wipe
+    assert plan_nodes([node(consumers=1)], [p0], owners(**{"uid-rc": rc_owned, "uid-rj": rj_done}), WIPE, NOW)[
+        "n1"
+    ].wipe
 
 
 def test_owner_finished_conditions_per_kind():
     from dscache_operator.consumers import OWNER_KINDS, owner_info
+
     kinds = {k.kind: k for k in OWNER_KINDS}
 
     def cond(t):
         return {"metadata": {"name": "x"}, "status": {"conditions": [{"type": t, "status": "True"}]}}
+
     assert owner_info(kinds["JobSet"], cond("Completed")).finished
     assert owner_info(kinds["PyTorchJob"], cond("Succeeded")).finished
     assert not owner_info(kinds["PyTorchJob"], cond("Running")).finished
@@ -277,9 +339,15 @@ def test_deletion_while_a_job_still_needs_pods_does_not_deadlock():
 def test_stray_leases_are_released_unless_a_live_pod_owns_them():
     """A wipe reported leases of pods the view does not show (deleted while the operator
     was down): the next wipe releases them, but never one of a pod that still holds."""
-    prior = [NodeStatus(node="n1", state="Ready", consumers=1, revisions=[
-        NodeRevision(id=REV, consumers=1, strayLeases=["uid-gone", "uid-q"])])]
-    pods = [pod(phase="Succeeded"), pod("q", node="n2", job="other")]   # q holds REV on n2
+    prior = [
+        NodeStatus(
+            node="n1",
+            state="Ready",
+            consumers=1,
+            revisions=[NodeRevision(id=REV, consumers=1, strayLeases=["uid-gone", "uid-q"])],
+        )
+    ]
+    pods = [pod(phase="Succeeded"), pod("q", node="n2", job="other")]  # q holds REV on n2
     p = plan_nodes(prior, pods, jobs(train=True, other=False), WIPE, NOW)["n1"]
     (step,) = p.wipes
     assert step.release == ("uid-gone", "uid-p")
@@ -288,10 +356,18 @@ def test_stray_leases_are_released_unless_a_live_pod_owns_them():
 def test_a_wiped_revision_is_not_wiped_again_for_finished_pods_but_comes_back_for_new_ones():
     """Node n1 keeps serving REV2 while REV was wiped: REV's finished pods must
     not bring it back (that would start a helper every reconciliation)."""
-    prior = [NodeStatus(node="n1", state="Ready", consumers=1, revisions=[
-        NodeRevision(id=REV, wipedAt="2026-11-21T11:50:00Z"), NodeRevision(id=REV2, consumers=1)])]
-    pods = [pod("a-0", job="a", phase="Succeeded", revision=REV, started="2026-11-21T11:00:00Z"),
-            pod("b-0", job="b", revision=REV2)]
+    prior = [
+        NodeStatus(
+            node="n1",
+            state="Ready",
+            consumers=1,
+            revisions=[NodeRevision(id=REV, wipedAt="2026-11-21T11:50:00Z"), NodeRevision(id=REV2, consumers=1)],
+        )
+    ]
+    pods = [
+        pod("a-0", job="a", phase="Succeeded", revision=REV, started="2026-11-21T11:00:00Z"),
+        pod("b-0", job="b", revision=REV2),
+    ]
     p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
     assert not p.wipe and p.entry.state == "Ready"
     assert [(r.id, r.wipedAt is not None) for r in p.entry.revisions] == [(REV, True), (REV2, False)]
@@ -305,8 +381,10 @@ def test_node_is_not_ready_while_a_consumer_is_still_staging():
     """test_wipe_race: Job 1's pods were Ready; the wipe may have just removed the copy
     that Job 2's pod (stager not finished) now holds: the node must say Staging."""
     prior = [node(consumers=0)]
-    pods = [pod("a-0", job="a", phase="Succeeded"),
-            pod("b-0", job="b", phase="Pending", init="waiting", started=None, message=None)]
+    pods = [
+        pod("a-0", job="a", phase="Succeeded"),
+        pod("b-0", job="b", phase="Pending", init="waiting", started=None, message=None),
+    ]
     p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
     assert p.entry.state == "Staging" and not p.wipe
     pods[1] = pods[1]._replace(phase="Running", init="ok", started="2026-11-21T11:59:00Z", message=SUMMARY)
@@ -317,15 +395,20 @@ def test_owner_pins_cover_the_whole_owner_chain_and_keep_the_first_revision():
     """status.owners: a JobSet's next child Job (admitted with ownerReference JobSet) must
     get the revision its first Jobs' pods stage, even after status.revision moved on."""
     from dscache_operator.status import owner_pins
+
     job_ = OwnerInfo("Job", "js-w-0", False, OwnerRef("JobSet", "js", "uid-js"))
     view = owners(**{"uid-js-w-0": job_, "uid-js": OwnerInfo("JobSet", "js", False, None)})
     pods = [pod("js-w-0-0", job="js-w-0", revision=REV)]
     pins = owner_pins(pods, view, [])
     assert {(p["kind"], p["uid"], p["revision"]) for p in pins} == {
-        ("Job", "uid-js-w-0", REV), ("JobSet", "uid-js", REV)}
+        ("Job", "uid-js-w-0", REV),
+        ("JobSet", "uid-js", REV),
+    }
     # Already pinned to REV: a later pod of REV2 does not move the pin.
     pins2 = owner_pins(pods + [pod("js-w-0-1", job="js-w-0", revision=REV2)], view, pins)
     assert {p["revision"] for p in pins2} == {REV}
     # Finished owners are dropped.
-    assert owner_pins([pods[0]._replace(phase="Succeeded")],
-                      owners(**{"uid-js-w-0": job_._replace(finished=True)}), pins) == []
+    assert (
+        owner_pins([pods[0]._replace(phase="Succeeded")], owners(**{"uid-js-w-0": job_._replace(finished=True)}), pins)
+        == []
+    )

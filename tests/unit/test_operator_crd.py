@@ -17,7 +17,8 @@ CRD_FILE = REPO / "crds" / "datasetcache.yaml"
 def test_crd_file_matches_models():
     assert CRD_FILE.read_text() == crdgen.render(), (
         "crds/datasetcache.yaml drifted from the models; regenerate with "
-        "`.venv/bin/python -m dscache_operator.crdgen > crds/datasetcache.yaml`")
+        "`.venv/bin/python -m dscache_operator.crdgen > crds/datasetcache.yaml`"
+    )
 
 
 def _walk(schema, path="spec"):
@@ -46,7 +47,13 @@ def test_crd_names_and_shape():
     assert version["name"] == "v1alpha1"
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Objects", "Size", "Revision", "Ready nodes", "Age"]
+        "Phase",
+        "Objects",
+        "Size",
+        "Revision",
+        "Ready nodes",
+        "Age",
+    ]
 
 
 def test_every_spec_and_status_field_is_described_and_structural():
@@ -83,14 +90,17 @@ def test_model_defaults_and_helpers():
     assert spec.source.secret_name == "s3"
 
 
-@pytest.mark.parametrize("bad", [
-    {"source": {"uri": "http://bucket/x"}},
-    {"source": {"uri": "s3://bucket/", "addressingStyle": "weird"}},
-    {"source": {"uri": "s3://bucket/", "unknownField": 1}},
-    {"mountPath": "relative/path"},
-    {"retention": {"policy": "Forever"}},
-    {"retention": {"policy": "RetainWhileUsed", "ttlAfterLastUse": "ten minutes"}},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"source": {"uri": "http://bucket/x"}},
+        {"source": {"uri": "s3://bucket/", "addressingStyle": "weird"}},
+        {"source": {"uri": "s3://bucket/", "unknownField": 1}},
+        {"mountPath": "relative/path"},
+        {"retention": {"policy": "Forever"}},
+        {"retention": {"policy": "RetainWhileUsed", "ttlAfterLastUse": "ten minutes"}},
+    ],
+)
 def test_model_rejects_bad_specs(bad):
     with pytest.raises(pydantic.ValidationError):
         _cache(**bad)

@@ -11,9 +11,17 @@ from dscache_operator.informer import Gone, Informer, MultiInformer
 
 
 def pod(uid, ns, cache, rv="1", node="n1"):
-    return {"metadata": {"uid": uid, "namespace": ns, "name": uid, "resourceVersion": rv,
-                         "annotations": {"dscache.io/cache": cache}},
-            "spec": {"nodeName": node}, "status": {"phase": "Running"}}
+    return {
+        "metadata": {
+            "uid": uid,
+            "namespace": ns,
+            "name": uid,
+            "resourceVersion": rv,
+            "annotations": {"dscache.io/cache": cache},
+        },
+        "spec": {"nodeName": node},
+        "status": {"phase": "Running"},
+    }
 
 
 class FakeKube:
@@ -29,8 +37,10 @@ class FakeKube:
 
 
 def test_list_pages_then_watch_events_update_the_view():
-    pages = [{"items": [pod("a", "ml", "c1")], "metadata": {"continue": "tok", "resourceVersion": ""}},
-             {"items": [pod("b", "ml", "c1", node="n2")], "metadata": {"resourceVersion": "10"}}]
+    pages = [
+        {"items": [pod("a", "ml", "c1")], "metadata": {"continue": "tok", "resourceVersion": ""}},
+        {"items": [pod("b", "ml", "c1", node="n2")], "metadata": {"resourceVersion": "10"}},
+    ]
     kube = FakeKube(pages)
     inf = Informer(kube, "/api/v1/pods", "dscache.io/consumer=true", views_mod._pod_extract)
     rv = asyncio.run(inf._list())
@@ -53,8 +63,13 @@ def test_a_failed_relist_keeps_the_last_good_view():
     class Broken(FakeKube):
         async def request(self, *a, **k):
             raise OSError("apiserver down")
-    inf = Informer(FakeKube([{"items": [pod("a", "ml", "c")], "metadata": {"resourceVersion": "5"}}]),
-                   "/p", "l", views_mod._pod_extract)
+
+    inf = Informer(
+        FakeKube([{"items": [pod("a", "ml", "c")], "metadata": {"resourceVersion": "5"}}]),
+        "/p",
+        "l",
+        views_mod._pod_extract,
+    )
     asyncio.run(inf._list())
     inf.kube = Broken([])
     with pytest.raises(OSError):
@@ -99,4 +114,5 @@ def test_an_absent_optional_crd_is_an_empty_ready_view():
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
     asyncio.run(main())

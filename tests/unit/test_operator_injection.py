@@ -9,11 +9,11 @@ import jsonpatch
 import kopf
 import pytest
 
+from dscache_contract import StageArgs
 from dscache_operator import injection, webhook
 from dscache_operator.common import Context, memo_for
 from dscache_operator.injection import INIT_NAME, VOLUME_NAME, InjectionError, inject_object
 from dscache_operator.models import DatasetCacheSpec
-from dscache_contract import StageArgs
 from dscache_operator.settings import Settings
 
 SETTINGS = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:test")
@@ -22,11 +22,18 @@ REV2 = "r-fedcba9876543210fedc"
 
 
 def spec(**extra) -> DatasetCacheSpec:
-    base = {"source": {"uri": "s3://bkt/imagenet/", "endpoint": "http://s3.local:9000",
-                       "region": "eu-west-1", "addressingStyle": "path",
-                       "credentials": {"secretRef": {"name": "s3-keys"}},
-                       "include": ["*.tar"], "exclude": ["tmp/*"]},
-            "mountPath": "/data"}
+    base = {
+        "source": {
+            "uri": "s3://bkt/imagenet/",
+            "endpoint": "http://s3.local:9000",
+            "region": "eu-west-1",
+            "addressingStyle": "path",
+            "credentials": {"secretRef": {"name": "s3-keys"}},
+            "include": ["*.tar"],
+            "exclude": ["tmp/*"],
+        },
+        "mountPath": "/data",
+    }
     base.update(extra)
     return DatasetCacheSpec.model_validate(base)
 
@@ -38,14 +45,29 @@ def job(annotate_template: bool = False, containers=None) -> dict:
         tmeta["annotations"] = {"dscache.io/cache": "imagenet"}
     else:
         meta["annotations"] = {"dscache.io/cache": "imagenet"}
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
-            "spec": {"template": {"metadata": tmeta, "spec": {
-                "restartPolicy": "Never",
-                "containers": containers or [
-                    {"name": "train", "image": "trainer:1"},
-                    {"name": "logger", "image": "logger:1",
-                     "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}],
-                "volumes": [{"name": "scratch", "emptyDir": {}}]}}}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "template": {
+                "metadata": tmeta,
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": containers
+                    or [
+                        {"name": "train", "image": "trainer:1"},
+                        {
+                            "name": "logger",
+                            "image": "logger:1",
+                            "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+                        },
+                    ],
+                    "volumes": [{"name": "scratch", "emptyDir": {}}],
+                },
+            }
+        },
+    }
 
 
 def pod_spec(obj):
@@ -54,24 +76,40 @@ def pod_spec(obj):
 
 def test_injects_exactly_once_and_is_idempotent():
     obj = job()
-    assert inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                         settings=SETTINGS, mode="HostPath", revision=REV)
+    assert inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=REV,
+    )
     once = copy.deepcopy(obj)
-    assert not inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                             settings=SETTINGS, mode="HostPath", revision=REV)
+    assert not inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=REV,
+    )
     assert obj == once
     ps = pod_spec(obj)
     assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME]
-    assert [v for v in ps["volumes"] if v["name"] == VOLUME_NAME] == [{
-        "name": VOLUME_NAME,
-        "hostPath": {"path": "/mnt/nvme/dscache/ml/imagenet", "type": "DirectoryOrCreate"}}]
+    assert [v for v in ps["volumes"] if v["name"] == VOLUME_NAME] == [
+        {"name": VOLUME_NAME, "hostPath": {"path": "/mnt/nvme/dscache/ml/imagenet", "type": "DirectoryOrCreate"}}
+    ]
     for c in ps["containers"]:
         mounts = [m for m in c["volumeMounts"] if m["name"] == VOLUME_NAME]
         # The dataset and nothing else at mountPath; the manifest outside it.
         assert mounts == [
             {"name": VOLUME_NAME, "mountPath": "/data", "readOnly": True, "subPath": f"revs/{REV}/data"},
-            {"name": VOLUME_NAME, "mountPath": "/var/run/dscache", "readOnly": True,
-             "subPath": f"revs/{REV}/meta"}]
+            {"name": VOLUME_NAME, "mountPath": "/var/run/dscache", "readOnly": True, "subPath": f"revs/{REV}/meta"},
+        ]
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["DSCACHE_DIR"] == "/data"
         assert env["DSCACHE_MANIFEST"] == "/var/run/dscache/manifest.jsonl"
@@ -87,17 +125,33 @@ def test_injects_exactly_once_and_is_idempotent():
 
 def test_init_container_args_credentials_and_privileges():
     obj = job()
-    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="HostPath", revision=REV)
+    inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=REV,
+    )
     (init,) = pod_spec(obj)["initContainers"]
     assert init["image"] == "stager:test"
     assert init["command"] == ["dscache-stage"]
     # Built with the contract's StageArgs, so the stager parses exactly what we meant.
     parsed = StageArgs.from_argv(init["args"])
-    assert parsed == StageArgs(source="s3://bkt/imagenet/", revision=REV, cache_dir="/dscache",
-                               pod_uid="$(DSCACHE_POD_UID)", endpoint_url="http://s3.local:9000",
-                               region="eu-west-1", addressing_style="path", include=("*.tar",),
-                               exclude=("tmp/*",), termination_log="/dev/termination-log")
+    assert parsed == StageArgs(
+        source="s3://bkt/imagenet/",
+        revision=REV,
+        cache_dir="/dscache",
+        pod_uid="$(DSCACHE_POD_UID)",
+        endpoint_url="http://s3.local:9000",
+        region="eu-west-1",
+        addressing_style="path",
+        include=("*.tar",),
+        exclude=("tmp/*",),
+        termination_log="/dev/termination-log",
+    )
     uid_env = next(e for e in init["env"] if e["name"] == "DSCACHE_POD_UID")
     assert uid_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in init["env"] if "secretKeyRef" in e.get("valueFrom", {})}
@@ -111,8 +165,16 @@ def test_init_container_args_credentials_and_privileges():
 
 def test_emptydir_mode_runs_non_root():
     obj = job()
-    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="EmptyDir", revision=REV)
+    inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="EmptyDir",
+        revision=REV,
+    )
     ps = pod_spec(obj)
     assert {"name": VOLUME_NAME, "emptyDir": {}} in ps["volumes"]
     sc = ps["initContainers"][0]["securityContext"]
@@ -123,34 +185,52 @@ def test_emptydir_mode_runs_non_root():
 def test_no_credentials_means_no_secret_refs():
     s = spec(source={"uri": "s3://bkt/x/"})
     obj = job()
-    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=s,
-                  settings=SETTINGS, mode="HostPath", revision=REV)
+    inject_object(
+        obj, kind="Job", namespace="ml", cache_name="imagenet", spec=s, settings=SETTINGS, mode="HostPath", revision=REV
+    )
     assert [e["name"] for e in pod_spec(obj)["initContainers"][0]["env"]] == ["DSCACHE_POD_UID"]
 
 
 def test_mount_path_clash_is_refused_with_cache_and_fix():
-    obj = job(containers=[{"name": "train", "image": "t",
-                           "volumeMounts": [{"name": "other", "mountPath": "/data/"}]}])
+    obj = job(containers=[{"name": "train", "image": "t", "volumeMounts": [{"name": "other", "mountPath": "/data/"}]}])
     with pytest.raises(InjectionError) as e:
-        inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                      settings=SETTINGS, mode="HostPath", revision=REV)
+        inject_object(
+            obj,
+            kind="Job",
+            namespace="ml",
+            cache_name="imagenet",
+            spec=spec(),
+            settings=SETTINGS,
+            mode="HostPath",
+            revision=REV,
+        )
     msg = str(e.value)
     assert "imagenet" in msg and "/data" in msg and "spec.mountPath" in msg
 
 
 def test_pod_injection_and_requested_cache():
-    pod = {"metadata": {"name": "p", "namespace": "ml",
-                        "annotations": {"dscache.io/cache": "imagenet"}},
-           "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    pod = {
+        "metadata": {"name": "p", "namespace": "ml", "annotations": {"dscache.io/cache": "imagenet"}},
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+    }
     assert injection.requested_cache(pod, "Pod") == "imagenet"
     assert injection.requested_cache(job(annotate_template=True), "Job") == "imagenet"
     assert injection.requested_cache({"metadata": {}}, "Pod") is None
-    inject_object(pod, kind="Pod", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="HostPath", revision=REV)
+    inject_object(
+        pod,
+        kind="Pod",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=REV,
+    )
     assert [c["name"] for c in pod["spec"]["initContainers"]] == [INIT_NAME]
 
 
 # --- the kopf handler itself, with a real kopf.Patch --------------------------------
+
 
 class FakeIndex(dict):
     """kopf.Index maps keys to stores (iterables of values)."""
@@ -165,8 +245,17 @@ def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
     patch = kopf.Patch(body=body)
     resource = kopf.Resource("batch" if kind == "jobs" else "", "v1", kind)
     memo = memo_for(Context(settings=SETTINGS, kube=kube))
-    asyncio.run(webhook.mutate(mode=webhook.VolumeMode(mode), body=body, patch=patch, namespace="ml",
-                               resource=resource, memo=memo, dscache_caches=index))
+    asyncio.run(
+        webhook.mutate(
+            mode=webhook.VolumeMode(mode),
+            body=body,
+            patch=patch,
+            namespace="ml",
+            resource=resource,
+            memo=memo,
+            dscache_caches=index,
+        )
+    )
     ops = patch.as_json_patch()
     return ops, jsonpatch.apply_patch(copy.deepcopy(obj), ops)
 
@@ -193,6 +282,7 @@ def test_handler_refuses_unknown_cache(monkeypatch):
 
     class K:
         get_cache = staticmethod(no_cache)
+
     with pytest.raises(kopf.AdmissionError) as e:
         run_mutate(job(), FakeIndex(), kube=K())
     assert "DatasetCache ml/imagenet does not exist" in str(e.value)
@@ -201,12 +291,15 @@ def test_handler_refuses_unknown_cache(monkeypatch):
 
 def test_handler_cold_index_falls_back_to_the_api(monkeypatch):
     async def found(ns, name):
-        return {"metadata": {"name": name, "namespace": ns},
-                "spec": spec().model_dump(exclude_none=True),
-                "status": {"phase": "Ready", "revision": {"id": REV}}}
+        return {
+            "metadata": {"name": name, "namespace": ns},
+            "spec": spec().model_dump(exclude_none=True),
+            "status": {"phase": "Ready", "revision": {"id": REV}},
+        }
 
     class K:
         get_cache = staticmethod(found)
+
     ops, result = run_mutate(job(), FakeIndex(), kube=K())
     assert [c["name"] for c in pod_spec(result)["initContainers"]] == [INIT_NAME]
 
@@ -222,8 +315,7 @@ def test_handler_refuses_broken_and_deleting_caches():
 
 
 def test_handler_refuses_mount_clash():
-    obj = job(containers=[{"name": "train", "image": "t",
-                           "volumeMounts": [{"name": "x", "mountPath": "/data"}]}])
+    obj = job(containers=[{"name": "train", "image": "t", "volumeMounts": [{"name": "x", "mountPath": "/data"}]}])
     with pytest.raises(kopf.AdmissionError) as e:
         run_mutate(obj, FakeIndex({("ml", "imagenet"): [view()]}))
     assert "clashes" in str(e.value)
@@ -235,13 +327,16 @@ def _api_returns(monkeypatch, phase, reason=None, message=None, revision=None):
         if revision:
             status["revision"] = {"id": revision}
         if reason:
-            status["conditions"] = [{"type": "SourceReady", "status": "False", "reason": reason,
-                                     "message": message}]
-        return {"metadata": {"name": name, "namespace": ns},
-                "spec": spec().model_dump(exclude_none=True), "status": status}
+            status["conditions"] = [{"type": "SourceReady", "status": "False", "reason": reason, "message": message}]
+        return {
+            "metadata": {"name": name, "namespace": ns},
+            "spec": spec().model_dump(exclude_none=True),
+            "status": status,
+        }
 
     class K:
         pass
+
     K.get_cache = staticmethod(get_cache)
     return K()
 
@@ -249,8 +344,7 @@ def _api_returns(monkeypatch, phase, reason=None, message=None, revision=None):
 def test_pending_cache_is_admitted(monkeypatch):
     """Pending in the index but pinned by now (a cache created with its Job)."""
     kube = _api_returns(monkeypatch, "Ready", revision=REV)
-    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending", revision=None)]}),
-                             kube=kube)
+    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending", revision=None)]}), kube=kube)
     assert ops
 
 
@@ -263,14 +357,32 @@ def test_pending_in_index_is_rechecked_against_the_api(monkeypatch):
 
 def test_reinjection_keeps_the_original_mode():
     obj = job()
-    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="HostPath", revision=REV)
-    pod = {"metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
-           "spec": copy.deepcopy(obj["spec"]["template"]["spec"])}
+    inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=REV,
+    )
+    pod = {
+        "metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
+        "spec": copy.deepcopy(obj["spec"]["template"]["spec"]),
+    }
     before = copy.deepcopy(pod)
     # The namespace switched to emptyDir mode between the Job and its pod.
-    assert not inject_object(pod, kind="Pod", namespace="ml", cache_name="imagenet", spec=spec(),
-                             settings=SETTINGS, mode="EmptyDir", revision=REV2)
+    assert not inject_object(
+        pod,
+        kind="Pod",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="EmptyDir",
+        revision=REV2,
+    )
     assert pod == before and pod["metadata"]["annotations"]["dscache.io/volume"] == "HostPath"
 
 
@@ -284,10 +396,20 @@ def test_unpinned_cache_is_refused_with_the_reason(monkeypatch):
 
 def test_job_pods_keep_the_template_revision_after_a_refresh():
     obj = job()
-    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="HostPath", revision=REV)
-    pod = {"metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
-           "spec": copy.deepcopy(obj["spec"]["template"]["spec"])}
+    inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=REV,
+    )
+    pod = {
+        "metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
+        "spec": copy.deepcopy(obj["spec"]["template"]["spec"]),
+    }
     # The cache moved on to REV2; a pod the Job creates later still stages REV.
     ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [view(revision=REV2)]}), kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
@@ -296,10 +418,17 @@ def test_job_pods_keep_the_template_revision_after_a_refresh():
 
 
 def test_pods_of_other_owners_reuse_their_owners_revision():
-    pod = {"metadata": {"name": "w-1", "namespace": "ml", "annotations": {"dscache.io/cache": "imagenet"},
-                        "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-                                             "name": "pt", "uid": "u-pt", "controller": True}]},
-           "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    pod = {
+        "metadata": {
+            "name": "w-1",
+            "namespace": "ml",
+            "annotations": {"dscache.io/cache": "imagenet"},
+            "ownerReferences": [
+                {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "pt", "uid": "u-pt", "controller": True}
+            ],
+        },
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+    }
     index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, pins={"u-pt": REV})]})
     ops, result = run_mutate(pod, index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
@@ -317,17 +446,37 @@ def test_bad_revision_annotation_is_refused():
 
 
 def test_stager_runs_first_and_every_other_mount_is_read_only():
-    obj = job(containers=[
-        {"name": "train", "image": "t",
-         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": "/data"},            # at our path
-                          {"name": VOLUME_NAME, "mountPath": "/raw"}]},           # their own
-    ])
+    obj = job(
+        containers=[
+            {
+                "name": "train",
+                "image": "t",
+                "volumeMounts": [
+                    {"name": VOLUME_NAME, "mountPath": "/data"},  # at our path
+                    {"name": VOLUME_NAME, "mountPath": "/raw"},
+                ],
+            },  # their own
+        ]
+    )
     obj["spec"]["template"]["spec"]["initContainers"] = [
-        {"name": "poison", "image": "busybox", "command": ["sh", "-c", "echo x > /c/y"],
-         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": "/c", "readOnly": False}]},
-        {"name": "mesh", "image": "proxy", "restartPolicy": "Always"}]
-    inject_object(obj, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                  settings=SETTINGS, mode="HostPath", revision=REV)
+        {
+            "name": "poison",
+            "image": "busybox",
+            "command": ["sh", "-c", "echo x > /c/y"],
+            "volumeMounts": [{"name": VOLUME_NAME, "mountPath": "/c", "readOnly": False}],
+        },
+        {"name": "mesh", "image": "proxy", "restartPolicy": "Always"},
+    ]
+    inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=REV,
+    )
     ps = pod_spec(obj)
     assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME, "poison", "mesh"]
     for c in ps["initContainers"][1:] + ps["containers"]:
@@ -339,13 +488,22 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
     assert stager["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/dscache"}]
     # The user's writable mount at /data became exactly ours.
     train = ps["containers"][0]
-    assert {"name": VOLUME_NAME, "mountPath": "/data", "readOnly": True,
-            "subPath": f"revs/{REV}/data"} in train["volumeMounts"]
+    assert {"name": VOLUME_NAME, "mountPath": "/data", "readOnly": True, "subPath": f"revs/{REV}/data"} in train[
+        "volumeMounts"
+    ]
     assert sum(1 for m in train["volumeMounts"] if m["mountPath"] == "/data") == 1
     # Idempotent.
     again = copy.deepcopy(obj)
-    assert not inject_object(again, kind="Job", namespace="ml", cache_name="imagenet", spec=spec(),
-                             settings=SETTINGS, mode="HostPath", revision=REV)
+    assert not inject_object(
+        again,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=REV,
+    )
     assert again == obj
 
 
@@ -354,6 +512,7 @@ def test_the_registered_index_is_the_one_mutate_reads():
     id is its qualname (make_registry.<locals>...), so mutate() would get None and every
     admission would GET the cache from the API server."""
     import inspect
+
     ids = [h.id for h in webhook.make_registry()._indexing.get_all_handlers()]
     assert ids == ["dscache_caches"], ids
     assert "dscache_caches" in inspect.signature(webhook.mutate).parameters

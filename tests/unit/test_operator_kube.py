@@ -18,6 +18,7 @@ async def _server(valid: dict):
         if request.headers.get("Authorization") != f"Bearer {valid['token']}":
             return web.json_response({"kind": "Status", "code": 401}, status=401)
         return web.json_response({"items": [], "metadata": {"resourceVersion": "1"}})
+
     app = web.Application()
     app.router.add_get("/{tail:.*}", handler)
     runner = web.AppRunner(app)
@@ -51,6 +52,7 @@ def test_request_rereads_a_rotated_token_on_401(tmp_path):
         finally:
             await kube.close()
             await runner.cleanup()
+
     asyncio.run(main())
 
 
@@ -66,7 +68,7 @@ def test_informer_is_not_ready_while_unauthorised(tmp_path):
         try:
             await asyncio.sleep(1.0)
             assert not inf.ready.is_set() and inf.auth_failing_since is not None
-            token_file.write_text("other")   # rotated: the next attempt lists and is ready
+            token_file.write_text("other")  # rotated: the next attempt lists and is ready
             await asyncio.wait_for(inf.ready.wait(), 10)
             assert inf.auth_failing_since is None
         finally:
@@ -74,4 +76,5 @@ def test_informer_is_not_ready_while_unauthorised(tmp_path):
             await asyncio.gather(task, return_exceptions=True)
             await kube.close()
             await runner.cleanup()
+
     asyncio.run(main())

@@ -18,13 +18,19 @@ def test_defaults():
 
 
 def test_from_env():
-    s = Settings.from_env({
-        "DSCACHE_CACHE_ROOT": "/mnt/nvme/dscache/", "DSCACHE_STAGER_IMAGE": "reg/stager:1",
-        "DSCACHE_NAMESPACE": "ops", "DSCACHE_WATCH_NAMESPACES": "ml, research,,",
-        "DSCACHE_WEBHOOK_PORT": "8443", "DSCACHE_WEBHOOK_CERT": "/tls/tls.crt",
-        "DSCACHE_WIPE_TOLERATIONS": '[{"key": "gpu", "operator": "Exists"}]',
-        "DSCACHE_RECONCILE_INTERVAL": "2.5", "DSCACHE_STAGER_CONCURRENCY": "64",
-    })
+    s = Settings.from_env(
+        {
+            "DSCACHE_CACHE_ROOT": "/mnt/nvme/dscache/",
+            "DSCACHE_STAGER_IMAGE": "reg/stager:1",
+            "DSCACHE_NAMESPACE": "ops",
+            "DSCACHE_WATCH_NAMESPACES": "ml, research,,",
+            "DSCACHE_WEBHOOK_PORT": "8443",
+            "DSCACHE_WEBHOOK_CERT": "/tls/tls.crt",
+            "DSCACHE_WIPE_TOLERATIONS": '[{"key": "gpu", "operator": "Exists"}]',
+            "DSCACHE_RECONCILE_INTERVAL": "2.5",
+            "DSCACHE_STAGER_CONCURRENCY": "64",
+        }
+    )
     assert s.cache_root == "/mnt/nvme/dscache"
     assert s.cache_dir("ml", "imagenet") == "/mnt/nvme/dscache/ml/imagenet"
     assert s.stager_image == "reg/stager:1" and s.namespace == "ops"
@@ -51,7 +57,8 @@ def test_secret_problems_are_precise():
     partial = sourcecheck.credentials_from_secret({"data": {"AWS_ACCESS_KEY_ID": _b64("k")}}, "ml", "s3")
     assert partial.reason == "SecretKeyMissing" and "AWS_SECRET_ACCESS_KEY" in partial.message
     ok = sourcecheck.credentials_from_secret(
-        {"data": {"AWS_ACCESS_KEY_ID": _b64("k"), "AWS_SECRET_ACCESS_KEY": _b64("s")}}, "ml", "s3")
+        {"data": {"AWS_ACCESS_KEY_ID": _b64("k"), "AWS_SECRET_ACCESS_KEY": _b64("s")}}, "ml", "s3"
+    )
     assert ok == {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
 
 
@@ -71,7 +78,7 @@ def test_cache_root_is_normalised():
 
 import datetime as _dt  # noqa: E402
 
-_NOW = _dt.datetime(2026, 11, 21, 12, 0, 0, tzinfo=_dt.timezone.utc)
+_NOW = _dt.datetime(2026, 11, 21, 12, 0, 0, tzinfo=_dt.UTC)
 
 
 class _Memo:
@@ -83,15 +90,18 @@ def _due(meta, status, interval="1h"):
 
 
 def test_revision_refresh_triggers():
-    listed = {"observedGeneration": 2, "phase": "Ready",
-              "revision": {"id": "r-0123456789abcdef0123", "listedAt": "2026-11-21T11:30:00Z"}}
+    listed = {
+        "observedGeneration": 2,
+        "phase": "Ready",
+        "revision": {"id": "r-0123456789abcdef0123", "listedAt": "2026-11-21T11:30:00Z"},
+    }
     meta = {"generation": 2}
-    assert _due(meta, listed) is None                              # fresh: nothing to do
-    assert _due({"generation": 3}, listed) == "spec"               # spec changed
-    assert _due(meta, listed, interval="20m") == "interval"        # older than spec.refresh.interval
-    assert _due(meta, listed, interval="Never") is None            # immutable prefix
+    assert _due(meta, listed) is None  # fresh: nothing to do
+    assert _due({"generation": 3}, listed) == "spec"  # spec changed
+    assert _due(meta, listed, interval="20m") == "interval"  # older than spec.refresh.interval
+    assert _due(meta, listed, interval="Never") is None  # immutable prefix
     poked = {**meta, "annotations": {"dscache.io/refresh": "2026-11-21T12:00"}}
-    assert _due(poked, listed) == "annotation"                     # on demand
+    assert _due(poked, listed) == "annotation"  # on demand
     assert _due(poked, {**listed, "observedRefresh": "2026-11-21T12:00"}) is None  # already acted on
 
 
@@ -100,9 +110,10 @@ def test_source_listing_pins_the_contract_revision(monkeypatch):
     from dscache_contract import RevisionHasher
     from dscache_operator.models import Source
 
-    pages = [{"Contents": [{"Key": "p/a.bin", "Size": 3, "ETag": '"e1"'},
-                           {"Key": "p/skip.tmp", "Size": 9, "ETag": '"e2"'}]},
-             {"Contents": [{"Key": "p/sub/b.bin", "Size": 4, "ETag": '"e3"'}]}]
+    pages = [
+        {"Contents": [{"Key": "p/a.bin", "Size": 3, "ETag": '"e1"'}, {"Key": "p/skip.tmp", "Size": 9, "ETag": '"e2"'}]},
+        {"Contents": [{"Key": "p/sub/b.bin", "Size": 4, "ETag": '"e3"'}]},
+    ]
 
     class Client:
         def get_paginator(self, name):

@@ -17,7 +17,7 @@ from dscache_operator.settings import Settings
 
 S = Settings(cache_root="/mnt/nvme/dscache", namespace="dscache-system", stager_image="stager:t")
 REV = "r-0123456789abcdef0123"
-NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.timezone.utc)
+NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
 NAME = wipe.helper_name("ml", "c", "n1", REV)
 
 
@@ -46,16 +46,16 @@ def events(monkeypatch):
 def helper(phase, created="2026-11-21T11:59:00Z", exit_code=None, message="", waiting=None):
     status = {"phase": phase}
     if exit_code is not None:
-        status["containerStatuses"] = [{"name": "wipe", "state": {"terminated": {
-            "exitCode": exit_code, "message": message}}}]
+        status["containerStatuses"] = [
+            {"name": "wipe", "state": {"terminated": {"exitCode": exit_code, "message": message}}}
+        ]
     if waiting:
         status["containerStatuses"] = [{"name": "wipe", "state": {"waiting": waiting}}]
     return {"metadata": {"name": "h", "creationTimestamp": created}, "status": status}
 
 
 def drive(kube, entry, step=Release(REV, ("u1",)), leases=None):
-    outcome, kept = asyncio.run(wipe.drive(kube, S, {}, "ml", "c", entry, step, None,
-                                           logging.getLogger("t"), now=NOW))
+    outcome, kept = asyncio.run(wipe.drive(kube, S, {}, "ml", "c", entry, step, None, logging.getLogger("t"), now=NOW))
     if leases is not None:
         leases.extend(kept)
     return outcome
@@ -72,8 +72,13 @@ def test_a_helper_stuck_pending_times_out_with_an_event(events):
     entry = NodeStatus(node="n1", state="Ready")
     young = FakeKube(helper("Pending", created="2026-11-21T11:59:30Z"))
     assert drive(young, entry) is wipe.Outcome.IN_PROGRESS and not young.deleted and not events
-    stuck = FakeKube(helper("Pending", created="2026-11-21T11:55:00Z",
-                            waiting={"reason": "ImagePullBackOff", "message": "no such image"}))
+    stuck = FakeKube(
+        helper(
+            "Pending",
+            created="2026-11-21T11:55:00Z",
+            waiting={"reason": "ImagePullBackOff", "message": "no such image"},
+        )
+    )
     assert drive(stuck, entry) is wipe.Outcome.IN_PROGRESS
     assert stuck.deleted == [NAME]
     (ev,) = events
@@ -82,8 +87,7 @@ def test_a_helper_stuck_pending_times_out_with_an_event(events):
 
 
 def test_leases_we_did_not_release_keep_the_revision(events):
-    summary = {"cache": "/x", "revision": REV, "released": ["u1"], "removed": False, "existed": True,
-               "leases": ["u9"]}
+    summary = {"cache": "/x", "revision": REV, "released": ["u1"], "removed": False, "existed": True, "leases": ["u9"]}
     kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(summary)))
     entry, kept = NodeStatus(node="n1", state="Ready"), []
     assert drive(kube, entry, leases=kept) is wipe.Outcome.KEPT and kept == ["u9"]
@@ -93,8 +97,14 @@ def test_leases_we_did_not_release_keep_the_revision(events):
 def test_a_whole_cache_wipe_reports_rev_slash_uid_leases_that_come_back_as_plain_uids(events):
     """--all reports "<rev>/<uid>"; the next wipe's --release must get the UIDs (and
     the helper pod must be buildable with them: WipeArgs refuses anything else)."""
-    summary = {"cache": "/x", "revision": None, "released": [], "removed": False, "existed": True,
-               "leases": [f"{REV}/u9", f"{REV}/u8", "r-ffffffffffffffffffff/u9", "not a uid/.."]}
+    summary = {
+        "cache": "/x",
+        "revision": None,
+        "released": [],
+        "removed": False,
+        "existed": True,
+        "leases": [f"{REV}/u9", f"{REV}/u8", "r-ffffffffffffffffffff/u9", "not a uid/.."],
+    }
     kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(summary)))
     entry, kept = NodeStatus(node="n1", state="Ready"), []
     assert drive(kube, entry, step=Release(None, ()), leases=kept) is wipe.Outcome.KEPT

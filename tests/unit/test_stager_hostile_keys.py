@@ -12,7 +12,6 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 import dscache_contract as contract
-
 from tests.support.s3server import free_port
 
 
@@ -26,7 +25,9 @@ def moto_endpoint():
 
 
 def put(endpoint: str, bucket: str, keys: dict[str, bytes]) -> None:
-    c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1")
+    c = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1"
+    )
     c.create_bucket(Bucket=bucket)
     for k, v in keys.items():
         c.put_object(Bucket=bucket, Key=k, Body=v)
@@ -34,7 +35,9 @@ def put(endpoint: str, bucket: str, keys: dict[str, bytes]) -> None:
 
 def revision(endpoint: str, uri: str, exclude=()) -> str:
     """The revision as the operator pins it (boto3 listing, the contract's selection and hasher)."""
-    c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1")
+    c = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1"
+    )
     bucket, _ = contract.parse_source(uri)
     sel = contract.Selection.from_source(uri, exclude=exclude)
     h = contract.RevisionHasher()
@@ -47,10 +50,17 @@ def revision(endpoint: str, uri: str, exclude=()) -> str:
 
 def stage(endpoint: str, uri: str, dest: Path, log: Path, exclude=()):
     env = {"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
-    argv = contract.StageArgs(source=uri, revision=revision(endpoint, uri, exclude), cache_dir=str(dest),
-                              endpoint_url=endpoint, exclude=tuple(exclude), termination_log=str(log)).to_argv()
-    return subprocess.run([sys.executable, "-m", "dscache_stager", *argv], capture_output=True, text=True, env=env,
-                          timeout=120)
+    argv = contract.StageArgs(
+        source=uri,
+        revision=revision(endpoint, uri, exclude),
+        cache_dir=str(dest),
+        endpoint_url=endpoint,
+        exclude=tuple(exclude),
+        termination_log=str(log),
+    ).to_argv()
+    return subprocess.run(
+        [sys.executable, "-m", "dscache_stager", *argv], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_hostile_keys_are_listed_and_nothing_escapes(moto_endpoint: str, tmp_path: Path):
@@ -69,13 +79,18 @@ def test_hostile_keys_are_listed_and_nothing_escapes(moto_endpoint: str, tmp_pat
     assert r.returncode == 5, r.stderr
     msg = (tmp_path / "t").read_text()
     assert msg.startswith("error: 5 object key(s) under s3://hostile/h/ cannot be written safely")
-    for key, why in [("h/../../escape.txt", "'..' segment"), ("h//abs/evil", "absolute path"),
-                     ("h/a/./b", "'.' segment"), ("h/tab\\there", "control character"),
-                     ("segment longer than 255 bytes", "")]:
+    for key, why in [
+        ("h/../../escape.txt", "'..' segment"),
+        ("h//abs/evil", "absolute path"),
+        ("h/a/./b", "'.' segment"),
+        ("h/tab\\there", "control character"),
+        ("segment longer than 255 bytes", ""),
+    ]:
         assert key in msg and why in msg
     assert "exclude" in msg  # says how to fix it
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
-        p.name for p in [work, work / "dest", tmp_path / "t"] + list((work / "dest").rglob("*")))
+        p.name for p in [work, work / "dest", tmp_path / "t"] + list((work / "dest").rglob("*"))
+    )
     assert not list(tmp_path.rglob("escape.txt")) and not list(tmp_path.rglob("evil"))
     assert not list((work / "dest").rglob("complete"))
 

@@ -2,29 +2,34 @@ from __future__ import annotations
 
 import pytest
 
+from dscache_stager.errors import UsageError
 from dscache_stager.keys import Filters, TreeShape, unsafe_reason
 from dscache_stager.source import S3Source
-from dscache_stager.errors import UsageError
 
 
-@pytest.mark.parametrize("rel, why", [
-    ("", "empty name"),
-    ("/etc/passwd", "absolute path"),
-    ("a//b", "empty path segment"),
-    ("a/", "empty path segment"),
-    ("../x", "'..' segment"),
-    ("a/../../x", "'..' segment"),
-    ("a/./b", "'.' segment"),
-    ("a/" + "n" * 256, "segment longer than 255 bytes"),
-    ("é" * 128, "segment longer than 255 bytes"),  # 256 bytes in UTF-8
-    ("tab\there", "control character"),
-    ("nul\x00", "control character"),
-])
+@pytest.mark.parametrize(
+    "rel, why",
+    [
+        ("", "empty name"),
+        ("/etc/passwd", "absolute path"),
+        ("a//b", "empty path segment"),
+        ("a/", "empty path segment"),
+        ("../x", "'..' segment"),
+        ("a/../../x", "'..' segment"),
+        ("a/./b", "'.' segment"),
+        ("a/" + "n" * 256, "segment longer than 255 bytes"),
+        ("é" * 128, "segment longer than 255 bytes"),  # 256 bytes in UTF-8
+        ("tab\there", "control character"),
+        ("nul\x00", "control character"),
+    ],
+)
 def test_unsafe_keys_are_named(rel: str, why: str):
     assert unsafe_reason(rel) == why
 
 
-@pytest.mark.parametrize("rel", ["a.bin", "a/b/c.bin", "sp ace/é+%.txt", "n" * 255, ".dscache/manifest.jsonl", "..a", "a.."])
+@pytest.mark.parametrize(
+    "rel", ["a.bin", "a/b/c.bin", "sp ace/é+%.txt", "n" * 255, ".dscache/manifest.jsonl", "..a", "a.."]
+)
 def test_safe_keys(rel: str):
     assert unsafe_reason(rel) is None
 
@@ -42,14 +47,20 @@ def test_filters_include_any_then_exclude_any():
 def test_tree_shape_finds_file_directory_clashes_both_ways():
     s = TreeShape()
     assert s.clash("a/b") is None
-    assert s.clash("a") == "a/"        # 'a' is already a directory
-    assert s.clash("a/b/c") == "a/b"   # 'a/b' is already a file
+    assert s.clash("a") == "a/"  # 'a' is already a directory
+    assert s.clash("a/b/c") == "a/b"  # 'a/b' is already a file
     assert s.clash("a/c") is None
 
 
-@pytest.mark.parametrize("uri, bucket, prefix", [
-    ("s3://b", "b", ""), ("s3://b/", "b", ""), ("s3://b/a/b", "b", "a/b/"), ("s3://b/a/b/", "b", "a/b/"),
-])
+@pytest.mark.parametrize(
+    "uri, bucket, prefix",
+    [
+        ("s3://b", "b", ""),
+        ("s3://b/", "b", ""),
+        ("s3://b/a/b", "b", "a/b/"),
+        ("s3://b/a/b/", "b", "a/b/"),
+    ],
+)
 def test_source_uri(uri: str, bucket: str, prefix: str):
     s = S3Source.parse(uri)
     assert (s.bucket, s.prefix) == (bucket, prefix)

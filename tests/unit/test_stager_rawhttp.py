@@ -53,12 +53,15 @@ def test_writes_the_range_at_its_offset_and_sends_range_and_if_match(fd: int):
     assert f"Range: bytes=100-{99 + len(body)}" in req and 'If-Match: "etag1"' in req
 
 
-@pytest.mark.parametrize("response, status", [
-    (partial(b"<Error><Code>SlowDown</Code></Error>", "503 Slow Down"), 503),
-    (partial(b"whole object", "200 OK"), 200),  # server ignored Range: never trust offsets
-    (partial(b"", "412 Precondition Failed"), 412),
-    (partial(b"abc", extra="Transfer-Encoding: chunked\r\n"), 206),
-])
+@pytest.mark.parametrize(
+    "response, status",
+    [
+        (partial(b"<Error><Code>SlowDown</Code></Error>", "503 Slow Down"), 503),
+        (partial(b"whole object", "200 OK"), 200),  # server ignored Range: never trust offsets
+        (partial(b"", "412 Precondition Failed"), 412),
+        (partial(b"abc", extra="Transfer-Encoding: chunked\r\n"), 206),
+    ],
+)
 def test_anything_but_the_exact_206_is_refused(fd: int, response: bytes, status: int):
     url, _ = serve_once(response)
     with pytest.raises(rawhttp.HttpStatus) as e:

@@ -7,7 +7,8 @@ from dscache_stager.tree import LocalTree
 
 def test_stale_file_or_symlink_in_the_way_is_replaced_never_followed(tmp_path: Path):
     dest, outside = tmp_path / "dest", tmp_path / "outside"
-    dest.mkdir(); outside.mkdir()
+    dest.mkdir()
+    outside.mkdir()
     (dest / "a").write_text("stale file where a directory must go")
     (dest / "b").symlink_to(outside)
     tree = LocalTree(str(dest))

@@ -114,6 +114,7 @@ def test_sealed_revisions_are_removed_by_a_non_root_wipe_too(tmp_path: Path):
             code = code or (3 if (root / "ns" / "ds" / "revs" / R1).exists() else 0)
         except BaseException:
             import traceback
+
             traceback.print_exc()
         finally:
             os._exit(code)
@@ -166,9 +167,8 @@ def test_root_may_itself_be_a_symlink(tmp_path: Path, root: Path):
 
 
 def test_busy_while_a_stager_holds_the_lock_and_nothing_changes(root: Path):
-    with cache_lock(str(C(root))):
-        with pytest.raises(BusyError, match="locked by a running stager"):
-            wipe(WipeArgs(str(C(root)), str(root), revision=R1, release=("u1", "u2")))
+    with cache_lock(str(C(root))), pytest.raises(BusyError, match="locked by a running stager"):
+        wipe(WipeArgs(str(C(root)), str(root), revision=R1, release=("u1", "u2")))
     assert leases(str(C(root)), R1) == ["u1", "u2"]  # not even released
 
 
@@ -191,8 +191,14 @@ def test_cli_exit_codes_0_2_and_8_with_json_and_termination_log(root: Path, outs
 
     ok = _cli(str(c), "--root", str(root), "--revision", R2)
     assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout) == {"cache": str(c), "revision": R2, "released": [], "removed": True,
-                                     "existed": True, "leases": []}
+    assert json.loads(ok.stdout) == {
+        "cache": str(c),
+        "revision": R2,
+        "released": [],
+        "removed": True,
+        "existed": True,
+        "leases": [],
+    }
     bad = _cli(str(outside), "--root", str(root), "--all", "--termination-log", str(tmp_path / "t"))
     assert bad.returncode == 2 and "not inside the cache root" in bad.stderr
     assert (tmp_path / "t").read_text().startswith("error: refusing to wipe")
@@ -220,8 +226,9 @@ def test_a_stager_waiting_behind_a_real_wipe_starts_over(root: Path, monkeypatch
             seen["complete"] = Revision(c, R1).read_complete()
             write_lease(c, R1, "late-pod")
 
-    w = threading.Thread(target=lambda: seen.setdefault(
-        "wipe", wipe(WipeArgs(c, str(root), revision=R1, release=("u1", "u2")))))
+    w = threading.Thread(
+        target=lambda: seen.setdefault("wipe", wipe(WipeArgs(c, str(root), revision=R1, release=("u1", "u2"))))
+    )
     w.start()
     assert deleting.wait(10)
     s = threading.Thread(target=stager)
@@ -236,8 +243,9 @@ def test_a_stager_waiting_behind_a_real_wipe_starts_over(root: Path, monkeypatch
     assert leases(c, R1) == ["late-pod"]
 
 
-def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(root: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch):
+def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+):
     c = str(C(root))
     deleting, go_on = threading.Event(), threading.Event()
     real_remove = wipe_mod.remove_tree
@@ -249,8 +257,9 @@ def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(roo
 
     monkeypatch.setattr(wipe_mod, "remove_tree", slow_remove)
     out: dict = {}
-    w = threading.Thread(target=lambda: out.setdefault(
-        "wipe", wipe(WipeArgs(c, str(root), all_revisions=True, release=("u1", "u2")))))
+    w = threading.Thread(
+        target=lambda: out.setdefault("wipe", wipe(WipeArgs(c, str(root), all_revisions=True, release=("u1", "u2"))))
+    )
     w.start()
     assert deleting.wait(10)
     old_inode = os.stat(contract.lock_path(c)).st_ino
@@ -274,15 +283,30 @@ def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(roo
 def test_the_wipe_helper_as_root_without_capabilities_removes_sealed_revisions(root: Path):
     """The helper pod runs as uid 0 with every capability dropped: 0555 dirs refuse it unlinks."""
     c = C(root)
-    script = ("import sys; from dscache_contract import WipeArgs; from dscache_stager.wipe import wipe; "
-              f"print(wipe(WipeArgs({str(c)!r}, {str(root)!r}, revision={R2!r})).to_json())")
-    p = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", script],
-                       capture_output=True, text=True)
+    script = (
+        "import sys; from dscache_contract import WipeArgs; from dscache_stager.wipe import wipe; "
+        f"print(wipe(WipeArgs({str(c)!r}, {str(root)!r}, revision={R2!r})).to_json())"
+    )
+    p = subprocess.run(
+        ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["removed"] is True
     assert not (c / "revs" / R2).exists() and (c / "revs" / R1).exists()
     # And the same binary with capabilities really is refused by a sealed dir (the test is not vacuous).
     sealed = c / "revs" / R1 / "data" / "a"
-    probe = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c",
-                            f"import os; os.unlink({str(sealed / 'f.bin')!r})"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [
+            "setpriv",
+            "--bounding-set=-all",
+            "--inh-caps=-all",
+            sys.executable,
+            "-c",
+            f"import os; os.unlink({str(sealed / 'f.bin')!r})",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert probe.returncode != 0 and "Permission denied" in probe.stderr
