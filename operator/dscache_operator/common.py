@@ -16,6 +16,7 @@ from typing import Any
 import kopf
 
 from .kube import Kube, connection_info, kopf_session
+from .metrics import Metrics
 from .models import FINALIZER, GROUP
 from .settings import Settings
 
@@ -26,6 +27,8 @@ class Context:
 
     settings: Settings
     kube: Kube | None = None
+    #: This process's metrics, on a registry of their own (not prometheus_client's global one).
+    metrics: Metrics = dataclasses.field(default_factory=Metrics)
     metrics_runner: Any = None
     #: The controller's read-only views of users' workloads (controller.Views); None in the webhook.
     views: Any = None
@@ -61,7 +64,7 @@ async def start_metrics(ctx: Context) -> None:
     from . import metrics
 
     if ctx.metrics_runner is None:
-        ctx.metrics_runner = await metrics.serve(ctx.settings.metrics_port)
+        ctx.metrics_runner = await metrics.serve(ctx.settings.metrics_port, ctx.metrics)
 
 
 async def shutdown(ctx: Context) -> None:

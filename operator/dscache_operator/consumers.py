@@ -80,6 +80,7 @@ class PodInfo(NamedTuple):
     message: str | None  # init container termination message
     uid: str = ""
     revision: str | None = None
+    init_finished: str | None = None  # when the init container terminated (RFC 3339; metrics count runs by it)
 
     @property
     def finished(self) -> bool:
@@ -98,7 +99,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
     status = body.get("status") or {}
-    init = started = message = None
+    init = started = message = finished = None
     for cs in status.get("initContainerStatuses") or []:
         if cs.get("name") != INIT_NAME:
             continue
@@ -106,7 +107,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         if "terminated" in state:
             t = state["terminated"]
             init = "ok" if t.get("exitCode") == 0 else "failed"
-            started, message = t.get("startedAt"), t.get("message")
+            started, message, finished = t.get("startedAt"), t.get("message"), t.get("finishedAt")
         elif "running" in state:
             init, started = "running", state["running"].get("startedAt")
         else:
@@ -114,6 +115,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
             last = (cs.get("lastState") or {}).get("terminated")
             if last:  # restarting after a failure (restartPolicy OnFailure)
                 init, started, message = "failed", last.get("startedAt"), last.get("message")
+                finished = last.get("finishedAt")
     annotations = meta.get("annotations") or {}
     return PodInfo(
         name=meta.get("name", ""),
@@ -126,6 +128,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         message=(message or "").strip() or None,
         uid=meta.get("uid", ""),
         revision=annotations.get(REVISION_ANNOTATION),
+        init_finished=finished,
     )
 
 

@@ -22,7 +22,6 @@ from . import status as st
 from .common import Context, ctx_of
 from .consumers import MAX_STRAY_LEASES, fmt_time, plan_nodes
 from .kube import ApiError
-from .metrics import METRICS
 from .models import (
     GROUP,
     PLURAL,
@@ -95,7 +94,7 @@ async def reconcile(
     if why is not None:
         result = await sourcecheck.check_source(kube, namespace, cache, ctx.settings.namespace)
         memo.last_check = time.monotonic()
-        METRICS.inc("dscache_source_checks_total", "Source checks by reason.", reason=result.reason)
+        ctx.metrics.source_checked(result.reason)
         generation = meta.get("generation")
         conditions = st.set_condition(
             current.get("conditions") or [],
@@ -151,6 +150,7 @@ async def reconcile(
     prior = [NodeStatus.model_validate(n) for n in current.get("nodes") or []]
     pods = views.pods.get((namespace, name))
     owners = views.owner_lookup(namespace)
+    ctx.metrics.observe_stagers(namespace, name, pods)
     plans = plan_nodes(prior, pods, owners, cache.retention, now, deleting=deleting)
     gone = await _gone_nodes(kube, [node for node, plan in plans.items() if plan.wipe])
     entries: list[NodeStatus] = []
@@ -169,7 +169,7 @@ async def reconcile(
         live += entry.consumers
         for step in plan.wipes:
             outcome, leases = await wipe.drive(
-                kube, ctx.settings, body, namespace, name, entry, step, step.newest_use, logger, now=now
+                kube, ctx.settings, ctx.metrics, body, namespace, name, entry, step, step.newest_use, logger, now=now
             )
             for r in entry.revisions:
                 if step.revision not in (None, r.id):
@@ -199,7 +199,7 @@ async def reconcile(
     diff = st.changed(current, wanted)
     for key, value in diff.items():
         patch.status[key] = value
-    METRICS.set_cache(
+    ctx.metrics.set_cache(
         namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING, [e.state for e in entries]
     )
     return live, pending
@@ -279,6 +279,6 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(f"{live} consumer pod(s) still alive", delay=delay)
         if pending:
             raise kopf.TemporaryError(f"{pending} node copies still being wiped", delay=delay)
-        METRICS.forget_cache(namespace, name)
+        ctx.metrics.forget_cache(namespace, name)
 
     return registry

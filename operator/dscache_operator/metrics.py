@@ -1,90 +1,275 @@
-"""Prometheus metrics in the text exposition format, without a client library.
+"""Prometheus metrics (prometheus_client), served on ``DSCACHE_METRICS_PORT`` at ``/metrics``.
 
-Served on ``DSCACHE_METRICS_PORT`` at ``/metrics`` by both processes:
-- controller: caches by phase, node copies by state, source checks and wipes;
-- webhook: admission reviews by outcome and their latency.
+Both processes serve one: the controller (caches by phase, node copies by
+state, source checks, wipes, and what each stager reported), the webhook
+(admission reviews by outcome and their latency). Each process's ``Metrics``
+owns its own ``CollectorRegistry`` (it lives in the Context, never in the
+global default registry), so tests get fresh, isolated counters.
+
+Series are created at zero when their labels become known: the per-cache ones
+when the controller first reconciles the cache (and removed when it is
+deleted), the others at start-up, so that ``rate()`` and alerts see a 0
+rather than no data.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
+import datetime
+import importlib.metadata
 import logging
-from collections.abc import Iterable
+import platform
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .models import NodeState, Phase, VolumeMode
+
+if TYPE_CHECKING:
+    from .consumers import PodInfo
 
 logger = logging.getLogger(__name__)
 
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+ADMISSION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: A stage takes from well under a second (warm) to hours (a cold multi-TB copy).
+STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
+ADMISSION_RESULTS = ("admitted", "refused", "error")
+#: Outcomes of one wipe helper pod (wipe.py): started, then one of the others.
+WIPE_RESULTS = ("started", "succeeded", "kept", "busy", "failed", "timeout")
+STAGER_RESULTS = ("ok", "failed")
+#: The reasons sourcecheck.py gives; others still count, they just start from nothing.
+SOURCE_REASONS = ("Listed", "NoSuchBucket", "AccessDenied", "EndpointUnreachable", "SecretNotFound")
+
+
+def package_version() -> str:
+    """The installed package's version: pyproject.toml's ``version``, the one version source."""
+    try:
+        return importlib.metadata.version("dscache")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _parse_time(text: str | None) -> datetime.datetime | None:
+    if not text:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+class _Inventory(Collector):
+    """Gauges computed at scrape time from what the controller last saw (every phase and state present, at 0 if none)."""
+
+    def __init__(self) -> None:
+        #: cache (namespace, name) -> (phase, node states)
+        self.caches: dict[tuple[str, str], tuple[str, list[str]]] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        phases = GaugeMetricFamily("dscache_datasetcaches", "DatasetCaches by phase.", labels=["phase"])
+        copies = GaugeMetricFamily("dscache_node_copies", "Node copies by state.", labels=["state"])
+        by_phase = dict.fromkeys((p.value for p in Phase), 0)
+        by_state = dict.fromkeys((s.value for s in NodeState), 0)
+        for phase, states in self.caches.values():
+            by_phase[phase] = by_phase.get(phase, 0) + 1
+            for s in states:
+                by_state[s] = by_state.get(s, 0) + 1
+        for p, n in sorted(by_phase.items()):
+            phases.add_metric([p], n)
+        for s, n in sorted(by_state.items()):
+            copies.add_metric([s], n)
+        yield phases
+        yield copies
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.counters: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        self.help: dict[str, str] = {}
-        #: cache (namespace, name) -> (phase, {node state: count})
-        self.caches: dict[tuple[str, str], tuple[str, dict[str, int]]] = {}
-        self.hist_counts = [0] * (len(_BUCKETS) + 1)
-        self.hist_sum = 0.0
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        version: str | None = None,
+        since: datetime.datetime | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        #: Stagers that finished before this time are never counted (see observe_stagers).
+        self.since = since or datetime.datetime.now(datetime.UTC)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self.build_info = Gauge(
+            "dscache_build_info", "The running dscache version (always 1).", ["version", "python"], registry=r
+        )
+        self.build_info.labels(version or package_version(), platform.python_version()).set(1)
 
-    def inc(self, name: str, help_: str, **labels: str) -> None:
-        self.help[name] = help_
-        self.counters[name][tuple(sorted(labels.items()))] += 1
+        self.inventory = _Inventory()
+        r.register(self.inventory)
+        self.source_checks = Counter("dscache_source_checks", "Source checks by reason.", ["reason"], registry=r)
+        for reason in SOURCE_REASONS:
+            self.source_checks.labels(reason)
 
-    def observe_admission(self, seconds: float) -> None:
-        self.hist_counts[bisect.bisect_left(_BUCKETS, seconds)] += 1
-        self.hist_sum += seconds
+        per_cache = ["namespace", "cache"]
+        self.wipes = Counter(
+            "dscache_wipes", "Wipe helper pods by outcome, per cache.", [*per_cache, "result"], registry=r
+        )
+        self.stager_runs = Counter(
+            "dscache_stager_runs",
+            "Stager (init container) runs by result, per cache; each run counted once.",
+            [*per_cache, "result"],
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "dscache_stage_seconds",
+            "Seconds one successful stager run took (its summary's seconds), per cache.",
+            per_cache,
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.staged_bytes = Counter(
+            "dscache_staged_bytes",
+            "Bytes successful stager runs copied from the bucket (summary fetched_bytes), per cache.",
+            per_cache,
+            registry=r,
+        )
+        self.reused_bytes = Counter(
+            "dscache_reused_bytes",
+            "Bytes successful stager runs found already on the node and did not copy "
+            "(warm starts and resumed copies: summary bytes - fetched_bytes), per cache.",
+            per_cache,
+            registry=r,
+        )
+        #: cache -> the stager runs already counted: (pod uid, init container startedAt)
+        self._counted: dict[tuple[str, str], set[tuple[str, str]]] = {}
+
+        self.admission_reviews = Counter(
+            "dscache_admission_reviews", "AdmissionReviews by outcome.", ["mode", "result"], registry=r
+        )
+        for mode in VolumeMode:
+            for result in ADMISSION_RESULTS:
+                self.admission_reviews.labels(mode.value, result)
+        self.admission_seconds = Histogram(
+            "dscache_admission_seconds", "Time to answer an AdmissionReview.", buckets=ADMISSION_BUCKETS, registry=r
+        )
+
+    # --- controller ----------------------------------------------------------------------
+
+    def source_checked(self, reason: str) -> None:
+        self.source_checks.labels(reason).inc()
+
+    def wipe(self, namespace: str, name: str, result: str) -> None:
+        self.wipes.labels(namespace, name, result).inc()
 
     def set_cache(self, namespace: str, name: str, phase: str, states: Iterable[str]) -> None:
-        self.caches[(namespace, name)] = (phase, collections.Counter(states))
+        key = (namespace, name)
+        if key not in self.inventory.caches:
+            for result in WIPE_RESULTS:
+                self.wipes.labels(namespace, name, result)
+            for result in STAGER_RESULTS:
+                self.stager_runs.labels(namespace, name, result)
+            self.stage_seconds.labels(namespace, name)
+            self.staged_bytes.labels(namespace, name)
+            self.reused_bytes.labels(namespace, name)
+        self.inventory.caches[key] = (str(phase), [str(s) for s in states])
 
     def forget_cache(self, namespace: str, name: str) -> None:
-        self.caches.pop((namespace, name), None)
+        key = (namespace, name)
+        self.inventory.caches.pop(key, None)
+        self._counted.pop(key, None)
+        for result in WIPE_RESULTS:
+            _remove(self.wipes, namespace, name, result)
+        for result in STAGER_RESULTS:
+            _remove(self.stager_runs, namespace, name, result)
+        for m in (self.stage_seconds, self.staged_bytes, self.reused_bytes):
+            _remove(m, namespace, name)
 
-    def render(self) -> str:
-        out: list[str] = []
+    def observe_stagers(self, namespace: str, name: str, pods: Iterable[PodInfo]) -> int:
+        """Count each finished stager run of the cache's pods once; return how many were new.
 
-        def labels(pairs: Iterable[tuple[str, str]]) -> str:
-            body = ",".join(f'{k}="{v}"' for k, v in pairs)
-            return "{" + body + "}" if body else ""
+        The controller learns a stager's result from the pod view (the init
+        container's termination message holds the JSON StageSummary), and sees
+        the same finished pod on every reconciliation, so a run is keyed by
+        (pod UID, the init container's startedAt): a pod whose stager restarts
+        (restartPolicy OnFailure) counts each attempt once.
 
-        for name, series in sorted(self.counters.items()):
-            out += [f"# HELP {name} {self.help.get(name, name)}", f"# TYPE {name} counter"]
-            out += [f"{name}{labels(k)} {v}" for k, v in sorted(series.items())]
-        if self.caches:
-            phases = collections.Counter(p for p, _ in self.caches.values())
-            out += ["# HELP dscache_datasetcaches DatasetCaches by phase.", "# TYPE dscache_datasetcaches gauge"]
-            out += [f'dscache_datasetcaches{{phase="{p}"}} {n}' for p, n in sorted(phases.items())]
-            states: collections.Counter = collections.Counter()
-            for _, s in self.caches.values():
-                states.update(s)
-            out += ["# HELP dscache_node_copies Node copies by state.", "# TYPE dscache_node_copies gauge"]
-            out += [f'dscache_node_copies{{state="{s}"}} {n}' for s, n in sorted(states.items())]
-        if any(self.hist_counts):
-            out += [
-                "# HELP dscache_admission_seconds Time to answer an AdmissionReview.",
-                "# TYPE dscache_admission_seconds histogram",
-            ]
-            acc = 0
-            for bound, count in zip(_BUCKETS, self.hist_counts):
-                acc += count
-                out.append(f'dscache_admission_seconds_bucket{{le="{bound}"}} {acc}')
-            out.append(f'dscache_admission_seconds_bucket{{le="+Inf"}} {sum(self.hist_counts)}')
-            out.append(f"dscache_admission_seconds_sum {self.hist_sum}")
-            out.append(f"dscache_admission_seconds_count {sum(self.hist_counts)}")
-        return "\n".join(out) + "\n"
+        Restarts: the keys live in memory, and a restarted operator re-sees every
+        finished pod still in the API server. We count only runs that finished
+        after this process started (``since``, against the kubelet's finishedAt).
+        So a restart never counts a run twice (the old process's counts were
+        scraped before its counters went away with it), at the price of never
+        counting runs that finished while no controller ran. Undercounting
+        across a gap is the lesser harm: Prometheus sees a counter reset either
+        way, and an inflated increase() would fire alerts for failures that
+        were already handled.
+        """
+        key = (namespace, name)
+        counted = self._counted.setdefault(key, set())
+        present: set[tuple[str, str]] = set()
+        new = 0
+        for p in pods:
+            if p.init not in STAGER_RESULTS or not p.uid:
+                continue
+            run = (p.uid, p.started or "")
+            present.add(run)
+            if run in counted:
+                continue
+            counted.add(run)
+            finished = _parse_time(p.init_finished)
+            if finished is None or finished < self.since.replace(microsecond=0):
+                continue
+            new += 1
+            self.stager_runs.labels(namespace, name, p.init).inc()
+            if p.init == "ok":
+                self._observe_summary(namespace, name, p.message)
+        # Forget the runs of pods gone from the view: the set stays as small as the view.
+        counted &= present
+        return new
+
+    def _observe_summary(self, namespace: str, name: str, message: str | None) -> None:
+        from .consumers import termination_summary
+
+        summary = termination_summary(message)
+        total, fetched, seconds = summary.get("bytes"), summary.get("fetched_bytes"), summary.get("seconds")
+        if isinstance(seconds, (int, float)) and seconds >= 0:
+            self.stage_seconds.labels(namespace, name).observe(seconds)
+        if isinstance(fetched, int) and fetched >= 0:
+            self.staged_bytes.labels(namespace, name).inc(fetched)
+            if isinstance(total, int) and total > fetched:
+                self.reused_bytes.labels(namespace, name).inc(total - fetched)
+
+    # --- webhook -------------------------------------------------------------------------
+
+    def admission(self, mode: str, result: str, seconds: float) -> None:
+        self.admission_seconds.observe(seconds)
+        self.admission_reviews.labels(mode, result).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
-METRICS = Metrics()
+def _remove(metric: Counter | Histogram, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
 
 
-async def serve(port: int) -> web.AppRunner | None:
+async def serve(port: int, metrics: Metrics) -> web.AppRunner | None:
     if not port:
         return None
 
     async def handler(_: web.Request) -> web.Response:
-        return web.Response(text=METRICS.render(), content_type="text/plain")
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.add_routes([web.get("/metrics", handler)])

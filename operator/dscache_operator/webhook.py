@@ -31,7 +31,6 @@ from . import common
 from .common import Context, ctx_of
 from .injection import REVISION_ANNOTATION, InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
-from .metrics import METRICS
 from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, VolumeMode
 
 HOSTPATH_ID = "dscache-hostpath"
@@ -261,10 +260,7 @@ def _register(registry: kopf.OperatorRegistry, handler_id: str, mode: VolumeMode
             result = "refused"
             raise
         finally:
-            METRICS.observe_admission(time.perf_counter() - started)
-            METRICS.inc(
-                "dscache_admission_reviews_total", "AdmissionReviews by outcome.", mode=mode.value, result=result
-            )
+            ctx_of(kwargs["memo"]).metrics.admission(mode.value, result, time.perf_counter() - started)
 
     handler.__name__ = handler_id.replace("-", "_")
     for resource in (("batch", "v1", "jobs"), ("", "v1", "pods")):

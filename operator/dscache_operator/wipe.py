@@ -28,7 +28,7 @@ import dscache_contract as contract
 from .consumers import parse_time
 from .injection import stager_security_context
 from .kube import Kube
-from .metrics import METRICS
+from .metrics import Metrics
 from .models import NodeStatus, PodPhase, VolumeMode
 from .settings import Settings
 
@@ -153,6 +153,7 @@ class Outcome(enum.Enum):
 async def drive(
     kube: Kube,
     settings: Settings,
+    metrics: Metrics,
     body: Any,
     namespace: str,
     name: str,
@@ -180,7 +181,7 @@ async def drive(
             settings.namespace, helper_pod(namespace, name, entry.node, settings, revision, release)
         )
         if created_pod is not None:
-            METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="started")
+            metrics.wipe(namespace, name, "started")
             logger.info(f"wiping {what} on node {entry.node} with pod {pod_name}")
             kopf.event(
                 body,
@@ -194,7 +195,7 @@ async def drive(
         if created and (now - created).total_seconds() > PENDING_TIMEOUT:
             # Never wait forever on a helper that cannot start: say why, and retry.
             why = (pod.get("status") or {}).get("message") or _waiting_reason(pod) or "not started"
-            METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="timeout")
+            metrics.wipe(namespace, name, "timeout")
             kopf.event(
                 body,
                 type="Warning",
@@ -211,7 +212,7 @@ async def drive(
     if state is WipeState.FAILED:
         msg = helper_message(pod)
         busy = _exit_code(pod) == int(contract.ExitCode.BUSY)
-        METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="busy" if busy else "failed")
+        metrics.wipe(namespace, name, "busy" if busy else "failed")
         if not busy:  # busy: a stager holds the lock right now; simply try again
             kopf.event(
                 body,
@@ -226,10 +227,10 @@ async def drive(
     summary = _wipe_summary(pod)
     await kube.delete_pod(settings.namespace, pod_name)
     if summary is not None and summary.existed and not summary.removed:
-        METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="kept")
+        metrics.wipe(namespace, name, "kept")
         entry.message = (f"{what} kept: lease(s) of pod(s) {', '.join(summary.leases[:5])} remain")[:4096]
         return Outcome.KEPT, lease_uids(summary.leases)
-    METRICS.inc("dscache_wipes_total", "Wipe helper pods by outcome.", result="succeeded")
+    metrics.wipe(namespace, name, "succeeded")
     kopf.event(body, type="Normal", reason="Wiped", message=f"wiped {what} on node {entry.node}")
     entry.message = None
     return Outcome.REMOVED, []

@@ -118,6 +118,43 @@ def test_prometheus_metrics(kube_api, dscache_operator, s3_server, opted_ns):
     assert op.healthz("controller") == 200 and op.healthz("webhook") == 200
 
 
+def test_staging_metrics_count_each_stager_run_once(kube_api, dscache_operator, s3_server, s3_bucket_truth, opted_ns):
+    """A stager's summary (its termination message) moves the per-cache staging series
+    once, although the controller sees the finished pod on every reconciliation (1 s here)."""
+    k, op = kube_api, dscache_operator
+    make_cache(k, opted_ns, "measured", f"s3://{s3_bucket_truth}/data/", s3_server.endpoint, with_keys(k, opted_ns))
+    wait_phase(k, opted_ns, "measured", "Ready")
+    labels = {"namespace": opted_ns, "cache": "measured"}
+    # The cache's series exist at zero before any stager ran.
+    text = k.wait_for(
+        lambda: (lambda t: t if f'cache="measured"' in t else None)(op.metrics("controller")),
+        what="the cache's series at zero",
+    )
+    assert metric(text, "dscache_staged_bytes_total", **labels) == 0
+    assert metric(text, "dscache_stager_runs_total", result="failed", **labels) == 0
+    assert 'dscache_build_info{python="' in text and "process_cpu_seconds_total" in text
+
+    job = create_job(k, opted_ns, job_body("train", "measured"))
+    pod = start_job_pod(k, opted_ns, job, "node-m")
+    summary = {"objects": 2, "bytes": 30, "skipped": 1, "fetched_bytes": 20, "seconds": 0.7, "mb_s": 0.0}
+    kubelet_status(k, opted_ns, pod["metadata"]["name"], phase="Running", init="ok", message=json.dumps(summary))
+    wait_node_state(k, opted_ns, "measured", "node-m", "Ready")
+    text = k.wait_for(
+        lambda: (lambda t: t if metric(t, "dscache_stage_seconds_count", **labels) >= 1 else None)(
+            op.metrics("controller")
+        ),
+        what="the staging series moved",
+    )
+    time.sleep(3)  # three more reconciliations see the same finished pod
+    text = op.metrics("controller")
+    assert metric(text, "dscache_stager_runs_total", result="ok", **labels) == 1
+    assert metric(text, "dscache_stage_seconds_count", **labels) == 1
+    assert metric(text, "dscache_stage_seconds_sum", **labels) == pytest.approx(0.7)
+    assert metric(text, "dscache_staged_bytes_total", **labels) == 20
+    assert metric(text, "dscache_reused_bytes_total", **labels) == 10
+    assert metric(text, "dscache_node_copies", state="Ready") >= 1
+
+
 # --- the webhook never writes, observed in the API server's audit log --------------------
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from dscache_operator import wipe
 from dscache_operator.consumers import Release
+from dscache_operator.metrics import Metrics
 from dscache_operator.models import NodeStatus
 from dscache_operator.settings import Settings
 
@@ -54,8 +55,11 @@ def helper(phase, created="2026-11-21T11:59:00Z", exit_code=None, message="", wa
     return {"metadata": {"name": "h", "creationTimestamp": created}, "status": status}
 
 
-def drive(kube, entry, step=Release(REV, ("u1",)), leases=None):
-    outcome, kept = asyncio.run(wipe.drive(kube, S, {}, "ml", "c", entry, step, None, logging.getLogger("t"), now=NOW))
+def drive(kube, entry, step=Release(REV, ("u1",)), leases=None, metrics=None):
+    metrics = metrics or Metrics()
+    outcome, kept = asyncio.run(
+        wipe.drive(kube, S, metrics, {}, "ml", "c", entry, step, None, logging.getLogger("t"), now=NOW)
+    )
     if leases is not None:
         leases.extend(kept)
     return outcome
@@ -115,9 +119,15 @@ def test_a_whole_cache_wipe_reports_rev_slash_uid_leases_that_come_back_as_plain
 
 def test_removed_and_busy(events):
     kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps({"removed": True, "existed": True})))
-    assert drive(kube, NodeStatus(node="n1", state="Ready")) is wipe.Outcome.REMOVED
+    m = Metrics()
+    assert drive(kube, NodeStatus(node="n1", state="Ready"), metrics=m) is wipe.Outcome.REMOVED
     busy = FakeKube(helper("Failed", exit_code=8, message="error: busy"))
     entry = NodeStatus(node="n1", state="Ready")
-    assert drive(busy, entry) is wipe.Outcome.IN_PROGRESS
+    assert drive(busy, entry, metrics=m) is wipe.Outcome.IN_PROGRESS
+    wipes = {
+        r: m.registry.get_sample_value("dscache_wipes_total", {"namespace": "ml", "cache": "c", "result": r})
+        for r in ("succeeded", "busy", "failed")
+    }
+    assert wipes == {"succeeded": 1.0, "busy": 1.0, "failed": None}
     assert busy.deleted == [NAME] and entry.message is None
     assert not any(e["reason"] == "WipeFailed" for e in events)
