@@ -39,6 +39,20 @@ def debug_memory_on_signal() -> None:
     signal.signal(signal.SIGUSR2, dump)
 
 
+def configure_logging(level: str, fmt: str) -> None:
+    """kopf's own log setup (what ``kopf run --log-format json`` does), then our level.
+    JSON: one object per line with kopf's fields (and the object's namespace/name
+    under ``object`` for per-object messages), for Loki/Elasticsearch without parsing."""
+    import kopf
+
+    kopf.configure(
+        debug=level == "DEBUG",
+        log_format=kopf.LogFormat.JSON if fmt == "json" else kopf.LogFormat.FULL,
+        log_refkey="object" if fmt == "json" else None,
+    )
+    logging.getLogger().setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     role = argv[0] if argv else ""
@@ -62,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     # The one place settings are read: everything else gets them through the Context.
     settings = Settings.from_env()
     ctx = Context(settings=settings)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     if role == "controller":
         from .controller import make_registry
     else:

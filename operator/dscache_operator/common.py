@@ -90,8 +90,9 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.networking.request_timeout = 30
     # Not kopf's managed webhook configuration: the chart ships our own.
     settings.admission.managed = None
-    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    logging.getLogger("kopf.activities").setLevel(logging.WARNING)
+    if logging.getLogger().level > logging.DEBUG:  # logging.level=DEBUG shows kopf's per-object chatter too
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("kopf.activities").setLevel(logging.WARNING)
 
 
 async def login(ctx: Context, **kwargs: Any) -> kopf.AiohttpSession:

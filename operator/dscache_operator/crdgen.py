@@ -100,7 +100,8 @@ def crd() -> dict[str, Any]:
                 "plural": models.PLURAL,
                 "singular": models.SINGULAR,
                 "shortNames": models.SHORT_NAMES,
-                "categories": ["all", "dscache"],
+                # Not "all": `kubectl delete all --all` must not delete caches (and wipe every node).
+                "categories": ["dscache"],
             },
             "versions": [
                 {

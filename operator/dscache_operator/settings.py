@@ -13,6 +13,16 @@ from typing import Any
 # <cacheRoot>/<namespace>/<cache> is deleted by wipes, so cacheRoot must be a
 # directory of dscache's own: under /var, a namespace "lib" and a cache
 # "kubelet" would name /var/lib/kubelet. The Helm chart refuses the same list.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+    return value
+
+
 SYSTEM_DIRS = frozenset(
     {
         "/",
@@ -123,6 +133,19 @@ class Settings:
     metrics_port: int = 9090
     """``DSCACHE_METRICS_PORT``: port of the Prometheus endpoint (``/metrics``); 0 disables it."""
 
+    image_pull_secrets: tuple[str, ...] = ()
+    """``DSCACHE_IMAGE_PULL_SECRETS``: comma-separated names of Secrets in the
+    operator's namespace, set as imagePullSecrets on the wipe helper pods (they
+    run there). Not added to users' pods: a pull secret only works in its own
+    namespace, so the stager image must be pullable with the user pod's own
+    pull secrets or the nodes' credentials (see the chart README)."""
+
+    log_level: str = "INFO"
+    """``DSCACHE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR."""
+
+    log_format: str = "text"
+    """``DSCACHE_LOG_FORMAT``: ``text`` or ``json`` (kopf's own JSON formatter, one object per line)."""
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
@@ -157,6 +180,9 @@ class Settings:
             source_retry_interval=float(opt("DSCACHE_SOURCE_RETRY_INTERVAL") or d.source_retry_interval),
             health_port=int(opt("DSCACHE_HEALTH_PORT") or d.health_port),
             metrics_port=int(opt("DSCACHE_METRICS_PORT") or d.metrics_port),
+            image_pull_secrets=tuple(_csv(get("DSCACHE_IMAGE_PULL_SECRETS", ""))),
+            log_level=_choice("DSCACHE_LOG_LEVEL", (opt("DSCACHE_LOG_LEVEL") or d.log_level).upper(), LOG_LEVELS),
+            log_format=_choice("DSCACHE_LOG_FORMAT", (opt("DSCACHE_LOG_FORMAT") or d.log_format).lower(), LOG_FORMATS),
         )
 
     def cache_dir(self, namespace: str, name: str) -> str:

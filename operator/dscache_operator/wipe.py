@@ -89,6 +89,8 @@ def helper_pod(
     }
     if settings.wipe_priority_class:
         spec["priorityClassName"] = settings.wipe_priority_class
+    if settings.image_pull_secrets:  # the chart's imagePullSecrets: helpers run in the operator's namespace
+        spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
     return {
         "apiVersion": "v1",
         "kind": "Pod",

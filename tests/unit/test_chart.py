@@ -700,3 +700,66 @@ def test_kube_version_constraint(helm: str):
     proc = template(helm, kube_version="1.29.0", check=False)
     assert proc.returncode != 0 and "kubeVersion" in proc.stderr
     assert template(helm, kube_version="v1.34.2-eks-abcdef").returncode == 0
+
+
+# --- issue 10: chart gaps ------------------------------------------------------------------
+
+
+def test_service_monitor_renders_without_the_api_being_served(helm: str):
+    """`helm template` (Argo CD, GitOps) has no cluster to ask: enabled means rendered."""
+    docs = docs_of(template(helm, values={"metrics": {"serviceMonitor": {"enabled": True}}}).stdout)
+    assert one(docs, "ServiceMonitor")["spec"]["endpoints"][0]["port"] == "metrics"
+    assert not find(docs_of(template(helm).stdout), "ServiceMonitor")
+
+
+def test_prometheus_rule_and_dashboard_use_metrics_the_operator_exports(helm: str):
+    """Every dscache_* name an alert or a panel queries is one the operator's registry has."""
+    from dscache_operator.metrics import Metrics
+
+    m = Metrics()
+    m.set_cache("ml", "c", "Ready", ["Ready"])
+    exported = {s.name for f in m.registry.collect() for s in f.samples}
+    values = {"metrics": {"prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}}}
+    docs = docs_of(template(helm, values=values).stdout)
+    rules = one(docs, "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert {r["alert"] for r in rules} == {"DscacheStagerFailing", "DscacheWipesFailing", "DscacheWebhookRefusing"}
+    dashboard = json.loads(one(docs, "ConfigMap", "dscache-dashboard")["data"]["dscache.json"])
+    exprs = [r["expr"] for r in rules] + [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"\b(dscache_[a-z_]+)", e)}
+    assert used and used <= exported, f"queried but never exported: {sorted(used - exported)}"
+    assert not find(docs_of(template(helm).stdout), "PrometheusRule")
+
+
+def test_service_accounts_images_pull_secrets_and_spread(helm: str):
+    digest = "sha256:" + "a" * 64
+    values = {
+        "image": {"registry": "ghcr.io/acme", "digest": digest},
+        "stager": {"image": {"registry": "ghcr.io/acme/", "tag": "9.9"}},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "controller": {"serviceAccount": {"create": False, "name": "platform-sa"}},
+        "webhook": {
+            "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+            ]
+        },
+        "logging": {"level": "DEBUG", "format": "json"},
+    }
+    docs = docs_of(template(helm, values=values).stdout)
+    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["dscache-webhook"]
+    ctl = one(docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]
+    assert ctl["serviceAccountName"] == "platform-sa"
+    subjects = [s for d in find(docs, "ClusterRoleBinding") + find(docs, "RoleBinding") for s in d["subjects"]]
+    assert {"kind": "ServiceAccount", "name": "platform-sa", "namespace": NS} in subjects
+    assert not any(s["name"] == "dscache-controller" for s in subjects)
+    (c,) = ctl["containers"]
+    assert c["image"] == f"ghcr.io/acme/dscache-operator@{digest}"
+    env = env_of(c)
+    assert env["DSCACHE_STAGER_IMAGE"] == "ghcr.io/acme/dscache-stager:9.9"
+    assert env["DSCACHE_IMAGE_PULL_SECRETS"] == "regcred"
+    assert (env["DSCACHE_LOG_LEVEL"], env["DSCACHE_LOG_FORMAT"]) == ("DEBUG", "json")
+    hook = one(docs, "Deployment", "dscache-webhook")["spec"]["template"]["spec"]
+    (tsc,) = hook["topologySpreadConstraints"]
+    assert tsc["topologyKey"] == "topology.kubernetes.io/zone"
+    assert tsc["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "webhook"
+    bad = template(helm, values={"logging": {"format": "xml"}}, check=False)
+    assert bad.returncode != 0 and "format" in bad.stderr

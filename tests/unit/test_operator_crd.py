@@ -114,3 +114,11 @@ def test_durations_and_sizes():
     assert models.human_bytes(0) == "0 B"
     assert models.human_bytes(1536) == "1.5 KiB"
     assert models.human_bytes(3 * 1024**3) == "3.0 GiB"
+
+
+def test_crd_is_not_in_the_all_category():
+    """`kubectl delete all --all` must not delete DatasetCaches (a deletion wipes every node's copy)."""
+    import yaml
+
+    names = yaml.safe_load(crdgen.render())["spec"]["names"]
+    assert "all" not in names["categories"] and "dscache" in names["categories"]

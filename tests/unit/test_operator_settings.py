@@ -130,3 +130,13 @@ def test_source_listing_pins_the_contract_revision(monkeypatch):
     h.add("p/a.bin", 3, '"e1"')
     h.add("p/sub/b.bin", 4, '"e3"')
     assert (got.ok, got.objects, got.bytes, got.revision) == (True, 2, 7, h.revision_id())
+
+
+def test_logging_and_pull_secret_settings():
+    s = Settings.from_env(
+        {"DSCACHE_LOG_LEVEL": "debug", "DSCACHE_LOG_FORMAT": "JSON", "DSCACHE_IMAGE_PULL_SECRETS": "a, b"}
+    )
+    assert (s.log_level, s.log_format, s.image_pull_secrets) == ("DEBUG", "json", ("a", "b"))
+    assert (Settings.from_env({}).log_level, Settings.from_env({}).log_format) == ("INFO", "text")
+    with pytest.raises(ValueError, match="DSCACHE_LOG_FORMAT"):
+        Settings.from_env({"DSCACHE_LOG_FORMAT": "xml"})

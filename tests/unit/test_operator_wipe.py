@@ -131,3 +131,12 @@ def test_removed_and_busy(events):
     assert wipes == {"succeeded": 1.0, "busy": 1.0, "failed": None}
     assert busy.deleted == [NAME] and entry.message is None
     assert not any(e["reason"] == "WipeFailed" for e in events)
+
+
+def test_helper_pods_get_the_charts_pull_secrets():
+    import dataclasses
+
+    assert "imagePullSecrets" not in wipe.helper_pod("ml", "c", "n1", S, REV)["spec"]
+    s = dataclasses.replace(S, image_pull_secrets=("regcred", "other"))
+    pod = wipe.helper_pod("ml", "c", "n1", s, REV)
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "other"}]

@@ -57,12 +57,31 @@ app.kubernetes.io/component: {{ index . 1 }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 
-{{/* Images: tag defaults to the chart's appVersion. */}}
+{{/* Images: [registry/]repository then @digest, or :tag (default: the chart's appVersion). Usage: include "dscache.imageRef" (list $ .Values.image) */}}
+{{- define "dscache.imageRef" -}}
+{{- $root := index . 0 }}
+{{- $img := index . 1 }}
+{{- $repo := $img.repository }}
+{{- with $img.registry }}{{ $repo = printf "%s/%s" (trimSuffix "/" .) $repo }}{{ end }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $repo $img.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo (default $root.Chart.AppVersion $img.tag) }}
+{{- end }}
+{{- end }}
 {{- define "dscache.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- include "dscache.imageRef" (list . .Values.image) }}
 {{- end }}
 {{- define "dscache.stagerImage" -}}
-{{- printf "%s:%s" .Values.stager.image.repository (default .Chart.AppVersion .Values.stager.image.tag) }}
+{{- include "dscache.imageRef" (list . .Values.stager.image) }}
+{{- end }}
+
+{{/* ServiceAccount names: the given name, else the generated one. */}}
+{{- define "dscache.controller.serviceAccountName" -}}
+{{- default (include "dscache.controller.fullname" .) .Values.controller.serviceAccount.name }}
+{{- end }}
+{{- define "dscache.webhook.serviceAccountName" -}}
+{{- default (include "dscache.webhook.fullname" .) .Values.webhook.serviceAccount.name }}
 {{- end }}
 
 {{/*
@@ -137,6 +156,14 @@ stager with them and the controller runs the wipe helpers with them.
   value: {{ .Values.health.port | int | toString | quote }}
 - name: DSCACHE_METRICS_PORT
   value: {{ ternary (.Values.metrics.port | int) 0 .Values.metrics.enabled | toString | quote }}
+{{- $secrets := list }}
+{{- range .Values.imagePullSecrets }}{{ $secrets = append $secrets .name }}{{ end }}
+- name: DSCACHE_IMAGE_PULL_SECRETS
+  value: {{ join "," $secrets | quote }}
+- name: DSCACHE_LOG_LEVEL
+  value: {{ .Values.logging.level | quote }}
+- name: DSCACHE_LOG_FORMAT
+  value: {{ .Values.logging.format | quote }}
 {{- end }}
 
 {{/* Pod scheduling and security shared by both Deployments. Usage: include "dscache.podCommon" (list $ .Values.controller) */}}
