@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
+.PHONY: help install lint tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -17,6 +17,12 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed ## Python virtualenv with every extra (.venv)
+
+# The shipped packages are type-checked strictly (pyproject.toml [tool.mypy]).
+lint: install ## ruff (lint + format check) and mypy over the shipped packages
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy init-container/dscache_stager operator/dscache_operator contract/dscache_contract
 
 tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
 	bash e2e/cluster/tools.sh s3 s5cmd etcd kube-apiserver helm

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from .layout import validate_pod_uid, validate_revision
 from .names import STAGE_MOUNT_PATH
@@ -23,7 +24,7 @@ class ArgsError(ValueError):
 
 class _Parser(argparse.ArgumentParser):
     # Raise instead of exiting, so callers (and the stager) decide what happens.
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise ArgsError(f"{self.prog}: {message}")
 
 
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _opt(argv: list[str], flag: str, value) -> None:
+def _opt(argv: list[str], flag: str, value: object) -> None:
     if value is not None:
         argv += [flag, str(value)]
 

@@ -7,6 +7,7 @@ revision the operator pins is computed over exactly the objects a stager copies.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -54,7 +55,7 @@ class Selection:
     exclude: tuple[str, ...] = ()
 
     @classmethod
-    def from_source(cls, uri: str, include=(), exclude=()) -> Selection:
+    def from_source(cls, uri: str, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> Selection:
         return cls(parse_source(uri)[1], tuple(include), tuple(exclude))
 
     def relative(self, key: str) -> str | None:

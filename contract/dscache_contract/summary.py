@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
+from typing import Any, TypeVar
 
 
 class ExitCode(IntEnum):
@@ -46,8 +47,11 @@ EXIT_CODE_HELP: dict[ExitCode, str] = {
 }
 
 
-def _from_dict(cls, d: dict):
-    names = {f.name for f in fields(cls)}
+_T = TypeVar("_T")
+
+
+def _from_dict(cls: type[_T], d: dict[str, Any]) -> _T:
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]  # cls is one of the dataclasses below
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -71,7 +75,7 @@ class StageSummary:
     warm: bool = False
     fetched_objects: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["seconds"] = round(self.seconds, 3)
         d["mb_s"] = round(self.fetched_bytes / 1e6 / self.seconds, 1) if self.seconds > 0 else 0.0
@@ -81,7 +85,7 @@ class StageSummary:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_dict(cls, d: dict) -> StageSummary:
+    def from_dict(cls, d: dict[str, Any]) -> StageSummary:
         return _from_dict(cls, d)
 
 
@@ -104,7 +108,7 @@ class WipeSummary:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_dict(cls, d: dict) -> WipeSummary:
+    def from_dict(cls, d: dict[str, Any]) -> WipeSummary:
         return _from_dict(cls, d)
 
 

@@ -29,7 +29,7 @@ def debug_memory_on_signal() -> None:
 
     tracemalloc.start(8)
 
-    def dump(*_):
+    def dump(*_: object) -> None:
         snap = tracemalloc.take_snapshot()
         for stat in snap.statistics("traceback")[:15]:
             logging.getLogger("dscache.memory").warning(

@@ -57,7 +57,8 @@ def memo_for(ctx: Context) -> kopf.Memo:
 
 
 def ctx_of(memo: Any) -> Context:
-    return memo.ctx
+    ctx: Context = memo.ctx
+    return ctx
 
 
 async def start_metrics(ctx: Context) -> None:

@@ -227,7 +227,7 @@ def holds(pod: PodInfo, owners: OwnerLookup, deleting: bool = False) -> bool:
         return True
     if deleting or pod.owner is None:
         return False
-    ref, info = top_owner(pod, owners)
+    _ref, info = top_owner(pod, owners)
     if info is None:
         return False  # unknown kind, or an owner already gone: pod phase decides
     if info.finished is None:  # a kind that never finishes by itself (RayCluster): alive while it exists
@@ -374,13 +374,13 @@ def plan_node(
     for p in relevant:
         if not p.revision or p.mode != VolumeMode.HOST_PATH:
             continue
-        r = revs.get(p.revision)
-        if r is None:
-            r = revs[p.revision] = NodeRevision(id=p.revision, lastUsed=fmt_time(now))
-        elif r.wipedAt is not None:
-            if p not in consumers and not _started_after(p, parse_time(r.wipedAt)):
+        known = revs.get(p.revision)
+        if known is None:
+            revs[p.revision] = NodeRevision(id=p.revision, lastUsed=fmt_time(now))
+        elif known.wipedAt is not None:
+            if p not in consumers and not _started_after(p, parse_time(known.wipedAt)):
                 continue
-            r.wipedAt, r.strayLeases, r.lastUsed = None, [], fmt_time(now)
+            known.wipedAt, known.strayLeases, known.lastUsed = None, [], fmt_time(now)
     for r in revs.values():
         n = sum(1 for p in consumers if p.revision == r.id)
         if n != r.consumers:
@@ -423,7 +423,8 @@ def plan_node(
 
 
 def _newest(pods: Iterable[PodInfo]) -> datetime.datetime | None:
-    return max((parse_time(p.started) for p in pods if p.started), default=None)
+    times = [t for t in (parse_time(p.started) for p in pods) if t is not None]
+    return max(times, default=None)
 
 
 def plan_nodes(

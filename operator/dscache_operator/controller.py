@@ -259,8 +259,9 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
             await reconcile(ctx, memo=memo, **kwargs)
 
     @kopf.on.delete(*CACHES, registry=registry)
-    async def finalize(body: kopf.Body, name: str, namespace: str, retry: int, memo: Any, **kwargs: Any) -> None:
+    async def finalize(body: kopf.Body, name: str, namespace: str | None, retry: int, memo: Any, **kwargs: Any) -> None:
         """Behind our finalizer: wait until no pod uses the cache, then wipe every node."""
+        assert namespace is not None  # DatasetCache is namespaced
         ctx = ctx_of(memo)
         result = await reconcile(ctx, body=body, name=name, namespace=namespace, memo=memo, deleting=True, **kwargs)
         if result is None:

@@ -109,7 +109,7 @@ class Informer:
                 meta = data.get("metadata") or {}
                 cont = meta.get("continue")
                 if not cont:
-                    return meta.get("resourceVersion", "")
+                    return str(meta.get("resourceVersion", ""))
         except BaseException:
             self._by_uid, self._by_key = by_uid, by_key  # keep the last good state
             raise
@@ -220,6 +220,8 @@ class MultiInformer:
         extract: Extract,
         optional: bool = False,
     ) -> None:
+        #: namespace (None: cluster-wide) -> its informer
+        self.informers: dict[str | None, Informer]
         if namespaces:
             self.informers = {
                 ns: Informer(kube, f"{group_path}/namespaces/{ns}/{plural}", label_selector, extract, optional=optional)
@@ -229,7 +231,7 @@ class MultiInformer:
             self.informers = {
                 None: Informer(kube, f"{group_path}/{plural}", label_selector, extract, optional=optional)
             }
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(i.run()) for i in self.informers.values()]
@@ -252,7 +254,7 @@ class MultiInformer:
         since = [i.auth_failing_since for i in self.informers.values() if i.auth_failing_since is not None]
         return time.monotonic() - min(since) if since else 0.0
 
-    def get(self, key: tuple) -> list[Any]:
+    def get(self, key: tuple[Any, ...]) -> list[Any]:
         informer = self.informers.get(key[0]) or self.informers.get(None)
         return informer.get(key) if informer is not None else []
 

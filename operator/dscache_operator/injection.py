@@ -364,5 +364,5 @@ def direct_owner_uid(obj: dict[str, Any]) -> str | None:
     """The controller owner's UID of a Pod or Job at admission (None: no owner)."""
     for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("controller") and ref.get("uid"):
-            return ref["uid"]
+            return str(ref["uid"])
     return None

@@ -163,7 +163,8 @@ class Kube:
         data = await self.request(
             "GET", f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": label_selector}
         )
-        return data.get("items", [])
+        items: list[dict[str, Any]] = data.get("items", [])
+        return items
 
 
 def connection_info(**kwargs: Any) -> kopf.ConnectionInfo:

@@ -161,9 +161,13 @@ class Settings:
             stager_image=opt("DSCACHE_STAGER_IMAGE") or d.stager_image,
             stager_pull_policy=opt("DSCACHE_STAGER_PULL_POLICY") or d.stager_pull_policy,
             stager_resources=(
-                json.loads(get("DSCACHE_STAGER_RESOURCES")) if opt("DSCACHE_STAGER_RESOURCES") else d.stager_resources
+                json.loads(get("DSCACHE_STAGER_RESOURCES", ""))
+                if opt("DSCACHE_STAGER_RESOURCES")
+                else d.stager_resources
             ),
-            stager_concurrency=int(get("DSCACHE_STAGER_CONCURRENCY")) if opt("DSCACHE_STAGER_CONCURRENCY") else None,
+            stager_concurrency=int(get("DSCACHE_STAGER_CONCURRENCY", ""))
+            if opt("DSCACHE_STAGER_CONCURRENCY")
+            else None,
             namespace=opt("DSCACHE_NAMESPACE") or d.namespace,
             watch_namespaces=tuple(_csv(get("DSCACHE_WATCH_NAMESPACES", ""))),
             webhook_addr=opt("DSCACHE_WEBHOOK_ADDR") or d.webhook_addr,
@@ -171,7 +175,7 @@ class Settings:
             webhook_cert=opt("DSCACHE_WEBHOOK_CERT"),
             webhook_key=opt("DSCACHE_WEBHOOK_KEY"),
             wipe_tolerations=(
-                tuple(json.loads(get("DSCACHE_WIPE_TOLERATIONS")))
+                tuple(json.loads(get("DSCACHE_WIPE_TOLERATIONS", "")))
                 if opt("DSCACHE_WIPE_TOLERATIONS")
                 else d.wipe_tolerations
             ),

@@ -45,7 +45,7 @@ class CheckResult:
     revision: str | None = None
 
 
-def credentials_from_secret(secret: dict | None, namespace: str, name: str) -> dict[str, str] | CheckResult:
+def credentials_from_secret(secret: dict[str, Any] | None, namespace: str, name: str) -> dict[str, str] | CheckResult:
     if secret is None:
         return CheckResult(
             False,
@@ -145,12 +145,12 @@ def _classify(exc: BaseException, source: Source, identity: str) -> CheckResult:
     return CheckResult(False, "SourceError", f"listing {source.uri} failed: {type(exc).__name__}: {exc}")
 
 
-_clients: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+_clients: collections.OrderedDict[tuple[Any, ...], object] = collections.OrderedDict()
 _clients_lock = threading.Lock()
 _MAX_CLIENTS = 32
 
 
-def _client(source: Source, creds: dict[str, str] | None, timeout: float):
+def _client(source: Source, creds: dict[str, str] | None, timeout: float) -> Any:
     """A boto3 S3 client per (endpoint, region, style, keys); creating one costs
     ~50 ms of CPU and a few MiB, so 1,000 caches over one store share one."""
     import boto3
@@ -250,7 +250,7 @@ async def check_source(kube: Kube, namespace: str, spec: DatasetCacheSpec, opera
         except ApiError as e:
             if e.status == 403:
                 return secret_forbidden(namespace, secret_name, operator_namespace)
-            raise kopf.TemporaryError(f"reading Secret {namespace}/{secret_name}: {e}", delay=5)
+            raise kopf.TemporaryError(f"reading Secret {namespace}/{secret_name}: {e}", delay=5) from e
         got = credentials_from_secret(secret, namespace, secret_name)
         if isinstance(got, CheckResult):
             return got

@@ -12,28 +12,29 @@ The controller never writes users' objects; it only reads these views.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from .consumers import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, owner_info, pod_info, pod_key
+from .consumers import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, owner_info, pod_info, pod_key
 from .informer import MultiInformer
 from .kube import Kube
 from .models import CONSUMER_LABEL
 
 
-def _pod_extract(body: dict[str, Any]):
+def _pod_extract(body: dict[str, Any]) -> tuple[tuple[str, str], PodInfo] | None:
     key = pod_key(body)
     return (key, pod_info(body)) if key else None
 
 
-def _owner_extract(kind: OwnerKind):
-    def extract(body: dict[str, Any]):
+def _owner_extract(kind: OwnerKind) -> Callable[[dict[str, Any]], tuple[tuple[Any, Any], OwnerInfo]]:
+    def extract(body: dict[str, Any]) -> tuple[tuple[Any, Any], OwnerInfo]:
         meta = body.get("metadata") or {}
         return ((meta.get("namespace"), meta.get("uid")), owner_info(kind, body))
 
     return extract
 
 
-def _job_extract(body: dict[str, Any]):
+def _job_extract(body: dict[str, Any]) -> tuple[tuple[Any, Any], OwnerInfo]:
     return _owner_extract(OWNER_KINDS[0])(body)
 
 
@@ -81,7 +82,8 @@ class Views:
             for m in self.owners.values():
                 got = m.get((namespace, uid))
                 if got:
-                    return got[0]
+                    info: OwnerInfo = got[0]
+                    return info
             return None
 
         return lookup

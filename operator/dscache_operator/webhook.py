@@ -22,7 +22,7 @@ import asyncio
 import copy
 import re
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import kopf
 import pydantic
@@ -52,7 +52,7 @@ class CacheView(NamedTuple):
 
 def cache_view(body: Any) -> CacheView:
     status = body.get("status") or {}
-    cond = next((c for c in status.get("conditions") or [] if c.get("type") == "SourceReady"), {})
+    cond: dict[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "SourceReady"), {})
     deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
     try:
         spec = DatasetCacheSpec.model_validate(dict(body.get("spec") or {}))
@@ -91,9 +91,9 @@ async def lookup(
 ) -> CacheView | None:
     store = index.get((namespace, name)) if index is not None else None
     if store:
-        view = next(iter(store))
-        if _settled(view):
-            return view
+        indexed: CacheView = next(iter(store))
+        if _settled(indexed):
+            return indexed
         # Not checked yet (as far as the index knows): ask the API server, whose
         # answer may already say Ready or Failed.
     deadline = time.monotonic() + wait
@@ -103,7 +103,7 @@ async def lookup(
         except (ApiError, OSError, kopf.TemporaryError) as e:
             raise kopf.AdmissionError(
                 f"DatasetCache {namespace}/{name}: dscache could not look it up ({e}); retry shortly.", code=503
-            )
+            ) from e
         view = cache_view(body) if body is not None else None
         if view is None or _settled(view) or time.monotonic() >= deadline:
             return view
@@ -201,12 +201,13 @@ async def mutate(
             revision=revision or "",
         )
     except InjectionError as e:
-        raise kopf.AdmissionError(str(e), code=400)
+        raise kopf.AdmissionError(str(e), code=400) from e
     if changed:
 
-        def apply(target: dict[str, Any]) -> None:
-            target.clear()
-            target.update(raw)
+        def apply(target: kopf.RawBody) -> None:
+            whole = cast(dict[str, Any], target)  # the whole object is replaced, not typed keys
+            whole.clear()
+            whole.update(raw)
 
         patch.fns.append(apply)
 

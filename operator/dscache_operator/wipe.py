@@ -133,7 +133,7 @@ def helper_message(pod: dict[str, Any]) -> str:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated") or {}
         if term.get("message"):
-            return term["message"].strip()[:1000]
+            return str(term["message"]).strip()[:1000]
         if term:
             return f"exit code {term.get('exitCode')}"
     return (pod.get("status") or {}).get("message") or "unknown"
@@ -193,6 +193,7 @@ async def drive(
                 f"{settings.namespace}/{pod_name}, releasing {len(release)} lease(s))",
             )
         return Outcome.IN_PROGRESS, []
+    assert pod is not None  # helper_state(None) is ABSENT
     if state is WipeState.PENDING:
         if created and (now - created).total_seconds() > PENDING_TIMEOUT:
             # Never wait forever on a helper that cannot start: say why, and retry.
@@ -257,7 +258,7 @@ def _exit_code(pod: dict[str, Any]) -> int | None:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated") or {}
         if "exitCode" in term:
-            return term["exitCode"]
+            return int(term["exitCode"])
     return None
 
 

@@ -309,8 +309,8 @@ def test_operator_runs_with_the_charts_rbac(api: KubeAPI, helm, s3_server, bucke
 
         try:
             cache = api.wait_for(ready, 60, what="DatasetCache ml-team/ds Ready")
-        except Exception:
-            raise AssertionError((tmp_path / "controller.log").read_text()[-4000:])
+        except Exception as e:
+            raise AssertionError((tmp_path / "controller.log").read_text()[-4000:]) from e
         assert cache["status"]["objects"] == 2
 
         # The webhook with the chart's certificate files, env and ServiceAccount.

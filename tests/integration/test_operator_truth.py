@@ -127,7 +127,7 @@ def test_staging_metrics_count_each_stager_run_once(kube_api, dscache_operator, 
     labels = {"namespace": opted_ns, "cache": "measured"}
     # The cache's series exist at zero before any stager ran.
     text = k.wait_for(
-        lambda: (lambda t: t if f'cache="measured"' in t else None)(op.metrics("controller")),
+        lambda: (lambda t: t if 'cache="measured"' in t else None)(op.metrics("controller")),
         what="the cache's series at zero",
     )
     assert metric(text, "dscache_staged_bytes_total", **labels) == 0
@@ -536,7 +536,7 @@ def test_webhook_with_the_api_server_unreachable(
         "DSCACHE_METRICS_PORT": "0",
         "DSCACHE_HEALTH_PORT": "0",
     }
-    log = open(tmp_path / "webhook.log", "wb")
+    log = open(tmp_path / "webhook.log", "wb")  # noqa: SIM115 (the process keeps it open)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dscache_operator", "webhook"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
     )

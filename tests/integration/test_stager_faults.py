@@ -39,7 +39,10 @@ def test_cli_exit_7_when_s3_keeps_failing(s3_server: S3Server, bucket: str, tmp_
     """Listing works, every object GET is throttled: after every retry, exit 7 and a reason."""
     s3_server.put_tree(bucket, {f"t/{i}.bin": b"x" * 100 for i in range(3)})
     rev = boto3_revision(s3_server, f"s3://{bucket}/t/")
-    throttle_gets = lambda n, line: "slowdown" if line.startswith("GET ") and "list-type" not in line else "pass"
+
+    def throttle_gets(n: int, line: str) -> str:
+        return "slowdown" if line.startswith("GET ") and "list-type" not in line else "pass"
+
     proxy = FaultProxy(upstream(s3_server), throttle_gets).start()
     try:
         r = stage(

@@ -152,7 +152,7 @@ class KubeAPI:
 
         self.etcd_port = free_port()
         peer = free_port()
-        etcd_log = open(self.workdir / "etcd.log", "wb")
+        etcd_log = open(self.workdir / "etcd.log", "wb")  # noqa: SIM115 (the daemon keeps it open)
         self.procs.append(
             subprocess.Popen(
                 [
@@ -200,7 +200,7 @@ class KubeAPI:
                 }
             )
         )
-        api_log = open(self.workdir / "kube-apiserver.log", "wb")
+        api_log = open(self.workdir / "kube-apiserver.log", "wb")  # noqa: SIM115 (the daemon keeps it open)
         self.procs.append(
             subprocess.Popen(
                 [
@@ -273,10 +273,12 @@ class KubeAPI:
                 if p.poll() is not None:
                     raise RuntimeError(f"{p.args[0]} exited with {p.returncode}; see {self.workdir}/*.log")
             try:
-                if self.request("GET", "/readyz", raw=True) == "ok":
-                    # The default namespace appears once the bootstrap controller ran.
-                    if self.get("/api/v1/namespaces/default") is not None:
-                        return
+                # The default namespace appears once the bootstrap controller ran.
+                if (
+                    self.request("GET", "/readyz", raw=True) == "ok"
+                    and self.get("/api/v1/namespaces/default") is not None
+                ):
+                    return
             except (OSError, ApiError) as e:
                 last = e
             time.sleep(0.3)
@@ -547,7 +549,7 @@ class Operator:
     def start(self, role: str) -> subprocess.Popen:
         import sys
 
-        log = open(self.workdir / f"{role}.log", "ab")
+        log = open(self.workdir / f"{role}.log", "ab")  # noqa: SIM115 (the process keeps it open)
         proc = subprocess.Popen(
             [sys.executable, "-m", "dscache_operator", role],
             env=self.env(role),

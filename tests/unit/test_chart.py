@@ -100,8 +100,7 @@ def helm() -> str:
 def run_helm(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [helm, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        capture_output=True,
         text=True,
         env={
             **os.environ,
@@ -246,7 +245,7 @@ def test_webhook_entries_are_operator_deploy_webhook_yaml(default_docs):
             cond["expression"] = " ".join(cond["expression"].split())
         return hook
 
-    for got, want in zip(rendered["webhooks"], expected["webhooks"]):
+    for got, want in zip(rendered["webhooks"], expected["webhooks"], strict=True):
         assert canon(got) == canon(want), got["name"]
 
 

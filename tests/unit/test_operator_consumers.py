@@ -374,7 +374,7 @@ def test_a_wiped_revision_is_not_wiped_again_for_finished_pods_but_comes_back_fo
     # A new pod of REV starts staging there after the wipe: REV is live again.
     pods.append(pod("c-0", job="c", revision=REV, init="running", started="2026-11-21T11:55:00Z", message=None))
     p = plan_nodes(prior, pods, jobs(a=True, b=False, c=False), WIPE, NOW)["n1"]
-    assert [(r.id, r.wipedAt) for r in p.entry.revisions][0] == (REV, None)
+    assert next((r.id, r.wipedAt) for r in p.entry.revisions) == (REV, None)
 
 
 def test_node_is_not_ready_while_a_consumer_is_still_staging():
@@ -405,7 +405,7 @@ def test_owner_pins_cover_the_whole_owner_chain_and_keep_the_first_revision():
         ("JobSet", "uid-js", REV),
     }
     # Already pinned to REV: a later pod of REV2 does not move the pin.
-    pins2 = owner_pins(pods + [pod("js-w-0-1", job="js-w-0", revision=REV2)], view, pins)
+    pins2 = owner_pins([*pods, pod("js-w-0-1", job="js-w-0", revision=REV2)], view, pins)
     assert {p["revision"] for p in pins2} == {REV}
     # Finished owners are dropped.
     assert (

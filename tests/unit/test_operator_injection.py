@@ -300,7 +300,7 @@ def test_handler_cold_index_falls_back_to_the_api(monkeypatch):
     class K:
         get_cache = staticmethod(found)
 
-    ops, result = run_mutate(job(), FakeIndex(), kube=K())
+    _ops, result = run_mutate(job(), FakeIndex(), kube=K())
     assert [c["name"] for c in pod_spec(result)["initContainers"]] == [INIT_NAME]
 
 
@@ -344,7 +344,7 @@ def _api_returns(monkeypatch, phase, reason=None, message=None, revision=None):
 def test_pending_cache_is_admitted(monkeypatch):
     """Pending in the index but pinned by now (a cache created with its Job)."""
     kube = _api_returns(monkeypatch, "Ready", revision=REV)
-    ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending", revision=None)]}), kube=kube)
+    ops, _result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view(phase="Pending", revision=None)]}), kube=kube)
     assert ops
 
 
@@ -411,7 +411,7 @@ def test_job_pods_keep_the_template_revision_after_a_refresh():
         "spec": copy.deepcopy(obj["spec"]["template"]["spec"]),
     }
     # The cache moved on to REV2; a pod the Job creates later still stages REV.
-    ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [view(revision=REV2)]}), kind="pods")
+    _ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [view(revision=REV2)]}), kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
     (init,) = result["spec"]["initContainers"]
     assert StageArgs.from_argv(init["args"]).revision == REV
@@ -430,10 +430,10 @@ def test_pods_of_other_owners_reuse_their_owners_revision():
         "spec": {"containers": [{"name": "c", "image": "i"}]},
     }
     index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, pins={"u-pt": REV})]})
-    ops, result = run_mutate(pod, index, kind="pods")
+    _ops, result = run_mutate(pod, index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
     pod["metadata"]["ownerReferences"][0]["uid"] = "u-other"
-    ops, result = run_mutate(pod, index, kind="pods")
+    _ops, result = run_mutate(pod, index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV2
 
 

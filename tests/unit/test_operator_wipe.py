@@ -55,7 +55,10 @@ def helper(phase, created="2026-11-21T11:59:00Z", exit_code=None, message="", wa
     return {"metadata": {"name": "h", "creationTimestamp": created}, "status": status}
 
 
-def drive(kube, entry, step=Release(REV, ("u1",)), leases=None, metrics=None):
+STEP = Release(REV, ("u1",))
+
+
+def drive(kube, entry, step=STEP, leases=None, metrics=None):
     metrics = metrics or Metrics()
     outcome, kept = asyncio.run(
         wipe.drive(kube, S, metrics, {}, "ml", "c", entry, step, None, logging.getLogger("t"), now=NOW)

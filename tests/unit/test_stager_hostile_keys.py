@@ -89,7 +89,7 @@ def test_hostile_keys_are_listed_and_nothing_escapes(moto_endpoint: str, tmp_pat
         assert key in msg and why in msg
     assert "exclude" in msg  # says how to fix it
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
-        p.name for p in [work, work / "dest", tmp_path / "t"] + list((work / "dest").rglob("*"))
+        p.name for p in [work, work / "dest", tmp_path / "t", *list((work / "dest").rglob("*"))]
     )
     assert not list(tmp_path.rglob("escape.txt")) and not list(tmp_path.rglob("evil"))
     assert not list((work / "dest").rglob("complete"))
