@@ -5,18 +5,34 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install lint tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
+.PHONY: help install lock lint tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-$(VENV)/.installed: pyproject.toml
+# uv.lock is the one lock: the venv installs its export of every extra (hashed),
+# the images install operator/requirements.txt and init-container/requirements.txt,
+# its exports for one extra each. `make lock` refreshes all three.
+UV_VERSION := 0.13.9
+UV := $(VENV)/bin/uv
+EXPORT := $(UV) export --frozen --no-emit-project --quiet
+
+$(VENV)/.installed: pyproject.toml uv.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q "uv==$(UV_VERSION)"
+	$(EXPORT) --all-extras --no-dev -o $(VENV)/requirements.txt
+	$(PY) -m pip install -q --require-hashes --no-deps -r $(VENV)/requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-install: $(VENV)/.installed ## Python virtualenv with every extra (.venv)
+install: $(VENV)/.installed ## Python virtualenv with every extra, as locked in uv.lock (.venv)
+
+lock: ## Re-resolve uv.lock from pyproject.toml and export the images' requirements
+	@[ -x $(UV) ] || $(PY) -m pip install -q "uv==$(UV_VERSION)"
+	$(UV) lock
+	$(EXPORT) --no-dev --extra operator -o operator/requirements.txt
+	$(EXPORT) --no-dev --extra stager -o init-container/requirements.txt
 
 # The shipped packages are type-checked strictly (pyproject.toml [tool.mypy]).
 lint: install ## ruff (lint + format check) and mypy over the shipped packages

@@ -15,7 +15,6 @@ rather than no data.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import logging
 import platform
 from collections.abc import Iterable, Iterator
@@ -36,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .models import NodeState, Phase, VolumeMode
+from .version import package_version
 
 if TYPE_CHECKING:
     from .consumers import PodInfo
@@ -51,14 +51,6 @@ WIPE_RESULTS = ("started", "succeeded", "kept", "busy", "failed", "timeout")
 STAGER_RESULTS = ("ok", "failed")
 #: The reasons sourcecheck.py gives; others still count, they just start from nothing.
 SOURCE_REASONS = ("Listed", "NoSuchBucket", "AccessDenied", "EndpointUnreachable", "SecretNotFound")
-
-
-def package_version() -> str:
-    """The installed package's version: pyproject.toml's ``version``, the one version source."""
-    try:
-        return importlib.metadata.version("dscache")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _parse_time(text: str | None) -> datetime.datetime | None:

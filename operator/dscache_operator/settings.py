@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any
 
+from .version import package_version
+
 # <cacheRoot>/<namespace>/<cache> is deleted by wipes, so cacheRoot must be a
 # directory of dscache's own: under /var, a namespace "lib" and a cache
 # "kubelet" would name /var/lib/kubelet. The Helm chart refuses the same list.
@@ -78,9 +80,9 @@ class Settings:
     """``DSCACHE_CACHE_ROOT``: host directory under which node copies live, as
     ``<cacheRoot>/<namespace>/<cache name>``. Only the admin chooses it."""
 
-    stager_image: str = "dscache-stager:0.1.0"
+    stager_image: str = dataclasses.field(default_factory=lambda: f"dscache-stager:{package_version()}")
     """``DSCACHE_STAGER_IMAGE``: image of the init container and of the wipe
-    helper pods (it provides ``dscache-stage``)."""
+    helper pods (it provides ``dscache-stage``); default tag: the package version."""
 
     stager_pull_policy: str = "IfNotPresent"
     """``DSCACHE_STAGER_PULL_POLICY``: imagePullPolicy of injected/helper containers."""

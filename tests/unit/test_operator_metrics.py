@@ -8,7 +8,8 @@ import json
 from prometheus_client.parser import text_string_to_metric_families
 
 from dscache_operator.consumers import PodInfo, pod_info
-from dscache_operator.metrics import Metrics, package_version
+from dscache_operator.metrics import Metrics
+from dscache_operator.version import package_version
 
 START = datetime.datetime(2026, 11, 22, 12, 0, 0, tzinfo=datetime.UTC)
 SUMMARY = {"objects": 3, "bytes": 1000, "fetched_bytes": 600, "seconds": 4.2, "warm": False}
