@@ -1,0 +1,89 @@
+"""11. The operator's /metrics on a real cluster (issue 10): a staged Job moves the staging series.
+
+Self-contained: its own DatasetCache and Job. The controller's endpoint is read
+through the API server's pod proxy (what `kubectl get --raw` does), so no
+port-forward is needed. The scrape is saved as <results>/metrics-scrape.txt.
+"""
+
+from __future__ import annotations
+
+import re
+
+from conftest import RELEASE_NS, assert_complete, cache_status, describe_pods, init_summary, job_pods
+from support import workloads as w
+from support.kube import wait_for
+
+METRICS_PORT = 9090  # the chart's metrics.port
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value in Prometheus text format (None: no such series)."""
+    want = {k: str(v) for k, v in labels.items()}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if got == want:
+            return float(m.group(3))
+    return None
+
+
+def scrape_controller(kube) -> str:
+    (pod,) = kube.items("pod", RELEASE_NS, "app.kubernetes.io/component=controller")
+    path = f"/api/v1/namespaces/{RELEASE_NS}/pods/{pod['metadata']['name']}:{METRICS_PORT}/proxy/metrics"
+    return kube.kubectl("get", "--raw", path).stdout
+
+
+def test_metrics_after_a_staged_job(cfg, kube, cache_factory, dataset):
+    cache = cache_factory("metrics")
+    ns, name = cache["namespace"], cache["name"]
+    labels = {"namespace": ns, "cache": name}
+
+    # The cache's series exist, at zero, once the controller has reconciled it.
+    before = wait_for(
+        "the cache's staging series at zero",
+        lambda: (t := scrape_controller(kube)) if sample(t, "dscache_staged_bytes_total", **labels) == 0 else None,
+        timeout=60,
+    )
+    assert sample(before, "dscache_stager_runs_total", result="ok", **labels) == 0
+    assert sample(before, "dscache_stage_seconds_count", **labels) == 0
+    assert sample(before, "dscache_wipes_total", result="succeeded", **labels) == 0
+
+    job = "train-metrics"
+    kube.create(w.training_job(job, ns, name, cfg.stager_image, dataset))
+    assert_complete(kube, ns, job)
+    (pod,) = job_pods(kube, ns, job)
+    summary = init_summary(pod)
+
+    def staged() -> str | None:
+        text = scrape_controller(kube)
+        return text if sample(text, "dscache_stage_seconds_count", **labels) == 1 else None
+
+    text = wait_for(
+        "dscache_stage_seconds_count of the cache at 1",
+        staged,
+        timeout=60,
+        describe=lambda: describe_pods(kube, ns) + "\n" + str(cache_status(kube, ns, name)),
+    )
+    assert sample(text, "dscache_stager_runs_total", result="ok", **labels) == 1
+    assert sample(text, "dscache_stager_runs_total", result="failed", **labels) == 0
+    assert sample(text, "dscache_staged_bytes_total", **labels) == summary["fetched_bytes"] == dataset.bytes
+    assert sample(text, "dscache_reused_bytes_total", **labels) == 0  # a cold copy reuses nothing
+    assert abs(sample(text, "dscache_stage_seconds_sum", **labels) - summary["seconds"]) < 0.01
+    assert sample(text, "dscache_datasetcaches", phase="Ready") >= 1
+    assert re.search(r'^dscache_build_info\{python="[^"]+",version="[^"]+"\} 1\.0$', text, re.M), "no build info"
+    assert sample(text, "process_resident_memory_bytes") > 0
+
+    # The Job completed: its copy is wiped, and the wipe is counted for this cache.
+    text = wait_for(
+        "a succeeded wipe counted for the cache",
+        lambda: (t := scrape_controller(kube))
+        if (sample(t, "dscache_wipes_total", result="succeeded", **labels) or 0) >= 1
+        else None,
+        timeout=120,
+    )
+    # Every later reconciliation still sees the finished pod; the run is counted once.
+    assert sample(text, "dscache_stager_runs_total", result="ok", **labels) == 1
+    cfg.results.mkdir(parents=True, exist_ok=True)
+    (cfg.results / "metrics-scrape.txt").write_text(text)
