@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install lock lint tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
+.PHONY: help install lock lint chart-docs tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -41,7 +41,7 @@ lint: install ## ruff (lint + format check) and mypy over the shipped packages
 	$(VENV)/bin/mypy init-container/dscache_stager operator/dscache_operator contract/dscache_contract
 
 tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
-	bash e2e/cluster/tools.sh s3 s5cmd etcd kube-apiserver helm
+	bash e2e/cluster/tools.sh s3 s5cmd etcd kube-apiserver helm helm-docs actionlint
 
 # pytest exits 5 when it collects nothing; for us that is a broken suite, not a pass.
 define run_pytest
@@ -88,3 +88,6 @@ cluster-down: ## Stop the local cluster and leave the machine clean
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
+
+chart-docs: ## Regenerate charts/dscache/README.md from values.yaml and README.md.gotmpl (helm-docs)
+	"$$(bash e2e/cluster/tools.sh --path helm-docs | tail -1)/helm-docs" --chart-search-root charts/dscache --template-files README.md.gotmpl

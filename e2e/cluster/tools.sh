@@ -11,6 +11,8 @@
 #   kind     sigs.k8s.io/kind (the kind path, e2e/kind/)
 #   kubeadm  kubeadm of $K8S_VERSION, apart from `kubernetes` so that adding it
 #            did not change that cache key; kind's node image needs it
+#   helm-docs   the chart README from values.yaml (github.com/norwoodj/helm-docs)
+#   actionlint  checks .github/workflows (github.com/rhysd/actionlint)
 #   jobset             the JobSet controller (sigs.k8s.io/jobset), for the kind path
 #   training-operator  Kubeflow's training-operator (PyTorchJob), for the kind path
 #   cni   Debian's containernetworking-plugins (bridge, host-local, portmap),
@@ -31,6 +33,8 @@ RUNC_VERSION=v1.3.6
 HELM_VERSION=v3.19.5
 JOBSET_VERSION=v0.10.1
 TRAINING_OPERATOR_VERSION=v1.8.1
+HELM_DOCS_VERSION=v1.14.2
+ACTIONLINT_VERSION=v1.7.12
 KIND_VERSION=v0.30.0   # the last kind with cgroup v1 CI (see e2e/kind/README.md)
 PAUSE_VERSION=3.10.1   # build/pause/Makefile TAG in $K8S_VERSION
 # containerd 2.2's default `sandbox` image (pinned_images in its CRI config);
@@ -195,7 +199,9 @@ tool_version() {
     kubeadm) echo "kubeadm-$K8S_VERSION" ;;
     jobset) echo "jobset-$JOBSET_VERSION" ;;
     training-operator) echo "training-operator-$TRAINING_OPERATOR_VERSION" ;;
-    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator)" >&2; exit 2 ;;
+    helm-docs) echo "helm-docs-$HELM_DOCS_VERSION" ;;
+    actionlint) echo "actionlint-$ACTIONLINT_VERSION" ;;
+    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator helm-docs actionlint)" >&2; exit 2 ;;
   esac
 }
 
@@ -239,6 +245,11 @@ build_tool() {
       mv "$out/jobset" "$out/manager" ;;
     training-operator) CGO_ENABLED=0 go_install "$out" github.com/kubeflow/training-operator "$TRAINING_OPERATOR_VERSION" \
       github.com/kubeflow/training-operator/cmd/training-operator.v1 ;;
+    # Chart README and workflow checks (make tools; tests/unit/test_chart_docs.py, test_release_workflow.py).
+    helm-docs) CGO_ENABLED=0 go_install "$out" github.com/norwoodj/helm-docs "$HELM_DOCS_VERSION" \
+      github.com/norwoodj/helm-docs/cmd/helm-docs ;;
+    actionlint) CGO_ENABLED=0 go_install "$out" github.com/rhysd/actionlint "$ACTIONLINT_VERSION" \
+      github.com/rhysd/actionlint/cmd/actionlint ;;
   esac
   echo "$((SECONDS - start))" >"$dir.tmp/build-seconds"
   touch "$dir.tmp/.done"

@@ -33,3 +33,18 @@ def tool_bin(tool: str) -> Path:
 def kubectl() -> str:
     """kubectl built with the test apiserver (don't rely on the host having one)."""
     return str(tool_bin("kube-apiserver") / "kubectl")
+
+
+def built_tool_bin(tool: str, version_var: str) -> Path | None:
+    """The bin dir of ``tool`` if `make tools` has built it, else None (never builds:
+    for optional tools whose tests skip, with a message, when they are absent).
+    ``version_var``: the tools.sh variable holding its version, e.g. HELM_DOCS_VERSION."""
+    import os
+    import re
+
+    m = re.search(rf"^{version_var}=(\S+)", TOOLS_SH.read_text(), re.M)
+    if not m:
+        raise AssertionError(f"{version_var} is not set in {TOOLS_SH}")
+    cache = Path(os.environ.get("DSCACHE_TOOLS_DIR") or Path.home() / ".cache" / "dscache" / "tools")
+    d = cache / f"{tool}-{m.group(1)}"
+    return d / "bin" if (d / ".done").exists() else None
