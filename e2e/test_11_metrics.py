@@ -8,8 +8,9 @@ port-forward is needed. The scrape is saved as <results>/metrics-scrape.txt.
 from __future__ import annotations
 
 import re
+import tomllib
 
-from conftest import RELEASE_NS, assert_complete, cache_status, describe_pods, init_summary, job_pods
+from conftest import RELEASE_NS, REPO, assert_complete, cache_status, describe_pods, init_summary, job_pods
 from support import workloads as w
 from support.kube import wait_for
 
@@ -40,10 +41,14 @@ def test_metrics_after_a_staged_job(cfg, kube, cache_factory, dataset):
     ns, name = cache["namespace"], cache["name"]
     labels = {"namespace": ns, "cache": name}
 
+    def scrape_when(ok) -> str | None:
+        text = scrape_controller(kube)
+        return text if ok(text) else None
+
     # The cache's series exist, at zero, once the controller has reconciled it.
     before = wait_for(
         "the cache's staging series at zero",
-        lambda: (t := scrape_controller(kube)) if sample(t, "dscache_staged_bytes_total", **labels) == 0 else None,
+        lambda: scrape_when(lambda t: sample(t, "dscache_staged_bytes_total", **labels) == 0),
         timeout=60,
     )
     assert sample(before, "dscache_stager_runs_total", result="ok", **labels) == 0
@@ -56,13 +61,9 @@ def test_metrics_after_a_staged_job(cfg, kube, cache_factory, dataset):
     (pod,) = job_pods(kube, ns, job)
     summary = init_summary(pod)
 
-    def staged() -> str | None:
-        text = scrape_controller(kube)
-        return text if sample(text, "dscache_stage_seconds_count", **labels) == 1 else None
-
     text = wait_for(
         "dscache_stage_seconds_count of the cache at 1",
-        staged,
+        lambda: scrape_when(lambda t: sample(t, "dscache_stage_seconds_count", **labels) == 1),
         timeout=60,
         describe=lambda: describe_pods(kube, ns) + "\n" + str(cache_status(kube, ns, name)),
     )
@@ -72,15 +73,16 @@ def test_metrics_after_a_staged_job(cfg, kube, cache_factory, dataset):
     assert sample(text, "dscache_reused_bytes_total", **labels) == 0  # a cold copy reuses nothing
     assert abs(sample(text, "dscache_stage_seconds_sum", **labels) - summary["seconds"]) < 0.01
     assert sample(text, "dscache_datasetcaches", phase="Ready") >= 1
-    assert re.search(r'^dscache_build_info\{python="[^"]+",version="[^"]+"\} 1\.0$', text, re.M), "no build info"
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert re.search(rf'^dscache_build_info{{[^}}]*version="{re.escape(version)}"[^}}]*}} 1\.0$', text, re.M), (
+        f"no dscache_build_info with version {version}"
+    )
     assert sample(text, "process_resident_memory_bytes") > 0
 
     # The Job completed: its copy is wiped, and the wipe is counted for this cache.
     text = wait_for(
         "a succeeded wipe counted for the cache",
-        lambda: (t := scrape_controller(kube))
-        if (sample(t, "dscache_wipes_total", result="succeeded", **labels) or 0) >= 1
-        else None,
+        lambda: scrape_when(lambda t: (sample(t, "dscache_wipes_total", result="succeeded", **labels) or 0) >= 1),
         timeout=120,
     )
     # Every later reconciliation still sees the finished pod; the run is counted once.
