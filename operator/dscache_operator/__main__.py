@@ -75,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # The one place settings are read: everything else gets them through the Context.
     settings = Settings.from_env()
-    ctx = Context(settings=settings)
+    from prometheus_client import disable_created_metrics
+
+    from .metrics import Metrics
+
+    # No `*_created` series: every counter would carry a second, constant series for nothing.
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
+    ctx = Context(settings=settings, metrics=Metrics(role=role))
     configure_logging(settings.log_level, settings.log_format)
     if role == "controller":
         from .controller import make_registry

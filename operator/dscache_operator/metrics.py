@@ -91,11 +91,18 @@ class Metrics:
         self,
         registry: CollectorRegistry | None = None,
         *,
+        role: str | None = None,
         version: str | None = None,
         since: datetime.datetime | None = None,
     ) -> None:
+        """``role``: "controller" or "webhook" exports only that process's families
+        (the other's would be constant zeros, and a webhook reporting 0 caches
+        reads as a fact); None (tests) exports both."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        # A family outside this role is still created (callers need no checks) but never registered.
+        ctl = r if role in (None, "controller") else None
+        hook = r if role in (None, "webhook") else None
         #: Stagers that finished before this time are never counted (see observe_stagers).
         self.since = since or datetime.datetime.now(datetime.UTC)
         ProcessCollector(registry=r)
@@ -106,52 +113,53 @@ class Metrics:
         self.build_info.labels(version or package_version(), platform.python_version()).set(1)
 
         self.inventory = _Inventory()
-        r.register(self.inventory)
-        self.source_checks = Counter("dscache_source_checks", "Source checks by reason.", ["reason"], registry=r)
+        if ctl is not None:
+            r.register(self.inventory)
+        self.source_checks = Counter("dscache_source_checks", "Source checks by reason.", ["reason"], registry=ctl)
         for reason in SOURCE_REASONS:
             self.source_checks.labels(reason)
 
         per_cache = ["namespace", "cache"]
         self.wipes = Counter(
-            "dscache_wipes", "Wipe helper pods by outcome, per cache.", [*per_cache, "result"], registry=r
+            "dscache_wipes", "Wipe helper pods by outcome, per cache.", [*per_cache, "result"], registry=ctl
         )
         self.stager_runs = Counter(
             "dscache_stager_runs",
             "Stager (init container) runs by result, per cache; each run counted once.",
             [*per_cache, "result"],
-            registry=r,
+            registry=ctl,
         )
         self.stage_seconds = Histogram(
             "dscache_stage_seconds",
             "Seconds one successful stager run took (its summary's seconds), per cache.",
             per_cache,
             buckets=STAGE_BUCKETS,
-            registry=r,
+            registry=ctl,
         )
         self.staged_bytes = Counter(
             "dscache_staged_bytes",
             "Bytes successful stager runs copied from the bucket (summary fetched_bytes), per cache.",
             per_cache,
-            registry=r,
+            registry=ctl,
         )
         self.reused_bytes = Counter(
             "dscache_reused_bytes",
             "Bytes successful stager runs found already on the node and did not copy "
             "(warm starts and resumed copies: summary bytes - fetched_bytes), per cache.",
             per_cache,
-            registry=r,
+            registry=ctl,
         )
         #: cache -> the stager runs already counted: (pod uid, init container startedAt)
         self._counted: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
         self.admission_reviews = Counter(
-            "dscache_admission_reviews", "AdmissionReviews by outcome.", ["mode", "result"], registry=r
+            "dscache_admission_reviews", "AdmissionReviews by outcome.", ["mode", "result"], registry=hook
         )
         for mode in VolumeMode:
             for result in ADMISSION_RESULTS:
                 self.admission_reviews.labels(mode.value, result)
         self.admission_seconds = Histogram(
-            "dscache_admission_seconds", "Time to answer an AdmissionReview.", buckets=ADMISSION_BUCKETS, registry=r
+            "dscache_admission_seconds", "Time to answer an AdmissionReview.", buckets=ADMISSION_BUCKETS, registry=hook
         )
 
     # --- controller ----------------------------------------------------------------------

@@ -133,3 +133,14 @@ def test_pod_info_reads_the_init_containers_finish_time():
 
 def test_package_version_is_the_installed_one():
     assert package_version() not in ("", "unknown")
+
+
+def test_each_process_exports_its_own_families():
+    names = {role: {f.name for f in Metrics(role=role).registry.collect()} for role in ("controller", "webhook")}
+    assert "dscache_datasetcaches" in names["controller"] and "dscache_datasetcaches" not in names["webhook"]
+    assert "dscache_admission_reviews" in names["webhook"] and "dscache_admission_reviews" not in names["controller"]
+    assert {"dscache_build_info", "process_cpu_seconds"} <= names["controller"] & names["webhook"]
+    # The other role's calls are harmless no-ops for the scrape.
+    hook = Metrics(role="webhook")
+    hook.set_cache("ml", "c", "Ready", [])
+    assert hook.registry.get_sample_value("dscache_datasetcaches", {"phase": "Ready"}) is None
