@@ -154,6 +154,38 @@ def test_staging_metrics_count_each_stager_run_once(kube_api, dscache_operator, 
     assert metric(text, "dscache_reused_bytes_total", **labels) == 10
     assert metric(text, "dscache_node_copies", state="Ready") >= 1
 
+    # A restarted controller re-sees that finished pod: it must not count it again
+    # (the old process's counts went with it; see Metrics.observe_stagers).
+    op.stop("controller", kill=True)
+    op.start("controller")
+
+    def series_back() -> str | None:
+        try:
+            t = op.metrics("controller")
+        except OSError:
+            return None  # still starting
+        return t if 'cache="measured"' in t else None
+
+    k.wait_for(series_back, what="the restarted controller's series of the cache")
+    time.sleep(3)  # several reconciliations of the cache, with the finished pod in the view
+    text = op.metrics("controller")
+    assert metric(text, "dscache_stager_runs_total", result="ok", **labels) == 0
+    assert metric(text, "dscache_staged_bytes_total", **labels) == 0
+    # A stager that finishes after the restart is counted.
+    job2 = create_job(k, opted_ns, job_body("train2", "measured"))
+    pod2 = start_job_pod(k, opted_ns, job2, "node-m", suffix="1")
+    warm = {"objects": 2, "bytes": 30, "skipped": 2, "fetched_bytes": 0, "seconds": 0.01, "warm": True}
+    kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Running", init="ok", message=json.dumps(warm))
+    text = k.wait_for(
+        lambda: (lambda t: t if metric(t, "dscache_stager_runs_total", result="ok", **labels) >= 1 else None)(
+            op.metrics("controller")
+        ),
+        what="the new run counted",
+    )
+    assert metric(text, "dscache_stager_runs_total", result="ok", **labels) == 1
+    assert metric(text, "dscache_reused_bytes_total", **labels) == 30  # a warm start reuses every byte
+    assert metric(text, "dscache_staged_bytes_total", **labels) == 0
+
 
 # --- the webhook never writes, observed in the API server's audit log --------------------
 
