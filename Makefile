@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install lock lint chart-docs tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
+.PHONY: help install lock lint chart-docs release-check tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -91,3 +91,8 @@ clean:
 
 chart-docs: ## Regenerate charts/dscache/README.md from values.yaml and README.md.gotmpl (helm-docs)
 	"$$(bash e2e/cluster/tools.sh --path helm-docs | tail -1)/helm-docs" --chart-search-root charts/dscache --template-files README.md.gotmpl
+
+release-check: ## What release.yml does that can run here: actionlint, helm lint --strict, helm package into build/
+	"$$(bash e2e/cluster/tools.sh --path actionlint | tail -1)/actionlint" .github/workflows/release.yml
+	"$$(bash e2e/cluster/tools.sh --path helm | tail -1)/helm" lint --strict charts/dscache
+	"$$(bash e2e/cluster/tools.sh --path helm | tail -1)/helm" package charts/dscache --destination build
