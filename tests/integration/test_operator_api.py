@@ -150,8 +150,9 @@ def ensure_node(k: KubeAPI, node: str) -> None:
             raise
 
 
-def start_job_pod(k: KubeAPI, ns: str, job: dict, node: str, suffix: str = "0") -> dict:
-    """What the job controller and the scheduler do: a pod from the template, bound to a node."""
+def start_job_pod(k: KubeAPI, ns: str, job: dict, node: str, suffix: str = "0", dry_run: bool = False) -> dict:
+    """What the job controller and the scheduler do: a pod from the template, bound to a node.
+    ``dry_run`` asks admission (our webhook included) without creating the pod."""
     ensure_node(k, node)
     template = job["spec"]["template"]
     pod = {
@@ -174,7 +175,7 @@ def start_job_pod(k: KubeAPI, ns: str, job: dict, node: str, suffix: str = "0") 
         },
         "spec": {**copy.deepcopy(template["spec"]), "nodeName": node},
     }
-    return k.create(f"/api/v1/namespaces/{ns}/pods", pod)
+    return k.create(f"/api/v1/namespaces/{ns}/pods" + ("?dryRun=All" if dry_run else ""), pod)
 
 
 def now_rfc3339(offset: float = 0) -> str:
@@ -1162,6 +1163,18 @@ def test_deleting_a_cache_whose_job_still_needs_pods_does_not_deadlock(kube_api,
     time.sleep(2)
     assert helper_for(k, ns, name) == [], "wiped while the Job may still start a pod"
     k.delete(f"{DSC.format(ns=ns)}/{name}")
+
+    def refused() -> bool:
+        try:
+            start_job_pod(k, ns, job, "node-dl", suffix="1", dry_run=True)
+        except ApiError as e:
+            return "being deleted" in e.body
+        return False
+
+    # The webhook decides from its watch of DatasetCaches, which sees the deletion a
+    # moment after the API server does (seconds on a loaded machine): wait for that,
+    # through dry runs, so that no real pod slips in before it.
+    k.wait_for(refused, what="the webhook refusing the Job's next pod (dry run)")
     with pytest.raises(ApiError) as e:  # what the job controller's next pod gets
         start_job_pod(k, ns, job, "node-dl", suffix="1")
     assert "being deleted" in e.value.body
