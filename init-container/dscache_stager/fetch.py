@@ -19,13 +19,17 @@ import functools
 import os
 import random
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import obstore
 from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store
+
+if TYPE_CHECKING:
+    from obstore import Bytes, GetOptions, GetResult
 
 from . import rawhttp
 from .tree import LocalTree
@@ -46,9 +50,9 @@ class ObjectGone(Exception):
 FATAL = (ObjectGone, PermissionDeniedError, UnauthenticatedError, PreconditionError)
 
 
-async def get(store: S3Store, key: str, **kw):
+async def get(store: S3Store, key: str, options: GetOptions | None = None) -> GetResult:
     try:
-        return await obstore.get_async(store, key, **kw)
+        return await obstore.get_async(store, key, options=options)
     except FileNotFoundError as e:
         raise ObjectGone(key) from e
 
@@ -136,7 +140,7 @@ class Fetcher:
         self.on_bytes(len(data))
         return Fetched(len(data), (result.meta.get("e_tag") or "").strip('"'))
 
-    def _write_and_place(self, tmp: str, data, rel: str) -> None:
+    def _write_and_place(self, tmp: str, data: Bytes, rel: str) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         try:
             view = memoryview(data)
@@ -175,7 +179,7 @@ class Fetcher:
         return Fetched(size, etag)
 
     async def _stream_part(self, key: str, fd: int, etag: str, start: int, end: int) -> None:
-        options: dict = {"range": (start, end)}
+        options: GetOptions = {"range": (start, end)}
         if etag:
             options["if_match"] = f'"{etag}"'
         async with self.requests:
@@ -195,7 +199,7 @@ class Fetcher:
             # through a number this coroutine has closed and the OS reused.
             own = os.dup(fd)
             job = self.splicers.submit(_splice_owned, url, start, end, own, etag)
-            job.add_done_callback(lambda f, own=own: f.cancelled() and os.close(own))
+            job.add_done_callback(functools.partial(_close_if_cancelled, own))
             try:
                 async with self.requests:
                     await asyncio.wrap_future(job)
@@ -216,6 +220,12 @@ class Fetcher:
                 if attempt == OBJECT_ATTEMPTS:
                     raise GenericError(str(e)) from e
             await asyncio.sleep(random.uniform(0, 0.2 * 2**attempt))
+
+
+def _close_if_cancelled(fd: int, job: Future[None]) -> None:
+    # A job cancelled before it started never ran _splice_owned, which owns fd.
+    if job.cancelled():
+        os.close(fd)
 
 
 def _splice_owned(url: str, start: int, end: int, fd: int, etag: str) -> None:

@@ -21,7 +21,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, Any
 
 import dscache_contract as contract
 from dscache_contract import ManifestEntry
@@ -146,10 +146,11 @@ class Revision:
 
     # --- reading (safe without the lock: a complete revision never changes) --
 
-    def read_complete(self) -> dict | None:
+    def read_complete(self) -> dict[str, Any] | None:
         try:
             with open(self.complete_path) as f:
-                return json.loads(f.read())
+                marker = json.loads(f.read())
+            return marker if isinstance(marker, dict) else None
         except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
 
@@ -211,7 +212,7 @@ class Revision:
     def open_journal(self) -> IO[str]:
         return open(self.journal_path, "a", buffering=1 << 16)
 
-    def mark_complete(self, entries: Iterable[Entry], dirs: Iterable[str], summary: dict) -> None:
+    def mark_complete(self, entries: Iterable[Entry], dirs: Iterable[str], summary: dict[str, Any]) -> None:
         """Seal the revision with these manifest entries (in path order); see :meth:`seal`."""
         listed = os.path.join(self.tmp, f".manifest.{os.getpid()}.{time.monotonic_ns()}")
         with open(listed, "w", buffering=1 << 16) as f:
@@ -219,7 +220,7 @@ class Revision:
                 f.write(e.to_json() + "\n")
         self.seal(listed, dirs, summary)
 
-    def seal(self, manifest: str, dirs: Iterable[str], summary: dict) -> None:
+    def seal(self, manifest: str, dirs: Iterable[str], summary: dict[str, Any]) -> None:
         """Seal the revision: manifest, read-only tree, then the marker, written last.
 
         ``manifest`` is a complete manifest file under tmp/, moved into place
@@ -266,7 +267,7 @@ def remove_tree(path: str) -> None:
         os.unlink(path)  # a symlink or file where a dir was expected: remove the entry only
         return
 
-    def on_error(func, p, exc_info) -> None:
+    def on_error(func: Callable[..., Any], p: str, exc_info: tuple[type[BaseException], BaseException, Any]) -> None:
         exc = exc_info[1]
         if isinstance(exc, FileNotFoundError):
             return

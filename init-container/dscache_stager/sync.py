@@ -18,8 +18,10 @@ import heapq
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from obstore.exceptions import BaseError, PreconditionError
+from obstore.store import S3Store
 
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary
 
@@ -43,16 +45,19 @@ BLOCK = 4096
 MAX_KEYS_SHOWN = 20
 
 
+# One object for a copier: (object, path under data/), or None: no more work.
+Work = tuple[RemoteObject, str] | None
+
 # Kept as the stager's name for the contract's success line.
 Summary = StageSummary
 
 
-def cold(opts: SyncOptions, rev: Revision, store, progress: Progress) -> StageSummary:
+def cold(opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress) -> StageSummary:
     """Stage ``rev`` from the bucket (called by stage.sync with C's lock held)."""
     return asyncio.run(_Run(opts, rev, store, progress).run())
 
 
-async def current_revision(source: S3Source, selection: Selection, concurrency: int = 16) -> dict:
+async def current_revision(source: S3Source, selection: Selection, concurrency: int = 16) -> dict[str, Any]:
     """List the source now and return its revision, as the operator would pin it."""
     source.check_reachable()
     store = source.open_store(concurrency)
@@ -70,7 +75,7 @@ async def current_revision(source: S3Source, selection: Selection, concurrency: 
 
 
 class _Run:
-    def __init__(self, opts: SyncOptions, rev: Revision, store, progress: Progress) -> None:
+    def __init__(self, opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress) -> None:
         self.opts = opts
         self.source = opts.source
         self.selection = opts.selection
@@ -112,7 +117,7 @@ class _Run:
             self.progress.add_bytes,
             zero_copy=(self.source.endpoint_url or "").startswith("http://"),
         )
-        queue: asyncio.Queue[RemoteObject | None] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
+        queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
         workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 
         async def feed() -> None:
@@ -184,7 +189,7 @@ class _Run:
 
     # --- listing ------------------------------------------------------------
 
-    async def _produce(self, known: dict[str, Entry], queue: asyncio.Queue) -> None:
+    async def _produce(self, known: dict[str, Entry], queue: asyncio.Queue[Work]) -> None:
         relative, hasher, progress = self.selection.relative, self.hasher, self.progress
         try:
             async for batch in list_objects(self.store, self.source.prefix):
@@ -289,7 +294,7 @@ class _Run:
 
     # --- copying ------------------------------------------------------------
 
-    async def _worker(self, queue: asyncio.Queue) -> None:
+    async def _worker(self, queue: asyncio.Queue[Work]) -> None:
         fetcher = self.fetcher
         while (item := await queue.get()) is not None:
             obj, rel = item
@@ -372,7 +377,7 @@ def _first_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).split("\n")[0]
 
 
-async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
+async def _gather_or_cancel(tasks: list[asyncio.Task[None]]) -> None:
     """Wait for all tasks; on the first failure cancel the rest and re-raise it."""
     try:
         await asyncio.gather(*tasks)
