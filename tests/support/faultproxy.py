@@ -96,7 +96,16 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        async def shutdown() -> None:
+            self._server.close()
+            # Connections still open (keep-alive in latency mode) end with the
+            # server, instead of warning about pending tasks at exit.
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._thread.join(10)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.rtt_ms > 0:
