@@ -81,6 +81,7 @@ class FaultProxy:
         self._loop = asyncio.new_event_loop()
 
         async def serve() -> None:
+            self._serving = asyncio.current_task()
             self._server = await asyncio.start_server(self._handle, self.host, self.port)
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
@@ -97,12 +98,13 @@ class FaultProxy:
 
     def stop(self) -> None:
         async def shutdown() -> None:
+            # Connections still open (keep-alive in latency mode) end first, so
+            # no task is left pending when the loop stops; then the server.
+            conns = [t for t in asyncio.all_tasks() if t not in (asyncio.current_task(), self._serving)]
+            for task in conns:
+                task.cancel()
+            await asyncio.gather(*conns, return_exceptions=True)
             self._server.close()
-            # Connections still open (keep-alive in latency mode) end with the
-            # server, instead of warning about pending tasks at exit.
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._thread.join(10)
