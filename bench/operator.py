@@ -386,7 +386,9 @@ def main() -> int:
             os.kill(proc.pid, signal.SIGUSR2)  # top allocations into the controller log
             time.sleep(5)
             print(
-                "\n".join(l for l in op.log("controller").splitlines() if "dscache.memory" in l or l.startswith("  "))
+                "\n".join(
+                    ln for ln in op.log("controller").splitlines() if "dscache.memory" in ln or ln.startswith("  ")
+                )
             )
         log(
             f"controller {'converged' if converged else 'had NOT converged'} in {converge_s:.0f}s; steady RSS {rss:.0f} MiB (peak {hwm_mib(proc.pid):.0f}), "

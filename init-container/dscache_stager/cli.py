@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from dscache_contract import (
     ENV_POD_UID,
@@ -13,6 +16,7 @@ from dscache_contract import (
     ExitCode,
     Selection,
     StageArgs,
+    StageSummary,
     WipeArgs,
     build_parser,
 )
@@ -23,6 +27,7 @@ from .progress import Progress
 from .source import S3Source
 
 DEFAULT_TERMINATION_LOG = TERMINATION_LOG
+T = TypeVar("T")
 
 
 def entry() -> None:
@@ -73,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     return ExitCode.OK
 
 
-def _args(build, ns):
+def _args(build: Callable[[argparse.Namespace], T], ns: argparse.Namespace) -> T:
     try:
         return build(ns)
     except ArgsError as e:
         raise UsageError(str(e)) from e
 
 
-def _source(ns) -> S3Source:
+def _source(ns: argparse.Namespace) -> S3Source:
     return S3Source.parse(
         ns.source,
         endpoint_url=ns.endpoint_url,
@@ -90,7 +95,7 @@ def _source(ns) -> S3Source:
     )
 
 
-def _sync(ns):
+def _sync(ns: argparse.Namespace) -> StageSummary:
     from .stage import sync
     from .sync_options import SyncOptions, default_concurrency
 
@@ -120,7 +125,7 @@ def _sync(ns):
     return sync(opts, Progress())
 
 
-def _revision(ns) -> dict:
+def _revision(ns: argparse.Namespace) -> dict[str, Any]:
     import asyncio
 
     from .sync import current_revision

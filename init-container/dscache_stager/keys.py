@@ -46,27 +46,48 @@ class Filters:
 
 
 class TreeShape:
-    """Detects keys that would need one path to be both a file and a directory."""
+    """Detects keys that would need one path to be both a file and a directory.
+
+    Fed in listing order (S3 lists keys in UTF-8 byte order, which is Python's
+    str order), it holds the directories seen, which grow with the tree's
+    directories and not its files, and only those files that are string
+    prefixes of the latest key. A file ``f`` can clash only with a later key
+    that starts with ``f + "/"``, and in sorted order every key between the two
+    starts with ``f`` as well, so ``f`` can be dropped at the first key that
+    does not: at a million keys this holds a few strings, where a set of every
+    file held ~100 bytes per key.
+    """
 
     def __init__(self) -> None:
-        self._files: set[str] = set()
         self._dirs: set[str] = set()
+        self._open: list[str] = []  # files, each a string prefix of the next (and of the latest key)
 
     def is_dir(self, rel: str) -> bool:
         return rel in self._dirs
 
+    def file_at_or_above(self, rel: str) -> str | None:
+        """The recorded file that is ``rel`` itself or one of its parents, if any (records nothing)."""
+        stack = self._open
+        while stack and not rel.startswith(stack[-1]):
+            stack.pop()  # no key from here on can start with it
+        for f in stack:
+            if len(rel) == len(f) or rel[len(f)] == "/":
+                return f
+        return None
+
+    def add_parents(self, rel: str) -> None:
+        """Record the directories above ``rel``."""
+        parent = rel.rpartition("/")[0]
+        while parent and parent not in self._dirs:
+            self._dirs.add(parent)
+            parent = parent.rpartition("/")[0]
+
     def clash(self, rel: str) -> str | None:
-        """Record ``rel``; return the path it collides with, if any."""
+        """Record the file ``rel``; return the path it collides with, if any."""
         if rel in self._dirs:
             return rel + "/"
-        parts = rel.split("/")
-        for i in range(1, len(parts)):
-            parent = "/".join(parts[:i])
-            if parent in self._files:
-                return parent
-        if rel in self._files:
-            return rel
-        self._files.add(rel)
-        for i in range(1, len(parts)):
-            self._dirs.add("/".join(parts[:i]))
+        if (f := self.file_at_or_above(rel)) is not None:
+            return f
+        self._open.append(rel)
+        self.add_parents(rel)
         return None

@@ -21,7 +21,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, Any
 
 import dscache_contract as contract
 from dscache_contract import ManifestEntry
@@ -146,10 +146,11 @@ class Revision:
 
     # --- reading (safe without the lock: a complete revision never changes) --
 
-    def read_complete(self) -> dict | None:
+    def read_complete(self) -> dict[str, Any] | None:
         try:
             with open(self.complete_path) as f:
-                return json.loads(f.read())
+                marker = json.loads(f.read())
+            return marker if isinstance(marker, dict) else None
         except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
 
@@ -211,15 +212,26 @@ class Revision:
     def open_journal(self) -> IO[str]:
         return open(self.journal_path, "a", buffering=1 << 16)
 
-    def mark_complete(self, entries: Iterable[Entry], dirs: Iterable[str], summary: dict) -> None:
+    def mark_complete(self, entries: Iterable[Entry], dirs: Iterable[str], summary: dict[str, Any]) -> None:
+        """Seal the revision with these manifest entries (in path order); see :meth:`seal`."""
+        listed = os.path.join(self.tmp, f".manifest.{os.getpid()}.{time.monotonic_ns()}")
+        with open(listed, "w", buffering=1 << 16) as f:
+            for e in entries:
+                f.write(e.to_json() + "\n")
+        self.seal(listed, dirs, summary)
+
+    def seal(self, manifest: str, dirs: Iterable[str], summary: dict[str, Any]) -> None:
         """Seal the revision: manifest, read-only tree, then the marker, written last.
 
+        ``manifest`` is a complete manifest file under tmp/, moved into place
+        as is: at a million keys it is never held in memory.
         Files were created 0444; directories become 0555 here, so no uid but
         root can change a complete revision. Nothing is fsynced: training
         should start the moment the bytes are in the page cache. A crash
         before the marker leaves a journal that the next run resumes from.
         """
-        write_atomic(self.manifest_path, "".join(e.to_json() + "\n" for e in entries), self.tmp)
+        os.chmod(manifest, 0o444)
+        os.rename(manifest, self.manifest_path)
         # Deepest first, so a parent is sealed after its children.
         for rel in sorted(dirs, key=lambda d: d.count("/"), reverse=True):
             if rel:
@@ -255,7 +267,7 @@ def remove_tree(path: str) -> None:
         os.unlink(path)  # a symlink or file where a dir was expected: remove the entry only
         return
 
-    def on_error(func, p, exc_info) -> None:
+    def on_error(func: Callable[..., Any], p: str, exc_info: tuple[type[BaseException], BaseException, Any]) -> None:
         exc = exc_info[1]
         if isinstance(exc, FileNotFoundError):
             return
@@ -292,11 +304,9 @@ def boot_time() -> float:
 
 
 def read_entries(path: str) -> Iterator[Entry]:
-    try:
-        f = open(path)
-    except FileNotFoundError:
+    if not os.path.exists(path):
         return
-    with f:
+    with open(path) as f:
         for line in f:
             try:
                 yield ManifestEntry.from_json(line)

@@ -27,14 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import obstore
 from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 
 from .source import S3Source
+
+if TYPE_CHECKING:
+    from obstore import ObjectMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +52,7 @@ class UnrepresentableKeys(Exception):
     """obstore met a key it cannot represent; see :func:`list_keys_raw`."""
 
 
-def _objects(batch: list[dict]) -> list[RemoteObject]:
+def _objects(batch: Sequence[ObjectMeta]) -> list[RemoteObject]:
     return [RemoteObject(o["path"], o["size"], (o.get("e_tag") or "").strip('"')) for o in batch]
 
 

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
@@ -15,6 +15,9 @@ from obstore.store import S3Store
 from dscache_contract import parse_source, resolve_addressing_style, resolve_region
 
 from .errors import SourceError, StageError, TransientError, UsageError
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3Config
 
 AddressingStyle = Literal["path", "virtual"]
 # obstore's own per-request retry budget; see open_store.
@@ -70,18 +73,18 @@ class S3Source:
         """
         # Region and addressing style come from the contract, so the operator's
         # source check talks to the bucket exactly as we do.
-        config: dict[str, Any] = {"region": resolve_region(self.region)}
+        config: S3Config = {"region": resolve_region(self.region)}
         if self.endpoint_url:
             config["endpoint"] = self.endpoint_url
         style = resolve_addressing_style(self.endpoint_url, self.addressing_style)
         config["virtual_hosted_style_request"] = style == "virtual"
-        client_options = {
+        client_options: ClientConfig = {
             "allow_http": bool(self.endpoint_url and self.endpoint_url.startswith("http://")),
             "connect_timeout": "5s",
             "timeout": "300s",
             "pool_max_idle_per_host": str(max(concurrency, 16)),
         }
-        retry = {
+        retry: RetryConfig = {
             "max_retries": 10,
             "retry_timeout": timedelta(seconds=self.retry_timeout),
             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10), "base": 2},

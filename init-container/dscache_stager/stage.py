@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import TYPE_CHECKING
 
 import obstore
 from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
@@ -29,10 +30,15 @@ from .layout import Revision, cache_lock, check_cache_dir, write_lease
 from .progress import Progress, human_bytes
 from .source import S3Source, source_error
 
+if TYPE_CHECKING:
+    from obstore.store import S3Store
+
+    from .sync_options import SyncOptions
+
 LIST_ATTEMPTS = 8
 
 
-def sync(opts, progress: Progress | None = None) -> StageSummary:
+def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
     """Run ``dscache-stage sync`` for ``opts`` (a sync.SyncOptions)."""
     progress = progress or Progress()
     started = time.monotonic()
@@ -79,7 +85,7 @@ def sync(opts, progress: Progress | None = None) -> StageSummary:
         return cold(opts, rev, store, progress)
 
 
-def prove_access(store, source: S3Source, probe_key: str | None) -> None:
+def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> None:
     """One request with this process's credentials; raise SourceError if S3 refuses.
 
     A HEAD of an object we are about to serve proves GetObject on it; when it
@@ -101,7 +107,7 @@ def prove_access(store, source: S3Source, probe_key: str | None) -> None:
         raise source_error(e, source, 0) from e
 
 
-def _first_page(store, prefix: str) -> None:
+def _first_page(store: S3Store, prefix: str) -> None:
     """One ListObjectsV2 page, retried when its body is cut short (obstore retries the rest itself)."""
     for attempt in range(1, LIST_ATTEMPTS + 1):
         try:

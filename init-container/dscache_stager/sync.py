@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import heapq
 import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from obstore.exceptions import BaseError, PreconditionError
+from obstore.store import S3Store
 
-from dscache_contract import RevisionHasher, Selection, StageSummary
+from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary
 
 from .errors import (
     DestinationError,
@@ -41,16 +45,19 @@ BLOCK = 4096
 MAX_KEYS_SHOWN = 20
 
 
+# One object for a copier: (object, path under data/), or None: no more work.
+Work = tuple[RemoteObject, str] | None
+
 # Kept as the stager's name for the contract's success line.
 Summary = StageSummary
 
 
-def cold(opts: SyncOptions, rev: Revision, store, progress: Progress) -> StageSummary:
+def cold(opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress) -> StageSummary:
     """Stage ``rev`` from the bucket (called by stage.sync with C's lock held)."""
     return asyncio.run(_Run(opts, rev, store, progress).run())
 
 
-async def current_revision(source: S3Source, selection: Selection, concurrency: int = 16) -> dict:
+async def current_revision(source: S3Source, selection: Selection, concurrency: int = 16) -> dict[str, Any]:
     """List the source now and return its revision, as the operator would pin it."""
     source.check_reachable()
     store = source.open_store(concurrency)
@@ -68,7 +75,7 @@ async def current_revision(source: S3Source, selection: Selection, concurrency: 
 
 
 class _Run:
-    def __init__(self, opts: SyncOptions, rev: Revision, store, progress: Progress) -> None:
+    def __init__(self, opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress) -> None:
         self.opts = opts
         self.source = opts.source
         self.selection = opts.selection
@@ -78,9 +85,16 @@ class _Run:
         self.tree = LocalTree(rev.data)
         self.shape = TreeShape()
         self.hasher = RevisionHasher()
-        self.entries: dict[str, Entry] = {}
+        # Nothing here grows with the listing (issue 9: 1M keys in <= 256 MiB):
+        # each object's manifest line goes to a file in listing order the
+        # moment it is listed, and the counts are counters. Only empty objects
+        # (few; each needs a HEAD, see _settle_empties) and directories are held.
+        self.objects = 0
+        self.bytes = 0
+        self.manifest_tmp = os.path.join(rev.tmp, "manifest.listed")
         self.hostile: list[tuple[str, str]] = []
-        self.empties: list[tuple[RemoteObject, str]] = []
+        self.empties: list[tuple[RemoteObject, str, str | None]] = []
+        self.placed_empties: dict[str, Entry] = {}
         self.fetched_bytes = 0
         self.started = time.monotonic()
 
@@ -103,7 +117,7 @@ class _Run:
             self.progress.add_bytes,
             zero_copy=(self.source.endpoint_url or "").startswith("http://"),
         )
-        queue: asyncio.Queue[RemoteObject | None] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
+        queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
         workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 
         async def feed() -> None:
@@ -115,17 +129,21 @@ class _Run:
         ticker = asyncio.create_task(self._tick())
         try:
             with rev.open_journal() as self.journal:
-                await _gather_or_cancel([asyncio.create_task(c) for c in (feed(), *workers)])
+                with open(self.manifest_tmp, "w", buffering=1 << 16) as self.manifest:
+                    await _gather_or_cancel([asyncio.create_task(c) for c in (feed(), *workers)])
                 await self._settle_empties(known)
                 if self.hostile:
                     raise HostileKeysError(self._hostile_message())
+                manifest = self._final_manifest()
                 # Only a resumed run can find files it did not place (a killed
-                # run of an earlier listing); a fresh data dir holds none.
-                stale = self.tree.stale(set(self.entries)) if resuming else []
+                # run of an earlier listing); a fresh data dir holds none. This
+                # is the one place that holds every path (a resume at 1M keys
+                # costs ~100 MiB more, once).
+                stale = self.tree.stale(set(_paths(manifest))) if resuming else []
                 if stale:
                     self.tree.remove(stale)
                 summary = self._summary(len(stale))
-            rev.mark_complete(sorted(self.entries.values(), key=lambda e: e.path), self.tree.dirs, summary.to_dict())
+            rev.seal(manifest, self.tree.dirs, summary.to_dict())
             return summary
         except RevisionGoneError:
             self._drop_revision()
@@ -144,6 +162,12 @@ class _Run:
         finally:
             ticker.cancel()
             self.fetcher.close()
+            # A failed run leaves no half manifest in tmp/ (a sealed one was moved out).
+            for leftover in (self.manifest_tmp, os.path.join(rev.tmp, "manifest.merged")):
+                try:
+                    os.unlink(leftover)
+                except FileNotFoundError:
+                    pass
             self.progress.report()
 
     def _drop_revision(self) -> None:
@@ -165,7 +189,7 @@ class _Run:
 
     # --- listing ------------------------------------------------------------
 
-    async def _produce(self, known: dict[str, Entry], queue: asyncio.Queue) -> None:
+    async def _produce(self, known: dict[str, Entry], queue: asyncio.Queue[Work]) -> None:
         relative, hasher, progress = self.selection.relative, self.hasher, self.progress
         try:
             async for batch in list_objects(self.store, self.source.prefix):
@@ -179,7 +203,11 @@ class _Run:
                         self.hostile.append((obj.key, reason))
                         continue
                     if obj.size == 0:
-                        self.empties.append((obj, rel))  # maybe a directory marker; see _settle_empties
+                        # Maybe a directory marker; see _settle_empties. Either
+                        # way its parents are directories. Whether it sits at or
+                        # under a file is only known now, in listing order.
+                        self.shape.add_parents(rel)
+                        self.empties.append((obj, rel, self.shape.file_at_or_above(rel)))
                         continue
                     if clash := self.shape.clash(rel):
                         self.hostile.append((obj.key, f"file and directory at once ({clash})"))
@@ -188,9 +216,13 @@ class _Run:
                         continue  # the run will fail; keep listing only to name every bad key
                     old = known.get(rel)
                     if old and old.size == obj.size and old.etag == obj.etag and self.tree.is_current(rel, obj.size):
-                        self.entries[rel] = old
+                        self._list_entry(old)
                         progress.skipped += 1
                         continue
+                    # Listed now, fetched later: the run fails unless every
+                    # GET succeeds (If-Match: these very bytes), so the line
+                    # can be written before the file exists.
+                    self._list_entry(Entry(obj.key, rel, obj.size, obj.etag))
                     fetch.append((obj, rel))
                 # Space is reserved a page at a time, so a short listing is
                 # judged on its exact total before any of it is fetched.
@@ -233,45 +265,67 @@ class _Run:
         --concurrency connections. Creating an empty file opens no connection.
         """
 
-        async def settle(obj: RemoteObject, rel: str) -> None:
+        async def settle(obj: RemoteObject, rel: str, above: str | None) -> None:
             if self.shape.is_dir(rel):
                 return  # a directory marker of a directory we fill anyway
             async with self.requests:
                 present = await exists(self.store, obj.key)
             if not present:
                 return  # only "key/" exists: a directory marker of an empty directory, skipped quietly
-            if rel in self.entries:
+            if above == rel or rel in self.placed_empties:
                 return  # "key" and "key/" both exist; the real object already won
-            if clash := self.shape.clash(rel):
-                self.hostile.append((obj.key, f"file and directory at once ({clash})"))
+            if above is not None:
+                self.hostile.append((obj.key, f"file and directory at once ({above})"))
                 return
             old = known.get(rel)
             if old and old.size == 0 and old.etag == obj.etag and self.tree.is_current(rel, 0):
-                self.entries[rel] = old
+                self.placed_empties[rel] = old
                 self.progress.skipped += 1
                 return
             self.tree.ensure_parent(rel)
-            tmp = os.path.join(self.rev.tmp, f"empty-{len(self.entries)}-{id(obj)}")
+            tmp = os.path.join(self.rev.tmp, f"empty-{len(self.placed_empties)}-{id(obj)}")
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444))
             self.tree.place(tmp, rel)
-            self._record(Entry(obj.key, rel, 0, obj.etag))
+            entry = Entry(obj.key, rel, 0, obj.etag)
+            self.placed_empties[rel] = entry
+            self.journal.write(entry.to_json() + "\n")
 
-        await _gather_or_cancel([asyncio.create_task(settle(o, rel)) for o, rel in self.empties])
+        await _gather_or_cancel([asyncio.create_task(settle(*e)) for e in self.empties])
 
     # --- copying ------------------------------------------------------------
 
-    async def _worker(self, queue: asyncio.Queue) -> None:
+    async def _worker(self, queue: asyncio.Queue[Work]) -> None:
         fetcher = self.fetcher
         while (item := await queue.get()) is not None:
             obj, rel = item
             got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag)
-            self._record(Entry(obj.key, rel, got.size, got.etag or obj.etag))
+            self.journal.write(Entry(obj.key, rel, got.size, got.etag or obj.etag).to_json() + "\n")
             self.fetched_bytes += got.size
             self.progress.fetched_objects += 1
 
-    def _record(self, entry: Entry) -> None:
-        self.entries[entry.path] = entry
-        self.journal.write(entry.to_json() + "\n")
+    def _list_entry(self, entry: Entry) -> None:
+        self.manifest.write(entry.to_json() + "\n")
+        self.objects += 1
+        self.bytes += entry.size
+
+    def _final_manifest(self) -> str:
+        """The manifest's file: the listed lines, with the empty files merged in path order.
+
+        Listing order is path order (keys in UTF-8 byte order; the prefix is
+        common), so without empty files the listed file is the manifest as is.
+        """
+        if not self.placed_empties:
+            return self.manifest_tmp
+        merged = os.path.join(self.rev.tmp, "manifest.merged")
+        empties = sorted(self.placed_empties.values(), key=lambda e: e.path)
+        with open(self.manifest_tmp) as listed, open(merged, "w", buffering=1 << 16) as out:
+            lines = ((ManifestEntry.from_json(line).path, line) for line in listed)
+            extra = ((e.path, e.to_json() + "\n") for e in empties)
+            for _, line in heapq.merge(lines, extra, key=lambda t: t[0]):
+                out.write(line)
+        os.unlink(self.manifest_tmp)
+        self.objects += len(empties)
+        return merged
 
     async def _tick(self) -> None:
         while True:
@@ -284,8 +338,8 @@ class _Run:
 
     def _summary(self, deleted: int) -> StageSummary:
         return StageSummary(
-            objects=len(self.entries),
-            bytes=sum(e.size for e in self.entries.values()),
+            objects=self.objects,
+            bytes=self.bytes,
             skipped=self.progress.skipped,
             fetched_bytes=self.fetched_bytes,
             deleted=deleted,
@@ -305,6 +359,12 @@ class _Run:
         )
 
 
+def _paths(manifest: str) -> Iterator[str]:
+    with open(manifest) as f:
+        for line in f:
+            yield ManifestEntry.from_json(line).path
+
+
 def _revision_advice() -> str:
     return (
         "Pods admitted from now on get the bucket's current revision: re-run the Job (or delete its "
@@ -317,7 +377,7 @@ def _first_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).split("\n")[0]
 
 
-async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
+async def _gather_or_cancel(tasks: list[asyncio.Task[None]]) -> None:
     """Wait for all tasks; on the first failure cancel the rest and re-raise it."""
     try:
         await asyncio.gather(*tasks)

@@ -73,7 +73,7 @@ def test_copies_prefix_exactly_with_manifest_summary_lease_and_sealed_tree(
     assert summary["revision"] == rev
     assert json.loads(term.read_text()) == summary
     c = str(cache)
-    manifest = [json.loads(line) for line in Path(contract.manifest_path(c, rev)).read_text().splitlines()]
+    manifest = [json.loads(ln) for ln in Path(contract.manifest_path(c, rev)).read_text().splitlines()]
     assert {m["key"] for m in manifest} == {k for k in files if k.startswith("data/")}
     assert all(m["size"] == len(files[m["key"]]) and m["etag"] for m in manifest)
     assert json.loads(Path(contract.complete_path(c, rev)).read_text())["revision"] == rev
@@ -250,11 +250,11 @@ def test_directory_markers_and_empty_files_without_a_request_each(s3_server: S3S
     want = expected_tree({k: v for k, v in files.items() if k != "m/lone/"}, "m/")
     assert data_tree(data_dir(cache, rev)) == want
     assert not (data_dir(cache, rev) / "lone").exists()  # a marker, never a file
-    heads = [line for line in lines if line.startswith("HEAD ")]
+    heads = [ln for ln in lines if ln.startswith("HEAD ")]
     # Only empty objects with nothing under them are ambiguous (a file "a" or a marker "a/"):
     # 200 empty files and m/lone/. Markers of filled directories cost nothing; empty files no GET.
     assert len(heads) == 201, len(heads)
-    gets = [line for line in lines if line.startswith("GET ") and "list-type" not in line]
+    gets = [ln for ln in lines if ln.startswith("GET ") and "list-type" not in ln]
     assert len(gets) == 101  # the non-empty objects only
 
 
@@ -344,3 +344,30 @@ def test_cli_exit_1_on_an_internal_error_leaves_a_reason(s3_server: S3Server, bu
     assert p.returncode == 1, p.stderr
     assert "Traceback" in p.stderr and "RuntimeError: simulated bug" in p.stderr
     assert (tmp_path / "t").read_text() == "error: internal error: RuntimeError: simulated bug\n"
+
+
+def test_manifest_is_streamed_in_path_order_with_empty_files_merged(s3_server: S3Server, bucket: str, tmp_path: Path):
+    # The manifest is written while listing (never held in memory) and empty files, settled
+    # after the listing, are merged in: the result is one line per file, in path order.
+    files = {
+        "s/a.bin": b"a",
+        "s/a/0": b"",
+        "s/a/1.bin": b"one",
+        "s/a0.txt": b"",
+        "s/b": b"bee",
+        "s/c/d/e.bin": b"deep",
+        "s/c/e": b"",
+        "s/marker/": b"",
+    }
+    s3_server.put_tree(bucket, files)
+    uri, cache = f"s3://{bucket}/s/", tmp_path / "c"
+    rev = boto3_revision(s3_server, uri)
+    r = stage(s3_server, uri, cache, rev)
+    assert r.code == 0, r.stderr
+    lines = Path(contract.manifest_path(str(cache), rev)).read_text().splitlines()
+    paths = [json.loads(line)["path"] for line in lines]
+    want = expected_tree({k: v for k, v in files.items() if not k.endswith("/")}, "s/")
+    assert paths == sorted(want)
+    assert data_tree(data_dir(cache, rev)) == want
+    assert json.loads(r.stdout.strip().splitlines()[-1])["objects"] == len(want)
+    assert not os.path.exists(contract.tmp_dir(str(cache), rev))

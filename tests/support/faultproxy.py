@@ -4,6 +4,14 @@ Each client connection carries one request: the proxy reads the request head,
 decides a fault, and either answers itself, forwards the request with
 ``Connection: close`` and pipes the answer back, or cuts the connection
 halfway through the answer with a TCP reset.
+
+Latency mode (``rtt_ms`` > 0) is the other use: a plain byte pipe that keeps
+the client's connections alive (as real S3 does) and delays every chunk by
+half a round trip in each direction, plus one round trip before a new
+connection's first byte (the TCP handshake). ``tc netem`` is not available on
+these kernels, so this is how the benchmark puts ~20 ms between the client and
+a loopback S3 server. Bandwidth is not limited; the proxy's own CPU runs in
+the benchmark process, not in the measured tool.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ class FaultProxy:
     host: str = "127.0.0.1"
     port: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    #: Latency mode: the round trip added between client and upstream (policy unused).
+    rtt_ms: float = 0.0
     _n: int = 0
 
     @property
@@ -71,6 +81,7 @@ class FaultProxy:
         self._loop = asyncio.new_event_loop()
 
         async def serve() -> None:
+            self._serving = asyncio.current_task()
             self._server = await asyncio.start_server(self._handle, self.host, self.port)
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
@@ -86,9 +97,22 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        async def shutdown() -> None:
+            # Connections still open (keep-alive in latency mode) end first, so
+            # no task is left pending when the loop stops; then the server.
+            conns = [t for t in asyncio.all_tasks() if t not in (asyncio.current_task(), self._serving)]
+            for task in conns:
+                task.cancel()
+            await asyncio.gather(*conns, return_exceptions=True)
+            self._server.close()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._thread.join(10)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.rtt_ms > 0:
+            await self._delayed(reader, writer)
+            return
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -113,10 +137,10 @@ class FaultProxy:
 
     async def _forward(self, head: bytes, reader, writer, cut: bool) -> None:
         up_r, up_w = await asyncio.open_connection(*self.upstream)
-        lines = [l for l in head.split(b"\r\n") if l and not l.lower().startswith(b"connection:")]
+        lines = [ln for ln in head.split(b"\r\n") if ln and not ln.lower().startswith(b"connection:")]
         up_w.write(b"\r\n".join(lines) + b"\r\nConnection: close\r\n\r\n")
         # Request bodies (PUTs while seeding) follow the head.
-        length = next((int(l.split(b":", 1)[1]) for l in lines if l.lower().startswith(b"content-length:")), 0)
+        length = next((int(ln.split(b":", 1)[1]) for ln in lines if ln.lower().startswith(b"content-length:")), 0)
         if length:
             up_w.write(await reader.readexactly(length))
         await up_w.drain()
@@ -137,3 +161,58 @@ class FaultProxy:
         finally:
             up_w.close()
         writer.close()
+
+    async def _delayed(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Pipe one keep-alive connection both ways, each chunk held back by half the round trip."""
+        half = self.rtt_ms / 2000
+        await asyncio.sleep(2 * half)  # the handshake's round trip
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            return
+        self.counts["connections"] = self.counts.get("connections", 0) + 1
+        try:
+            await asyncio.gather(_delayed_pipe(reader, up_w, half), _delayed_pipe(up_r, writer, half))
+        finally:
+            up_w.close()
+            writer.close()
+
+
+async def _delayed_pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float) -> None:
+    """Copy src to dst, each chunk delivered ``delay`` seconds after it arrived, in order.
+
+    One queue and one sender per direction keep the order (timers with equal
+    deadlines would not) and let reading run ahead of the delayed writes, as a
+    long link holds bytes in flight.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def send() -> None:
+        while True:
+            due, chunk = await queue.get()
+            if (wait := due - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            if not chunk:
+                break
+            dst.write(chunk)
+            await dst.drain()
+        if dst.can_write_eof():
+            dst.write_eof()
+
+    sender = asyncio.create_task(send())
+    try:
+        while True:
+            try:
+                chunk = await src.read(1 << 16)
+            except ConnectionError:
+                chunk = b""
+            queue.put_nowait((loop.time() + delay, chunk))
+            if not chunk:
+                break
+        await sender
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        sender.cancel()

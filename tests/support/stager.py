@@ -88,7 +88,7 @@ def data_dir(cache: Path, revision: str) -> Path:
 def data_tree(dest: Path) -> dict[str, str]:
     """{relative path: sha256} of every file under dest."""
     out = {}
-    for root, dirs, files in os.walk(dest):
+    for root, _dirs, files in os.walk(dest):
         for f in files:
             p = Path(root, f)
             out[str(p.relative_to(dest))] = hashlib.sha256(p.read_bytes()).hexdigest()

@@ -89,7 +89,7 @@ def test_hostile_keys_are_listed_and_nothing_escapes(moto_endpoint: str, tmp_pat
         assert key in msg and why in msg
     assert "exclude" in msg  # says how to fix it
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
-        p.name for p in [work, work / "dest", tmp_path / "t", *list((work / "dest").rglob("*"))]
+        p.name for p in [work, work / "dest", tmp_path / "t", *(work / "dest").rglob("*")]
     )
     assert not list(tmp_path.rglob("escape.txt")) and not list(tmp_path.rglob("evil"))
     assert not list((work / "dest").rglob("complete"))
@@ -100,6 +100,18 @@ def test_file_directory_clash_is_refused(moto_endpoint: str, tmp_path: Path):
     r = stage(moto_endpoint, "s3://clash/c/", tmp_path / "dest", tmp_path / "t")
     assert r.returncode == 5, r.stderr
     assert "'c/x/y' (file and directory at once (x))" in (tmp_path / "t").read_text()
+
+
+def test_clash_is_found_across_keys_listed_in_between(moto_endpoint: str, tmp_path: Path):
+    # 'x.txt' and 'x-1/z' sort between 'x' and 'x/...': the stager keeps no set of every
+    # file, only the files a later key can still sit under, so this is the case to prove.
+    keys = {"c/x": b"file", "c/x-1/z": b"z", "c/x.txt": b"t", "c/x/e": b"", "c/x/y": b"under it"}
+    put(moto_endpoint, "clash3", keys)
+    r = stage(moto_endpoint, "s3://clash3/c/", tmp_path / "dest", tmp_path / "t")
+    assert r.returncode == 5, r.stderr
+    msg = (tmp_path / "t").read_text()
+    assert msg.startswith("error: 2 object key(s)"), msg
+    assert "'c/x/y' (file and directory at once (x))" in msg and "'c/x/e' (file and directory at once (x))" in msg
 
 
 def test_excluding_the_hostile_keys_lets_the_copy_through(moto_endpoint: str, tmp_path: Path):

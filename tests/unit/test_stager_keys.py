@@ -71,3 +71,19 @@ def test_source_uri(uri: str, bucket: str, prefix: str):
 def test_bad_source_uri(uri: str):
     with pytest.raises(UsageError, match="s3://BUCKET"):
         S3Source.parse(uri)
+
+
+def test_tree_shape_in_listing_order_finds_clashes_across_keys_in_between():
+    # In S3's order, keys such as 'x.txt' and 'x-1/y' sort between a file 'x' and 'x/y'.
+    s = TreeShape()
+    assert [s.clash(k) for k in ["x", "x-1/y", "x.txt", "x/y", "y"]] == [None, None, None, "x", None]
+    assert s.clash("y") == "y"  # the same path twice
+    assert s.file_at_or_above("y/empty") == "y"  # an empty object under a file, checked without recording it
+
+
+def test_tree_shape_holds_directories_and_the_open_prefix_chain_not_every_file():
+    s = TreeShape()
+    keys = sorted(f"d{i % 50:02d}/f{i:06d}.bin" for i in range(20_000))
+    assert all(s.clash(k) is None for k in keys)
+    assert len(s._dirs) == 50  # grows with directories
+    assert len(s._open) <= 2  # not with files: only those a later key could still sit under
