@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
+.PHONY: help install tools test test-unit bench bench-quick demo e2e kind-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed ## Python virtualenv with every extra (.venv)
 
 tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
-	bash e2e/cluster/tools.sh s3 s5cmd etcd kube-apiserver helm
+	bash e2e/tools/tools.sh s3 s5cmd etcd kube-apiserver helm
 
 # pytest exits 5 when it collects nothing; for us that is a broken suite, not a pass.
 define run_pytest
@@ -42,27 +42,15 @@ bench-quick: install tools ## Benchmarks, quick mode (each under 10 minutes)
 	$(PY) bench/stager.py --quick
 	$(PY) bench/operator.py --quick
 
-# E2E_CLUSTER=kind: the 3-node kind path (e2e/kind/README.md); local: the single-node cluster (e2e/cluster/).
-E2E_CLUSTER ?= local
-e2e: install ## End-to-end suite (root; E2E_CLUSTER=local|kind); writes build/e2e-result.json
-ifeq ($(E2E_CLUSTER),kind)
-	bash e2e/kind/run.sh
-else
+e2e: install ## End-to-end suite on a 3-node kind cluster with JobSet and Kubeflow (root; e2e/kind/README.md); writes build/e2e-result.json
 	bash e2e/run.sh
-endif
 
-e2e-kind: install ## The suite + multi-node tests on a 3-node kind cluster with JobSet and Kubeflow (root; e2e/kind/README.md)
-	bash e2e/kind/run.sh
-
-kind-down: ## Delete the kind cluster, its S3 container and our dockerd
+kind-down: ## Delete the kind cluster, its S3 container and our dockerd (leaves the machine as it was)
 	bash e2e/kind/down.sh
 
 NODES ?= 1
-demo: install ## Throwaway cluster, sample bucket, a training Job staged end to end, then wiped (NODES=3: + a JobSet on 3 kind nodes)
+demo: install ## kind cluster, sample bucket, a training Job staged end to end, then wiped (NODES=3: + a JobSet on the 3 nodes)
 	NODES=$(NODES) bash e2e/demo.sh
-
-cluster-down: ## Stop the local cluster and leave the machine clean
-	bash e2e/cluster/down
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

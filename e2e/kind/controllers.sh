@@ -2,14 +2,14 @@
 # The real workload controllers on the kind cluster, built from source here:
 #   JobSet              sigs.k8s.io/jobset            (manifests: its module's config/default)
 #   training-operator   github.com/kubeflow/training-operator (PyTorchJob; manifests/overlays/standalone)
-# Binaries from e2e/cluster/tools.sh (Go module proxy), images with docker on
+# Binaries from e2e/tools/tools.sh (Go module proxy), images with docker on
 # debian:bookworm-slim, `kind load`ed, manifests rendered with `kubectl kustomize`
 # from the same module zips, with the image swapped for ours. Idempotent.
 #
 # Needs the environment e2e/kind/up.sh exports (KIND, KIND_CLUSTER, KUBECTL, KUBECONFIG).
 set -Eeuo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-TOOLS=$REPO/e2e/cluster/tools.sh
+TOOLS=$REPO/e2e/tools/tools.sh
 log() { printf '[controllers] %s\n' "$*" >&2; }
 : "${KIND:?source e2e/kind/up.sh first}" "${KUBECTL:?}" "${KIND_CLUSTER:?}"
 
