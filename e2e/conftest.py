@@ -262,7 +262,7 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
             "--wait",
             "--timeout",
             "300s",
-            *sum((["--set", s] for s in sets), []),
+            *[arg for s in sets for arg in ("--set", s)],
             *cfg.helm_args,
         )
         info["reused"] = True
@@ -283,7 +283,7 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
                 "--wait",
                 "--timeout",
                 "180s",
-                *sum((["--set", s] for s in sets), []),
+                *[arg for s in sets for arg in ("--set", s)],
                 *cfg.helm_args,
             )
         except Exception as e:
