@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install lock lint chart-docs release-check tools test test-unit bench bench-quick demo e2e e2e-kind kind-down cluster-down clean
+.PHONY: help install lock lint chart-docs release-check tools test test-unit bench bench-quick demo e2e kind-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -41,7 +41,7 @@ lint: install ## ruff (lint + format check) and mypy over the shipped packages
 	$(VENV)/bin/mypy init-container/dscache_stager operator/dscache_operator contract/dscache_contract
 
 tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
-	bash e2e/cluster/tools.sh s3 s5cmd etcd kube-apiserver helm helm-docs actionlint
+	bash e2e/tools/tools.sh s3 s5cmd etcd kube-apiserver helm helm-docs actionlint
 
 # pytest exits 5 when it collects nothing; for us that is a broken suite, not a pass.
 define run_pytest
@@ -64,35 +64,23 @@ bench-quick: install tools ## Benchmarks, quick mode (each under 10 minutes)
 	$(PY) bench/stager.py --quick
 	$(PY) bench/operator.py --quick
 
-# E2E_CLUSTER=kind: the 3-node kind path (e2e/kind/README.md); local: the single-node cluster (e2e/cluster/).
-E2E_CLUSTER ?= local
-e2e: install ## End-to-end suite (root; E2E_CLUSTER=local|kind); writes build/e2e-result.json
-ifeq ($(E2E_CLUSTER),kind)
-	bash e2e/kind/run.sh
-else
+e2e: install ## End-to-end suite on a 3-node kind cluster with JobSet and Kubeflow (root; e2e/kind/README.md); writes build/e2e-result.json
 	bash e2e/run.sh
-endif
 
-e2e-kind: install ## The suite + multi-node tests on a 3-node kind cluster with JobSet and Kubeflow (root; e2e/kind/README.md)
-	bash e2e/kind/run.sh
-
-kind-down: ## Delete the kind cluster, its S3 container and our dockerd
+kind-down: ## Delete the kind cluster, its S3 container and our dockerd (leaves the machine as it was)
 	bash e2e/kind/down.sh
 
 NODES ?= 1
-demo: install ## Throwaway cluster, sample bucket, a training Job staged end to end, then wiped (NODES=3: + a JobSet on 3 kind nodes)
+demo: install ## kind cluster, sample bucket, a training Job staged end to end, then wiped (NODES=3: + a JobSet on the 3 nodes)
 	NODES=$(NODES) bash e2e/demo.sh
-
-cluster-down: ## Stop the local cluster and leave the machine clean
-	bash e2e/cluster/down
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
 
 chart-docs: ## Regenerate charts/dscache/README.md from values.yaml and README.md.gotmpl (helm-docs)
-	"$$(bash e2e/cluster/tools.sh --path helm-docs | tail -1)/helm-docs" --chart-search-root charts/dscache --template-files README.md.gotmpl
+	"$$(bash e2e/tools/tools.sh --path helm-docs | tail -1)/helm-docs" --chart-search-root charts/dscache --template-files README.md.gotmpl
 
 release-check: ## What release.yml does that can run here: actionlint, helm lint --strict, helm package into build/
-	"$$(bash e2e/cluster/tools.sh --path actionlint | tail -1)/actionlint" .github/workflows/release.yml
-	"$$(bash e2e/cluster/tools.sh --path helm | tail -1)/helm" lint --strict charts/dscache
-	"$$(bash e2e/cluster/tools.sh --path helm | tail -1)/helm" package charts/dscache --destination build
+	"$$(bash e2e/tools/tools.sh --path actionlint | tail -1)/actionlint" .github/workflows/release.yml
+	"$$(bash e2e/tools/tools.sh --path helm | tail -1)/helm" lint --strict charts/dscache
+	"$$(bash e2e/tools/tools.sh --path helm | tail -1)/helm" package charts/dscache --destination build

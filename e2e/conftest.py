@@ -1,14 +1,14 @@
 """Session fixtures of the end-to-end suite: a real cluster, the chart, a real bucket.
 
 Configuration (environment; e2e/run.sh sets these):
-  KUBECONFIG                    default /var/lib/dscache-e2e/kubeconfig (the local cluster)
-  DSCACHE_E2E_KUBECTL / _HELM   binaries (default: e2e/cluster/tools.sh --path, else PATH)
-  DSCACHE_E2E_OPERATOR_IMAGE    default localhost/dscache-operator:e2e
-  DSCACHE_E2E_STAGER_IMAGE      default localhost/dscache-stager:e2e (also the "training" image)
-  DSCACHE_E2E_PULL_POLICY       default Never (images are imported, there is no registry)
-  DSCACHE_E2E_CACHE_ROOT        the chart's cacheRoot, default /var/lib/dscache-e2e/nvme
-  DSCACHE_E2E_S3_ENV            file with AWS_ENDPOINT_URL/keys, default /var/lib/dscache-e2e/s3.env
-                                (AWS_ENDPOINT_URL etc. in the environment win)
+  KUBECONFIG                    default ~/.cache/dscache/kind/kubeconfig (the kind cluster of e2e/kind/up.sh)
+  DSCACHE_E2E_KUBECTL / _HELM   binaries (default: e2e/tools/tools.sh --path, else PATH)
+  DSCACHE_E2E_OPERATOR_IMAGE    default localhost/dscache-operator:kind
+  DSCACHE_E2E_STAGER_IMAGE      default localhost/dscache-stager:kind (also the "training" image)
+  DSCACHE_E2E_PULL_POLICY       default Never (images are `kind load`ed, there is no registry)
+  DSCACHE_E2E_CACHE_ROOT        the chart's cacheRoot, default /var/lib/dscache (inside each node)
+  DSCACHE_E2E_S3_ENV            optional file with AWS_ENDPOINT_URL/keys (KEY=value lines); by default
+                                AWS_ENDPOINT_URL etc. come from the environment (e2e/kind/up.sh), which wins
   DSCACHE_E2E_S3_ENDPOINT_POD   the endpoint as pods see it (default: AWS_ENDPOINT_URL)
   DSCACHE_E2E_NODE_EXEC         prefix to run a command on a node (kind: "docker exec <node>", or
                                 "docker exec {node}" for several nodes: {node} is the pod's node);
@@ -17,7 +17,7 @@ Configuration (environment; e2e/run.sh sets these):
   DSCACHE_E2E_REUSE_RELEASE=1   keep an installed release instead of reinstalling (development only)
   DSCACHE_E2E_HELM_ARGS         extra `helm install` arguments (shell words), e.g. "--set webhook.replicas=1"
   DSCACHE_E2E_MULTINODE=1       run the tests marked `multinode` (3 nodes that run pods, the JobSet and
-                                Kubeflow controllers: e2e/kind/run.sh sets it); otherwise they are
+                                Kubeflow controllers: e2e/run.sh sets it); otherwise they are
                                 deselected (absent from the results), never skipped
   DSCACHE_E2E_REJOIN_CMD        shell command that rewires a node after test_node_lost brings it back
 """
@@ -64,7 +64,7 @@ def _tool(env: str, tool: str, binary: str) -> str:
         return os.environ[env]
     try:
         out = subprocess.run(
-            ["bash", str(REPO / "e2e/cluster/tools.sh"), "--path", tool], capture_output=True, text=True, timeout=60
+            ["bash", str(REPO / "e2e/tools/tools.sh"), "--path", tool], capture_output=True, text=True, timeout=60
         )
         lines = out.stdout.strip().splitlines()
         if out.returncode == 0 and lines and Path(lines[-1], binary).exists():
@@ -79,8 +79,8 @@ def _tool(env: str, tool: str, binary: str) -> str:
 
 def _s3_env() -> dict[str, str]:
     env: dict[str, str] = {}
-    path = Path(os.environ.get("DSCACHE_E2E_S3_ENV", "/var/lib/dscache-e2e/s3.env"))
-    if path.exists():
+    path = Path(os.environ.get("DSCACHE_E2E_S3_ENV", "/dev/null"))
+    if path.is_file():
         for line in path.read_text().splitlines():
             if "=" in line and not line.lstrip().startswith("#"):
                 k, v = line.split("=", 1)
@@ -96,11 +96,11 @@ def _s3_env() -> dict[str, str]:
 
 class Config:
     def __init__(self) -> None:
-        self.kubeconfig = os.environ.get("KUBECONFIG", "/var/lib/dscache-e2e/kubeconfig")
-        self.operator_image = os.environ.get("DSCACHE_E2E_OPERATOR_IMAGE", "localhost/dscache-operator:e2e")
-        self.stager_image = os.environ.get("DSCACHE_E2E_STAGER_IMAGE", "localhost/dscache-stager:e2e")
+        self.kubeconfig = os.environ.get("KUBECONFIG", str(Path.home() / ".cache/dscache/kind/kubeconfig"))
+        self.operator_image = os.environ.get("DSCACHE_E2E_OPERATOR_IMAGE", "localhost/dscache-operator:kind")
+        self.stager_image = os.environ.get("DSCACHE_E2E_STAGER_IMAGE", "localhost/dscache-stager:kind")
         self.pull_policy = os.environ.get("DSCACHE_E2E_PULL_POLICY", "Never")
-        self.cache_root = os.environ.get("DSCACHE_E2E_CACHE_ROOT", "/var/lib/dscache-e2e/nvme").rstrip("/")
+        self.cache_root = os.environ.get("DSCACHE_E2E_CACHE_ROOT", "/var/lib/dscache").rstrip("/")
         self.s3 = _s3_env()
         self.endpoint_pod = os.environ.get("DSCACHE_E2E_S3_ENDPOINT_POD", self.s3["AWS_ENDPOINT_URL"])
         self.results = Path(os.environ.get("DSCACHE_E2E_RESULTS", REPO / "build"))
@@ -262,7 +262,7 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
             "--wait",
             "--timeout",
             "300s",
-            *sum((["--set", s] for s in sets), []),
+            *[arg for s in sets for arg in ("--set", s)],
             *cfg.helm_args,
         )
         info["reused"] = True
@@ -283,7 +283,7 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
                 "--wait",
                 "--timeout",
                 "180s",
-                *sum((["--set", s] for s in sets), []),
+                *[arg for s in sets for arg in ("--set", s)],
                 *cfg.helm_args,
             )
         except Exception as e:

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # make demo: from a fresh machine to "a training Job read its dataset from local disk".
 #
-#   1. a cluster: kind where a Docker daemon answers (`docker info`), else the
-#      local real cluster (e2e/cluster/up: kubelet + containerd, no Docker)
-#   2. the project's images, built from its Dockerfiles
+#   1. a 3-node kind cluster (e2e/kind/up.sh: our own dockerd, everything built here)
+#   2. the project's images, built from its Dockerfiles (reused when their inputs did not change)
 #   3. a sample bucket, filled through the S3 API
 #   4. helm install charts/dscache
 #   5. e2e/samples/datasetcache.yaml + e2e/samples/job.yaml
 #   6. the story: what was staged, how fast, what training saw, that the copy was wiped
+#   NODES=3: then e2e/samples/jobset.yaml under the real JobSet controller, one pod per node
 #
-# DSCACHE_DEMO_CLUSTER=local|kind forces a path. DSCACHE_DEMO_FILES (default 2000)
-# sets the number of small files in the sample dataset.
+# DSCACHE_DEMO_FILES (default 2000) sets the number of small files in the sample dataset.
+# The cluster stays up afterwards (look around); `make kind-down` removes it.
 set -Eeuo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -19,49 +19,20 @@ say()  { printf '\033[1m==> %s\033[0m\n' "$*"; }
 note() { printf '    %s\n' "$*"; }
 
 cat <<'HINT'
-dscache demo. Timing hints (measured on a 2-core VM, 2026-11-21):
-  - local cluster, first run on a fresh machine: e2e/cluster/up builds Kubernetes 1.34,
-    etcd, containerd, runc, versitygw and helm from source through the Go module proxy,
-    about 28 min once (cached in ~/.cache/dscache/tools); then a debootstrap base image
-    (~35 s once) and two buildah builds (~100 s).
-  - later runs: ~2.5 min with the image builds, ~30 s with DSCACHE_DEMO_SKIP_IMAGES=1.
-  - kind path (a Docker daemon answers): kind + two docker builds; never measured here.
+dscache demo. Timing hints (measured on a 2-core VM, 2026-11):
+  - first run on a fresh machine: `make tools` + the kind tools build Kubernetes 1.34, etcd,
+    containerd, runc, versitygw, helm, kind and the JobSet controller from source through the
+    Go module proxy (cached in ~/.cache/dscache/tools), then kind's node image: see README.md.
+  - later runs: ~3.5 min with the image builds; NODES=3 adds about a minute.
 HINT
 
 [ -x .venv/bin/python ] || { say "Python virtualenv (make install)"; make install; }
 PY=$REPO/.venv/bin/python
-
-MODE=${DSCACHE_DEMO_CLUSTER:-}
 NODES=${NODES:-1}
-[ "$NODES" -ge 3 ] && MODE=kind   # the distributed story needs kind's 3 nodes
-if [ -z "$MODE" ]; then
-  if command -v docker >/dev/null && docker info >/dev/null 2>&1; then MODE=kind; else MODE=local; fi
-fi
-if [ "$MODE" = kind ]; then
-  say "Docker answers: a kind cluster (e2e/kind/up.sh)"
-  # shellcheck source=kind/up.sh
-  source e2e/kind/up.sh          # sets KUBECONFIG, KUBECTL, HELM, S3_* , NODE_EXEC, CACHE_ROOT, images
-else
-  STAGER_IMAGE=localhost/dscache-stager:e2e
-  OPERATOR_IMAGE=localhost/dscache-operator:e2e
-  say "No Docker daemon: the local real cluster (e2e/cluster/up)"
-  t=$SECONDS; e2e/cluster/up 2>&1 | sed 's/^/    /'; note "cluster up in $((SECONDS - t)) s"
-  export KUBECONFIG=/var/lib/dscache-e2e/kubeconfig
-  KUBECTL=$(bash e2e/cluster/tools.sh --path kubernetes | tail -1)/kubectl
-  HELM=$(bash e2e/cluster/tools.sh --path helm | tail -1)/helm
-  # shellcheck disable=SC1091
-  set -a; source /var/lib/dscache-e2e/s3.env; set +a
-  S3_ENDPOINT_HOST=$AWS_ENDPOINT_URL; S3_ENDPOINT_POD=$AWS_ENDPOINT_URL
-  NODE_EXEC=""
-  CACHE_ROOT=/var/lib/dscache-e2e/nvme
-  if [ "${DSCACHE_DEMO_SKIP_IMAGES:-0}" != 1 ]; then
-    say "Building the images from init-container/Dockerfile and operator/Dockerfile (buildah -> containerd)"
-    t=$SECONDS
-    DSCACHE_STAGER_IMAGE=$STAGER_IMAGE DSCACHE_OPERATOR_IMAGE=$OPERATOR_IMAGE e2e/cluster/images.sh \
-      2>&1 | sed 's/^/    /'
-    note "images in $((SECONDS - t)) s"
-  fi
-fi
+
+say "A 3-node kind cluster (e2e/kind/up.sh)"
+# shellcheck source=kind/up.sh
+source e2e/kind/up.sh          # sets KUBECONFIG, KUBECTL, HELM, S3_* , NODE_EXEC, CACHE_ROOT, images
 k() { "$KUBECTL" "$@"; }
 
 say "Filling s3://demo-datasets/imagenet-mini/ through the S3 API ($S3_ENDPOINT_HOST)"

@@ -1,61 +1,63 @@
 #!/usr/bin/env bash
-# make e2e: the end-to-end suite against a real single-node Kubernetes on this machine.
+# make e2e: the end-to-end suite on a 3-node kind cluster with the real JobSet and
+# Kubeflow training-operator controllers (e2e/kind/README.md).
 #
-#   1. e2e/cluster/up           (idempotent: ~1 s when already up; builds missing tools first)
-#   2. e2e/cluster/images.sh    the project's Dockerfiles -> buildah -> containerd
-#   3. pytest e2e/              helm install (a session fixture), then the user story
+#   1. e2e/kind/up.sh           dockerd, the kind cluster (3 nodes), the project's images, S3
+#   2. e2e/kind/controllers.sh  JobSet and training-operator, built from source
+#   3. pytest e2e/              helm install (a session fixture), the user story, the multi-node tests
 #   4. build/e2e-result.json    {"passed", "failed", "overhead_s", "k8s_version", "nodes", "controllers",
 #                               "tests": {name: passed|failed|skipped}, and every key of timeline.json}
+#   5. e2e/kind/down.sh         cluster, S3 container, our dockerd, bridges and rules: gone
 #
+#   bash e2e/run.sh             all of it (make e2e)
+#   bash e2e/run.sh up          steps 1-2 only, left up (.ci/run does this while `make test` runs;
+#                               a later `bash e2e/run.sh` reuses the cluster, images and controllers)
 # Environment:
-#   DSCACHE_E2E_SKIP_IMAGES=1   reuse the images already in containerd (development)
-#   DSCACHE_E2E_SKIP_UP=1       do not run e2e/cluster/up (e.g. the kind path, KUBECONFIG set)
+#   DSCACHE_KIND_KEEP=1         leave everything up after the tests (development; `make kind-down`)
+#   DSCACHE_E2E_SKIP_IMAGES=1   reuse the images already loaded in the nodes (development)
 #   PYTEST_ARGS                 extra pytest arguments (e.g. "-k timeline -x")
-# Every other DSCACHE_E2E_* setting is documented in e2e/conftest.py.
+# Every other DSCACHE_E2E_* setting is documented in e2e/conftest.py, DSCACHE_KIND_* in e2e/kind/up.sh.
 set -Eeuo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 T0=$SECONDS
 step() { printf '\n== e2e: %s (t=%ds)\n' "$*" "$((SECONDS - T0))"; }
+MODE=${1:-all}
+case $MODE in all | up) ;; *) echo "usage: e2e/run.sh [up]" >&2; exit 2 ;; esac
 
-export DSCACHE_E2E_OPERATOR_IMAGE=${DSCACHE_E2E_OPERATOR_IMAGE:-localhost/dscache-operator:e2e}
-export DSCACHE_E2E_STAGER_IMAGE=${DSCACHE_E2E_STAGER_IMAGE:-localhost/dscache-stager:e2e}
+[ -x .venv/bin/python ] || { step "python venv (make install)"; make install; }
+PY=$REPO/.venv/bin/python
+
+if [ "$MODE" = all ] && [ "${DSCACHE_KIND_KEEP:-0}" != 1 ]; then trap 'bash e2e/kind/down.sh || true' EXIT; fi
+step "cluster, images, S3 (e2e/kind/up.sh)"
+# shellcheck source=kind/up.sh
+source e2e/kind/up.sh
+step "controllers (e2e/kind/controllers.sh)"
+t=$SECONDS; bash e2e/kind/controllers.sh; echo "controllers: $((SECONDS - t)) s"
+echo "cluster, images, S3 and controllers ready after $((SECONDS - T0)) s"
+[ "$MODE" = up ] && exit 0
+
+export DSCACHE_E2E_MULTINODE=1 DSCACHE_E2E_KUBECTL=$KUBECTL DSCACHE_E2E_HELM=$HELM
+export DSCACHE_E2E_STAGER_IMAGE=$STAGER_IMAGE DSCACHE_E2E_OPERATOR_IMAGE=$OPERATOR_IMAGE
+export DSCACHE_E2E_PULL_POLICY=Never DSCACHE_E2E_CACHE_ROOT=$CACHE_ROOT
+export DSCACHE_E2E_S3_ENDPOINT_POD=$S3_ENDPOINT_POD DSCACHE_E2E_NODE_EXEC=$NODE_EXEC
+export DSCACHE_E2E_REJOIN_CMD=$KIND_REJOIN_CMD
 export DSCACHE_E2E_RESULTS=${DSCACHE_E2E_RESULTS:-$REPO/build}
 mkdir -p "$DSCACHE_E2E_RESULTS"
 RESULT=$DSCACHE_E2E_RESULTS/e2e-result.json
 JUNIT=$DSCACHE_E2E_RESULTS/e2e-junit.xml
 rm -f "$RESULT" "$JUNIT" "$DSCACHE_E2E_RESULTS/timeline.json"
 
-[ -x .venv/bin/python ] || { step "python venv (make install)"; make install; }
-PY=$REPO/.venv/bin/python
-
-if [ "${DSCACHE_E2E_SKIP_UP:-0}" != 1 ]; then
-  step "cluster up (e2e/cluster/up)"
-  t=$SECONDS; e2e/cluster/up; echo "cluster up: $((SECONDS - t)) s"
-  export KUBECONFIG=${KUBECONFIG:-/var/lib/dscache-e2e/kubeconfig}
-fi
-export KUBECONFIG=${KUBECONFIG:-/var/lib/dscache-e2e/kubeconfig}
-
-if [ "${DSCACHE_E2E_SKIP_IMAGES:-0}" != 1 ]; then
-  step "images (e2e/cluster/images.sh): $DSCACHE_E2E_STAGER_IMAGE $DSCACHE_E2E_OPERATOR_IMAGE"
-  t=$SECONDS
-  DSCACHE_STAGER_IMAGE=$DSCACHE_E2E_STAGER_IMAGE DSCACHE_OPERATOR_IMAGE=$DSCACHE_E2E_OPERATOR_IMAGE \
-    e2e/cluster/images.sh
-  echo "images: $((SECONDS - t)) s"
-fi
-
 step "pytest e2e/"
 t=$SECONDS
 set +e
 eval "extra=(${PYTEST_ARGS:-})"   # shell words, quotes allowed: PYTEST_ARGS="-k 'a or b'"
-(cd e2e && "$PY" -m pytest -c pytest.ini --junitxml="$JUNIT" -v "${extra[@]}")
+(cd e2e && "$PY" -m pytest -c pytest.ini --junitxml="$JUNIT" -v --durations=15 "${extra[@]}")
 rc=$?
 set -e
 echo "pytest: exit $rc in $((SECONDS - t)) s"
 
 step "result"
-KUBECTL=${DSCACHE_E2E_KUBECTL:-$(bash e2e/cluster/tools.sh --path kubernetes 2>/dev/null | tail -1)/kubectl}
-[ -x "$KUBECTL" ] || KUBECTL=kubectl
 K8S_VERSION=$("$KUBECTL" version -o json 2>/dev/null | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["serverVersion"]["gitVersion"])' || echo unknown)
 status=0
 NODES=$("$KUBECTL" get nodes -o name 2>/dev/null | wc -l) || NODES=0

@@ -8,7 +8,7 @@ overhead_s = (training container start - Job create) - the stager's own copy sec
 - Init container start/end: the kubelet's startedAt/finishedAt (whole seconds).
 - Copy seconds: the stager's own figure, from its termination message.
 - Training start: the first line the training program prints (time.time(), the
-  node's clock, which is this machine's clock on the local cluster).
+  node's clock; kind nodes are containers sharing this machine's clock).
 
 Three cold runs, each on a fresh cache; overhead_s is their median and
 overhead_runs lists every run's figure. Both are written to

@@ -345,9 +345,9 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
             if (
                 wait_for(
                     f"Job {j1}",
-                    lambda: job_condition(kube, ns, j1),
+                    lambda j1=j1: job_condition(kube, ns, j1),
                     timeout=180,
-                    describe=lambda: describe_pods(kube, ns, f"job-name={j1}"),
+                    describe=lambda j1=j1: describe_pods(kube, ns, f"job-name={j1}"),
                 )
                 != "Complete"
             ):
@@ -367,9 +367,9 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
             seen_helpers.add(helper["metadata"]["uid"])
             state = wait_for(
                 f"Job {j2}",
-                lambda: job_condition(kube, ns, j2),
+                lambda j2=j2: job_condition(kube, ns, j2),
                 timeout=180,
-                describe=lambda: describe_pods(kube, ns, f"job-name={j2}"),
+                describe=lambda j2=j2: describe_pods(kube, ns, f"job-name={j2}"),
             )
             if state != "Complete":
                 reader_failures.append(f"{j2}: {describe_pods(kube, ns, f'job-name={j2}')[-1500:]}")

@@ -6,8 +6,8 @@ one with bash, kubectl and helm from the working tree (cwd = the repo). Only
 what this test environment must differ in is substituted, each listed in
 SUBSTITUTIONS below:
   - the image repositories (no registry here: the images are imported into
-    containerd), plus their tag and pull policy, appended to `helm install`;
-  - cacheRoot (the local cluster's disk);
+    the kind nodes), plus their tag and pull policy, appended to `helm install`;
+  - cacheRoot (each node's own disk);
   - in e2e/samples/datasetcache.yaml: the S3 endpoint and the two REPLACE_ME keys
     (as the README tells the reader to edit them), through a copy of the file;
   - in e2e/samples/job.yaml: the training image.

@@ -2,14 +2,14 @@
 # The real workload controllers on the kind cluster, built from source here:
 #   JobSet              sigs.k8s.io/jobset            (manifests: its module's config/default)
 #   training-operator   github.com/kubeflow/training-operator (PyTorchJob; manifests/overlays/standalone)
-# Binaries from e2e/cluster/tools.sh (Go module proxy), images with docker on
+# Binaries from e2e/tools/tools.sh (Go module proxy), images with docker on
 # debian:bookworm-slim, `kind load`ed, manifests rendered with `kubectl kustomize`
 # from the same module zips, with the image swapped for ours. Idempotent.
 #
 # Needs the environment e2e/kind/up.sh exports (KIND, KIND_CLUSTER, KUBECTL, KUBECONFIG).
 set -Eeuo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-TOOLS=$REPO/e2e/cluster/tools.sh
+TOOLS=$REPO/e2e/tools/tools.sh
 log() { printf '[controllers] %s\n' "$*" >&2; }
 : "${KIND:?source e2e/kind/up.sh first}" "${KUBECTL:?}" "${KIND_CLUSTER:?}"
 
@@ -25,7 +25,15 @@ image() {
     printf 'FROM debian:bookworm-slim\nCOPY binary %s\nUSER 65532:65532\nENTRYPOINT ["%s"]\n' "$dest" "$dest" >"$ctx/Dockerfile"
     docker build -q -t "$ref" "$ctx" >/dev/null; rm -rf "$ctx"
   fi
+  # `kind load docker-image` asks each node for the image's ID with `crictl inspecti`;
+  # our node image has no crictl, so kind would load it again on every call (~20 s each
+  # on 2 cores): a marker (cluster container id + image id) says it is already there.
+  local stamp marker
+  stamp="$(docker inspect -f '{{.Id}}' "$KIND_CLUSTER-control-plane") $(docker image inspect -f '{{.Id}}' "$ref")"
+  marker=${DSCACHE_KIND_STATE:-$HOME/.cache/dscache/kind}/loaded/$(echo "$ref" | tr '/:' '__')
+  if [ "$(cat "$marker" 2>/dev/null)" = "$stamp" ]; then log "$ref already loaded on every node"; return; fi
   "$KIND" load docker-image --name "$KIND_CLUSTER" "$ref" >/dev/null
+  mkdir -p "$(dirname "$marker")"; echo "$stamp" >"$marker"
 }
 
 jobset() {

@@ -9,7 +9,7 @@ KIND_CLUSTER=${DSCACHE_KIND_CLUSTER:-dscache-e2e}
 STATE_DIR=${DSCACHE_KIND_STATE:-$HOME/.cache/dscache/kind}
 export PATH=$STATE_DIR/bin:$PATH
 if /usr/bin/docker info >/dev/null 2>&1; then
-  KIND=$(bash "$REPO/e2e/cluster/tools.sh" --path kind | tail -n1)/kind
+  KIND=$(bash "$REPO/e2e/tools/tools.sh" --path kind | tail -n1)/kind
   "$KIND" delete cluster --name "$KIND_CLUSTER" --kubeconfig "$STATE_DIR/kubeconfig" >&2 || true
   /usr/bin/docker rm -f "$KIND_CLUSTER-s3" >/dev/null 2>&1 || true
 fi

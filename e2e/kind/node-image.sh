@@ -6,7 +6,7 @@
 #   e2e/kind/node-image.sh --force    rebuild
 #
 # Steps (each logs its time):
-#   1. debian:bookworm-slim = the project's debootstrap rootfs (e2e/cluster/images.sh base), `docker import`ed
+#   1. debian:bookworm-slim = the project's debootstrap rootfs (e2e/tools/images.sh base), `docker import`ed
 #   2. kind's own `images/base` Dockerfile (from the kind module zip), `--target base`, built offline
 #   3. + containerd, ctr, the runc shim v2, runc (tools.sh) behind node/runc-wrapper, Debian's CNI plugins,
 #      kubeadm, kubelet, kubectl (tools.sh), /kind/version
@@ -18,7 +18,7 @@
 set -Eeuo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
-TOOLS=$REPO/e2e/cluster/tools.sh
+TOOLS=$REPO/e2e/tools/tools.sh
 DOCKER=/usr/bin/docker
 export DOCKER_BUILDKIT=1
 K8S_VERSION=$(sed -n 's/^K8S_VERSION=//p' "$TOOLS")
@@ -49,7 +49,7 @@ trap cleanup EXIT
 debian_base() {
   local tar label
   tar=$(ls -t "${DSCACHE_IMAGES_CACHE:-$HOME/.cache/dscache/images}"/debian-bookworm-minbase-*.tar 2>/dev/null | head -n1 || true)
-  [ -n "$tar" ] || { bash "$REPO/e2e/cluster/images.sh" base >&2; tar=$(ls -t "${DSCACHE_IMAGES_CACHE:-$HOME/.cache/dscache/images}"/debian-bookworm-minbase-*.tar | head -n1); }
+  [ -n "$tar" ] || { bash "$REPO/e2e/tools/images.sh" base >&2; tar=$(ls -t "${DSCACHE_IMAGES_CACHE:-$HOME/.cache/dscache/images}"/debian-bookworm-minbase-*.tar | head -n1); }
   label=$($DOCKER image inspect -f '{{index .Config.Labels "dscache.base"}}' debian:bookworm-slim 2>/dev/null || true)
   [ "$label" = "$(basename "$tar")" ] && return
   $DOCKER import --change 'CMD ["/bin/bash"]' --change "LABEL dscache.base=$(basename "$tar")" \

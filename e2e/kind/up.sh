@@ -5,15 +5,15 @@
 #
 # With no registry (our CI machines), everything is built here:
 #   dockerd        e2e/kind/dockerd.sh (Debian's docker.io; started if no Docker answers)
-#   kind           e2e/cluster/tools.sh kind (Go module proxy)
+#   kind           e2e/tools/tools.sh kind (Go module proxy)
 #   node image     e2e/kind/node-image.sh (kind's base Dockerfile + our binaries + preloaded images)
 #   pod network    ptp + host-local + a route per node (kindnetd's recipe, without its daemon)
-#   project images e2e/cluster/images.sh (buildah, the real Dockerfiles) -> `kind load image-archive`
+#   project images e2e/tools/images.sh (buildah, the real Dockerfiles) -> `kind load image-archive`
 #   S3             versitygw from tools.sh in a local image
 # With internet, set DSCACHE_KIND_NODE_IMAGE=kindest/node:v1.34.0: kind pulls it and
 # installs its own CNI (kindnetd) and CoreDNS as usual.
 #
-# Sourced by e2e/demo.sh, e2e/kind/run.sh; exports KUBECONFIG, KUBECTL, HELM, KIND,
+# Sourced by e2e/run.sh and e2e/demo.sh; exports KUBECONFIG, KUBECTL, HELM, KIND,
 # KIND_CLUSTER, AWS_* keys, S3_ENDPOINT_HOST, S3_ENDPOINT_POD, NODE_EXEC, CACHE_ROOT,
 # STAGER_IMAGE, OPERATOR_IMAGE, KIND_NODES.
 set -Eeuo pipefail
@@ -22,7 +22,7 @@ KIND_CLUSTER=${DSCACHE_KIND_CLUSTER:-dscache-e2e}
 KIND_WORKERS=${DSCACHE_KIND_WORKERS:-2}
 STATE_DIR=${DSCACHE_KIND_STATE:-$HOME/.cache/dscache/kind}
 S3_CONTAINER=$KIND_CLUSTER-s3
-_tools=$KIND_REPO/e2e/cluster/tools.sh
+_tools=$KIND_REPO/e2e/tools/tools.sh
 _t0=$SECONDS
 klog() { printf '[kind %4ds] %s\n' "$((SECONDS - _t0))" "$*" >&2; }
 mkdir -p "$STATE_DIR/bin"
@@ -85,17 +85,25 @@ klog "nodes Ready: ${KIND_NODES[*]}"
 if $_local_node; then export KIND_REJOIN_CMD="bash $KIND_REPO/e2e/kind/pod-network.sh"; else export KIND_REJOIN_CMD=true; fi
 
 # The project's images, from the real Dockerfiles (buildah: RUN steps may need
-# the build CA, see images.sh), loaded into every node. The :kind tag keeps
-# them apart from the local cluster's :e2e images in the shared build cache;
-# DSCACHE_E2E_STATE points images.sh away from any local cluster's containerd.
+# the build CA, see images.sh), loaded into every node. images.sh reuses an
+# archive whose inputs did not change; a node is loaded again only if the
+# archive changed or the cluster is new (marker: cluster container id + input key).
 export STAGER_IMAGE=${STAGER_IMAGE:-localhost/dscache-stager:kind}
 export OPERATOR_IMAGE=${OPERATOR_IMAGE:-localhost/dscache-operator:kind}
 if [ "${DSCACHE_E2E_SKIP_IMAGES:-${DSCACHE_DEMO_SKIP_IMAGES:-0}}" != 1 ]; then
+  _cluster_id=$(docker inspect -f '{{.Id}}' "$KIND_CLUSTER-control-plane")
+  mkdir -p "$STATE_DIR/loaded"
   for _spec in "$STAGER_IMAGE init-container/Dockerfile" "$OPERATOR_IMAGE operator/Dockerfile"; do
     read -r _ref _df <<<"$_spec"
-    DSCACHE_E2E_STATE=$STATE_DIR/no-local-cluster bash "$KIND_REPO/e2e/cluster/images.sh" build "$_ref" "$KIND_REPO/$_df" "$KIND_REPO"
-    _archive=${DSCACHE_IMAGES_CACHE:-$HOME/.cache/dscache/images}/archives/$(echo "$_ref" | tr '/:' '__').oci.tar
-    "$KIND" load image-archive --name "$KIND_CLUSTER" "$_archive"
+    _archive=$(bash "$KIND_REPO/e2e/tools/images.sh" build "$_ref" "$KIND_REPO/$_df" "$KIND_REPO" | tail -n1)
+    _marker=$STATE_DIR/loaded/$(basename "$_archive" .oci.tar)
+    _stamp="$_cluster_id $(cat "${_archive%.oci.tar}.key")"
+    if [ "$(cat "$_marker" 2>/dev/null)" = "$_stamp" ]; then
+      klog "$_ref already loaded on every node"
+    else
+      "$KIND" load image-archive --name "$KIND_CLUSTER" "$_archive"
+      echo "$_stamp" >"$_marker"
+    fi
   done
 fi
 

@@ -135,7 +135,7 @@ def node_exec_prefix(node: str | None = None) -> list[str]:
 
     ``DSCACHE_E2E_NODE_EXEC`` is a command prefix, e.g. ``docker exec {node}``
     on kind; ``{node}`` is replaced by the node's name (multi-node clusters).
-    Empty (the local cluster): the node is this machine.
+    Empty: the node is this machine (a cluster whose node is the host).
     """
     template = os.environ.get("DSCACHE_E2E_NODE_EXEC", "")
     if "{node}" in template:

@@ -1,6 +1,6 @@
 """A real kube-apiserver + etcd for integration tests (no kubelet, no controllers).
 
-Binaries come from ``e2e/cluster/tools.sh`` (built through the Go module proxy,
+Binaries come from ``e2e/tools/tools.sh`` (built through the Go module proxy,
 cached outside the repo). Certificates are made with openssl. The API server
 authenticates us with an admin client certificate and calls webhooks over TLS.
 

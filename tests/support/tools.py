@@ -1,6 +1,6 @@
 """Locate (building on first use) the third-party binaries the tests need.
 
-The binaries come from ``e2e/cluster/tools.sh``, which builds them through the
+The binaries come from ``e2e/tools/tools.sh``, which builds them through the
 Go module proxy into a cache outside the repo, keyed by version.
 """
 
@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLS_SH = REPO / "e2e" / "cluster" / "tools.sh"
+TOOLS_SH = REPO / "e2e" / "tools" / "tools.sh"
 
 
 @functools.cache

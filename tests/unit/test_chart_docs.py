@@ -17,7 +17,7 @@ CHART = REPO / "charts" / "dscache"
 def helm_docs() -> str:
     bin_dir = built_tool_bin("helm-docs", "HELM_DOCS_VERSION")
     if bin_dir is None:
-        pytest.skip("helm-docs is not built: run `make tools` (e2e/cluster/tools.sh helm-docs)")
+        pytest.skip("helm-docs is not built: run `make tools` (e2e/tools/tools.sh helm-docs)")
     return str(bin_dir / "helm-docs")
 
 

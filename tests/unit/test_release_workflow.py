@@ -16,7 +16,7 @@ WORKFLOW = REPO / ".github" / "workflows" / "release.yml"
 def test_actionlint():
     bin_dir = built_tool_bin("actionlint", "ACTIONLINT_VERSION")
     if bin_dir is None:
-        pytest.skip("actionlint is not built: run `make tools` (e2e/cluster/tools.sh actionlint)")
+        pytest.skip("actionlint is not built: run `make tools` (e2e/tools/tools.sh actionlint)")
     proc = subprocess.run(
         [str(bin_dir / "actionlint"), "-no-color", str(WORKFLOW)], cwd=REPO, capture_output=True, text=True
     )

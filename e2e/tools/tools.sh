@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Build the third-party binaries the tests, benchmarks and local cluster need,
+# Build the third-party binaries the tests, benchmarks and the kind cluster need,
 # from source through the Go module proxy, into a cache outside the repo keyed
 # by version. Re-running is cheap: a tool whose binaries exist is skipped.
 #
-#   e2e/cluster/tools.sh [TOOL...]     build TOOLs (default: all) and print their bin dirs
-#   e2e/cluster/tools.sh --path TOOL   print TOOL's bin dir (building it if missing)
+#   e2e/tools/tools.sh [TOOL...]     build TOOLs (default: all) and print their bin dirs
+#   e2e/tools/tools.sh --path TOOL   print TOOL's bin dir (building it if missing)
 #
 # TOOL is one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm
 #                  cni pause kind kubeadm

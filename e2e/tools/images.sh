@@ -1,20 +1,34 @@
 #!/usr/bin/env bash
 # Build container images from real Dockerfiles without Docker or a registry,
-# and import them into the local cluster's containerd.
+# into OCI archives that e2e/kind/up.sh loads into the kind nodes.
 #
-#   e2e/cluster/images.sh                      base + the project's images (those whose Dockerfile exists)
-#   e2e/cluster/images.sh base                 only the debian:bookworm-slim base
-#   e2e/cluster/images.sh build REF DOCKERFILE [CONTEXT]   build one image and import it
-#   e2e/cluster/images.sh import ARCHIVE       import an OCI/docker archive into containerd
+#   e2e/tools/images.sh base                             only the debian:bookworm-slim base
+#   e2e/tools/images.sh build REF DOCKERFILE [CONTEXT]   build one image; prints its OCI archive
 #
 # How: `debootstrap --variant=minbase bookworm` makes the base rootfs (cached
 # as a tarball outside the repo, keyed by suite and month), buildah commits
 # it under the exact name the Dockerfiles' FROM line uses, `buildah bud
-# --pull=never --network host` builds, `buildah push` writes an OCI archive,
-# and `ctr -n k8s.io images import` loads it into the cluster's containerd.
+# --pull=never --network host` builds, `buildah push` writes an OCI archive.
+# An archive is reused only if it was built from the same inputs: the
+# Dockerfile, every file its COPY lines name (their content), and the base
+# tarball (see input_key). A change in the clone's code always rebuilds.
 # Every step logs its duration.
 set -Eeuo pipefail
-source "$(dirname "$0")/lib.sh"
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+now() { date +%s.%N; }
+since() { awk -v a="$(now)" -v b="$1" 'BEGIN { printf "%.1f", a - b }'; }
+T0=$(now)
+log() { printf '[%6ss] %s\n' "$(since "$T0")" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+trap 'log "ERROR: exit $? at ${BASH_SOURCE[0]##*/}:$LINENO: $BASH_COMMAND"' ERR
+# timed NAME CMD...: run CMD and log how long it took.
+timed() {
+  local name=$1 t; shift
+  t=$(now)
+  "$@"
+  log "$name: done in $(since "$t")s"
+}
+tool_bin() { bash "$HERE/tools.sh" --path "$1" | tail -n1; }
 
 BASE_REF=docker.io/library/debian:bookworm-slim
 SUITE=bookworm
@@ -27,16 +41,6 @@ ARCHIVES=$IMAGES_CACHE/archives
 # buildah's own storage, kept apart from any other user of buildah here. vfs:
 # no overlay-on-overlay or fuse needed.
 BUILDAH=(buildah --storage-driver vfs --root "$IMAGES_CACHE/buildah/root" --runroot "$IMAGES_CACHE/buildah/runroot")
-
-# The project's images: REF DOCKERFILE CONTEXT. Others own the Dockerfiles;
-# a missing one is skipped with a note. The default refs are the ones the
-# e2e suite and `make demo` use (e2e/conftest.py, e2e/run.sh); a plain
-# `helm install` needs --set image.repository=localhost/dscache-operator
-# --set image.tag=e2e (and the same under stager.image).
-PROJECT_IMAGES=(
-  "${DSCACHE_STAGER_IMAGE:-localhost/dscache-stager:e2e} init-container/Dockerfile ."
-  "${DSCACHE_OPERATOR_IMAGE:-localhost/dscache-operator:e2e} operator/Dockerfile ."
-)
 
 # Build-time trust for a TLS-intercepting proxy. Where the host trusts an
 # extra CA (this sandbox sets PIP_CERT / SSL_CERT_FILE to a bundle holding
@@ -121,55 +125,64 @@ base() {
   BASE_READY=true
 }
 
-# import ARCHIVE: into the running cluster's containerd.
-import() {
-  local ctr; ctr=$(tool_bin containerd)/ctr
-  [ -S "$CONTAINERD_SOCK" ] || die "containerd is not running ($CONTAINERD_SOCK); run e2e/cluster/up first"
-  timed "ctr import $(basename "$1")" "$ctr" --address "$CONTAINERD_SOCK" -n k8s.io images import "$1" \
-    >/dev/null 2> >(grep -v 'support for cgroup v1 is deprecated' >&2 || true)
-}
-
 bud_logged() {
   local blog=$1; shift
   "${BUILDAH[@]}" bud "$@" >"$blog" 2>&1 || { grep -v 'ambient capability' "$blog" | tail -n 25 >&2; die "buildah bud failed (log: $blog)"; }
 }
 
-# build REF DOCKERFILE [CONTEXT]: build with buildah, export, import.
+# input_key DOCKERFILE CONTEXT: a hash of everything the build reads from the
+# clone: the Dockerfile, the content of every path its COPY lines name (not
+# COPY --from), and the base tarball's name. Same key = same image inputs.
+input_key() {
+  local dockerfile=$1 context=$2 src
+  {
+    sha256sum <"$dockerfile"
+    basename "$BASE_TAR"
+    # COPY [--chown=..] SRC... DEST: every word but the first and the last, flags skipped.
+    awk 'toupper($1) == "COPY" && !/--from/ { for (i = 2; i < NF; i++) if ($i !~ /^--/) print $i }' "$dockerfile" |
+      while read -r src; do
+        (cd "$context" && find "$src" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z |
+          xargs -0 sha256sum)
+      done
+  } | sha256sum | cut -c1-16
+}
+
+# build REF DOCKERFILE [CONTEXT]: build with buildah into an OCI archive (reused
+# when its inputs are unchanged); prints the archive's path.
 build() {
   local ref=$1 dockerfile=$2 context=${3:-$(dirname "$2")}
+  mkdir -p "$ARCHIVES"
+  local name; name=$(echo "$ref" | tr '/:' '__')
+  local archive="$ARCHIVES/$name.oci.tar" keyfile="$ARCHIVES/$name.key" key
   base
+  key=$(input_key "$dockerfile" "$context")
+  if [ -f "$archive" ] && [ "$(cat "$keyfile" 2>/dev/null)" = "$key" ]; then
+    log "$ref: inputs unchanged (key $key): reusing $archive"
+    echo "$archive"; return
+  fi
   # RUN steps execute with our own runc (Debian's buildah only recommends one).
   local runc; runc=$(tool_bin runc)/runc
   local ca_mounts; mapfile -t ca_mounts < <(build_ca_mounts)
   # Build output goes to a log: a failing step shows its tail.
-  mkdir -p "$ARCHIVES"
-  local blog; blog="$ARCHIVES/$(echo "$ref" | tr '/:' '__').build.log"
+  local blog="$ARCHIVES/$name.build.log"
   timed "buildah bud $ref" bud_logged "$blog" --runtime "$runc" --pull=never --network host --layers=false \
     "${ca_mounts[@]}" -f "$dockerfile" -t "$ref" "$context"
-  local archive; archive="$ARCHIVES/$(echo "$ref" | tr '/:' '__').oci.tar"
-  rm -f "$archive"
-  # oci-archive keeps the full name in the index, which ctr import reads.
-  # Uncompressed: the archive is only read once, locally, by ctr import.
+  rm -f "$archive" "$keyfile"
+  # oci-archive keeps the full name in the index, which `kind load image-archive` reads.
+  # Uncompressed: the archive is only read locally.
   timed "buildah push $ref" "${BUILDAH[@]}" push -q --disable-compression "$ref" "oci-archive:$archive:$ref"
-  log "$ref: $(du -h "$archive" | cut -f1) archive"
+  echo "$key" >"$keyfile"
+  log "$ref: $(du -h "$archive" | cut -f1) archive (key $key)"
   # vfs stores full copies: drop the untagged image a rebuild leaves behind.
   "${BUILDAH[@]}" rmi --prune >/dev/null 2>&1 || true
-  if [ -S "$CONTAINERD_SOCK" ]; then import "$archive"; else log "cluster not up: not imported ($archive)"; fi
+  echo "$archive"
 }
 
 main() {
-  case ${1:-all} in
+  case ${1:-} in
     base) base ;;
     build) shift; [ $# -ge 2 ] || die "usage: images.sh build REF DOCKERFILE [CONTEXT]"; build "$@" ;;
-    import) shift; import "$1" ;;
-    all)
-      base
-      local spec ref df ctx
-      for spec in "${PROJECT_IMAGES[@]}"; do
-        read -r ref df ctx <<<"$spec"
-        if [ -f "$REPO/$df" ]; then build "$ref" "$REPO/$df" "$REPO/$ctx"; else log "skip $ref: no $df yet"; fi
-      done ;;
-    *) die "unknown command $1 (base | build | import | no argument for all)" ;;
+    *) die "usage: images.sh base | build REF DOCKERFILE [CONTEXT]" ;;
   esac
   log "images.sh done in $(since "$T0")s"
 }
