@@ -35,7 +35,9 @@ def make_revision(c: Path, rev: str, files: dict[str, bytes]) -> Path:
         p.chmod(0o444)
     Path(r.journal_path).write_text("")
     dirs = {str(p.relative_to(r.data)) for p in Path(r.data).rglob("*") if p.is_dir()}
-    r.mark_complete([], dirs, {"objects": len(files), "revision": rev})
+    manifest = Path(r.tmp, "manifest.listed")
+    manifest.write_text("")
+    r.seal(str(manifest), dirs, {"objects": len(files), "revision": rev})
     return Path(r.dir)
 
 
