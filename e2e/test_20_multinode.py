@@ -8,7 +8,7 @@
 - test_node_lost: a node is deleted (kubelet stopped, Node object deleted) while
   a Job uses the cache there: the cache converges and no wipe helper loops.
 
-These run only where DSCACHE_E2E_MULTINODE=1 (e2e/kind/run.sh sets it): on a
+These run only where DSCACHE_E2E_MULTINODE=1 (e2e/run.sh sets it): on a
 single-node cluster they are deselected, not skipped.
 """
 
@@ -54,7 +54,9 @@ def _schedulable_nodes(kube) -> list[str]:
 @pytest.fixture(scope="module")
 def nodes(kube) -> list[str]:
     names = _schedulable_nodes(kube)
-    assert len(names) >= 3, f"these tests need 3 nodes that run pods, the cluster has {names}: run e2e/kind/run.sh"
+    assert len(names) >= 3, (
+        f"these tests need 3 nodes that run pods, the cluster has {names}: bring the kind cluster up with e2e/run.sh"
+    )
     return names
 
 
