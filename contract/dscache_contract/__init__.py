@@ -4,7 +4,7 @@ Everything both sides must agree on lives here, and only here: the names
 (volume, container, env, annotation, mount points), the on-node layout, the
 stager's command line (built by the operator, parsed by the stager, with one
 type), the JSON summary and exit codes, the include/exclude rule, the S3
-defaults, and the revision digest.
+defaults, the revision digest, and how a revision is pinned (versions.py).
 
 Standard library only: the stager imports this on every warm start, whose
 whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).
@@ -35,6 +35,7 @@ from .revision import RevisionHasher, normalize_etag
 from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
 from .selection import Selection, normalize_key, parse_source, selected
 from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary
+from .versions import ObjectVersion, Pin, VersionPicker, format_as_of, page_versions, parse_as_of, pin
 
 __all__ = [
     "DEFAULT_REGION",
@@ -42,10 +43,13 @@ __all__ = [
     "ArgsError",
     "ExitCode",
     "ManifestEntry",
+    "ObjectVersion",
+    "Pin",
     "RevisionHasher",
     "Selection",
     "StageArgs",
     "StageSummary",
+    "VersionPicker",
     "WipeArgs",
     "WipeSummary",
     "build_parser",
@@ -53,6 +57,7 @@ __all__ = [
     "complete_path",
     "data_dir",
     "data_subpath",
+    "format_as_of",
     "journal_path",
     "lease_dir",
     "lease_path",
@@ -63,7 +68,10 @@ __all__ = [
     "meta_subpath",
     "normalize_etag",
     "normalize_key",
+    "page_versions",
+    "parse_as_of",
     "parse_source",
+    "pin",
     "resolve_addressing_style",
     "resolve_region",
     "revision_dir",

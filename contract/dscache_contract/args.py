@@ -16,6 +16,7 @@ from .layout import validate_pod_uid, validate_revision
 from .names import STAGE_MOUNT_PATH
 from .selection import parse_source
 from .summary import EXIT_CODE_HELP
+from .versions import parse_as_of
 
 
 class ArgsError(ValueError):
@@ -93,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the revision the pod was admitted with (r-...); 'dscache-stage revision' prints one",
     )
     s.add_argument(
+        "--as-of",
+        metavar="TIME",
+        help="versioned bucket: REV's versions time (YYYY-MM-DDTHH:MM:SSZ, printed with REV); per key the "
+        "newest version not after TIME is staged, so overwritten or deleted objects stay served",
+    )
+    s.add_argument(
         "--pod-uid",
         metavar="UID",
         help="this pod's UID, for its lease on REV (default: $DSCACHE_POD_UID; none: no lease)",
@@ -147,6 +154,7 @@ class StageArgs:
     source: str
     revision: str
     cache_dir: str = STAGE_MOUNT_PATH
+    as_of: str | None = None
     pod_uid: str | None = None
     endpoint_url: str | None = None
     region: str | None = None
@@ -162,6 +170,8 @@ class StageArgs:
         try:
             parse_source(self.source)
             validate_revision(self.revision)
+            if self.as_of is not None:
+                parse_as_of(self.as_of)
             # $(DSCACHE_POD_UID) is expanded by the kubelet; check what reaches the stager.
             if self.pod_uid is not None and not self.pod_uid.startswith("$("):
                 validate_pod_uid(self.pod_uid)
@@ -177,6 +187,7 @@ class StageArgs:
     def to_argv(self) -> list[str]:
         """The container args (after the command ``dscache-stage``)."""
         argv = ["sync", self.source, self.cache_dir, "--revision", self.revision]
+        _opt(argv, "--as-of", self.as_of)
         _opt(argv, "--pod-uid", self.pod_uid)
         _opt(argv, "--endpoint-url", self.endpoint_url)
         _opt(argv, "--region", self.region)
@@ -198,6 +209,7 @@ class StageArgs:
             source=ns.source,
             revision=ns.revision,
             cache_dir=ns.cache_dir,
+            as_of=ns.as_of,
             pod_uid=ns.pod_uid,
             endpoint_url=ns.endpoint_url,
             region=ns.region,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "ANNOTATION_AS_OF",
     "ANNOTATION_CACHE",
     "ANNOTATION_REVISION",
     "COMPLETE_NAME",
@@ -53,6 +54,8 @@ POD_UID_ARG = f"$({ENV_POD_UID})"
 # Annotations.
 ANNOTATION_CACHE = "dscache.io/cache"
 ANNOTATION_REVISION = "dscache.io/revision"
+# Versioned buckets: the revision's versions time (dscache_contract.versions), beside the revision.
+ANNOTATION_AS_OF = "dscache.io/revision-as-of"
 
 TERMINATION_LOG = "/dev/termination-log"
 

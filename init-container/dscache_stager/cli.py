@@ -117,6 +117,7 @@ def _sync(ns: argparse.Namespace) -> StageSummary:
         source=_source(ns),
         cache_dir=os.path.abspath(args.cache_dir),
         revision=args.revision,
+        as_of=args.as_of,
         pod_uid=pod_uid,
         filters=Filters(list(args.include), list(args.exclude)),
         concurrency=args.concurrency or default_concurrency(),
@@ -126,12 +127,10 @@ def _sync(ns: argparse.Namespace) -> StageSummary:
 
 
 def _revision(ns: argparse.Namespace) -> dict[str, Any]:
-    import asyncio
-
     from .sync import current_revision
 
     source = _source(ns)
-    return asyncio.run(current_revision(source, Selection(source.prefix, tuple(ns.include), tuple(ns.exclude))))
+    return current_revision(source, Selection(source.prefix, tuple(ns.include), tuple(ns.exclude)))
 
 
 def _log_from_argv(argv: list[str]) -> str | None:

@@ -21,20 +21,28 @@ hold the GIL the copier needs, so obstore lists. Its paths are normalised:
  - keys it cannot represent (empty segments, '.', '..', control characters)
    abort the listing. They are unsafe for us too, so we list again with boto3,
    which passes every key through, and the error names them all.
+
+A revision pinned in a versioned bucket (``--as-of``) is listed with boto3's
+ListObjectVersions instead (obstore lists no versions): per key, the version
+the revision means (dscache_contract.versions), with its versionId for the
+GET. Its pages are fetched in a worker thread, a few pages ahead, like the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import obstore
 from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 
+from dscache_contract import VersionPicker, normalize_key, page_versions, parse_as_of
+
+from .errors import SourceError, StageError, TransientError
 from .source import S3Source
 
 if TYPE_CHECKING:
@@ -46,6 +54,10 @@ class RemoteObject:
     key: str
     size: int
     etag: str
+    #: Versioned listings only: the version to GET, and whether the key was a
+    #: directory marker ``a/`` (obstore's listing cannot tell; see sync._settle_empties).
+    version_id: str | None = None
+    marker: bool = False
 
 
 class UnrepresentableKeys(Exception):
@@ -97,11 +109,45 @@ PREFETCH_PAGES = 4
 
 async def list_objects(store: S3Store, prefix: str) -> AsyncIterator[list[RemoteObject]]:
     """Yield batches of objects under ``prefix`` in listing order, each object exactly once."""
+    async for batch in _prefetched(_pages(store, prefix or None)):
+        yield batch
+
+
+async def list_versions(source: S3Source, as_of: str) -> AsyncIterator[list[RemoteObject]]:
+    """Yield, in listing order, the version of each key that a revision pinned
+    ``as_of`` means (delete markers and keys born later left out)."""
+    picker = VersionPicker(parse_as_of(as_of))
+    pages = _version_pages(source)
+
+    async def picked() -> AsyncIterator[list[RemoteObject]]:
+        while (page := await asyncio.to_thread(next, pages, None)) is not None:
+            yield [
+                RemoteObject(normalize_key(v.key), v.size, v.etag.strip('"'), v.version_id, v.key.endswith("/"))
+                for v in picker.feed(page_versions(page))
+                if not v.deleted
+            ]
+
+    async for batch in _prefetched(picked()):
+        yield batch
+
+
+def _version_pages(source: S3Source) -> Iterator[dict[str, Any]]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        paginator = boto3_client(source).get_paginator("list_object_versions")
+        yield from paginator.paginate(Bucket=source.bucket, Prefix=source.prefix)
+    except (BotoCoreError, ClientError) as e:
+        raise boto3_error(e, source) from e
+
+
+async def _prefetched(pages: AsyncIterator[list[RemoteObject]]) -> AsyncIterator[list[RemoteObject]]:
+    """Keep up to PREFETCH_PAGES pages coming while the caller works on the current one."""
     out: asyncio.Queue[list[RemoteObject] | BaseException | None] = asyncio.Queue(maxsize=PREFETCH_PAGES)
 
     async def produce() -> None:
         try:
-            async for batch in _pages(store, prefix or None):
+            async for batch in pages:
                 await out.put(batch)
             await out.put(None)
         except InvalidPathError as e:
@@ -123,19 +169,43 @@ async def list_objects(store: S3Store, prefix: str) -> AsyncIterator[list[Remote
 
 def list_keys_raw(source: S3Source) -> list[str]:
     """Every key under the prefix, verbatim, through boto3 (slow but exact)."""
+    keys: list[str] = []
+    paginator = boto3_client(source).get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=source.bucket, Prefix=source.prefix):
+        keys.extend(o["Key"] for o in page.get("Contents", []))
+    return keys
+
+
+def boto3_client(source: S3Source) -> Any:
+    """A boto3 S3 client that talks to the bucket as obstore does (the contract's region and style).
+
+    Credentials come from boto3's own chain (environment, web identity, roles).
+    """
     import boto3
     from botocore.config import Config
 
     from dscache_contract import resolve_addressing_style, resolve_region
 
     style = resolve_addressing_style(source.endpoint_url, source.addressing_style)
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=source.endpoint_url,
         region_name=resolve_region(source.region),
         config=Config(s3={"addressing_style": style}, retries={"mode": "adaptive", "max_attempts": 10}),
     )
-    keys: list[str] = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=source.bucket, Prefix=source.prefix):
-        keys.extend(o["Key"] for o in page.get("Contents", []))
-    return keys
+
+
+def boto3_error(e: Exception, source: S3Source) -> StageError:
+    """A boto3 failure as the stager reports it: access (3), or S3 kept failing (7)."""
+    where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
+    response: dict[str, Any] = getattr(e, "response", None) or {}
+    code = response.get("Error", {}).get("Code", "")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken") or status == 403:
+        return SourceError(
+            f"access denied listing the versions of {where} with this pod's credentials ({code or status}): "
+            f"a revision pinned in a versioned bucket needs s3:ListBucketVersions and s3:GetObjectVersion"
+        )
+    if code == "NoSuchBucket":
+        return SourceError(f"no such bucket: {source.bucket}; check the bucket name, region and endpoint")
+    return TransientError(f"S3 kept failing for {where} after retries with backoff: {code or e}; re-run to resume")

@@ -6,7 +6,9 @@ node yet (asyncio alone costs a warm start ~20 ms). Here: list (streamed,
 hashed with the contract's RevisionHasher), GET with If-Match, write into
 C/revs/<rev>; if the listing is not revision <rev> any more, or an object
 changed under us, remove the incomplete revision and fail (exit 9): the pod
-never sees a mix of two versions.
+never sees a mix of two versions. A revision pinned in a versioned bucket
+(--as-of) is found among the bucket's versions and fetched by versionId, so
+overwrites and deletes after the pin do not matter while the versions last.
 A complete revision is never modified: a newer one is staged beside it.
 """
 
@@ -35,7 +37,15 @@ from .errors import (
 from .fetch import Fetcher, ObjectGone, exists
 from .keys import TreeShape, unsafe_reason
 from .layout import Entry, Revision
-from .listing import RemoteObject, UnrepresentableKeys, list_keys_raw, list_objects
+from .listing import (
+    RemoteObject,
+    UnrepresentableKeys,
+    boto3_client,
+    boto3_error,
+    list_keys_raw,
+    list_objects,
+    list_versions,
+)
 from .progress import Progress, human_bytes
 from .source import S3Source, source_error
 from .sync_options import SyncOptions
@@ -57,21 +67,21 @@ def cold(opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress) -
     return asyncio.run(_Run(opts, rev, store, progress).run())
 
 
-async def current_revision(source: S3Source, selection: Selection, concurrency: int = 16) -> dict[str, Any]:
-    """List the source now and return its revision, as the operator would pin it."""
+def current_revision(source: S3Source, selection: Selection) -> dict[str, Any]:
+    """List the source now and return its revision, pinned as the operator would pin it."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from dscache_contract import pin
+
     source.check_reachable()
-    store = source.open_store(concurrency)
-    hasher = RevisionHasher()
     try:
-        async for batch in list_objects(store, source.prefix):
-            for obj in batch:
-                if selection.relative(obj.key) is not None:
-                    hasher.add(obj.key, obj.size, obj.etag)
-    except UnrepresentableKeys as e:
-        raise HostileKeysError(f"a key under {source.uri} cannot be listed safely: {e}") from e
-    except BaseError as e:
-        raise _source_error(e, source, 0) from e
-    return {"revision": hasher.revision_id(), "objects": hasher.objects, "bytes": hasher.bytes}
+        pinned = pin(boto3_client(source), source.bucket, selection)
+    except (BotoCoreError, ClientError) as e:
+        raise boto3_error(e, source) from e
+    out: dict[str, Any] = {"revision": pinned.revision, "objects": pinned.objects, "bytes": pinned.bytes}
+    if pinned.as_of is not None:
+        out["as_of"] = pinned.as_of
+    return out
 
 
 class _Run:
@@ -191,14 +201,16 @@ class _Run:
 
     async def _produce(self, known: dict[str, Entry], queue: asyncio.Queue[Work]) -> None:
         relative, hasher, progress = self.selection.relative, self.hasher, self.progress
+        as_of = self.opts.as_of
+        listing = list_versions(self.source, as_of) if as_of else list_objects(self.store, self.source.prefix)
         try:
-            async for batch in list_objects(self.store, self.source.prefix):
+            async for batch in listing:
                 fetch: list[tuple[RemoteObject, str]] = []
                 for obj in batch:
                     rel = relative(obj.key)
                     if rel is None:
                         continue  # outside the selection, or the prefix's own directory marker
-                    hasher.add(obj.key, obj.size, obj.etag)
+                    hasher.add(obj.key, obj.size, obj.etag, obj.version_id)
                     if reason := unsafe_reason(rel):
                         self.hostile.append((obj.key, reason))
                         continue
@@ -268,8 +280,11 @@ class _Run:
         async def settle(obj: RemoteObject, rel: str, above: str | None) -> None:
             if self.shape.is_dir(rel):
                 return  # a directory marker of a directory we fill anyway
-            async with self.requests:
-                present = await exists(self.store, obj.key)
+            if obj.version_id is not None:
+                present = not obj.marker  # a versioned listing keeps the key verbatim
+            else:
+                async with self.requests:
+                    present = await exists(self.store, obj.key)
             if not present:
                 return  # only "key/" exists: a directory marker of an empty directory, skipped quietly
             if above == rel or rel in self.placed_empties:
@@ -298,7 +313,7 @@ class _Run:
         fetcher = self.fetcher
         while (item := await queue.get()) is not None:
             obj, rel = item
-            got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag)
+            got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
             self.journal.write(Entry(obj.key, rel, got.size, got.etag or obj.etag).to_json() + "\n")
             self.fetched_bytes += got.size
             self.progress.fetched_objects += 1

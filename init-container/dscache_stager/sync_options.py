@@ -23,6 +23,8 @@ class SyncOptions:
     source: S3Source
     cache_dir: str
     revision: str
+    #: Versioned bucket: the revision's versions time (dscache_contract.versions).
+    as_of: str | None = None
     pod_uid: str | None = None
     filters: Filters = field(default_factory=Filters)
     concurrency: int = field(default_factory=default_concurrency)

@@ -33,6 +33,8 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_REVISION
+
 from .models import (
     CACHE_ANNOTATION,
     NodeRevision,
@@ -48,7 +50,7 @@ from .models import (
 # Fixed names (dscache_contract), repeated here to keep this module import-light.
 INIT_NAME = "dscache-stage"
 MODE_ANNOTATION = "dscache.io/volume"
-REVISION_ANNOTATION = "dscache.io/revision"
+REVISION_ANNOTATION = ANNOTATION_REVISION
 
 #: Stray leases recorded per (node, revision) are capped: status must stay small.
 MAX_STRAY_LEASES = 200
@@ -81,6 +83,7 @@ class PodInfo(NamedTuple):
     uid: str = ""
     revision: str | None = None
     init_finished: str | None = None  # when the init container terminated (RFC 3339; metrics count runs by it)
+    as_of: str | None = None  # the revision's versions time (versioned buckets)
 
     @property
     def finished(self) -> bool:
@@ -129,6 +132,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         uid=meta.get("uid", ""),
         revision=annotations.get(REVISION_ANNOTATION),
         init_finished=finished,
+        as_of=annotations.get(ANNOTATION_AS_OF),
     )
 
 

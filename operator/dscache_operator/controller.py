@@ -124,7 +124,7 @@ async def reconcile(
             wanted["observedRefresh"] = token
         if result.ok and result.revision:
             old_rev = (current.get("revision") or {}).get("id")
-            wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now)
+            wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now, result.as_of)
             if old_rev != result.revision:
                 kopf.event(
                     body,

@@ -27,6 +27,7 @@ from typing import Any
 
 import dscache_contract as contract
 from dscache_contract import (
+    ANNOTATION_AS_OF,
     ANNOTATION_REVISION,
     ENV_DIR,
     ENV_MANIFEST,
@@ -68,11 +69,14 @@ def _norm(path: str) -> str:
     return posixpath.normpath(path) if path else path
 
 
-def stage_args(spec: DatasetCacheSpec, settings: Settings, revision: str) -> contract.StageArgs:
+def stage_args(
+    spec: DatasetCacheSpec, settings: Settings, revision: str, as_of: str | None = None
+) -> contract.StageArgs:
     src = spec.source
     return contract.StageArgs(
         source=src.uri,
         revision=revision,
+        as_of=as_of,
         cache_dir=STAGE_DIR,
         pod_uid=POD_UID_ARG,
         endpoint_url=src.endpoint,
@@ -85,8 +89,8 @@ def stage_args(spec: DatasetCacheSpec, settings: Settings, revision: str) -> con
     )
 
 
-def stager_args(spec: DatasetCacheSpec, settings: Settings, revision: str) -> list[str]:
-    return stage_args(spec, settings, revision).to_argv()
+def stager_args(spec: DatasetCacheSpec, settings: Settings, revision: str, as_of: str | None = None) -> list[str]:
+    return stage_args(spec, settings, revision, as_of).to_argv()
 
 
 def stager_security_context(mode: Mode) -> dict[str, Any]:
@@ -111,7 +115,13 @@ def stager_security_context(mode: Mode) -> dict[str, Any]:
 
 
 def init_container(
-    namespace: str, name: str, spec: DatasetCacheSpec, settings: Settings, mode: Mode, revision: str
+    namespace: str,
+    name: str,
+    spec: DatasetCacheSpec,
+    settings: Settings,
+    mode: Mode,
+    revision: str,
+    as_of: str | None = None,
 ) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         # The lease file is named by the pod's UID, which exists only once the pod
@@ -136,7 +146,7 @@ def init_container(
         "image": settings.stager_image,
         "imagePullPolicy": settings.stager_pull_policy,
         "command": [STAGER_COMMAND],
-        "args": stager_args(spec, settings, revision),
+        "args": stager_args(spec, settings, revision, as_of),
         "env": env,
         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_DIR}],
         "resources": resources,
@@ -223,6 +233,7 @@ def inject(
     settings: Settings,
     mode: Mode,
     revision: str,
+    as_of: str | None = None,
 ) -> bool:
     """Mutate ``pod_spec`` in place; return True if anything changed."""
     check_clashes(pod_spec, name, spec.mountPath)
@@ -236,7 +247,7 @@ def inject(
     inits = pod_spec.setdefault("initContainers", [])
     ours = next((c for c in inits if c.get("name") == INIT_NAME), None)
     if ours is None:
-        ours = init_container(namespace, name, spec, settings, mode, revision)
+        ours = init_container(namespace, name, spec, settings, mode, revision, as_of)
         inits.insert(0, ours)
         changed = True
     elif inits[0] is not ours:
@@ -286,12 +297,15 @@ def inject_object(
     settings: Settings,
     mode: Mode,
     revision: str,
+    as_of: str | None = None,
 ) -> bool:
     """Inject into a Job's pod template or a Pod; mutate ``obj`` in place.
 
-    ``revision`` is the one to pin when the object carries none yet; a revision
-    already on the pod template / pod (a Job's pods inherit it) always wins, so
-    every pod of one Job stages the same bytes, whenever it is created.
+    ``revision`` (with ``as_of``, its versions time in a versioned bucket) is
+    the one to pin when the object carries none yet; a revision already on the
+    pod template / pod (a Job's pods inherit it) always wins, together with the
+    as-of time it carries, so every pod of one Job stages the same bytes,
+    whenever it is created.
     """
     if kind == "Job":
         template = obj.setdefault("spec", {}).setdefault("template", {})
@@ -301,17 +315,28 @@ def inject_object(
         pod_spec = obj.setdefault("spec", {})
         meta = obj.setdefault("metadata", {})
     annotations = meta.get("annotations") or {}
-    revision = pinned_revision(annotations, cache_name) or revision
+    carried = pinned_revision(annotations, cache_name)
+    if carried is not None:
+        revision, as_of = carried
     existing = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == VOLUME_NAME), None)
     if existing is not None and any(c.get("name") == INIT_NAME for c in pod_spec.get("initContainers") or []):
         # Already injected (e.g. a Job's pod): keep the mode it was injected with.
         mode = VolumeMode.HOST_PATH if "hostPath" in existing else VolumeMode.EMPTY_DIR
     changed = inject(
-        pod_spec, namespace=namespace, name=cache_name, spec=spec, settings=settings, mode=mode, revision=revision
+        pod_spec,
+        namespace=namespace,
+        name=cache_name,
+        spec=spec,
+        settings=settings,
+        mode=mode,
+        revision=revision,
+        as_of=as_of,
     )
     # The pods carry the cache name (for the controller's consumer index), the
     # mode and the revision (for wipe planning per node and revision).
     wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: VolumeMode(mode).value, REVISION_ANNOTATION: revision}
+    if as_of is not None:
+        wanted[ANNOTATION_AS_OF] = as_of
     if any(annotations.get(k) != v for k, v in wanted.items()):
         meta["annotations"] = {**annotations, **wanted}
         changed = True
@@ -327,13 +352,22 @@ def inject_object(
     return changed
 
 
-def pinned_revision(annotations: dict[str, Any], cache: str) -> str | None:
-    """The revision an object already carries; a malformed one is refused, not replaced."""
+def pinned_revision(annotations: dict[str, Any], cache: str) -> tuple[str, str | None] | None:
+    """The revision (and its as-of time) an object already carries; a malformed one is refused, not replaced."""
     rev = annotations.get(REVISION_ANNOTATION)
     if rev is None:
         return None
+    as_of = annotations.get(ANNOTATION_AS_OF)
+    if as_of is not None:
+        try:
+            contract.parse_as_of(as_of)
+        except ValueError as e:
+            raise InjectionError(
+                f"DatasetCache {cache!r}: annotation {ANNOTATION_AS_OF}={as_of!r} is malformed ({e}); remove "
+                f"it together with {REVISION_ANNOTATION} to get the cache's current revision."
+            ) from None
     try:
-        return contract.validate_revision(rev)
+        return contract.validate_revision(rev), as_of
     except ValueError as e:
         raise InjectionError(
             f"DatasetCache {cache!r}: annotation {REVISION_ANNOTATION}={rev!r} is not a revision id "

@@ -324,7 +324,15 @@ class RevisionStatus(_Model):
     bytes: int = Field(ge=0, description="Bytes in this revision.")
     listedAt: Timestamp = Field(description="When the source was listed for this revision.")
     versioned: bool = Field(
-        default=False, description="Whether versionIds are part of the digest (false: key, size and ETag)."
+        default=False,
+        description="Whether the bucket has versioning Enabled, so versionIds are part of the digest and "
+        "pods keep their bytes after objects are overwritten or deleted (false: key, size and ETag).",
+    )
+    asOf: str | None = Field(
+        default=None,
+        description="Versioned buckets only: the S3 server time the revision's versions are found at "
+        "(per key, the newest version not after it); the webhook records it on each pod.",
+        pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$",
     )
 
 
@@ -333,6 +341,7 @@ class OwnerPin(_Model):
     kind: str = Field(description="Its kind, e.g. Job, JobSet, PyTorchJob.")
     name: str = Field(description="Its name.")
     revision: str = Field(description="The revision its pods stage; new pods it creates get the same.")
+    asOf: str | None = Field(default=None, description="The revision's versions time (versioned buckets).")
 
 
 class DatasetCacheStatus(_Model):

@@ -43,6 +43,8 @@ class CheckResult:
     bytes: int | None = None
     #: The revision id of the listing (dscache_contract.RevisionHasher), when listed.
     revision: str | None = None
+    #: In a versioned bucket: the time the revision's versions are found at (dscache_contract.versions).
+    as_of: str | None = None
 
 
 def credentials_from_secret(secret: dict[str, Any] | None, namespace: str, name: str) -> dict[str, str] | CheckResult:
@@ -188,24 +190,17 @@ def _client(source: Source, creds: dict[str, str] | None, timeout: float) -> Any
 
 def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> CheckResult:
     identity = "the Secret's keys" if creds else "the operator's own identity"
-    # The listing is streamed page by page into the contract's hasher, never held:
-    # memory stays flat at millions of keys, and the digest is the very one the
-    # stager recomputes to prove it copies this revision.
-    hasher = contract.RevisionHasher()
+    # contract.pin streams the listing page by page into the contract's hasher,
+    # never holding it: memory stays flat at millions of keys, and the digest is
+    # the very one the stager recomputes to prove it copies this revision. In a
+    # versioned bucket it also pins the versions (see dscache_contract.versions).
     selection = contract.Selection.from_source(source.uri, source.include, source.exclude)
-    bucket, prefix = contract.parse_source(source.uri)
+    bucket, _ = contract.parse_source(source.uri)
     try:
-        client = _client(source, creds, timeout)
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                key = item["Key"]
-                if selection.relative(key) is None:
-                    continue
-                hasher.add(key, int(item.get("Size", 0)), item.get("ETag"), None)
+        pinned = contract.pin(_client(source, creds, timeout), bucket, selection)
     except Exception as exc:
         return _classify(exc, source, identity)
-    objects, total = hasher.objects, hasher.bytes
-    if objects == 0:
+    if pinned.objects == 0:
         return CheckResult(
             False,
             "NoObjects",
@@ -213,14 +208,15 @@ def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> 
             0,
             0,
         )
-    revision = hasher.revision_id()
+    versions = f", versions as of {pinned.as_of}" if pinned.as_of else ""
     return CheckResult(
         True,
         "Listed",
-        f"{objects} objects, {total} bytes in {source.uri} (revision {revision})",
-        objects,
-        total,
-        revision,
+        f"{pinned.objects} objects, {pinned.bytes} bytes in {source.uri} (revision {pinned.revision}{versions})",
+        pinned.objects,
+        pinned.bytes,
+        pinned.revision,
+        pinned.as_of,
     )
 
 

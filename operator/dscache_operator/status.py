@@ -50,8 +50,12 @@ def changed(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in wanted.items() if current.get(k) != v}
 
 
-def revision_fragment(rev: str, objects: int | None, nbytes: int | None, now: datetime.datetime) -> dict[str, Any]:
-    return {"id": rev, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now), "versioned": False}
+def revision_fragment(
+    rev: str, objects: int | None, nbytes: int | None, now: datetime.datetime, as_of: str | None = None
+) -> dict[str, Any]:
+    out = {"id": rev, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now)}
+    # asOf only when set: status equal to the object's own must compare equal.
+    return out | ({"versioned": True, "asOf": as_of} if as_of is not None else {"versioned": False})
 
 
 def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit: int = 500) -> list[dict[str, Any]]:
@@ -69,8 +73,13 @@ def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit:
         ref, seen = p.owner, set()
         while ref is not None and ref.uid not in seen and len(pins) < limit:
             seen.add(ref.uid)
-            rev = (old.get(ref.uid) or {}).get("revision") or p.revision
-            pins.setdefault(ref.uid, {"uid": ref.uid, "kind": ref.kind, "name": ref.name, "revision": rev})
+            # An earlier pin wins, with its own as-of time (a revision and its time go together).
+            kept = old.get(ref.uid) or {}
+            rev, as_of = (kept["revision"], kept.get("asOf")) if kept.get("revision") else (p.revision, p.as_of)
+            pin = {"uid": ref.uid, "kind": ref.kind, "name": ref.name, "revision": rev}
+            if as_of is not None:  # a null in a list item would fail the schema
+                pin["asOf"] = as_of
+            pins.setdefault(ref.uid, pin)
             info = owners(ref.uid)
             ref = info.owner if info is not None else None
     return [pins[k] for k in sorted(pins)]

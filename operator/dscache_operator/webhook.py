@@ -46,8 +46,10 @@ class CacheView(NamedTuple):
     deleting: bool
     invalid: str | None = None
     revision: str | None = None
-    #: owner UID -> the revision its pods already stage (status.owners)
-    pins: dict[str, str] | None = None
+    #: owner UID -> (the revision its pods already stage, its as-of time) (status.owners)
+    pins: dict[str, tuple[str, str | None]] | None = None
+    #: the pinned revision's versions time (versioned buckets; dscache_contract.versions)
+    as_of: str | None = None
 
 
 def cache_view(body: Any) -> CacheView:
@@ -60,9 +62,14 @@ def cache_view(body: Any) -> CacheView:
     except pydantic.ValidationError as e:
         spec, invalid = None, str(e).splitlines()[0]
     revision = (status.get("revision") or {}).get("id")
-    pins = {o["uid"]: o["revision"] for o in status.get("owners") or [] if o.get("uid") and o.get("revision")}
+    as_of = (status.get("revision") or {}).get("asOf")
+    pins = {
+        o["uid"]: (o["revision"], o.get("asOf"))
+        for o in status.get("owners") or []
+        if o.get("uid") and o.get("revision")
+    }
     return CacheView(
-        spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid, revision, pins
+        spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid, revision, pins, as_of
     )
 
 
@@ -133,18 +140,19 @@ def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
     return None
 
 
-def choose_revision(view: CacheView, obj: dict[str, Any]) -> str | None:
+def choose_revision(view: CacheView, obj: dict[str, Any]) -> tuple[str | None, str | None]:
     """The revision a new Job or Pod gets when it carries none: the one its owner's
     pods already stage (status.owners), else the cache's pinned revision.
 
     Remaining window: a workload whose first pods are admitted before the
     controller has recorded its pin (one reconcile interval) while a refresh
     changes status.revision in between can get two revisions; Jobs are immune
-    (the revision is set on the Job's pod template at Job admission)."""
+    (the revision is set on the Job's pod template at Job admission).
+    Returns (revision, as-of time); the time belongs to that revision only."""
     owner = direct_owner_uid(obj)
     if owner and view.pins and owner in view.pins:
         return view.pins[owner]
-    return view.revision
+    return view.revision, view.as_of
 
 
 def no_revision(namespace: str, name: str, view: CacheView) -> str:
@@ -186,7 +194,7 @@ async def mutate(
     if reason:
         raise kopf.AdmissionError(reason, code=400)
     assert view is not None and view.spec is not None
-    revision = choose_revision(view, raw)
+    revision, as_of = choose_revision(view, raw)
     target_meta = (
         ((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job" else raw.get("metadata")
     ) or {}
@@ -202,6 +210,7 @@ async def mutate(
             settings=ctx.settings,
             mode=mode,
             revision=revision or "",
+            as_of=as_of,
         )
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400) from e

@@ -236,8 +236,8 @@ class FakeIndex(dict):
     """kopf.Index maps keys to stores (iterables of values)."""
 
 
-def view(phase="Ready", reason="Listed", message="", deleting=False, revision=REV, pins=None):
-    return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins)
+def view(phase="Ready", reason="Listed", message="", deleting=False, revision=REV, pins=None, as_of=None):
+    return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins, as_of)
 
 
 def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
@@ -429,12 +429,61 @@ def test_pods_of_other_owners_reuse_their_owners_revision():
         },
         "spec": {"containers": [{"name": "c", "image": "i"}]},
     }
-    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, pins={"u-pt": REV})]})
+    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, pins={"u-pt": (REV, None)})]})
     _ops, result = run_mutate(pod, index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
     pod["metadata"]["ownerReferences"][0]["uid"] = "u-other"
     _ops, result = run_mutate(pod, index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV2
+
+
+def test_versioned_pins_carry_their_as_of_time_to_pod_and_stager():
+    """A revision pinned in a versioned bucket travels with its as-of time: from
+    status.revision for a new pod, from the owner's pin for its later pods, and
+    never the cache's time with an owner's older revision."""
+    t1, t2 = "2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "w",
+            "namespace": "ml",
+            "annotations": {"dscache.io/cache": "imagenet"},
+            "ownerReferences": [
+                {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "pt", "uid": "u-pt", "controller": True}
+            ],
+        },
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+    }
+
+    def stager_argv(result):
+        return next(c for c in result["spec"]["initContainers"] if c["name"] == INIT_NAME)["args"]
+
+    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, as_of=t2, pins={"u-pt": (REV, t1)})]})
+    _ops, result = run_mutate(copy.deepcopy(pod), index, kind="pods")
+    assert result["metadata"]["annotations"]["dscache.io/revision-as-of"] == t1
+    args = StageArgs.from_argv(stager_argv(result))
+    assert (args.revision, args.as_of) == (REV, t1)
+    # An owner pinned before the bucket was versioned: no time, even though the cache has one now.
+    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, as_of=t2, pins={"u-pt": (REV, None)})]})
+    _ops, result = run_mutate(copy.deepcopy(pod), index, kind="pods")
+    assert "dscache.io/revision-as-of" not in result["metadata"]["annotations"]
+    assert StageArgs.from_argv(stager_argv(result)).as_of is None
+    pod["metadata"]["ownerReferences"][0]["uid"] = "u-other"
+    _ops, result = run_mutate(copy.deepcopy(pod), index, kind="pods")
+    assert result["metadata"]["annotations"]["dscache.io/revision-as-of"] == t2
+    assert StageArgs.from_argv(stager_argv(result)).as_of == t2
+
+
+def test_bad_as_of_annotation_is_refused():
+    obj = job()
+    obj["spec"]["template"]["metadata"]["annotations"] = {
+        "dscache.io/revision": REV,
+        "dscache.io/revision-as-of": "yesterday",
+    }
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(obj, FakeIndex({("ml", "imagenet"): [view()]}))
+    assert "revision-as-of" in str(e.value) and "malformed" in str(e.value)
 
 
 def test_bad_revision_annotation_is_refused():

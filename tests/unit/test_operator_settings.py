@@ -116,6 +116,9 @@ def test_source_listing_pins_the_contract_revision(monkeypatch):
     ]
 
     class Client:
+        def get_bucket_versioning(self, Bucket):
+            return {}  # never versioned: ListObjectsV2 and ETags alone
+
         def get_paginator(self, name):
             assert name == "list_objects_v2"
             return self
