@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +34,8 @@ class S3Server:
     root: Path
     host: str = "127.0.0.1"
     port: int = 0
+    #: Where versitygw keeps old versions; set: buckets may turn versioning on.
+    versioning_dir: Path | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -48,6 +54,8 @@ class S3Server:
 
     def start(self) -> S3Server:
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.versioning_dir:
+            self.versioning_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         binary = tool_bin("s3") / "versitygw"
         self.proc = subprocess.Popen(
@@ -65,6 +73,7 @@ class S3Server:
                 "--keep-alive",
                 "--quiet",
                 "posix",
+                *(["--versioning-dir", str(self.versioning_dir)] if self.versioning_dir else []),
                 str(self.root),
             ],
             stdout=subprocess.DEVNULL,
@@ -98,8 +107,47 @@ class S3Server:
             aws_secret_access_key=SECRET_KEY,
         )
 
-    def make_bucket(self, name: str) -> None:
+    def make_bucket(self, name: str, versioned: bool = False) -> None:
         self.client().create_bucket(Bucket=name)
+        if versioned:
+            status = {"Status": "Enabled"}
+            self.client().put_bucket_versioning(Bucket=name, VersioningConfiguration=status)
+
+    @contextlib.contextmanager
+    def keeping_version_times(self, bucket: str) -> Iterator[None]:
+        """Around changes to a versioned bucket: LastModified times as S3 gives them.
+
+        versitygw v1.8.0 reports a file's mtime as LastModified, and two of its
+        times are not S3's: it copies an object into its versioning dir when the
+        object becomes noncurrent, so the old version's LastModified turns into
+        the time of the overwrite; and a delete marker is the deleted object's
+        file with an attribute set, so it is dated like that object. S3 (AWS,
+        MinIO, Ceph RGW) never changes a version's LastModified and dates a
+        delete marker by the delete, and revisions pinned in a versioned bucket
+        rely on both (dscache_contract.versions). This puts the times right in
+        versitygw's files (backend/posix: genObjVersionKey, DeleteObject).
+        """
+        assert self.versioning_dir is not None, "a server started without a versioning dir"
+        client = self.client()
+
+        def versions() -> tuple[dict[tuple[str, str], float], set[tuple[str, str]]]:
+            times, markers = {}, set()
+            for page in client.get_paginator("list_object_versions").paginate(Bucket=bucket):
+                for v in page.get("Versions") or []:
+                    times[(v["Key"], v["VersionId"])] = v["LastModified"].timestamp()
+                markers.update((m["Key"], m["VersionId"]) for m in page.get("DeleteMarkers") or [] if m["IsLatest"])
+            return times, markers
+
+        before, old_markers = versions()
+        yield
+        deleted_at = time.time()
+        for (key, version), when in before.items():
+            digest = hashlib.sha256(key.encode()).hexdigest()
+            path = self.versioning_dir / bucket / digest[:2] / digest[2:4] / digest[4:6] / digest / version
+            if path.exists():
+                os.utime(path, (when, when))
+        for key, _ in versions()[1] - old_markers:
+            os.utime(self.root / bucket / key, (deleted_at, deleted_at))
 
     def put_tree(self, bucket: str, files: dict[str, bytes]) -> None:
         """Upload ``{key: body}``; small trees go through the API so ETags are real."""

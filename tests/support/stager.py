@@ -70,15 +70,13 @@ def stage(
 
 
 def boto3_revision(server: S3Server, uri: str, include=(), exclude=()) -> str:
-    """The revision as the operator pins it: boto3's listing through the contract's selection and hasher."""
+    """The revision as the operator pins it (dscache_contract.pin, through boto3)."""
+    return boto3_pin(server, uri, include, exclude).revision
+
+
+def boto3_pin(server: S3Server, uri: str, include=(), exclude=()) -> contract.Pin:
     bucket, _ = contract.parse_source(uri)
-    sel = contract.Selection.from_source(uri, include, exclude)
-    h = contract.RevisionHasher()
-    for page in server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=sel.prefix):
-        for item in page.get("Contents", []):
-            if sel.relative(item["Key"]) is not None:
-                h.add(item["Key"], item["Size"], item["ETag"], None)
-    return h.revision_id()
+    return contract.pin(server.client(), bucket, contract.Selection.from_source(uri, include, exclude))
 
 
 def data_dir(cache: Path, revision: str) -> Path:
