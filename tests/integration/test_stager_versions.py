@@ -109,9 +109,7 @@ def test_a_pinned_version_deleted_for_good_fails_with_exit_9_and_serves_nothing(
     assert not os.path.exists(contract.revision_dir(str(cache), pinned.revision))
 
 
-def test_without_the_as_of_time_a_versioned_revision_is_not_found(
-    versioned_s3: S3Server, vbucket: str, tmp_path: Path
-):
+def test_without_the_as_of_time_a_versioned_revision_is_not_found(versioned_s3: S3Server, vbucket: str, tmp_path: Path):
     """The digest covers versionIds: an argv that lost --as-of lists without them
     and cannot match, so it fails instead of staging some other bytes."""
     versioned_s3.put_tree(vbucket, dataset())

@@ -173,4 +173,3 @@ def test_versioning_status_the_server_refuses_to_tell_means_unversioned():
 
     got = pin(Refusing([put("p/a", "a1", T0)]), "bkt", Selection("p/"))
     assert got.as_of is None and got.objects == 1
-
