@@ -18,6 +18,23 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def versioned_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A second real S3 server whose buckets can have versioning Enabled."""
+    root = tmp_path_factory.mktemp("s3v")
+    server = S3Server(root=root / "data", versioning_dir=root / "versions").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def versioned_bucket(versioned_s3: S3Server) -> str:
+    """A fresh, empty bucket with versioning Enabled."""
+    name = f"v{next(_bucket_ids)}-test"
+    versioned_s3.make_bucket(name, versioned=True)
+    return name
+
+
 @pytest.fixture
 def bucket(s3_server: S3Server) -> str:
     """A fresh, empty bucket on the session's S3 server."""

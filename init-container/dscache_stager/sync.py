@@ -227,14 +227,14 @@ class _Run:
                     if self.hostile:
                         continue  # the run will fail; keep listing only to name every bad key
                     old = known.get(rel)
-                    if old and old.size == obj.size and old.etag == obj.etag and self.tree.is_current(rel, obj.size):
+                    if old and _same(old, obj) and self.tree.is_current(rel, obj.size):
                         self._list_entry(old)
                         progress.skipped += 1
                         continue
                     # Listed now, fetched later: the run fails unless every
                     # GET succeeds (If-Match: these very bytes), so the line
                     # can be written before the file exists.
-                    self._list_entry(Entry(obj.key, rel, obj.size, obj.etag))
+                    self._list_entry(Entry(obj.key, rel, obj.size, obj.etag, obj.version_id))
                     fetch.append((obj, rel))
                 # Space is reserved a page at a time, so a short listing is
                 # judged on its exact total before any of it is fetched.
@@ -293,7 +293,7 @@ class _Run:
                 self.hostile.append((obj.key, f"file and directory at once ({above})"))
                 return
             old = known.get(rel)
-            if old and old.size == 0 and old.etag == obj.etag and self.tree.is_current(rel, 0):
+            if old and _same(old, obj) and self.tree.is_current(rel, 0):
                 self.placed_empties[rel] = old
                 self.progress.skipped += 1
                 return
@@ -301,7 +301,7 @@ class _Run:
             tmp = os.path.join(self.rev.tmp, f"empty-{len(self.placed_empties)}-{id(obj)}")
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444))
             self.tree.place(tmp, rel)
-            entry = Entry(obj.key, rel, 0, obj.etag)
+            entry = Entry(obj.key, rel, 0, obj.etag, obj.version_id)
             self.placed_empties[rel] = entry
             self.journal.write(entry.to_json() + "\n")
 
@@ -314,7 +314,8 @@ class _Run:
         while (item := await queue.get()) is not None:
             obj, rel = item
             got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
-            self.journal.write(Entry(obj.key, rel, got.size, got.etag or obj.etag).to_json() + "\n")
+            entry = Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
+            self.journal.write(entry.to_json() + "\n")
             self.fetched_bytes += got.size
             self.progress.fetched_objects += 1
 
@@ -372,6 +373,11 @@ class _Run:
             f"under the cache dir: {shown}{more}; rename them in the bucket or exclude them "
             f"with an exclude glob"
         )
+
+
+def _same(placed: Entry, listed: RemoteObject) -> bool:
+    """A file a killed run placed is the listed object (same size, ETag and version)."""
+    return (placed.size, placed.etag, placed.version_id) == (listed.size, listed.etag, listed.version_id)
 
 
 def _paths(manifest: str) -> Iterator[str]:

@@ -941,6 +941,46 @@ def test_revision_is_pinned_and_jobs_keep_theirs_across_a_refresh(kube_api, read
     assert any(ev["reason"] == "RevisionPinned" for ev in events)
 
 
+def test_a_versioned_bucket_pins_versions_and_every_pod_of_a_job_carries_the_time(
+    kube_api, dscache_operator, versioned_s3, versioned_bucket, opted_ns
+):
+    """Versioning Enabled: status.revision says so, with its as-of time; a Job's
+    pod template, its later pods and their stager args carry that time after the
+    bucket changed and the cache re-listed."""
+    from dscache_contract import Selection, pin
+    from tests.support.s3server import ACCESS_KEY, SECRET_KEY
+
+    k, ns, name = kube_api, opted_ns, "versioned"
+    versioned_s3.put_tree(versioned_bucket, FILES)
+    make_secret(k, ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
+    grant_secret_read(k, ns)
+    make_cache(k, ns, name, f"s3://{versioned_bucket}/data/", versioned_s3.endpoint, "s3-keys")
+    rev = wait_phase(k, ns, name, "Ready")["status"]["revision"]
+    pinned = pin(versioned_s3.client(), versioned_bucket, Selection("data/"))
+    assert (rev["id"], rev["versioned"], rev["asOf"], rev["objects"]) == (pinned.revision, True, pinned.as_of, 4)
+    job = create_job(k, ns, job_body("old", name))
+    annotations = job["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["dscache.io/revision"], annotations["dscache.io/revision-as-of"]) == (rev["id"], rev["asOf"])
+
+    with versioned_s3.keeping_version_times(versioned_bucket):
+        versioned_s3.put_tree(versioned_bucket, {"data/a.bin": b"A" * 11})
+    k.merge_patch(f"{DSC.format(ns=ns)}/{name}", {"metadata": {"annotations": {"dscache.io/refresh": "1"}}})
+    new = k.wait_for(
+        lambda: (lambda r: r if r and r["id"] != rev["id"] else None)(
+            (get_cache(k, ns, name)["status"] or {}).get("revision")
+        ),
+        what="a new revision",
+    )
+    assert new["versioned"] and new["asOf"] >= rev["asOf"]
+    pod = start_job_pod(k, ns, job, "node-v")
+    assert pod["metadata"]["annotations"]["dscache.io/revision-as-of"] == rev["asOf"]
+    init = next(c for c in pod["spec"]["initContainers"] if c["name"] == "dscache-stage")
+    assert (StageArgs.from_argv(init["args"]).revision, StageArgs.from_argv(init["args"]).as_of) == (
+        rev["id"],
+        rev["asOf"],
+    )
+
+
 def test_a_node_that_is_gone_gets_no_helper(kube_api, ready_cache):
     k = kube_api
     ns, name = ready_cache

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,21 +20,6 @@ pytestmark = pytest.mark.integration
 BIG = "ds/big/part-0.bin"  # over the stager's 1 MiB single-GET limit: fetched in ranged parts
 
 
-@pytest.fixture(scope="module")
-def versioned_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    root = tmp_path_factory.mktemp("s3v")
-    server = S3Server(root=root / "data", versioning_dir=root / "versions").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def vbucket(versioned_s3: S3Server, request: pytest.FixtureRequest) -> str:
-    name = f"v{abs(hash(request.node.name)) % 10**8}-test"
-    versioned_s3.make_bucket(name, versioned=True)
-    return name
-
-
 def dataset() -> dict[str, bytes]:
     files = {f"ds/{i % 3}/f{i:02d}.bin": os.urandom(500 + 37 * i) for i in range(12)}
     files[BIG] = os.urandom((1 << 20) + 4321)
@@ -44,23 +28,23 @@ def dataset() -> dict[str, bytes]:
 
 
 def test_a_pinned_revision_keeps_its_bytes_after_overwrite_delete_and_add(
-    versioned_s3: S3Server, vbucket: str, tmp_path: Path
+    versioned_s3: S3Server, versioned_bucket: str, tmp_path: Path
 ):
     files = dataset()
-    versioned_s3.put_tree(vbucket, files)
+    versioned_s3.put_tree(versioned_bucket, files)
     client = versioned_s3.client()
     # A directory marker: in the digest, never a file (an empty dir is skipped, as unversioned).
-    client.put_object(Bucket=vbucket, Key="ds/emptydir/", Body=b"")
-    uri, cache = f"s3://{vbucket}/ds/", tmp_path / "c"
+    client.put_object(Bucket=versioned_bucket, Key="ds/emptydir/", Body=b"")
+    uri, cache = f"s3://{versioned_bucket}/ds/", tmp_path / "c"
     first = boto3_pin(versioned_s3, uri)
     assert first.versioned and first.objects == len(files) + 1
 
     # The bucket moves on: an overwrite (of the big one too), a delete, an addition.
-    with versioned_s3.keeping_version_times(vbucket):
-        client.put_object(Bucket=vbucket, Key=BIG, Body=b"replaced")
-        client.put_object(Bucket=vbucket, Key="ds/0/f00.bin", Body=b"replaced too")
-        client.delete_object(Bucket=vbucket, Key="ds/1/f01.bin")
-        client.put_object(Bucket=vbucket, Key="ds/new.bin", Body=b"added later")
+    with versioned_s3.keeping_version_times(versioned_bucket):
+        client.put_object(Bucket=versioned_bucket, Key=BIG, Body=b"replaced")
+        client.put_object(Bucket=versioned_bucket, Key="ds/0/f00.bin", Body=b"replaced too")
+        client.delete_object(Bucket=versioned_bucket, Key="ds/1/f01.bin")
+        client.put_object(Bucket=versioned_bucket, Key="ds/new.bin", Body=b"added later")
     second = boto3_pin(versioned_s3, uri)
     assert second.revision != first.revision and second.as_of >= first.as_of
 
@@ -68,6 +52,9 @@ def test_a_pinned_revision_keeps_its_bytes_after_overwrite_delete_and_add(
     assert r.code == 0, r.stderr
     assert data_tree(data_dir(cache, first.revision)) == expected_tree(files, "ds/")
     assert r.summary["revision"] == first.revision
+    manifest = Path(contract.manifest_path(str(cache), first.revision)).read_text().splitlines()
+    big = next(contract.ManifestEntry.from_json(line) for line in manifest if BIG in line)
+    assert big.version_id is not None and big.size == len(files[BIG])  # the pinned version, named
 
     now = {**files, BIG: b"replaced", "ds/0/f00.bin": b"replaced too", "ds/new.bin": b"added later"}
     del now["ds/1/f01.bin"]
@@ -89,16 +76,16 @@ def test_a_pinned_revision_keeps_its_bytes_after_overwrite_delete_and_add(
 
 
 def test_a_pinned_version_deleted_for_good_fails_with_exit_9_and_serves_nothing(
-    versioned_s3: S3Server, vbucket: str, tmp_path: Path
+    versioned_s3: S3Server, versioned_bucket: str, tmp_path: Path
 ):
     files = dataset()
-    versioned_s3.put_tree(vbucket, files)
-    uri, cache = f"s3://{vbucket}/ds/", tmp_path / "c"
+    versioned_s3.put_tree(versioned_bucket, files)
+    uri, cache = f"s3://{versioned_bucket}/ds/", tmp_path / "c"
     pinned = boto3_pin(versioned_s3, uri)
     client = versioned_s3.client()
-    version = client.head_object(Bucket=vbucket, Key="ds/2/f02.bin")["VersionId"]
-    with versioned_s3.keeping_version_times(vbucket):
-        client.delete_object(Bucket=vbucket, Key="ds/2/f02.bin", VersionId=version)  # gone, history and all
+    version = client.head_object(Bucket=versioned_bucket, Key="ds/2/f02.bin")["VersionId"]
+    with versioned_s3.keeping_version_times(versioned_bucket):
+        client.delete_object(Bucket=versioned_bucket, Key="ds/2/f02.bin", VersionId=version)  # gone, history and all
 
     r = stage(versioned_s3, uri, cache, pinned.revision, as_of=pinned.as_of, termination_log=str(tmp_path / "t"))
 
@@ -109,11 +96,13 @@ def test_a_pinned_version_deleted_for_good_fails_with_exit_9_and_serves_nothing(
     assert not os.path.exists(contract.revision_dir(str(cache), pinned.revision))
 
 
-def test_without_the_as_of_time_a_versioned_revision_is_not_found(versioned_s3: S3Server, vbucket: str, tmp_path: Path):
+def test_without_the_as_of_time_a_versioned_revision_is_not_found(
+    versioned_s3: S3Server, versioned_bucket: str, tmp_path: Path
+):
     """The digest covers versionIds: an argv that lost --as-of lists without them
     and cannot match, so it fails instead of staging some other bytes."""
-    versioned_s3.put_tree(vbucket, dataset())
-    uri = f"s3://{vbucket}/ds/"
+    versioned_s3.put_tree(versioned_bucket, dataset())
+    uri = f"s3://{versioned_bucket}/ds/"
     pinned = boto3_pin(versioned_s3, uri)
     r = stage(versioned_s3, uri, tmp_path / "c", pinned.revision)
     assert r.code == 9, r.stderr
