@@ -12,6 +12,7 @@ whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).
 
 from .args import ArgsError, StageArgs, WipeArgs, build_parser
 from .layout import (
+    TOP_NAMES,
     cache_dir,
     complete_path,
     data_dir,
@@ -39,6 +40,7 @@ from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, Wipe
 __all__ = [
     "DEFAULT_REGION",
     "EXIT_CODE_HELP",
+    "TOP_NAMES",
     "ArgsError",
     "ExitCode",
     "ManifestEntry",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
@@ -46,6 +47,7 @@ def test_stage_args_round_trip(args: c.StageArgs):
         c.WipeArgs("/root/ns/ds", "/root", revision=REV),
         c.WipeArgs("/root/ns/ds", "/root", revision=REV, release=("u1", "u-2"), termination_log="/t"),
         c.WipeArgs("/root/ns/ds", "/root", all_revisions=True, release=("u1",)),
+        c.WipeArgs("/root/ns/ds", "/root", legacy=True, termination_log="/t"),
     ],
 )
 def test_wipe_args_round_trip(args: c.WipeArgs):
@@ -67,8 +69,10 @@ def test_release_may_be_repeated_or_comma_separated():
         (["sync", "bucket/p", "/c", "--revision", REV], "s3://BUCKET"),
         (["sync", "s3://b/p", "/c", "--revision", REV, "--pod-uid", "../etc"], "plain token"),
         (["sync", "s3://b/p", "/c", "--revision", REV, "--concurrency", "0"], "at least 1"),
-        (["wipe", "/r/n/c", "--root", "/r"], "one of the arguments --revision --all is required"),
+        (["wipe", "/r/n/c", "--root", "/r"], "one of the arguments --revision --all --legacy is required"),
         (["wipe", "/r/n/c", "--root", "/r", "--revision", REV, "--all"], "not allowed with"),
+        (["wipe", "/r/n/c", "--root", "/r", "--legacy", "--all"], "not allowed with"),
+        (["wipe", "/r/n/c", "--root", "/r", "--legacy", "--release", "u1"], "takes no --release"),
         (["wipe", "/r/n/c", "--root", "/r", "--all", "--release", "a/b"], "plain token"),
     ],
 )
@@ -179,3 +183,15 @@ def test_summary_and_manifest_entry_json():
     e = c.ManifestEntry("p/a", "a", 1, "e")
     assert c.ManifestEntry.from_json(e.to_json()) == e and "versionId" not in e.to_json()
     assert int(c.ExitCode.REVISION_GONE) == 9 and set(c.EXIT_CODE_HELP) == set(c.ExitCode)
+
+
+def test_wipe_summary_round_trip_reports_plain_uids_and_strays_apart():
+    w = c.WipeSummary(cache="/r/n/c", leases=["u1", "u2"], stray=["leases/junk", f"leases/{REV}/a b"], existed=True)
+    d = json.loads(w.to_json())
+    assert d["leases"] == ["u1", "u2"] and d["stray"] == ["leases/junk", f"leases/{REV}/a b"]
+    assert c.WipeSummary.from_dict({**d, "future": 1}) == w
+    # A summary from before these fields still parses (an older helper image mid-upgrade).
+    old = c.WipeSummary.from_dict({"cache": "/r/n/c", "removed": True, "existed": True, "leases": []})
+    assert (old.stray, old.legacy, old.legacy_entries) == ([], False, 0)
+    assert c.WipeArgs("/r/n/c", "/r", legacy=True).to_argv() == ["wipe", "/r/n/c", "--root", "/r", "--legacy"]
+    assert {"lock", "revs", "leases"} == c.TOP_NAMES
