@@ -17,7 +17,7 @@ import dscache_contract as contract
 from dscache_contract import WipeArgs
 from dscache_stager import wipe as wipe_mod
 from dscache_stager.errors import BusyError, UsageError
-from dscache_stager.layout import Revision, cache_lock, leases, write_lease
+from dscache_stager.layout import Revision, cache_lock, write_lease
 from dscache_stager.wipe import wipe
 
 R1 = "r-" + "1" * 20
@@ -59,6 +59,14 @@ def outside(tmp_path: Path) -> Path:
     o.mkdir()
     (o / "keep.txt").write_text("keep")
     return o
+
+
+def leases(c: str, rev: str) -> list[str]:
+    """The names in C/leases/<rev>, as they are on disk."""
+    try:
+        return sorted(os.listdir(contract.lease_dir(c, rev)))
+    except FileNotFoundError:
+        return []
 
 
 def C(root: Path) -> Path:
