@@ -20,8 +20,9 @@ call (it asks only once no pod without a revision annotation holds on the
 node; see dscache_operator.consumers). Here, two on-disk checks close the gap
 its views may lag behind (a pod admitted by a version 1 webhook replica during
 the upgrade): a version 1 stager at work holds C/.dscache/lock, which the wipe
-takes too, without waiting; and one that ran lately changed C/.dscache, so
-the wipe waits until it has been quiet for LEGACY_QUIET_S.
+takes too, without waiting (and one that starts meanwhile waits for the wipe,
+then starts over); and one that ran lately left fresh traces in C/.dscache,
+so the wipe waits until it has been quiet for LEGACY_QUIET_S.
 """
 
 from __future__ import annotations
@@ -200,25 +201,36 @@ def _wipe_legacy(c: str, out: WipeSummary) -> None:
                 f"be reading that copy; nothing was removed; retry once it has been quiet for "
                 f"{LEGACY_QUIET_S:.0f} s"
             )
-        for name in sorted(names, key=lambda n: n == V1_META):
-            remove_tree(os.path.join(c, name))
+        for name in names:
+            if name != V1_META:
+                remove_tree(os.path.join(c, name))
+        remove_tree(os.path.join(c, V1_META))  # also when _v1_lock made it
     out.removed, out.legacy_entries = True, len(names)
 
 
 @contextmanager
 def _v1_lock(c: str) -> Iterator[None]:
-    """Hold version 1's lock (C/.dscache/lock) without waiting, if there is one.
+    """Hold version 1's lock (C/.dscache/lock) without waiting; made if missing.
 
-    Never created (that would make a version 1 entry), and never reached
-    through a symlink: C/.dscache is opened O_NOFOLLOW, the lock relative to it.
+    Made, so that a version 1 stager starting while we delete waits for us
+    (its locked() makes C/.dscache and the lock too, and blocks on ours); once
+    we unlinked both, it finds its lock file gone and starts over on a fresh
+    copy. Never reached through a symlink: C/.dscache is opened O_NOFOLLOW and
+    the lock relative to it; if either is no real dir or file, no version 1
+    stager can lock there either, and the entry is simply unlinked.
     """
+    meta = os.path.join(c, V1_META)
     try:
-        d = os.open(os.path.join(c, V1_META), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.mkdir(meta, 0o755)
+    except FileExistsError:
+        pass
+    try:
+        d = os.open(meta, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        yield  # absent, a symlink or no dir: no version 1 stager can hold a lock there
+        yield
         return
     try:
-        fd = os.open(V1_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
+        fd = os.open(V1_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=d)
     except OSError:
         fd = -1
     finally:
@@ -239,16 +251,23 @@ def _v1_lock(c: str) -> Iterator[None]:
         os.close(fd)
 
 
+#: What every version 1 run changes in C/.dscache: it recreates tmp/ when it
+#: starts, writes its manifest and marker through tmp/ when it ends.
+_V1_TRACES = ("tmp", "complete", "manifest.jsonl", "journal.jsonl")
+
+
 def _v1_quiet_for(c: str) -> float | None:
-    """Seconds since C/.dscache last changed (every version 1 run recreates its tmp/
-    there and renames its manifest in), by the node's own clock; None if there is none."""
-    try:
-        st = os.lstat(os.path.join(c, V1_META))
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISDIR(st.st_mode):
-        return None
-    return time.time() - st.st_mtime
+    """Seconds since a version 1 stager last ran in C, by the node's own clock
+    (the newest mtime of its traces; not the lock, which we may have made);
+    None if it left none."""
+    newest = None
+    for name in _V1_TRACES:
+        try:
+            mtime = os.lstat(os.path.join(c, V1_META, name)).st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        newest = mtime if newest is None else max(newest, mtime)
+    return None if newest is None else time.time() - newest
 
 
 def _inside_root(directory: str, root: str) -> str | None:

@@ -282,7 +282,8 @@ def test_an_upgraded_node_loses_its_version_1_copy_and_nothing_else(s3_server: S
         [*v1_top, "lock", "revs", "leases"]
     )
     quiet = time.time() - wipe_mod.LEGACY_QUIET_S - 60
-    os.utime(v1_meta, (quiet, quiet))
+    for p in v1_meta.iterdir():
+        os.utime(p, (quiet, quiet))
 
     done = legacy_wipe()
     assert done.returncode == 0, done.stderr

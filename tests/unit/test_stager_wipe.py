@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -158,7 +159,6 @@ def test_refuses_a_symlinked_revs_or_leases_dir(tmp_path: Path, outside: Path, n
 
 
 def test_sealed_revisions_are_removed_by_a_non_root_wipe_too(tmp_path: Path):
-    import shutil
     import tempfile
 
     base = Path(tempfile.mkdtemp(prefix="dscache-wipe-"))
@@ -406,9 +406,15 @@ def make_v1_copy(c: Path, age: float = 3600.0) -> set[str]:
     (meta / "tmp").mkdir(parents=True)
     for name in ("lock", "manifest.jsonl", "complete"):
         (meta / name).write_text("")
-    then = time.time() - age
-    os.utime(meta, (then, then))
+    age_v1_traces(c, age)
     return {"train", "labels.csv", ".dscache"}
+
+
+def age_v1_traces(c: Path, age: float) -> None:
+    """Make version 1's last run ``age`` seconds old."""
+    then = time.time() - age
+    for p in (c / ".dscache").iterdir():
+        os.utime(p, (then, then), follow_symlinks=False)
 
 
 def current_tree(c: Path) -> dict[str, bytes | None]:
@@ -465,8 +471,7 @@ def test_legacy_waits_until_version_1_has_been_quiet(root: Path):
     with pytest.raises(BusyError, match=r"ran in .* 5 s ago"):
         wipe(WipeArgs(str(c), str(root), legacy=True))
     assert (c / "train/1/b.jpg").read_bytes() == b"v1b" and (c / ".dscache").is_dir()
-    then = time.time() - wipe_mod.LEGACY_QUIET_S - 1
-    os.utime(c / ".dscache", (then, then))
+    age_v1_traces(c, wipe_mod.LEGACY_QUIET_S + 1)
     assert wipe(WipeArgs(str(c), str(root), legacy=True)).removed
 
 
@@ -514,3 +519,47 @@ def test_legacy_cli_json_and_usage(root: Path, tmp_path: Path):
     bad = _cli(str(c), "--root", str(root), "--legacy", "--release", "u1")
     assert bad.returncode == 2 and "takes no --release" in bad.stderr
     assert (c / "revs" / R1).is_dir() and sorted(os.listdir(c / "leases" / R1)) == ["u1", "u2"]
+
+
+@pytest.mark.parametrize("missing", [".dscache/lock", ".dscache"])
+def test_legacy_makes_and_holds_version_1_lock_so_a_starting_v1_stager_waits(
+    root: Path, monkeypatch: pytest.MonkeyPatch, missing: str
+):
+    """Without a lock to take, a version 1 stager starting mid-delete could stage
+    into entries being removed. The wipe makes version 1's lock and holds it: that
+    stager (whose locked() makes .dscache and the lock, then blocks) waits, and
+    afterwards finds its lock file unlinked, so it starts over on a fresh copy."""
+    c = C(root)
+    make_v1_copy(c)
+    target = c / missing
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+    deleting, go_on = threading.Event(), threading.Event()
+    real_remove = wipe_mod.remove_tree
+
+    def slow_remove(path: str) -> None:
+        deleting.set()
+        go_on.wait(10)
+        real_remove(path)
+
+    monkeypatch.setattr(wipe_mod, "remove_tree", slow_remove)
+    out: dict = {}
+    w = threading.Thread(target=lambda: out.setdefault("wipe", wipe(WipeArgs(str(c), str(root), legacy=True))))
+    w.start()
+    try:
+        assert deleting.wait(10)
+        # What version 1's Layout.locked() does: make .dscache, open (creating) the lock, flock it.
+        os.makedirs(c / ".dscache", exist_ok=True)
+        fd = os.open(c / ".dscache" / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    finally:
+        go_on.set()
+        w.join(10)
+    assert out["wipe"].removed and out["wipe"].legacy_entries == (2 if missing == ".dscache" else 3)
+    assert sorted(os.listdir(c)) == ["leases", "lock", "revs"]
