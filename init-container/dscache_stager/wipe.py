@@ -43,7 +43,7 @@ from .layout import cache_lock, remove_tree
 #: Version 1's metadata dir at the top of C, and its lock file inside it.
 V1_META = ".dscache"
 V1_LOCK = "lock"
-#: A version 1 stager that ran within this long (C/.dscache changed) keeps the
+#: A version 1 stager that ran within this long (its traces in C/.dscache) keeps the
 #: legacy copy: its pod may have started reading a moment ago, before the
 #: operator saw it. Far longer than the watch lag plus a helper pod's start
 #: (which the driver bounds at 120 s).
