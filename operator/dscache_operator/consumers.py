@@ -424,7 +424,7 @@ def plan_node(
     else:
         # A pod without a revision annotation mounts C itself, so it sees every
         # revision and the version 1 copy: while one holds here, nothing is removed.
-        legacy_holders = any(p.revision is None for p in consumers)
+        legacy_holders = any(not p.revision for p in consumers)
         for r in active:
             if r.consumers or legacy_holders or r.id in blocked_everywhere:
                 continue
@@ -447,7 +447,7 @@ def plan_node(
                 # too), and before it starts its pod reads nothing and it stages a
                 # fresh copy. Either way the next plan sees the pod and waits.
                 # No leases to release: version 1 wrote none.
-                wipes.append(Release(LEGACY, (), _newest(p for p in relevant if p.revision is None)))
+                wipes.append(Release(LEGACY, (), _newest(p for p in relevant if not p.revision)))
                 continue
             release = {p.uid for p in done_here if p.uid and p.revision == r.id}
             release.update(u for u in r.strayLeases if u not in live_anywhere)
