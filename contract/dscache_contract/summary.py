@@ -50,6 +50,10 @@ EXIT_CODE_HELP: dict[ExitCode, str] = {
 
 _T = TypeVar("_T")
 
+#: The longest WipeSummary line (json.dumps escapes non-ASCII, so chars = bytes);
+#: the CLI also cuts its termination log there.
+WIPE_JSON_MAX = 4000
+
 
 def _from_dict(cls: type[_T], d: dict[str, Any]) -> _T:
     names = {f.name for f in fields(cls)}  # type: ignore[arg-type]  # cls is one of the dataclasses below
@@ -104,6 +108,7 @@ class WipeSummary:
     relative to C/leases. They keep it too (what we cannot name we do not
     delete); a person has to look at them.
     legacy_entries: with --legacy, how many top-level entries were removed.
+    truncated: leases and stray were cut to fit WIPE_JSON_MAX (see to_json).
     """
 
     cache: str = ""
@@ -115,9 +120,28 @@ class WipeSummary:
     stray: list[str] = field(default_factory=list)
     legacy: bool = False
     legacy_entries: int = 0
+    truncated: bool = False
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """At most WIPE_JSON_MAX bytes: the kubelet keeps 4096 bytes of a termination
+        message, and a line cut there is no JSON at all, which would read as "no
+        summary". So with many leases the lists are cut instead (stray first: a
+        person must see those), and ``truncated`` says so. The operator releases
+        the finished pods among those it sees; later wipes report the rest."""
+        d = asdict(self)
+        text = json.dumps(d)
+        if len(text) <= WIPE_JSON_MAX:
+            return text
+        d.update(truncated=True, leases=[], stray=[])
+        room = WIPE_JSON_MAX - len(json.dumps(d))
+        for key, items in (("stray", self.stray), ("leases", self.leases)):
+            for item in items:
+                cost = len(json.dumps(item)) + 2  # and ", "
+                if cost > room:
+                    break
+                d[key].append(item)
+                room -= cost
+        return json.dumps(d)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WipeSummary:

@@ -251,6 +251,8 @@ async def drive(
                 f"{len(summary.stray)} entry(ies) under {summary.cache} that are no lease: "
                 f"{', '.join(summary.stray[:5])}{' ...' if len(summary.stray) > 5 else ''} (remove them by hand)"
             )
+        if summary.truncated:
+            why.append("more not listed (the helper's report was cut to fit its termination message)")
         entry.message = f"{what} kept: {'; '.join(why) or 'no reason given'}"[:4096]
         return Outcome.KEPT, uids
     metrics.wipe(namespace, name, "succeeded")

@@ -195,3 +195,16 @@ def test_wipe_summary_round_trip_reports_plain_uids_and_strays_apart():
     assert (old.stray, old.legacy, old.legacy_entries) == ([], False, 0)
     assert c.WipeArgs("/r/n/c", "/r", legacy=True).to_argv() == ["wipe", "/r/n/c", "--root", "/r", "--legacy"]
     assert {"lock", "revs", "leases"} == c.TOP_NAMES
+
+
+def test_a_wipe_summary_with_many_leases_stays_valid_json_within_the_termination_message():
+    """The kubelet keeps 4096 bytes: a cut line would be no JSON, read as no summary."""
+    uids = [f"{i:08d}-8b1a-4c1e-9d7e-0e5a3c1b2a9f" for i in range(400)]
+    w = c.WipeSummary(cache="/r/n/c", revision=REV, existed=True, leases=uids, stray=["leases/junk"])
+    text = w.to_json()
+    assert len(text.encode()) <= c.summary.WIPE_JSON_MAX
+    d = json.loads(text)
+    assert d["truncated"] is True and d["stray"] == ["leases/junk"]
+    assert 50 < len(d["leases"]) < 400 and d["leases"] == uids[: len(d["leases"])]
+    small = c.WipeSummary(cache="/r/n/c", leases=uids[:3])
+    assert json.loads(small.to_json())["truncated"] is False and json.loads(small.to_json())["leases"] == uids[:3]

@@ -126,6 +126,14 @@ def test_a_whole_cache_wipe_kept_by_leases_and_stray_entries_says_both(events):
     assert "/mnt/nvme/dscache/ml/c" in entry.message
 
 
+def test_a_cut_report_still_keeps_and_says_so(events):
+    summary = {"cache": "/x", "revision": REV, "existed": True, "leases": ["u1"], "truncated": True}
+    kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(summary)))
+    entry, kept = NodeStatus(node="n1", state="Ready"), []
+    assert drive(kube, entry, leases=kept) is wipe.Outcome.KEPT and kept == ["u1"]
+    assert "more not listed" in entry.message
+
+
 def test_only_plain_uids_go_back_as_release():
     assert wipe.lease_uids(["u9", f"{REV}/u8", "u9", "../x"]) == ["u9"]
 

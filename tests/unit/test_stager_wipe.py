@@ -120,6 +120,20 @@ def test_leases_are_plain_uids_each_once_in_both_modes(root: Path):
     assert wipe(WipeArgs(c, str(root), all_revisions=True, release=tuple(out.leases))).removed
 
 
+def test_hundreds_of_leases_still_give_a_json_termination_message(root: Path, tmp_path: Path):
+    c = C(root)
+    uids = [f"6f1c4c2e-8b1a-4c1e-9d7e-{i:012d}" for i in range(300)]
+    for uid in uids:
+        write_lease(str(c), R2, uid)
+    r = _cli(str(c), "--root", str(root), "--all", "--termination-log", str(tmp_path / "t"))
+    assert r.returncode == 0, r.stderr
+    logged = (tmp_path / "t").read_text()
+    assert len(logged.encode()) <= 4096
+    d = json.loads(logged)
+    assert d["truncated"] is True and d["removed"] is False and d["leases"][:2] == uids[:2]
+    assert d["leases"] == sorted({*uids, "u1", "u2"})[: len(d["leases"])]
+
+
 def test_stray_entries_are_reported_apart_and_keep_the_copy(root: Path):
     """A name under leases/ that is no pod UID (or no revision) cannot be released:
     it keeps the copy, and is reported with its path so a person can look at it."""
@@ -264,6 +278,7 @@ def test_cli_exit_codes_0_2_and_8_with_json_and_termination_log(root: Path, outs
         "stray": [],
         "legacy": False,
         "legacy_entries": 0,
+        "truncated": False,
     }
     bad = _cli(str(outside), "--root", str(root), "--all", "--termination-log", str(tmp_path / "t"))
     assert bad.returncode == 2 and "not inside the cache root" in bad.stderr
