@@ -12,6 +12,7 @@ whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).
 
 from .args import ArgsError, StageArgs, WipeArgs, build_parser
 from .layout import (
+    TOP_NAMES,
     cache_dir,
     complete_path,
     data_dir,
@@ -40,6 +41,7 @@ from .versions import ObjectVersion, Pin, VersionPicker, format_as_of, page_vers
 __all__ = [
     "DEFAULT_REGION",
     "EXIT_CODE_HELP",
+    "TOP_NAMES",
     "ArgsError",
     "ExitCode",
     "ManifestEntry",

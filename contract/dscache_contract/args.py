@@ -116,13 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
         "wipe",
         formatter_class=fmt,
         epilog=_exit_codes(),
-        help="release leases, then remove a revision (or the whole cache dir) nobody holds",
+        help="release leases, then remove a revision (or the whole cache dir) nobody holds, "
+        "or the copy that predates revisions",
     )
     w.add_argument("cache_dir", metavar="CACHE_DIR")
     w.add_argument("--root", required=True, metavar="ROOT", help="the node's cache root; nothing outside is touched")
     which = w.add_mutually_exclusive_group(required=True)
     which.add_argument("--revision", metavar="REV", help="remove CACHE_DIR/revs/REV once no lease holds it")
     which.add_argument("--all", action="store_true", help="remove CACHE_DIR once no lease at all remains")
+    which.add_argument(
+        "--legacy",
+        action="store_true",
+        help="remove the top-level entries of CACHE_DIR that predate revisions (a version 1 copy: "
+        "everything but lock, revs/ and leases/); the operator asks only once no pod reads them",
+    )
     w.add_argument(
         "--release",
         type=_csv,
@@ -232,7 +239,8 @@ class StageArgs:
 
 @dataclass(frozen=True)
 class WipeArgs:
-    """``dscache-stage wipe`` as one value: exactly one of ``revision`` or ``all_revisions``."""
+    """``dscache-stage wipe`` as one value: exactly one of ``revision``, ``all_revisions``
+    or ``legacy`` (the version 1 copy at the top of the cache dir; it has no leases)."""
 
     cache_dir: str
     root: str
@@ -240,10 +248,13 @@ class WipeArgs:
     all_revisions: bool = False
     release: tuple[str, ...] = field(default=())
     termination_log: str | None = None
+    legacy: bool = False
 
     def __post_init__(self) -> None:
-        if (self.revision is None) == (not self.all_revisions):
-            raise ArgsError("wipe needs exactly one of --revision REV or --all")
+        if (self.revision is not None) + self.all_revisions + self.legacy != 1:
+            raise ArgsError("wipe needs exactly one of --revision REV, --all or --legacy")
+        if self.legacy and self.release:
+            raise ArgsError("wipe --legacy takes no --release: a version 1 copy has no leases")
         try:
             if self.revision is not None:
                 validate_revision(self.revision)
@@ -255,7 +266,10 @@ class WipeArgs:
 
     def to_argv(self) -> list[str]:
         argv = ["wipe", self.cache_dir, "--root", self.root]
-        argv += ["--revision", self.revision] if self.revision is not None else ["--all"]
+        if self.revision is not None:
+            argv += ["--revision", self.revision]
+        else:
+            argv.append("--legacy" if self.legacy else "--all")
         if self.release:
             argv += ["--release", ",".join(self.release)]
         _opt(argv, "--termination-log", self.termination_log)
@@ -270,6 +284,7 @@ class WipeArgs:
             all_revisions=ns.all,
             release=tuple(ns.release),
             termination_log=ns.termination_log,
+            legacy=ns.legacy,
         )
 
     @classmethod

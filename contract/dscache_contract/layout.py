@@ -13,6 +13,10 @@ Why revisions side by side: a complete revision is never modified, so a pod
 reading revision A never sees bytes change while B is staged next to it.
 Why C is never removed by a revision wipe: C is the source of every pod's
 hostPath mount; removing it would leave running pods' mounts dangling.
+
+Version 1 staged straight into C (the data at its top, metadata in
+C/.dscache/). Anything at the top of C but TOP_NAMES is such a leftover,
+which only ``wipe --legacy`` removes.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from .names import (
     REVS_DIR,
     TMP_DIR,
 )
+
+#: The entries at the top of C that the current layout names (everything else
+#: there predates revisions).
+TOP_NAMES = frozenset({LOCK_NAME, REVS_DIR, LEASES_DIR})
 
 # "r-" + 20 hex digits of a sha256 (see revision.py): short enough for a label
 # value and a path component, 80 bits against accidental collisions.

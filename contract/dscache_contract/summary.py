@@ -38,7 +38,8 @@ EXIT_CODE_HELP: dict[ExitCode, str] = {
     ExitCode.HOSTILE_KEYS: "object keys that cannot be written safely under the destination",
     ExitCode.DESTINATION: "writing the destination failed: disk full, permissions, a read-only filesystem",
     ExitCode.TRANSIENT: "S3 kept failing (throttling, 5xx, dropped connections) after every retry",
-    ExitCode.BUSY: "wipe only: a stager holds the cache's lock; nothing was done, retry later",
+    ExitCode.BUSY: "wipe only: a stager holds the cache's lock (with --legacy: or a version 1 stager "
+    "ran there moments ago); nothing was done, retry later",
     ExitCode.REVISION_GONE: "the bucket no longer holds the revision the pod was admitted with "
     "(an object changed or was deleted); nothing was served",
     ExitCode.CACHE_GONE: "the cache dir on the node was removed after the pod started "
@@ -48,6 +49,10 @@ EXIT_CODE_HELP: dict[ExitCode, str] = {
 
 
 _T = TypeVar("_T")
+
+#: The longest WipeSummary line (json.dumps escapes non-ASCII, so chars = bytes);
+#: the CLI also cuts its termination log there.
+WIPE_JSON_MAX = 4000
 
 
 def _from_dict(cls: type[_T], d: dict[str, Any]) -> _T:
@@ -93,8 +98,17 @@ class StageSummary:
 class WipeSummary:
     """The success line of ``dscache-stage wipe``.
 
-    removed: the revision dir (or with --all, C) was deleted this time;
-    leases: lease files (pod UIDs) still present, which kept it.
+    removed: the revision dir (with --all, C; with --legacy, the version 1
+    entries) was deleted this time; existed: it was there to delete.
+    leases: the pod UIDs whose lease files are still present and kept it:
+    plain UIDs, sorted, each once, in every mode (with --all, over every
+    revision), so they can go back as --release as they are.
+    stray: entries under C/leases that are no lease (a name that is no pod
+    UID or no revision, a file where a revision's dir belongs), as paths
+    relative to C/leases. They keep it too (what we cannot name we do not
+    delete); a person has to look at them.
+    legacy_entries: with --legacy, how many top-level entries were removed.
+    truncated: leases and stray were cut to fit WIPE_JSON_MAX (see to_json).
     """
 
     cache: str = ""
@@ -103,9 +117,31 @@ class WipeSummary:
     removed: bool = False
     existed: bool = False
     leases: list[str] = field(default_factory=list)
+    stray: list[str] = field(default_factory=list)
+    legacy: bool = False
+    legacy_entries: int = 0
+    truncated: bool = False
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """At most WIPE_JSON_MAX bytes: the kubelet keeps 4096 bytes of a termination
+        message, and a line cut there is no JSON at all, which would read as "no
+        summary". So with many leases the lists are cut instead (stray first: a
+        person must see those), and ``truncated`` says so. The operator releases
+        the finished pods among those it sees; later wipes report the rest."""
+        d = asdict(self)
+        text = json.dumps(d)
+        if len(text) <= WIPE_JSON_MAX:
+            return text
+        d.update(truncated=True, leases=[], stray=[])
+        room = WIPE_JSON_MAX - len(json.dumps(d))
+        for key, items in (("stray", self.stray), ("leases", self.leases)):
+            for item in items:
+                cost = len(json.dumps(item)) + 2  # and ", "
+                if cost > room:
+                    break
+                d[key].append(item)
+                room -= cost
+        return json.dumps(d)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WipeSummary:

@@ -122,14 +122,6 @@ def write_lease(c: str, rev: str, pod_uid: str) -> str:
     return path
 
 
-def leases(c: str, rev: str) -> list[str]:
-    """Pod UIDs holding ``rev`` (any entry in its lease dir counts: unknown = held)."""
-    try:
-        return sorted(os.listdir(contract.lease_dir(c, rev)))
-    except FileNotFoundError:
-        return []
-
-
 class Revision:
     """The files of one revision under C."""
 

@@ -55,6 +55,13 @@ REVISION_ANNOTATION = ANNOTATION_REVISION
 #: Stray leases recorded per (node, revision) are capped: status must stay small.
 MAX_STRAY_LEASES = 200
 
+#: The pseudo-revision of a node's version 1 copy: the data that version 1 staged
+#: straight into the top of C. Read only by pods without a revision annotation
+#: (they mount C itself); removed by ``wipe --legacy``. Listed in
+#: status.nodes[].revisions like a real revision (never an "r-" id), so it gets
+#: the same consumers, lastUsed, retention and wipedAt bookkeeping.
+LEGACY = "legacy"
+
 
 class OwnerRef(NamedTuple):
     kind: str
@@ -272,7 +279,8 @@ def termination_summary(message: str | None) -> dict[str, Any]:
 
 class Release(NamedTuple):
     """One wipe step to take: remove ``revision`` (None: the whole cache dir, on
-    deletion) on the node once the leases of ``release`` are deleted.
+    deletion; LEGACY: the version 1 copy) on the node once the leases of ``release``
+    are deleted.
     ``newest_use``: the newest stager start of that revision there (a helper created
     before it decided on stale facts and is replaced)."""
 
@@ -375,18 +383,27 @@ def plan_node(
         wiped = parse_time(r.wipedAt)
         if wiped is None or (now - wiped).total_seconds() <= keep_wiped:
             revs[r.id] = r.model_copy(deep=True)
+    if (
+        prior is not None
+        and not prior.revisions
+        and prior.volume == VolumeMode.HOST_PATH
+        and prior.state != NodeState.WIPED
+    ):
+        # An entry written before revisions existed: its node holds a version 1 copy.
+        revs[LEGACY] = NodeRevision(id=LEGACY, lastUsed=prior.lastUsed or fmt_time(now))
     for p in relevant:
-        if not p.revision or p.mode != VolumeMode.HOST_PATH:
+        if p.mode != VolumeMode.HOST_PATH:
             continue
-        known = revs.get(p.revision)
+        rid = p.revision or LEGACY  # a pod without a revision staged (and reads) the version 1 copy
+        known = revs.get(rid)
         if known is None:
-            revs[p.revision] = NodeRevision(id=p.revision, lastUsed=fmt_time(now))
+            revs[rid] = NodeRevision(id=rid, lastUsed=fmt_time(now))
         elif known.wipedAt is not None:
             if p not in consumers and not _started_after(p, parse_time(known.wipedAt)):
                 continue
             known.wipedAt, known.strayLeases, known.lastUsed = None, [], fmt_time(now)
     for r in revs.values():
-        n = sum(1 for p in consumers if p.revision == r.id)
+        n = sum(1 for p in consumers if (p.revision or LEGACY) == r.id)
         if n != r.consumers:
             r.consumers, r.lastUsed = n, fmt_time(now)
     entry.revisions = [revs[k] for k in sorted(revs)]
@@ -409,11 +426,32 @@ def plan_node(
                 release.update(u for u in r.strayLeases if u not in live_anywhere)
             wipes.append(Release(None, tuple(sorted(release)), _newest(relevant)))
     else:
-        legacy_holders = any(p.revision is None for p in consumers)
+        # A pod without a revision annotation mounts C itself, so it sees every
+        # revision and the version 1 copy: while one holds here, nothing is removed.
+        legacy_holders = any(not p.revision for p in consumers)
         for r in active:
             if r.consumers or legacy_holders or r.id in blocked_everywhere:
                 continue
             if not _ttl_passed(r.lastUsed, retention, now):
+                continue
+            if r.id == LEGACY:
+                # Why no reader of the version 1 copy ever sees its files vanish:
+                # only a pod admitted without a revision annotation reads it (it
+                # mounts C; every other container mounts revs/<rev>/data). We get
+                # here only when no such pod holds on this node (legacy_holders)
+                # and none is unscheduled anywhere (block_all, above), judged on
+                # complete views (the controller waits for them). This webhook
+                # never admits a pod without a revision (webhook.no_revision), so
+                # once every webhook replica runs it that set only shrinks and the
+                # condition stays true. What is left is a rolling upgrade, where an
+                # old replica may admit such a pod that our view does not show yet;
+                # the helper closes that on disk (dscache_stager.wipe): while its
+                # stager stages it holds version 1's lock (the wipe is busy), once
+                # it finished the copy changed less than LEGACY_QUIET_S ago (busy
+                # too), and before it starts its pod reads nothing and it stages a
+                # fresh copy. Either way the next plan sees the pod and waits.
+                # No leases to release: version 1 wrote none.
+                wipes.append(Release(LEGACY, (), _newest(p for p in relevant if not p.revision)))
                 continue
             release = {p.uid for p in done_here if p.uid and p.revision == r.id}
             release.update(u for u in r.strayLeases if u not in live_anywhere)
@@ -421,7 +459,7 @@ def plan_node(
                 Release(r.id, tuple(sorted(release)), _newest(p for p in relevant if p.revision in (r.id, None)))
             )
         if not active and not consumers and prior is not None and entry.state != NodeState.WIPED:
-            # Nothing of any revision left here (or a copy that predates revisions).
+            # Nothing of any revision left here (a version 1 copy is LEGACY, active until wiped).
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
     return NodePlan(entry, wipes, _newest(relevant))
 

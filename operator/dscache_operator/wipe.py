@@ -10,7 +10,9 @@ The precedent is local-path-provisioner's helper pods. The pod:
   pods the operator proved finished, then removes C/revs/R only if no lease
   remains (a lease the operator does not know = a pod it has not seen yet =
   keep). On DatasetCache deletion ``--all`` removes C once no lease at all
-  remains. It never deletes outside cacheRoot and never follows symlinks;
+  remains. For the pseudo-revision LEGACY (a version 1 copy at the top of C)
+  ``--legacy`` removes the top-level entries the current layout does not name.
+  It never deletes outside cacheRoot and never follows symlinks;
 - is deleted by the operator once it succeeded.
 """
 
@@ -25,7 +27,7 @@ import kopf
 
 import dscache_contract as contract
 
-from .consumers import parse_time
+from .consumers import LEGACY, parse_time
 from .injection import stager_security_context
 from .kube import Kube
 from .metrics import Metrics
@@ -49,13 +51,15 @@ def helper_name(namespace: str, name: str, node: str, revision: str | None = Non
 def helper_args(
     namespace: str, name: str, settings: Settings, revision: str | None, release: tuple[str, ...] = ()
 ) -> list[str]:
+    legacy = revision == LEGACY
     return contract.WipeArgs(
         cache_dir=settings.cache_dir(namespace, name),
         root=settings.cache_root,
-        revision=revision,
+        revision=None if legacy else revision,
         all_revisions=revision is None,
-        release=tuple(release),
+        release=() if legacy else tuple(release),
         termination_log=contract.TERMINATION_LOG,
+        legacy=legacy,
     ).to_argv()
 
 
@@ -166,10 +170,16 @@ async def drive(
     now: datetime.datetime | None = None,
 ) -> tuple[Outcome, list[str]]:
     """Drive one (node, revision) wipe one step. ``step`` is a consumers.Release.
-    Returns the outcome and, when KEPT, the leases that kept it."""
+    Returns the outcome and, when KEPT, the pod UIDs whose leases kept it."""
     now = now or _now()
     revision, release = step.revision, tuple(step.release)
-    what = f"revision {revision}" if revision else "the whole cache dir"
+    what = (
+        "the copy that predates revisions"
+        if revision == LEGACY
+        else f"revision {revision}"
+        if revision
+        else "the whole cache dir"
+    )
     pod_name = helper_name(namespace, name, entry.node, revision)
     pod = await kube.get_pod(settings.namespace, pod_name)
     state = helper_state(pod)
@@ -231,8 +241,20 @@ async def drive(
     await kube.delete_pod(settings.namespace, pod_name)
     if summary is not None and summary.existed and not summary.removed:
         metrics.wipe(namespace, name, "kept")
-        entry.message = (f"{what} kept: lease(s) of pod(s) {', '.join(summary.leases[:5])} remain")[:4096]
-        return Outcome.KEPT, lease_uids(summary.leases)
+        uids = lease_uids(summary.leases)
+        why = []
+        if uids:
+            why.append(f"lease(s) of pod(s) {', '.join(uids[:5])}{' ...' if len(uids) > 5 else ''} remain")
+        if summary.stray:
+            # Not a pod's lease, so no pod's end will release it: say where it is.
+            why.append(
+                f"{len(summary.stray)} entry(ies) under {summary.cache} that are no lease: "
+                f"{', '.join(summary.stray[:5])}{' ...' if len(summary.stray) > 5 else ''} (remove them by hand)"
+            )
+        if summary.truncated:
+            why.append("more not listed (the helper's report was cut to fit its termination message)")
+        entry.message = f"{what} kept: {'; '.join(why) or 'no reason given'}"[:4096]
+        return Outcome.KEPT, uids
     metrics.wipe(namespace, name, "succeeded")
     kopf.event(body, type="Normal", reason="Wiped", message=f"wiped {what} on node {entry.node}")
     entry.message = None
@@ -240,18 +262,17 @@ async def drive(
 
 
 def lease_uids(leases: list[str]) -> list[str]:
-    """The pod UIDs of the leases a wipe reported: a revision wipe reports UIDs, a
-    whole-cache wipe (--all) "<rev>/<uid>". They go back as --release, which takes
-    plain UIDs only; an entry that is no UID (a stray file in leases/) cannot be
-    released and is left out (it keeps the cache dir, as the stager intends)."""
-    out = []
-    for lease in leases:
-        uid = lease.rsplit("/", 1)[-1]
+    """The pod UIDs a wipe reported, checked: they go back as --release, which
+    WipeArgs accepts only as plain UIDs (the stager reports them so; anything
+    else, such as a newer or broken helper, is left out rather than fail the
+    helper pod we would build from it)."""
+    out = set()
+    for uid in leases:
         try:
-            out.append(contract.validate_pod_uid(uid))
+            out.add(contract.validate_pod_uid(uid))
         except ValueError:
             continue
-    return sorted(set(out))
+    return sorted(out)
 
 
 def _exit_code(pod: dict[str, Any]) -> int | None:

@@ -315,8 +315,10 @@ def helper_for(k: KubeAPI, ns: str, cache: str) -> list[dict]:
     return [p for p in helper_pods(k) if p["metadata"]["annotations"].get("dscache.io/wipe-for") == f"{ns}/{cache}"]
 
 
-def kubelet_runs_helper(k: KubeAPI, pod: dict, exit_code: int = 0) -> None:
+def kubelet_runs_helper(k: KubeAPI, pod: dict, exit_code: int = 0, message: str | None = None) -> None:
     t = now_rfc3339()
+    if message is None:
+        message = "" if exit_code == 0 else "error: boom"
     k.merge_patch(
         f"/api/v1/namespaces/{OPERATOR_NS}/pods/{pod['metadata']['name']}/status",
         {
@@ -335,7 +337,7 @@ def kubelet_runs_helper(k: KubeAPI, pod: dict, exit_code: int = 0) -> None:
                                 "startedAt": t,
                                 "finishedAt": t,
                                 "reason": "Completed",
-                                "message": "" if exit_code == 0 else "error: boom",
+                                "message": message,
                             }
                         },
                     }
@@ -783,6 +785,51 @@ def test_operator_restart_converges(kube_api, dscache_operator, ready_cache):
         watch.close()
         if not op.alive("controller"):
             op.start("controller")
+
+
+def test_an_upgraded_node_gets_one_legacy_wipe_once_its_version_1_pod_ends(kube_api, ready_cache):
+    """A pod admitted before the upgrade has no revision annotation: it mounts C itself and
+    reads the version 1 copy at its top. That copy is removed (wipe --legacy) only once no
+    such pod holds the node, exactly once, and the node then shows Wiped."""
+    k = kube_api
+    ns, name = ready_cache
+    watch = HelperWatch(k)
+    try:
+        job = create_job(k, ns, job_body("v1job", name))
+        pod = start_job_pod(k, ns, job, "node-v1")
+        pname = pod["metadata"]["name"]
+        # As a version 1 webhook admitted it (this one only mutates on CREATE).
+        k.merge_patch(
+            f"/api/v1/namespaces/{ns}/pods/{pname}", {"metadata": {"annotations": {"dscache.io/revision": None}}}
+        )
+        kubelet_status(k, ns, pname, phase="Running", init="done", message=json.dumps(SUMMARY))
+
+        def legacy() -> dict | None:
+            revs = (node_entry(k, ns, name, "node-v1") or {}).get("revisions") or []
+            return next((r for r in revs if r["id"] == "legacy"), None)
+
+        k.wait_for(lambda: (legacy() or {}).get("consumers") == 1, what="the version 1 copy listed, held")
+        kubelet_status(k, ns, pname, phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+        time.sleep(2.5)  # its Job still runs (it may recreate the pod): kept
+        assert watch.for_cache(ns, name) == [], "the version 1 copy was wiped while its Job ran"
+        complete_job(k, ns, "v1job")
+        helper = k.wait_for(lambda: helper_for(k, ns, name), what="legacy wipe helper")[0]
+        assert helper["spec"]["nodeName"] == "node-v1"
+        assert WipeArgs.from_argv(helper["spec"]["containers"][0]["args"]) == WipeArgs(
+            cache_dir=f"/var/lib/dscache-test/{ns}/{name}",
+            root="/var/lib/dscache-test",
+            legacy=True,
+            termination_log="/dev/termination-log",
+        )
+        summary = {"cache": "/c", "legacy": True, "existed": True, "removed": True, "legacy_entries": 4}
+        kubelet_runs_helper(k, helper, message=json.dumps(summary))
+        wait_node_state(k, ns, name, "node-v1", "Wiped")
+        assert (legacy() or {}).get("wipedAt")
+        k.wait_for(lambda: not helper_for(k, ns, name), what="helper pod deleted")
+        time.sleep(3)
+        assert watch.for_cache(ns, name) == ["node-v1"], watch.added
+    finally:
+        watch.close()
 
 
 def test_bare_pod_completion_wipes(kube_api, ready_cache):

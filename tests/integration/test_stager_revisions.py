@@ -242,3 +242,58 @@ def test_a_cache_dir_removed_under_the_mount_is_a_clear_error(s3_server: S3Serve
     msg = (tmp_path / "t").read_text()
     assert msg.startswith(f"error: the cache dir {mount} was removed from the node") and "Delete this pod" in msg
     assert not host_c.exists()  # and nothing was recreated behind the operator's back
+
+
+def test_an_upgraded_node_loses_its_version_1_copy_and_nothing_else(s3_server: S3Server, bucket: str, tmp_path: Path):
+    """Version 1 staged straight into C (data at the top, metadata in C/.dscache). After the
+    upgrade, revisions are staged beside it; ``wipe --legacy`` (the helper's command line)
+    removes exactly the version 1 entries: the revision, its lease and the lock stay, to the inode."""
+    files = dataset()
+    s3_server.put_tree(bucket, files)
+    uri = f"s3://{bucket}/ds/"
+    root = tmp_path / "root"
+    cache = root / "ns" / "ds"
+    # The version 1 copy, as its stager left it (same objects, at the top of C).
+    for key, body in files.items():
+        p = cache / key[len("ds/") :]
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(body)
+    v1_meta = cache / ".dscache"
+    (v1_meta / "tmp").mkdir(parents=True)
+    for name in ("lock", "manifest.jsonl", "complete"):
+        (v1_meta / name).write_text("")
+    v1_top = sorted(os.listdir(cache))
+    rev = boto3_revision(s3_server, uri)
+    first = stage(s3_server, uri, cache, rev, pod_uid="job-new")
+    assert first.code == 0, first.stderr
+    assert first.summary["warm"] is False
+    before = snapshot(data_dir(cache, rev))
+    meta_before = Path(contract.manifest_path(str(cache), rev)).read_bytes()
+
+    def legacy_wipe() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            stage_cmd(*WipeArgs(str(cache), str(root), legacy=True).to_argv()), capture_output=True, text=True
+        )
+
+    # A version 1 stager ran moments ago (its pod may be reading): nothing goes yet.
+    busy = legacy_wipe()
+    assert busy.returncode == int(contract.ExitCode.BUSY), busy.stderr
+    assert "version 1 stager ran" in busy.stderr and sorted(os.listdir(cache)) == sorted(
+        [*v1_top, "lock", "revs", "leases"]
+    )
+    quiet = time.time() - wipe_mod.LEGACY_QUIET_S - 60
+    for p in v1_meta.iterdir():
+        os.utime(p, (quiet, quiet))
+
+    done = legacy_wipe()
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["legacy"], summary["removed"], summary["legacy_entries"]) == (True, True, len(v1_top))
+    assert sorted(os.listdir(cache)) == ["leases", "lock", "revs"]
+    assert snapshot(data_dir(cache, rev)) == before
+    assert Path(contract.manifest_path(str(cache), rev)).read_bytes() == meta_before
+    assert os.listdir(contract.lease_dir(str(cache), rev)) == ["job-new"]
+    # The current revision is still complete: a late pod of the Job starts warm.
+    again = stage(s3_server, uri, cache, rev, pod_uid="job-new-2")
+    assert again.code == 0 and again.summary["warm"] is True
+    assert data_tree(data_dir(cache, rev)) == expected_tree(files, "ds/")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
@@ -47,6 +48,7 @@ def test_stage_args_round_trip(args: c.StageArgs):
         c.WipeArgs("/root/ns/ds", "/root", revision=REV),
         c.WipeArgs("/root/ns/ds", "/root", revision=REV, release=("u1", "u-2"), termination_log="/t"),
         c.WipeArgs("/root/ns/ds", "/root", all_revisions=True, release=("u1",)),
+        c.WipeArgs("/root/ns/ds", "/root", legacy=True, termination_log="/t"),
     ],
 )
 def test_wipe_args_round_trip(args: c.WipeArgs):
@@ -69,8 +71,10 @@ def test_release_may_be_repeated_or_comma_separated():
         (["sync", "s3://b/p", "/c", "--revision", REV, "--pod-uid", "../etc"], "plain token"),
         (["sync", "s3://b/p", "/c", "--revision", REV, "--concurrency", "0"], "at least 1"),
         (["sync", "s3://b/p", "/c", "--revision", REV, "--as-of", "2026-11-23"], "as-of must be a UTC time"),
-        (["wipe", "/r/n/c", "--root", "/r"], "one of the arguments --revision --all is required"),
+        (["wipe", "/r/n/c", "--root", "/r"], "one of the arguments --revision --all --legacy is required"),
         (["wipe", "/r/n/c", "--root", "/r", "--revision", REV, "--all"], "not allowed with"),
+        (["wipe", "/r/n/c", "--root", "/r", "--legacy", "--all"], "not allowed with"),
+        (["wipe", "/r/n/c", "--root", "/r", "--legacy", "--release", "u1"], "takes no --release"),
         (["wipe", "/r/n/c", "--root", "/r", "--all", "--release", "a/b"], "plain token"),
     ],
 )
@@ -181,3 +185,28 @@ def test_summary_and_manifest_entry_json():
     e = c.ManifestEntry("p/a", "a", 1, "e")
     assert c.ManifestEntry.from_json(e.to_json()) == e and "versionId" not in e.to_json()
     assert int(c.ExitCode.REVISION_GONE) == 9 and set(c.EXIT_CODE_HELP) == set(c.ExitCode)
+
+
+def test_wipe_summary_round_trip_reports_plain_uids_and_strays_apart():
+    w = c.WipeSummary(cache="/r/n/c", leases=["u1", "u2"], stray=["leases/junk", f"leases/{REV}/a b"], existed=True)
+    d = json.loads(w.to_json())
+    assert d["leases"] == ["u1", "u2"] and d["stray"] == ["leases/junk", f"leases/{REV}/a b"]
+    assert c.WipeSummary.from_dict({**d, "future": 1}) == w
+    # A summary from before these fields still parses (an older helper image mid-upgrade).
+    old = c.WipeSummary.from_dict({"cache": "/r/n/c", "removed": True, "existed": True, "leases": []})
+    assert (old.stray, old.legacy, old.legacy_entries) == ([], False, 0)
+    assert c.WipeArgs("/r/n/c", "/r", legacy=True).to_argv() == ["wipe", "/r/n/c", "--root", "/r", "--legacy"]
+    assert {"lock", "revs", "leases"} == c.TOP_NAMES
+
+
+def test_a_wipe_summary_with_many_leases_stays_valid_json_within_the_termination_message():
+    """The kubelet keeps 4096 bytes: a cut line would be no JSON, read as no summary."""
+    uids = [f"{i:08d}-8b1a-4c1e-9d7e-0e5a3c1b2a9f" for i in range(400)]
+    w = c.WipeSummary(cache="/r/n/c", revision=REV, existed=True, leases=uids, stray=["leases/junk"])
+    text = w.to_json()
+    assert len(text.encode()) <= c.summary.WIPE_JSON_MAX
+    d = json.loads(text)
+    assert d["truncated"] is True and d["stray"] == ["leases/junk"]
+    assert 50 < len(d["leases"]) < 400 and d["leases"] == uids[: len(d["leases"])]
+    small = c.WipeSummary(cache="/r/n/c", leases=uids[:3])
+    assert json.loads(small.to_json())["truncated"] is False and json.loads(small.to_json())["leases"] == uids[:3]

@@ -7,6 +7,7 @@ import datetime
 from dscache_contract import WipeArgs
 from dscache_operator import wipe
 from dscache_operator.consumers import (
+    LEGACY,
     OwnerInfo,
     OwnerRef,
     PodInfo,
@@ -20,6 +21,7 @@ from dscache_operator.settings import Settings
 
 NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
 WIPE = Retention()
+S = Settings(cache_root="/mnt/nvme/dscache", namespace="dscache-system", stager_image="stager:t")
 SUMMARY = '{"objects": 3, "bytes": 300, "skipped": 0, "fetched_bytes": 300, "seconds": 1.5, "mb_s": 0.2}'
 
 
@@ -412,3 +414,85 @@ def test_owner_pins_cover_the_whole_owner_chain_and_keep_the_first_revision():
         owner_pins([pods[0]._replace(phase="Succeeded")], owners(**{"uid-js-w-0": job_._replace(finished=True)}), pins)
         == []
     )
+
+
+# --- the version 1 copy (a node staged before revisions existed) ------------------------------
+
+
+def v1_node(name="n1", **kw):
+    """A status entry as version 1 wrote it: no revisions."""
+    fields = {"state": "Ready", "consumers": 1, "lastUsed": "2026-11-21T10:00:00Z", **kw}
+    return NodeStatus(node=name, **fields)
+
+
+def legacy_pod(name="v1", **kw):
+    return pod(name, revision=None, **kw)
+
+
+def test_a_version_1_copy_is_listed_and_kept_while_a_pod_without_revision_holds_it():
+    p = plan_nodes([v1_node()], [legacy_pod(job="old")], jobs(old=False), WIPE, NOW)["n1"]
+    assert not p.wipe
+    (legacy,) = p.entry.revisions
+    assert (legacy.id, legacy.consumers, legacy.wipedAt) == (LEGACY, 1, None)
+    # Finished, but its Job still runs (it may recreate the pod): still kept.
+    p = plan_nodes([v1_node()], [legacy_pod(job="old", phase="Succeeded")], jobs(old=False), WIPE, NOW)["n1"]
+    assert not p.wipe and p.entry.revisions[0].consumers == 1
+
+
+def test_a_version_1_copy_is_wiped_once_no_legacy_holder_remains():
+    p = plan_nodes([v1_node()], [legacy_pod(job="old", phase="Succeeded")], jobs(old=True), WIPE, NOW)["n1"]
+    assert [(s.revision, s.release) for s in p.wipes] == [(LEGACY, ())]
+    assert p.wipes[0].newest_use == datetime.datetime(2026, 11, 21, 11, 0, tzinfo=datetime.UTC)
+    # Its old pods may be gone altogether (only the status entry remembers the copy).
+    p = plan_nodes([v1_node(consumers=0)], [], jobs(), WIPE, NOW)["n1"]
+    assert [s.revision for s in p.wipes] == [LEGACY]
+    (step,) = p.wipes
+    args = WipeArgs.from_argv(wipe.helper_args("ml", "c", S, step.revision, step.release))
+    assert args.legacy and args.revision is None and not args.all_revisions
+
+
+def test_a_version_1_copy_beside_a_current_revision_goes_alone():
+    """After the upgrade a current Job runs on the node: its revision stays, the v1 copy goes."""
+    prior = [v1_node(consumers=1)]
+    pods = [legacy_pod(job="old", phase="Succeeded"), pod("new-0", job="new")]
+    p = plan_nodes(prior, pods, jobs(old=True, new=False), WIPE, NOW)["n1"]
+    assert [s.revision for s in p.wipes] == [LEGACY]
+    assert {r.id: r.consumers for r in p.entry.revisions} == {LEGACY: 0, REV: 1}
+
+
+def test_any_legacy_holder_blocks_the_version_1_wipe_and_every_revision_wipe():
+    """It mounts C itself: it would see any of them vanish."""
+    prior = [NodeStatus(node="n1", state="Ready", revisions=[NodeRevision(id=LEGACY), NodeRevision(id=REV)])]
+    pods = [legacy_pod(job="old"), pod("a-0", job="a", phase="Succeeded")]
+    assert not plan_nodes(prior, pods, jobs(old=False, a=True), WIPE, NOW)["n1"].wipe
+    # Unscheduled (it may land here): blocks too, on every node.
+    pods[0] = pods[0]._replace(node=None, phase="Pending", init=None, started=None)
+    assert not plan_nodes(prior, pods, jobs(old=False, a=True), WIPE, NOW)["n1"].wipe
+    # On another node it blocks nothing here.
+    pods[0] = pods[0]._replace(node="n2", phase="Running", init="ok", started="2026-11-21T11:00:00Z")
+    plans = plan_nodes(prior, pods, jobs(old=False, a=True), WIPE, NOW)
+    assert sorted(s.revision for s in plans["n1"].wipes) == [LEGACY, REV] and not plans["n2"].wipe
+
+
+def test_a_version_1_copy_waits_for_retention():
+    keep = Retention(policy="RetainWhileUsed", ttlAfterLastUse="1h")
+    recent = v1_node(consumers=0, lastUsed="2026-11-21T11:30:00Z")
+    assert not plan_nodes([recent], [], jobs(), keep, NOW)["n1"].wipe
+    old = v1_node(consumers=0, lastUsed="2026-11-21T10:30:00Z")
+    assert [s.revision for s in plan_nodes([old], [], jobs(), keep, NOW)["n1"].wipes] == [LEGACY]
+
+
+def test_a_wiped_version_1_copy_is_not_wiped_again_for_its_finished_pods():
+    wiped = NodeRevision(id=LEGACY, wipedAt="2026-11-21T11:50:00Z")
+    prior = [NodeStatus(node="n1", state="Ready", revisions=[wiped, NodeRevision(id=REV, consumers=1)], consumers=1)]
+    pods = [legacy_pod(job="old", phase="Succeeded"), pod("new-0", job="new")]
+    p = plan_nodes(prior, pods, jobs(old=True, new=False), WIPE, NOW)["n1"]
+    assert not p.wipe and p.entry.revisions[0].wipedAt == wiped.wipedAt
+    # Nor is a wiped node (or a version 1 entry the kubelet's emptyDir removed) given one.
+    assert not plan_nodes([v1_node(state="Wiped")], [], jobs(), WIPE, NOW)
+    assert not plan_nodes([v1_node(volume="EmptyDir", consumers=0)], [], jobs(), WIPE, NOW)["n1"].wipe
+
+
+def test_deleting_a_cache_with_a_version_1_copy_removes_all_of_c_in_one_step():
+    p = plan_nodes([v1_node(consumers=0)], [], jobs(), WIPE, NOW, deleting=True)["n1"]
+    assert [s.revision for s in p.wipes] == [None]

@@ -10,8 +10,9 @@ import logging
 import kopf
 import pytest
 
+from dscache_contract import WipeArgs
 from dscache_operator import wipe
-from dscache_operator.consumers import Release
+from dscache_operator.consumers import LEGACY, Release
 from dscache_operator.metrics import Metrics
 from dscache_operator.models import NodeStatus
 from dscache_operator.settings import Settings
@@ -101,16 +102,18 @@ def test_leases_we_did_not_release_keep_the_revision(events):
     assert "u9" in entry.message and kube.deleted == [NAME]
 
 
-def test_a_whole_cache_wipe_reports_rev_slash_uid_leases_that_come_back_as_plain_uids(events):
-    """--all reports "<rev>/<uid>"; the next wipe's --release must get the UIDs (and
-    the helper pod must be buildable with them: WipeArgs refuses anything else)."""
+def test_a_whole_cache_wipe_kept_by_leases_and_stray_entries_says_both(events):
+    """--all reports plain UIDs (once each, over every revision): they come back as
+    --release as they are. Stray entries are no pod's lease: the node's message names
+    them, and they are never passed on (WipeArgs refuses anything but a UID)."""
     summary = {
-        "cache": "/x",
+        "cache": "/mnt/nvme/dscache/ml/c",
         "revision": None,
         "released": [],
         "removed": False,
         "existed": True,
-        "leases": [f"{REV}/u9", f"{REV}/u8", "r-ffffffffffffffffffff/u9", "not a uid/.."],
+        "leases": ["u8", "u9"],
+        "stray": [f"leases/{REV}/not a uid", "leases/README"],
     }
     kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(summary)))
     entry, kept = NodeStatus(node="n1", state="Ready"), []
@@ -118,6 +121,48 @@ def test_a_whole_cache_wipe_reports_rev_slash_uid_leases_that_come_back_as_plain
     assert kept == ["u8", "u9"]
     args = wipe.helper_args("ml", "c", S, None, tuple(kept))
     assert args[args.index("--release") + 1] == "u8,u9" and "--all" in args
+    assert "lease(s) of pod(s) u8, u9 remain" in entry.message
+    assert f"leases/{REV}/not a uid, leases/README" in entry.message and "by hand" in entry.message
+    assert "/mnt/nvme/dscache/ml/c" in entry.message
+
+
+def test_a_cut_report_still_keeps_and_says_so(events):
+    summary = {"cache": "/x", "revision": REV, "existed": True, "leases": ["u1"], "truncated": True}
+    kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(summary)))
+    entry, kept = NodeStatus(node="n1", state="Ready"), []
+    assert drive(kube, entry, leases=kept) is wipe.Outcome.KEPT and kept == ["u1"]
+    assert "more not listed" in entry.message
+
+
+def test_only_plain_uids_go_back_as_release():
+    assert wipe.lease_uids(["u9", f"{REV}/u8", "u9", "../x"]) == ["u9"]
+
+
+def test_a_stray_entry_alone_keeps_it_with_a_message(events):
+    summary = {"cache": "/x", "revision": REV, "removed": False, "existed": True, "leases": [], "stray": ["leases/j"]}
+    kube = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(summary)))
+    entry, kept = NodeStatus(node="n1", state="Ready"), []
+    assert drive(kube, entry, leases=kept) is wipe.Outcome.KEPT and kept == []
+    assert entry.message.startswith(f"revision {REV} kept: 1 entry(ies) under /x that are no lease: leases/j")
+
+
+def test_the_legacy_step_runs_wipe_legacy_without_releases(events):
+    step = Release(LEGACY, ())
+    kube, entry = FakeKube(None), NodeStatus(node="n1", state="Ready")
+    assert drive(kube, entry, step=step) is wipe.Outcome.IN_PROGRESS
+    (pod,) = kube.created
+    assert pod["metadata"]["name"] == wipe.helper_name("ml", "c", "n1", LEGACY) != NAME
+    assert WipeArgs.from_argv(pod["spec"]["containers"][0]["args"]) == WipeArgs(
+        "/mnt/nvme/dscache/ml/c", "/mnt/nvme/dscache", legacy=True, termination_log="/dev/termination-log"
+    )
+    assert "predates revisions" in events[0]["message"]
+    # Busy (a version 1 stager at work, or one that ran moments ago): retried quietly.
+    busy = FakeKube(helper("Failed", exit_code=8, message="error: a version 1 stager ran in /x 5 s ago"))
+    assert drive(busy, entry, step=step) is wipe.Outcome.IN_PROGRESS and entry.message is None
+    done = {"cache": "/x", "legacy": True, "existed": True, "removed": True, "legacy_entries": 3}
+    ok = FakeKube(helper("Succeeded", exit_code=0, message=json.dumps(done)))
+    assert drive(ok, entry, step=step) is wipe.Outcome.REMOVED
+    assert events[-1]["reason"] == "Wiped" and "predates revisions" in events[-1]["message"]
 
 
 def test_removed_and_busy(events):

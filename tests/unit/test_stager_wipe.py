@@ -5,9 +5,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import dscache_contract as contract
 from dscache_contract import WipeArgs
 from dscache_stager import wipe as wipe_mod
 from dscache_stager.errors import BusyError, UsageError
-from dscache_stager.layout import Revision, cache_lock, leases, write_lease
+from dscache_stager.layout import Revision, cache_lock, write_lease
 from dscache_stager.wipe import wipe
 
 R1 = "r-" + "1" * 20
@@ -60,6 +62,14 @@ def outside(tmp_path: Path) -> Path:
     return o
 
 
+def leases(c: str, rev: str) -> list[str]:
+    """The names in C/leases/<rev>, as they are on disk."""
+    try:
+        return sorted(os.listdir(contract.lease_dir(c, rev)))
+    except FileNotFoundError:
+        return []
+
+
 def C(root: Path) -> Path:
     return root / "ns" / "ds"
 
@@ -89,15 +99,80 @@ def test_a_revision_nobody_leased_is_removed(root: Path):
 
 def test_all_removes_the_cache_dir_only_once_no_lease_remains(root: Path):
     out = wipe(WipeArgs(str(C(root)), str(root), all_revisions=True, release=("u1",)))
-    assert (out.removed, out.leases) == (False, [f"{R1}/u2"])
+    assert (out.removed, out.leases, out.stray) == (False, ["u2"], [])
     assert C(root).is_dir()
     out = wipe(WipeArgs(str(C(root)), str(root), all_revisions=True, release=("u2",)))
     assert out.removed and not C(root).exists() and (root / "ns").is_dir()
     assert not wipe(WipeArgs(str(C(root)), str(root), all_revisions=True)).removed  # idempotent
 
 
+def test_leases_are_plain_uids_each_once_in_both_modes(root: Path):
+    """One pod may hold two revisions on a node (two containers' Jobs, or a retry):
+    --all reports its UID once, and exactly what --revision would report."""
+    c = str(C(root))
+    write_lease(c, R2, "u2")
+    write_lease(c, R2, "u3")
+    assert wipe(WipeArgs(c, str(root), revision=R1)).leases == ["u1", "u2"]
+    assert wipe(WipeArgs(c, str(root), revision=R2)).leases == ["u2", "u3"]
+    out = wipe(WipeArgs(c, str(root), all_revisions=True))
+    assert (out.leases, out.stray, out.removed) == (["u1", "u2", "u3"], [], False)
+    # They go back as --release as they are, and then nothing holds C any more.
+    assert wipe(WipeArgs(c, str(root), all_revisions=True, release=tuple(out.leases))).removed
+
+
+def test_hundreds_of_leases_still_give_a_json_termination_message(root: Path, tmp_path: Path):
+    c = C(root)
+    uids = [f"6f1c4c2e-8b1a-4c1e-9d7e-{i:012d}" for i in range(300)]
+    for uid in uids:
+        write_lease(str(c), R2, uid)
+    r = _cli(str(c), "--root", str(root), "--all", "--termination-log", str(tmp_path / "t"))
+    assert r.returncode == 0, r.stderr
+    logged = (tmp_path / "t").read_text()
+    assert len(logged.encode()) <= 4096
+    d = json.loads(logged)
+    assert d["truncated"] is True and d["removed"] is False and d["leases"][:2] == uids[:2]
+    assert d["leases"] == sorted({*uids, "u1", "u2"})[: len(d["leases"])]
+
+
+def test_stray_entries_are_reported_apart_and_keep_the_copy(root: Path):
+    """A name under leases/ that is no pod UID (or no revision) cannot be released:
+    it keeps the copy, and is reported with its path so a person can look at it."""
+    c = C(root)
+    (c / "leases" / R1 / "not a uid").write_text("?")
+    (c / "leases" / R2).write_text("a file where a lease dir belongs")
+    (c / "leases" / "README").write_text("?")
+    out = wipe(WipeArgs(str(c), str(root), revision=R1, release=("u1", "u2")))
+    assert (out.removed, out.leases, out.stray) == (False, [], [f"leases/{R1}/not a uid"])
+    assert (c / "revs" / R1 / "data/a/f.bin").read_bytes() == b"one"
+    out = wipe(WipeArgs(str(c), str(root), revision=R2))
+    assert (out.removed, out.leases, out.stray) == (False, [], [f"leases/{R2}"])
+    out = wipe(WipeArgs(str(c), str(root), all_revisions=True))
+    assert (out.removed, out.leases) == (False, [])
+    assert out.stray == ["leases/README", f"leases/{R1}/not a uid", f"leases/{R2}"]
+    assert c.is_dir()
+    # Once they are gone, the same wipes go through.
+    for p in (c / "leases" / R1 / "not a uid", c / "leases" / R2, c / "leases" / "README"):
+        p.unlink()
+    assert wipe(WipeArgs(str(c), str(root), revision=R1)).removed
+    assert wipe(WipeArgs(str(c), str(root), all_revisions=True)).removed and not c.exists()
+
+
+@pytest.mark.parametrize("name", ["revs", "leases"])
+def test_refuses_a_symlinked_revs_or_leases_dir(tmp_path: Path, outside: Path, name: str):
+    """C/revs or C/leases as a symlink would make paths below them resolve outside ROOT."""
+    root = tmp_path / "r"
+    c = root / "ns" / "ds"
+    c.mkdir(parents=True)
+    (outside / R1 / "u1").mkdir(parents=True)
+    (c / name).symlink_to(outside)
+    with pytest.raises(UsageError, match=f"{name}' is a symlink"):
+        wipe(WipeArgs(str(c), str(root), revision=R1, release=("u1",)))
+    with pytest.raises(UsageError, match="is a symlink"):
+        wipe(WipeArgs(str(c), str(root), all_revisions=True, release=("u1",)))
+    assert (outside / R1 / "u1").is_dir() and (outside / "keep.txt").read_text() == "keep"
+
+
 def test_sealed_revisions_are_removed_by_a_non_root_wipe_too(tmp_path: Path):
-    import shutil
     import tempfile
 
     base = Path(tempfile.mkdtemp(prefix="dscache-wipe-"))
@@ -200,6 +275,10 @@ def test_cli_exit_codes_0_2_and_8_with_json_and_termination_log(root: Path, outs
         "removed": True,
         "existed": True,
         "leases": [],
+        "stray": [],
+        "legacy": False,
+        "legacy_entries": 0,
+        "truncated": False,
     }
     bad = _cli(str(outside), "--root", str(root), "--all", "--termination-log", str(tmp_path / "t"))
     assert bad.returncode == 2 and "not inside the cache root" in bad.stderr
@@ -326,3 +405,176 @@ def test_the_wipe_helper_as_root_without_capabilities_removes_sealed_revisions(r
         text=True,
     )
     assert probe.returncode != 0 and "Permission denied" in probe.stderr
+
+
+# --- --legacy: the version 1 copy at the top of C -------------------------------------------
+
+
+def make_v1_copy(c: Path, age: float = 3600.0) -> set[str]:
+    """What version 1 left in C: the data at its top, its metadata in C/.dscache
+    (last changed ``age`` seconds ago). Returns the top-level names it made."""
+    for rel, body in {"train/0/a.jpg": b"v1a", "train/1/b.jpg": b"v1b", "labels.csv": b"x,y"}.items():
+        p = c / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(body)
+    meta = c / ".dscache"
+    (meta / "tmp").mkdir(parents=True)
+    for name in ("lock", "manifest.jsonl", "complete"):
+        (meta / name).write_text("")
+    age_v1_traces(c, age)
+    return {"train", "labels.csv", ".dscache"}
+
+
+def age_v1_traces(c: Path, age: float) -> None:
+    """Make version 1's last run ``age`` seconds old."""
+    then = time.time() - age
+    for p in (c / ".dscache").iterdir():
+        os.utime(p, (then, then), follow_symlinks=False)
+
+
+def current_tree(c: Path) -> dict[str, bytes | None]:
+    """Every path under revs/ and leases/ (and the lock), with file bytes."""
+    out: dict[str, bytes | None] = {"lock": (c / "lock").read_bytes()}
+    for top in ("revs", "leases"):
+        for p in sorted((c / top).rglob("*")):
+            out[str(p.relative_to(c))] = p.read_bytes() if p.is_file() else None
+    return out
+
+
+def test_legacy_removes_only_the_version_1_entries(root: Path):
+    c = C(root)
+    (c / "lock").write_text("")
+    before = current_tree(c)
+    v1 = make_v1_copy(c)
+    out = wipe(WipeArgs(str(c), str(root), legacy=True))
+    assert (out.existed, out.removed, out.legacy, out.legacy_entries) == (True, True, True, len(v1))
+    assert sorted(os.listdir(c)) == ["leases", "lock", "revs"]
+    assert current_tree(c) == before  # every revision, lease and the lock: byte for byte
+    again = wipe(WipeArgs(str(c), str(root), legacy=True))
+    assert (again.existed, again.removed, again.legacy_entries) == (False, False, 0)
+
+
+def test_legacy_on_a_cache_dir_that_only_has_a_version_1_copy(tmp_path: Path):
+    root = tmp_path / "r"
+    c = root / "ns" / "ds"
+    make_v1_copy(c)
+    assert wipe(WipeArgs(str(c), str(root), legacy=True)).removed
+    # C stays (it is the pods' mount source), with the current layout's lock in it.
+    assert os.listdir(c) == ["lock"]
+    assert not wipe(WipeArgs(str(root / "ns" / "gone"), str(root), legacy=True)).existed
+
+
+def test_legacy_waits_for_a_version_1_stager_that_holds_its_lock(root: Path):
+    c = C(root)
+    make_v1_copy(c)
+    fd = os.open(c / ".dscache" / "lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(BusyError, match="version 1 stager is staging"):
+            wipe(WipeArgs(str(c), str(root), legacy=True))
+    finally:
+        os.close(fd)
+    assert (c / "train/0/a.jpg").read_bytes() == b"v1a"
+    assert wipe(WipeArgs(str(c), str(root), legacy=True)).removed
+
+
+def test_legacy_waits_until_version_1_has_been_quiet(root: Path):
+    """A version 1 stager that finished moments ago changed C/.dscache: its pod may be
+    reading the copy already, before the operator's view shows that pod."""
+    c = C(root)
+    make_v1_copy(c, age=5)
+    with pytest.raises(BusyError, match=r"ran in .* 5 s ago"):
+        wipe(WipeArgs(str(c), str(root), legacy=True))
+    assert (c / "train/1/b.jpg").read_bytes() == b"v1b" and (c / ".dscache").is_dir()
+    age_v1_traces(c, wipe_mod.LEGACY_QUIET_S + 1)
+    assert wipe(WipeArgs(str(c), str(root), legacy=True)).removed
+
+
+def test_legacy_is_busy_while_a_current_stager_holds_the_lock(root: Path):
+    c = C(root)
+    make_v1_copy(c)
+    with cache_lock(str(c)), pytest.raises(BusyError, match="locked by a running stager"):
+        wipe(WipeArgs(str(c), str(root), legacy=True))
+    assert (c / "labels.csv").exists()
+
+
+def test_legacy_never_follows_symlinks(root: Path, outside: Path):
+    c = C(root)
+    make_v1_copy(c)
+    (c / "escape").symlink_to(outside)
+    (c / "file-link").symlink_to(outside / "keep.txt")
+    (c / "train" / "inner").symlink_to(outside)
+    out = wipe(WipeArgs(str(c), str(root), legacy=True))
+    assert out.removed and out.legacy_entries == 5
+    assert (outside / "keep.txt").read_text() == "keep" and sorted(os.listdir(outside)) == ["keep.txt"]
+    assert sorted(os.listdir(c)) == ["leases", "lock", "revs"]
+
+
+def test_legacy_with_a_symlinked_v1_meta_dir_takes_no_lock_through_it(root: Path, outside: Path):
+    c = C(root)
+    (outside / "lock").write_text("")
+    (c / ".dscache").symlink_to(outside)
+    fd = os.open(outside / "lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a lock outside the root must not matter (nor be touched)
+    try:
+        assert wipe(WipeArgs(str(c), str(root), legacy=True)).removed
+    finally:
+        os.close(fd)
+    assert not os.path.lexists(c / ".dscache") and (outside / "lock").exists()
+
+
+def test_legacy_cli_json_and_usage(root: Path, tmp_path: Path):
+    c = C(root)
+    make_v1_copy(c)
+    ok = _cli(str(c), "--root", str(root), "--legacy", "--termination-log", str(tmp_path / "t"))
+    assert ok.returncode == 0, ok.stderr
+    got = json.loads(ok.stdout)
+    assert (got["legacy"], got["removed"], got["legacy_entries"], got["revision"]) == (True, True, 3, None)
+    assert json.loads((tmp_path / "t").read_text()) == got
+    bad = _cli(str(c), "--root", str(root), "--legacy", "--release", "u1")
+    assert bad.returncode == 2 and "takes no --release" in bad.stderr
+    assert (c / "revs" / R1).is_dir() and sorted(os.listdir(c / "leases" / R1)) == ["u1", "u2"]
+
+
+@pytest.mark.parametrize("missing", [".dscache/lock", ".dscache"])
+def test_legacy_makes_and_holds_version_1_lock_so_a_starting_v1_stager_waits(
+    root: Path, monkeypatch: pytest.MonkeyPatch, missing: str
+):
+    """Without a lock to take, a version 1 stager starting mid-delete could stage
+    into entries being removed. The wipe makes version 1's lock and holds it: that
+    stager (whose locked() makes .dscache and the lock, then blocks) waits, and
+    afterwards finds its lock file unlinked, so it starts over on a fresh copy."""
+    c = C(root)
+    make_v1_copy(c)
+    target = c / missing
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+    deleting, go_on = threading.Event(), threading.Event()
+    real_remove = wipe_mod.remove_tree
+
+    def slow_remove(path: str) -> None:
+        deleting.set()
+        go_on.wait(10)
+        real_remove(path)
+
+    monkeypatch.setattr(wipe_mod, "remove_tree", slow_remove)
+    out: dict = {}
+    w = threading.Thread(target=lambda: out.setdefault("wipe", wipe(WipeArgs(str(c), str(root), legacy=True))))
+    w.start()
+    try:
+        assert deleting.wait(10)
+        # What version 1's Layout.locked() does: make .dscache, open (creating) the lock, flock it.
+        os.makedirs(c / ".dscache", exist_ok=True)
+        fd = os.open(c / ".dscache" / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    finally:
+        go_on.set()
+        w.join(10)
+    assert out["wipe"].removed and out["wipe"].legacy_entries == (2 if missing == ".dscache" else 3)
+    assert sorted(os.listdir(c)) == ["leases", "lock", "revs"]
