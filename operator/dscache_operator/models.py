@@ -268,7 +268,10 @@ class Condition(_Model):
 
 
 class NodeRevision(_Model):
-    id: str = Field(description="A revision staged (or being staged) on the node.")
+    id: str = Field(
+        description="A revision staged (or being staged) on the node, or 'legacy': a copy staged by "
+        "version 1 of dscache at the top of the cache dir, removed once no pod of version 1 reads it."
+    )
     consumers: int = Field(default=0, ge=0, description="Live pods on the node that hold this revision.")
     lastUsed: Timestamp | None = Field(default=None, description="When its set of consumers last changed.")
     wipedAt: Timestamp | None = Field(
