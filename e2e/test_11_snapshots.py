@@ -19,6 +19,7 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ from conftest import (
     send_go,
 )
 from support import workloads as w
-from support.kube import NodeExecError, node_path_exists, wait_for
+from support.kube import NodeExecError, node_path_exists, schedulable_nodes, wait_for
 
 REVISION_ANNOTATION = "dscache.io/revision"  # dscache_contract.ANNOTATION_REVISION
 WIPE_SELECTOR = "app.kubernetes.io/name=dscache-wipe"
@@ -334,14 +335,23 @@ class ReadyMonitor:
 
 @pytest.mark.timeout(1500)
 def test_wipe_race(cfg, kube, cache_factory, dataset):
+    """Job 1 completes; Job 2 (same cache, same node) is created the moment a wipe helper
+    for that node appears. 20 rounds, run as one lane per node at once: the race is per
+    node (helpers and leases are), and lanes on different nodes also race each other's
+    status updates on the one cache."""
     cache = cache_factory("race")
     ns, name = cache["namespace"], cache["name"]
-    rounds, reader_failures, warm = 20, [], 0
+    rounds = 20
+    nodes = schedulable_nodes(kube)[:3]
+    assert nodes, "no schedulable node"
+    reader_failures: list[str] = []
+    warm: list[bool] = []
     seen_helpers: set[str] = set()
-    with ReadyMonitor(cfg, kube, ns, name) as monitor:
-        for i in range(rounds):
+
+    def lane(node: str, round_ids: list[int]) -> None:
+        for i in round_ids:
             j1, j2 = f"race-{i}-a", f"race-{i}-b"
-            kube.create(reader_job(j1, ns, name, cfg.stager_image, expect=dataset.digest))
+            kube.create(reader_job(j1, ns, name, cfg.stager_image, expect=dataset.digest, node=node))
             if (
                 wait_for(
                     f"Job {j1}",
@@ -352,12 +362,16 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
                 != "Complete"
             ):
                 reader_failures.append(f"{j1}: {describe_pods(kube, ns, f'job-name={j1}')[-1500:]}")
-            node = job_pods(kube, ns, j1)[0]["spec"]["nodeName"]
-            # The moment a new wipe helper for this cache appears, the next Job arrives.
+            # The moment a new wipe helper for this cache on this node appears, the next Job arrives.
             helper = wait_for(
-                f"a wipe helper after {j1}",
+                f"a wipe helper on {node} after {j1}",
                 lambda: next(
-                    (p for p in _wipe_helpers(kube, ns, name) if p["metadata"]["uid"] not in seen_helpers), None
+                    (
+                        p
+                        for p in _wipe_helpers(kube, ns, name)
+                        if p["spec"].get("nodeName") == node and p["metadata"]["uid"] not in seen_helpers
+                    ),
+                    None,
                 ),
                 timeout=90,
                 interval=0.1,
@@ -374,16 +388,22 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
             if state != "Complete":
                 reader_failures.append(f"{j2}: {describe_pods(kube, ns, f'job-name={j2}')[-1500:]}")
             else:
-                warm += bool(init_summary(job_pods(kube, ns, j2)[0])["warm"])
+                warm.append(bool(init_summary(job_pods(kube, ns, j2)[0])["warm"]))
             kube.kubectl("delete", "job", j1, j2, "-n", ns, "--wait=false", "--cascade=background")
+
+    with ReadyMonitor(cfg, kube, ns, name) as monitor, ThreadPoolExecutor(len(nodes)) as pool:
+        lanes = [pool.submit(lane, node, list(range(k, rounds, len(nodes)))) for k, node in enumerate(nodes)]
+        for f in lanes:
+            f.result()  # a lane's timeout fails the test here
     record(
         cfg,
         "test_wipe_race",
         {
             "rounds": rounds,
+            "lanes": nodes,
             "helpers_raced": len(seen_helpers),
-            "second_job_warm": warm,
-            "second_job_restaged": rounds - warm,
+            "second_job_warm": sum(warm),
+            "second_job_restaged": rounds - sum(warm),
             "reader_failures": len(reader_failures),
             "status_samples": monitor.samples,
             "ready_samples_checked_on_disk": monitor.ready_samples,
