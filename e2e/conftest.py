@@ -252,19 +252,17 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
         "sourceCheck.retryIntervalSeconds=5",
         "sourceCheck.secretNamespaces={" + ",".join(namespaces.values()) + "}",
     ]
+    chart = [
+        RELEASE,
+        str(REPO / "charts/dscache"),
+        "-n",
+        RELEASE_NS,
+        "--wait",
+        *[arg for s in sets for arg in ("--set", s)],
+        *cfg.helm_args,
+    ]
     if installed and cfg.reuse:
-        kube.helm(
-            "upgrade",
-            RELEASE,
-            str(REPO / "charts/dscache"),
-            "-n",
-            RELEASE_NS,
-            "--wait",
-            "--timeout",
-            "300s",
-            *[arg for s in sets for arg in ("--set", s)],
-            *cfg.helm_args,
-        )
+        kube.helm("upgrade", *chart, "--timeout", "300s")
         info["reused"] = True
     else:
         if installed:
@@ -274,18 +272,7 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
         kube.kubectl("label", "namespace", RELEASE_NS, "--overwrite", "pod-security.kubernetes.io/enforce=privileged")
         t0 = time.monotonic()
         try:
-            p = kube.helm(
-                "install",
-                RELEASE,
-                str(REPO / "charts/dscache"),
-                "-n",
-                RELEASE_NS,
-                "--wait",
-                "--timeout",
-                "180s",
-                *[arg for s in sets for arg in ("--set", s)],
-                *cfg.helm_args,
-            )
+            p = kube.helm("install", *chart, "--timeout", "180s")
         except Exception as e:
             raise RuntimeError(f"helm install failed: {e}\n{_release_diagnosis(kube)}") from None
         info["install_seconds"] = round(time.monotonic() - t0, 1)
@@ -395,14 +382,15 @@ def init_summary(pod: dict[str, Any]) -> dict[str, Any]:
     raise AssertionError(f"pod {pod['metadata']['name']} has no {w.INIT_NAME} init container status")
 
 
-def send_go(kube: Kube, ns: str, pod: str) -> None:
+def send_go(kube: Kube, ns: str, pod: str, container: str = w.TRAIN_CONTAINER) -> None:
+    """Let a training container that waits for the signal file go on."""
     kube.kubectl(
         "exec",
         pod,
         "-n",
         ns,
         "-c",
-        w.TRAIN_CONTAINER,
+        container,
         "--",
         "/opt/dscache/bin/python3",
         "-c",

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import RELEASE_NS, REPO, cache_status, host_copy, init_summary
+from conftest import RELEASE_NS, REPO, cache_status, host_copy, init_summary, send_go
 from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, node_sh, schedulable_nodes, wait_for
@@ -123,21 +123,6 @@ def _wait_verified_everywhere(
     return by_node
 
 
-def _go(kube, ns: str, pod: str, container: str) -> None:
-    kube.kubectl(
-        "exec",
-        pod,
-        "-n",
-        ns,
-        "-c",
-        container,
-        "--",
-        "/opt/dscache/bin/python3",
-        "-c",
-        f"open('{w.SIGNAL_DIR}/go', 'w').close()",
-    )
-
-
 def _node_states(kube, ns: str, name: str) -> dict[str, str]:
     return {e["node"]: e.get("state") for e in cache_status(kube, ns, name).get("nodes") or []}
 
@@ -216,7 +201,7 @@ def test_distributed_job_every_node(cfg, kube, cache_factory, dataset, nodes):
     _assert_staged_on(cfg, kube, ns, name, list(by_node))
 
     for p in by_node.values():
-        _go(kube, ns, p["metadata"]["name"], "train")
+        send_go(kube, ns, p["metadata"]["name"], "train")
     wait_for(
         f"JobSet {spread} Completed",
         lambda: _condition(kube.get("jobset", spread, ns), "Completed", "Failed"),
@@ -256,7 +241,7 @@ def test_trainjob_or_pytorchjob(cfg, kube, cache_factory, dataset, nodes):
     _assert_staged_on(cfg, kube, ns, name, list(by_node))
 
     for p in by_node.values():
-        _go(kube, ns, p["metadata"]["name"], "pytorch")
+        send_go(kube, ns, p["metadata"]["name"], "pytorch")
     wait_for(
         f"PyTorchJob {spread} Succeeded",
         lambda: _condition(kube.get("pytorchjob", spread, ns), "Succeeded", "Failed"),
@@ -342,7 +327,7 @@ def test_node_lost(cfg, kube, cache_factory, dataset, nodes):
 
         # The surviving Job finishes; its copy is wiped; the cache stays Ready as a whole.
         pod = kube.items("pods", namespace=ns, selector="job-name=lost-survivor")[0]
-        _go(kube, ns, pod["metadata"]["name"], w.TRAIN_CONTAINER)
+        send_go(kube, ns, pod["metadata"]["name"], w.TRAIN_CONTAINER)
         _assert_wiped_on(cfg, kube, ns, name, [survivor])
         assert cache_status(kube, ns, name).get("phase") == "Ready", cache_status(kube, ns, name)
         # And the DatasetCache can still be deleted: its finalizer is not stuck on the lost node.

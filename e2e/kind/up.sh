@@ -66,6 +66,28 @@ kubeadmConfigPatches:
 YAML
 }
 
+# A cluster is reused only within one lifetime of its node containers: after a dockerd or
+# machine restart (or a run killed mid-test) the routes pod-network.sh wired and the pods'
+# state are gone, and such a cluster fails later in confusing ways. The marker holds every
+# node container's start time, recorded when the cluster was made; DSCACHE_KIND_FRESH=1
+# (.ci/run) always starts from a new cluster.
+_lifetime() { docker ps -q --filter "label=io.x-k8s.kind.cluster=$KIND_CLUSTER" | sort |
+  xargs -r docker inspect -f '{{.Name}} {{.State.StartedAt}}' 2>/dev/null | sort; }
+_marker_file=$STATE_DIR/$KIND_CLUSTER.lifetime
+if "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER"; then
+  _why=
+  if [ "${DSCACHE_KIND_FRESH:-0}" = 1 ]; then _why="DSCACHE_KIND_FRESH=1"
+  elif [ "$(_lifetime)" != "$(cat "$_marker_file" 2>/dev/null)" ]; then
+    _why="its node containers restarted or stopped since it was made"
+  elif [ "$("$KUBECTL" get nodes --no-headers 2>/dev/null | awk '$2 ~ /^Ready/' | wc -l)" != "$((KIND_WORKERS + 1))" ]; then
+    _why="not all of its $((KIND_WORKERS + 1)) nodes are registered and Ready"
+  fi
+  if [ -n "$_why" ]; then
+    klog "deleting cluster $KIND_CLUSTER: $_why"
+    "$KIND" delete cluster --name "$KIND_CLUSTER" --kubeconfig "$KUBECONFIG" >&2
+    docker rm -f "$S3_CONTAINER" >/dev/null 2>&1 || true
+  fi
+fi
 if ! "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER"; then
   kind_config >"$STATE_DIR/kind-config.yaml"
   klog "kind create cluster $KIND_CLUSTER ($KIND_NODE_IMAGE, 1 control plane + $KIND_WORKERS workers)"
@@ -75,6 +97,7 @@ if ! "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER"; then
   if $_local_node; then bash "$KIND_REPO/e2e/kind/pod-network.sh"; fi
   # Three nodes that run pods: the control plane takes workloads too.
   "$KUBECTL" taint nodes --all node-role.kubernetes.io/control-plane- >/dev/null 2>&1 || true
+  _lifetime >"$_marker_file"
 fi
 "$KUBECTL" wait --for=condition=Ready nodes --all --timeout=180s >/dev/null
 mapfile -t KIND_NODES < <("$KUBECTL" get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}')
@@ -120,7 +143,8 @@ if [ -z "$S3_IMAGE" ]; then
     docker build -q -t "$S3_IMAGE" "$_ctx" >/dev/null; rm -rf "$_ctx"
   fi
 fi
-if ! docker inspect "$S3_CONTAINER" >/dev/null 2>&1; then
+if [ "$(docker inspect -f '{{.State.Running}}' "$S3_CONTAINER" 2>/dev/null)" != true ]; then
+  docker rm -f "$S3_CONTAINER" >/dev/null 2>&1 || true
   docker run -d --name "$S3_CONTAINER" --network kind "$S3_IMAGE" \
     --access "$AWS_ACCESS_KEY_ID" --secret "$AWS_SECRET_ACCESS_KEY" --port :9000 posix /data >/dev/null
 fi

@@ -88,7 +88,7 @@ class Fetched:
 
 
 # Files are born read-only: a complete revision must not change, and this
-# saves a chmod pass over every file when it is sealed (layout.mark_complete).
+# saves a chmod pass over every file when it is sealed (layout.Revision.seal).
 FILE_MODE = 0o444
 
 

@@ -157,7 +157,7 @@ class Revision:
     def sealed_before_boot(self) -> bool:
         """Whether the completion marker predates the node's last boot.
 
-        Nothing is fsynced (see mark_complete), so such a revision may hold
+        Nothing is fsynced (see seal), so such a revision may hold
         zeros or stale bytes behind a correct manifest. No pod has used it
         since the boot either: every pod's stager reruns after a reboot, and
         the first one restages it (a fresh marker), so it is safe to remove.
@@ -211,14 +211,6 @@ class Revision:
 
     def open_journal(self) -> IO[str]:
         return open(self.journal_path, "a", buffering=1 << 16)
-
-    def mark_complete(self, entries: Iterable[Entry], dirs: Iterable[str], summary: dict[str, Any]) -> None:
-        """Seal the revision with these manifest entries (in path order); see :meth:`seal`."""
-        listed = os.path.join(self.tmp, f".manifest.{os.getpid()}.{time.monotonic_ns()}")
-        with open(listed, "w", buffering=1 << 16) as f:
-            for e in entries:
-                f.write(e.to_json() + "\n")
-        self.seal(listed, dirs, summary)
 
     def seal(self, manifest: str, dirs: Iterable[str], summary: dict[str, Any]) -> None:
         """Seal the revision: manifest, read-only tree, then the marker, written last.

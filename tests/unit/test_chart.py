@@ -601,39 +601,11 @@ def render_notes(helm: str, values: dict[str, Any]) -> str:
 
 def test_secret_forbidden_upgrade_lines_render(helm: str):
     """The two `helm upgrade` fixes the SecretForbidden message gives do what it says."""
-    docs = docs_of(
-        run_helm(
-            helm,
-            "template",
-            "dscache",
-            str(CHART),
-            "--namespace",
-            NS,
-            "--kube-version",
-            KUBE_VERSION,
-            "--set",
-            "sourceCheck.readSecrets=false",
-            "--set",
-            "sourceCheck.readSecrets=true",
-            "--set-json",
-            "sourceCheck.secretNamespaces=[]",
-        ).stdout
-    )
+    # The flags exactly as the message gives them.
+    flags = ["--set", "sourceCheck.readSecrets=false", "--set", "sourceCheck.readSecrets=true"]
+    docs = docs_of(template(helm, extra=[*flags, "--set-json", "sourceCheck.secretNamespaces=[]"]).stdout)
     assert one(docs, "ClusterRoleBinding", "dscache-source-check")
-    docs = docs_of(
-        run_helm(
-            helm,
-            "template",
-            "dscache",
-            str(CHART),
-            "--namespace",
-            NS,
-            "--kube-version",
-            KUBE_VERSION,
-            "--set",
-            "sourceCheck.secretNamespaces={team-a,ml}",
-        ).stdout
-    )
+    docs = docs_of(template(helm, extra=["--set", "sourceCheck.secretNamespaces={team-a,ml}"]).stdout)
     assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", "dscache-source-check")) == [
         "ml",
         "team-a",

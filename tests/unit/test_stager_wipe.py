@@ -35,7 +35,9 @@ def make_revision(c: Path, rev: str, files: dict[str, bytes]) -> Path:
         p.chmod(0o444)
     Path(r.journal_path).write_text("")
     dirs = {str(p.relative_to(r.data)) for p in Path(r.data).rglob("*") if p.is_dir()}
-    r.mark_complete([], dirs, {"objects": len(files), "revision": rev})
+    manifest = Path(r.tmp, "manifest.listed")
+    manifest.write_text("")
+    r.seal(str(manifest), dirs, {"objects": len(files), "revision": rev})
     return Path(r.dir)
 
 
@@ -262,11 +264,25 @@ def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(
     )
     w.start()
     assert deleting.wait(10)
-    old_inode = os.stat(contract.lock_path(c)).st_ino
+
+    def holds_the_live_lock() -> bool:
+        """Whether the lock file now at C/lock is the one held (not an unlinked one).
+        Compared by behaviour, not inode numbers: a new file may reuse the old number."""
+        try:
+            fd = os.open(contract.lock_path(c), os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # flock: another open file description conflicts
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
 
     def stager() -> None:
         with cache_lock(c):
-            out["inode"] = os.stat(contract.lock_path(c)).st_ino
+            out["live"] = holds_the_live_lock()
             out["revs"] = os.path.exists(contract.revisions_root(c))
 
     s = threading.Thread(target=stager)
@@ -277,7 +293,7 @@ def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(
     w.join(10)
     s.join(10)
     assert out["wipe"].removed
-    assert out["inode"] != old_inode and out["revs"] is False  # a fresh C, not the deleted one
+    assert out["live"] and out["revs"] is False  # a fresh C, not the deleted one
 
 
 def test_the_wipe_helper_as_root_without_capabilities_removes_sealed_revisions(root: Path):
