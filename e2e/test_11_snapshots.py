@@ -19,6 +19,9 @@ import json
 import re
 import threading
 import time
+import traceback
+from collections import Counter
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -274,6 +277,13 @@ def _wipe_helpers(kube, ns: str, name: str) -> list[dict[str, Any]]:
     ]
 
 
+def _released(helper: dict[str, Any]) -> list[str]:
+    """The pod UIDs whose leases a wipe helper releases (its ``--release a,b`` argument)."""
+    args = helper["spec"]["containers"][0].get("args") or []
+    i = args.index("--release") + 1 if "--release" in args else len(args)
+    return args[i].split(",") if i < len(args) else []
+
+
 class ReadyMonitor:
     """Samples the status; a node shown Ready with a held revision must have that revision on disk.
 
@@ -286,6 +296,7 @@ class ReadyMonitor:
         self.kube, self.ns, self.name = kube, ns, name
         self.path = host_copy(cfg, ns, name)
         self.samples = self.ready_samples = 0
+        self.checked: Counter[str] = Counter()  # per node: Ready samples whose copy was looked at
         self.violations: list[str] = []
         self.exec_errors: list[str] = []
         self._stop = threading.Event()
@@ -327,6 +338,7 @@ class ReadyMonitor:
             (node, r) for node, r in held if not node_path_exists(f"{self.path}/revs/{r}/meta/complete", node=node)
         ]
         self.ready_samples += 1  # counted only once the disk was really looked at
+        self.checked.update(node for node, _ in held)
         if missing:
             again = self.kube.get("datasetcache", self.name, self.ns) or {}
             if again.get("metadata", {}).get("resourceVersion") == rv:
@@ -336,9 +348,10 @@ class ReadyMonitor:
 @pytest.mark.timeout(1500)
 def test_wipe_race(cfg, kube, cache_factory, dataset):
     """Job 1 completes; Job 2 (same cache, same node) is created the moment a wipe helper
-    for that node appears. 20 rounds, run as one lane per node at once: the race is per
-    node (helpers and leases are), and lanes on different nodes also race each other's
-    status updates on the one cache."""
+    releasing Job 1's lease appears on that node. 20 rounds, run as one lane per node at
+    once: the race is per node (helpers and leases are), and lanes on different nodes also
+    race each other's status updates on the one cache. A lane sees only its own node's
+    helpers and its own Jobs' pods; every lane's failures fail the test."""
     cache = cache_factory("race")
     ns, name = cache["namespace"], cache["name"]
     rounds = 20
@@ -347,73 +360,92 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
     reader_failures: list[str] = []
     warm: list[bool] = []
     seen_helpers: set[str] = set()
+    stop = threading.Event()  # set once any lane failed: the others end at their next round
 
     def lane(node: str, round_ids: list[int]) -> None:
         for i in round_ids:
+            if stop.is_set():
+                return
             j1, j2 = f"race-{i}-a", f"race-{i}-b"
             kube.create(reader_job(j1, ns, name, cfg.stager_image, expect=dataset.digest, node=node))
-            if (
-                wait_for(
-                    f"Job {j1}",
-                    lambda j1=j1: job_condition(kube, ns, j1),
-                    timeout=180,
-                    describe=lambda j1=j1: describe_pods(kube, ns, f"job-name={j1}"),
-                )
-                != "Complete"
-            ):
-                reader_failures.append(f"{j1}: {describe_pods(kube, ns, f'job-name={j1}')[-1500:]}")
-            # The moment a new wipe helper for this cache on this node appears, the next Job arrives.
+            uid = pod_of(kube, ns, j1)["metadata"]["uid"]
+            # Watched from j1's creation on, not from its Complete condition: the helper can
+            # come and go before the Job controller sets that. Matching j1's pod UID among the
+            # leases the helper releases means a late helper of the previous round's j2 is never
+            # taken for this round's.
             helper = wait_for(
-                f"a wipe helper on {node} after {j1}",
-                lambda: next(
+                f"a wipe helper on {node} releasing the lease of {j1} (pod {uid})",
+                lambda uid=uid: next(
                     (
                         p
                         for p in _wipe_helpers(kube, ns, name)
-                        if p["spec"].get("nodeName") == node and p["metadata"]["uid"] not in seen_helpers
+                        if p["spec"].get("nodeName") == node and uid in _released(p)
                     ),
                     None,
                 ),
-                timeout=90,
+                timeout=270,
                 interval=0.1,
-                describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+                describe=lambda j1=j1: (
+                    json.dumps(cache_status(kube, ns, name), indent=1)
+                    + "\n"
+                    + describe_pods(kube, ns, f"job-name={j1}")
+                ),
             )
+            # The moment it appears, the next Job arrives.
             kube.create(reader_job(j2, ns, name, cfg.stager_image, expect=dataset.digest, node=node))
             seen_helpers.add(helper["metadata"]["uid"])
-            state = wait_for(
-                f"Job {j2}",
-                lambda j2=j2: job_condition(kube, ns, j2),
-                timeout=180,
-                describe=lambda j2=j2: describe_pods(kube, ns, f"job-name={j2}"),
-            )
-            if state != "Complete":
-                reader_failures.append(f"{j2}: {describe_pods(kube, ns, f'job-name={j2}')[-1500:]}")
-            else:
-                warm.append(bool(init_summary(job_pods(kube, ns, j2)[0])["warm"]))
+            for job in (j1, j2):
+                state = wait_for(
+                    f"Job {job}",
+                    lambda job=job: job_condition(kube, ns, job),
+                    timeout=180,
+                    describe=lambda job=job: describe_pods(kube, ns, f"job-name={job}"),
+                )
+                if state != "Complete":
+                    reader_failures.append(f"{job}: {describe_pods(kube, ns, f'job-name={job}')[-1500:]}")
+                elif job == j2:
+                    warm.append(bool(init_summary(job_pods(kube, ns, j2)[0])["warm"]))
             kube.kubectl("delete", "job", j1, j2, "-n", ns, "--wait=false", "--cascade=background")
 
-    with ReadyMonitor(cfg, kube, ns, name) as monitor, ThreadPoolExecutor(len(nodes)) as pool:
-        lanes = [pool.submit(lane, node, list(range(k, rounds, len(nodes)))) for k, node in enumerate(nodes)]
-        for f in lanes:
-            f.result()  # a lane's timeout fails the test here
+    with ReadyMonitor(cfg, kube, ns, name) as monitor, ThreadPoolExecutor(len(nodes), "race-lane") as pool:
+        lanes = {pool.submit(lane, node, list(range(k, rounds, len(nodes)))): node for k, node in enumerate(nodes)}
+        try:
+            futures.wait(lanes, return_when=futures.FIRST_EXCEPTION)
+        finally:
+            stop.set()  # also on a pytest timeout: no lane starts another round
+    # Every lane's exception, not just the first one's (the pool has joined them all).
+    lane_errors = [
+        f"lane {node}: {''.join(traceback.format_exception(e))[-3000:]}"
+        for f, node in lanes.items()
+        if (e := f.exception()) is not None
+    ]
+    unchecked = [n for n in nodes if not monitor.checked[n]]
     record(
         cfg,
         "test_wipe_race",
         {
             "rounds": rounds,
             "lanes": nodes,
+            "lane_errors": len(lane_errors),
             "helpers_raced": len(seen_helpers),
             "second_job_warm": sum(warm),
-            "second_job_restaged": rounds - sum(warm),
+            "second_job_restaged": len(warm) - sum(warm),
             "reader_failures": len(reader_failures),
             "status_samples": monitor.samples,
             "ready_samples_checked_on_disk": monitor.ready_samples,
+            "ready_checks_per_node": dict(monitor.checked),
             "ready_while_missing": len(monitor.violations),
         },
     )
-    assert not reader_failures, "\n\n".join(reader_failures)
-    assert not monitor.violations, monitor.violations
-    assert not monitor.exec_errors, monitor.exec_errors[:3]
-    assert len(seen_helpers) == rounds and monitor.ready_samples > 0
+    problems = (
+        lane_errors
+        + reader_failures
+        + monitor.violations
+        + monitor.exec_errors[:3]
+        + ([f"raced {len(seen_helpers)} helpers, not {rounds}"] if len(seen_helpers) != rounds else [])
+        + ([f"no Ready sample of nodes {unchecked} was checked on disk"] if unchecked else [])
+    )
+    assert not problems, "\n\n".join(problems)
 
 
 @pytest.mark.timeout(600)
