@@ -413,9 +413,10 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
             futures.wait(lanes, return_when=futures.FIRST_EXCEPTION)
         finally:
             stop.set()  # also on a pytest timeout: no lane starts another round
-    # Every lane's exception, not just the first one's (the pool has joined them all).
+    # Every lane's exception, not just the first one's (the pool has joined them all); the
+    # head of the message says what was awaited, the last frames where.
     lane_errors = [
-        f"lane {node}: {''.join(traceback.format_exception(e))[-3000:]}"
+        f"lane {node}: {type(e).__name__}: {str(e)[:4000]}\n{''.join(traceback.format_tb(e.__traceback__)[-2:])}"
         for f, node in lanes.items()
         if (e := f.exception()) is not None
     ]
