@@ -284,6 +284,50 @@ def _released(helper: dict[str, Any]) -> list[str]:
     return args[i].split(",") if i < len(args) else []
 
 
+class HelperLog:
+    """Every wipe helper of one cache seen while it runs, polled by one thread for all lanes.
+
+    A helper lives a few seconds; one poller for everyone keeps one kubectl at a time
+    (the e2e machine has 2 cores) and remembers each helper even after it is gone.
+    """
+
+    def __init__(self, kube, ns: str, name: str) -> None:
+        self.kube, self.ns, self.name = kube, ns, name
+        self.errors: list[str] = []
+        self._seen: dict[str, dict[str, Any]] = {}  # pod uid -> the pod as first seen
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HelperLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pods = _wipe_helpers(self.kube, self.ns, self.name)
+            except Exception as e:
+                self.errors = [*self.errors[-4:], str(e)]  # the last few say why
+                pods = []
+            with self._lock:
+                for p in pods:
+                    self._seen.setdefault(p["metadata"]["uid"], p)
+            time.sleep(0.1)
+
+    def releasing(self, node: str, pod_uid: str) -> dict[str, Any] | None:
+        """The first helper seen on ``node`` that releases the lease of pod ``pod_uid``."""
+        with self._lock:
+            return next(
+                (p for p in self._seen.values() if p["spec"].get("nodeName") == node and pod_uid in _released(p)),
+                None,
+            )
+
+
 class ReadyMonitor:
     """Samples the status; a node shown Ready with a held revision must have that revision on disk.
 
@@ -375,18 +419,12 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
             # taken for this round's.
             helper = wait_for(
                 f"a wipe helper on {node} releasing the lease of {j1} (pod {uid})",
-                lambda uid=uid: next(
-                    (
-                        p
-                        for p in _wipe_helpers(kube, ns, name)
-                        if p["spec"].get("nodeName") == node and uid in _released(p)
-                    ),
-                    None,
-                ),
+                lambda uid=uid: helpers.releasing(node, uid),
                 timeout=270,
-                interval=0.1,
+                interval=0.05,
                 describe=lambda j1=j1: (
-                    json.dumps(cache_status(kube, ns, name), indent=1)
+                    f"helper poll errors: {helpers.errors}\n"
+                    + json.dumps(cache_status(kube, ns, name), indent=1)
                     + "\n"
                     + describe_pods(kube, ns, f"job-name={j1}")
                 ),
@@ -407,7 +445,11 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
                     warm.append(bool(init_summary(job_pods(kube, ns, j2)[0])["warm"]))
             kube.kubectl("delete", "job", j1, j2, "-n", ns, "--wait=false", "--cascade=background")
 
-    with ReadyMonitor(cfg, kube, ns, name) as monitor, ThreadPoolExecutor(len(nodes), "race-lane") as pool:
+    with (
+        ReadyMonitor(cfg, kube, ns, name) as monitor,
+        HelperLog(kube, ns, name) as helpers,
+        ThreadPoolExecutor(len(nodes), "race-lane") as pool,
+    ):
         lanes = {pool.submit(lane, node, list(range(k, rounds, len(nodes)))): node for k, node in enumerate(nodes)}
         try:
             futures.wait(lanes, return_when=futures.FIRST_EXCEPTION)
