@@ -2,7 +2,8 @@
 
 - test_snapshot_isolation: a reader keeps re-hashing its revision while the bucket
   changes and a second Job stages the new revision beside it on the same node.
-- test_wipe_race: a Job is created the moment a wipe helper appears, 20 rounds.
+- test_wipe_race: a Job is created the moment a wipe helper appears, 20 rounds in
+  one lane per node at once.
 - test_stage_after_wipe: a wipe runs while a pod sits in a user init container.
 - test_cache_mount_read_only: a container that mounts dscache-data itself, writable.
 
