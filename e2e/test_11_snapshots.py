@@ -2,7 +2,8 @@
 
 - test_snapshot_isolation: a reader keeps re-hashing its revision while the bucket
   changes and a second Job stages the new revision beside it on the same node.
-- test_wipe_race: a Job is created the moment a wipe helper appears, 20 rounds.
+- test_wipe_race: a Job is created the moment a wipe helper appears, 20 rounds in
+  one lane per node at once.
 - test_stage_after_wipe: a wipe runs while a pod sits in a user init container.
 - test_cache_mount_read_only: a container that mounts dscache-data itself, writable.
 
@@ -19,6 +20,10 @@ import json
 import re
 import threading
 import time
+import traceback
+from collections import Counter
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -34,7 +39,7 @@ from conftest import (
     send_go,
 )
 from support import workloads as w
-from support.kube import NodeExecError, node_path_exists, wait_for
+from support.kube import NodeExecError, node_path_exists, schedulable_nodes, wait_for
 
 REVISION_ANNOTATION = "dscache.io/revision"  # dscache_contract.ANNOTATION_REVISION
 WIPE_SELECTOR = "app.kubernetes.io/name=dscache-wipe"
@@ -273,6 +278,57 @@ def _wipe_helpers(kube, ns: str, name: str) -> list[dict[str, Any]]:
     ]
 
 
+def _released(helper: dict[str, Any]) -> list[str]:
+    """The pod UIDs whose leases a wipe helper releases (its ``--release a,b`` argument)."""
+    args = helper["spec"]["containers"][0].get("args") or []
+    i = args.index("--release") + 1 if "--release" in args else len(args)
+    return args[i].split(",") if i < len(args) else []
+
+
+class HelperLog:
+    """Every wipe helper of one cache seen while it runs, polled by one thread for all lanes.
+
+    A helper lives a few seconds; one poller for everyone keeps one kubectl at a time
+    (the e2e machine has 2 cores) and remembers each helper even after it is gone.
+    """
+
+    def __init__(self, kube, ns: str, name: str) -> None:
+        self.kube, self.ns, self.name = kube, ns, name
+        self.errors: list[str] = []
+        self._seen: dict[str, dict[str, Any]] = {}  # pod uid -> the pod as first seen
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HelperLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pods = _wipe_helpers(self.kube, self.ns, self.name)
+            except Exception as e:
+                self.errors = [*self.errors[-4:], str(e)]  # the last few say why
+                pods = []
+            with self._lock:
+                for p in pods:
+                    self._seen.setdefault(p["metadata"]["uid"], p)
+            time.sleep(0.1)
+
+    def releasing(self, node: str, pod_uid: str) -> dict[str, Any] | None:
+        """The first helper seen on ``node`` that releases the lease of pod ``pod_uid``."""
+        with self._lock:
+            return next(
+                (p for p in self._seen.values() if p["spec"].get("nodeName") == node and pod_uid in _released(p)),
+                None,
+            )
+
+
 class ReadyMonitor:
     """Samples the status; a node shown Ready with a held revision must have that revision on disk.
 
@@ -285,6 +341,7 @@ class ReadyMonitor:
         self.kube, self.ns, self.name = kube, ns, name
         self.path = host_copy(cfg, ns, name)
         self.samples = self.ready_samples = 0
+        self.checked: Counter[str] = Counter()  # per node: Ready samples whose copy was looked at
         self.violations: list[str] = []
         self.exec_errors: list[str] = []
         self._stop = threading.Event()
@@ -326,6 +383,7 @@ class ReadyMonitor:
             (node, r) for node, r in held if not node_path_exists(f"{self.path}/revs/{r}/meta/complete", node=node)
         ]
         self.ready_samples += 1  # counted only once the disk was really looked at
+        self.checked.update(node for node, _ in held)
         if missing:
             again = self.kube.get("datasetcache", self.name, self.ns) or {}
             if again.get("metadata", {}).get("resourceVersion") == rv:
@@ -334,66 +392,104 @@ class ReadyMonitor:
 
 @pytest.mark.timeout(1500)
 def test_wipe_race(cfg, kube, cache_factory, dataset):
+    """Job 1 completes; Job 2 (same cache, same node) is created the moment a wipe helper
+    releasing Job 1's lease appears on that node. 20 rounds, run as one lane per node at
+    once: the race is per node (helpers and leases are), and lanes on different nodes also
+    race each other's status updates on the one cache. A lane sees only its own node's
+    helpers and its own Jobs' pods; every lane's failures fail the test."""
     cache = cache_factory("race")
     ns, name = cache["namespace"], cache["name"]
-    rounds, reader_failures, warm = 20, [], 0
+    rounds = 20
+    nodes = schedulable_nodes(kube)[:3]
+    assert nodes, "no schedulable node"
+    reader_failures: list[str] = []
+    warm: list[bool] = []
     seen_helpers: set[str] = set()
-    with ReadyMonitor(cfg, kube, ns, name) as monitor:
-        for i in range(rounds):
+    stop = threading.Event()  # set once any lane failed: the others end at their next round
+
+    def lane(node: str, round_ids: list[int]) -> None:
+        for i in round_ids:
+            if stop.is_set():
+                return
             j1, j2 = f"race-{i}-a", f"race-{i}-b"
-            kube.create(reader_job(j1, ns, name, cfg.stager_image, expect=dataset.digest))
-            if (
-                wait_for(
-                    f"Job {j1}",
-                    lambda j1=j1: job_condition(kube, ns, j1),
-                    timeout=180,
-                    describe=lambda j1=j1: describe_pods(kube, ns, f"job-name={j1}"),
-                )
-                != "Complete"
-            ):
-                reader_failures.append(f"{j1}: {describe_pods(kube, ns, f'job-name={j1}')[-1500:]}")
-            node = job_pods(kube, ns, j1)[0]["spec"]["nodeName"]
-            # The moment a new wipe helper for this cache appears, the next Job arrives.
+            kube.create(reader_job(j1, ns, name, cfg.stager_image, expect=dataset.digest, node=node))
+            uid = pod_of(kube, ns, j1)["metadata"]["uid"]
+            # Watched from j1's creation on, not from its Complete condition: the helper can
+            # come and go before the Job controller sets that. Matching j1's pod UID among the
+            # leases the helper releases means a late helper of the previous round's j2 is never
+            # taken for this round's.
             helper = wait_for(
-                f"a wipe helper after {j1}",
-                lambda: next(
-                    (p for p in _wipe_helpers(kube, ns, name) if p["metadata"]["uid"] not in seen_helpers), None
+                f"a wipe helper on {node} releasing the lease of {j1} (pod {uid})",
+                lambda uid=uid: helpers.releasing(node, uid),
+                timeout=270,
+                interval=0.05,
+                describe=lambda j1=j1: (
+                    f"helper poll errors: {helpers.errors}\n"
+                    + json.dumps(cache_status(kube, ns, name), indent=1)
+                    + "\n"
+                    + describe_pods(kube, ns, f"job-name={j1}")
                 ),
-                timeout=90,
-                interval=0.1,
-                describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
             )
+            # The moment it appears, the next Job arrives.
             kube.create(reader_job(j2, ns, name, cfg.stager_image, expect=dataset.digest, node=node))
             seen_helpers.add(helper["metadata"]["uid"])
-            state = wait_for(
-                f"Job {j2}",
-                lambda j2=j2: job_condition(kube, ns, j2),
-                timeout=180,
-                describe=lambda j2=j2: describe_pods(kube, ns, f"job-name={j2}"),
-            )
-            if state != "Complete":
-                reader_failures.append(f"{j2}: {describe_pods(kube, ns, f'job-name={j2}')[-1500:]}")
-            else:
-                warm += bool(init_summary(job_pods(kube, ns, j2)[0])["warm"])
+            for job in (j1, j2):
+                state = wait_for(
+                    f"Job {job}",
+                    lambda job=job: job_condition(kube, ns, job),
+                    timeout=180,
+                    describe=lambda job=job: describe_pods(kube, ns, f"job-name={job}"),
+                )
+                if state != "Complete":
+                    reader_failures.append(f"{job}: {describe_pods(kube, ns, f'job-name={job}')[-1500:]}")
+                elif job == j2:
+                    warm.append(bool(init_summary(job_pods(kube, ns, j2)[0])["warm"]))
             kube.kubectl("delete", "job", j1, j2, "-n", ns, "--wait=false", "--cascade=background")
+
+    with (
+        ReadyMonitor(cfg, kube, ns, name) as monitor,
+        HelperLog(kube, ns, name) as helpers,
+        ThreadPoolExecutor(len(nodes), "race-lane") as pool,
+    ):
+        lanes = {pool.submit(lane, node, list(range(k, rounds, len(nodes)))): node for k, node in enumerate(nodes)}
+        try:
+            futures.wait(lanes, return_when=futures.FIRST_EXCEPTION)
+        finally:
+            stop.set()  # also on a pytest timeout: no lane starts another round
+    # Every lane's exception, not just the first one's (the pool has joined them all); the
+    # head of the message says what was awaited, the last frames where.
+    lane_errors = [
+        f"lane {node}: {type(e).__name__}: {str(e)[:4000]}\n{''.join(traceback.format_tb(e.__traceback__)[-2:])}"
+        for f, node in lanes.items()
+        if (e := f.exception()) is not None
+    ]
+    unchecked = [n for n in nodes if not monitor.checked[n]]
     record(
         cfg,
         "test_wipe_race",
         {
             "rounds": rounds,
+            "lanes": nodes,
+            "lane_errors": len(lane_errors),
             "helpers_raced": len(seen_helpers),
-            "second_job_warm": warm,
-            "second_job_restaged": rounds - warm,
+            "second_job_warm": sum(warm),
+            "second_job_restaged": len(warm) - sum(warm),
             "reader_failures": len(reader_failures),
             "status_samples": monitor.samples,
             "ready_samples_checked_on_disk": monitor.ready_samples,
+            "ready_checks_per_node": dict(monitor.checked),
             "ready_while_missing": len(monitor.violations),
         },
     )
-    assert not reader_failures, "\n\n".join(reader_failures)
-    assert not monitor.violations, monitor.violations
-    assert not monitor.exec_errors, monitor.exec_errors[:3]
-    assert len(seen_helpers) == rounds and monitor.ready_samples > 0
+    problems = (
+        lane_errors
+        + reader_failures
+        + monitor.violations
+        + monitor.exec_errors[:3]
+        + ([f"raced {len(seen_helpers)} helpers, not {rounds}"] if len(seen_helpers) != rounds else [])
+        + ([f"no Ready sample of nodes {unchecked} was checked on disk"] if unchecked else [])
+    )
+    assert not problems, "\n\n".join(problems)
 
 
 @pytest.mark.timeout(600)

@@ -28,7 +28,7 @@ import yaml
 from conftest import RELEASE_NS, REPO, cache_status, host_copy, init_summary, send_go
 from support import revs
 from support import workloads as w
-from support.kube import node_path_exists, node_sh, wait_for
+from support.kube import node_path_exists, node_sh, schedulable_nodes, wait_for
 
 pytestmark = pytest.mark.multinode
 SAMPLES = Path(REPO, "e2e/samples")
@@ -41,19 +41,9 @@ def _sample(name: str) -> dict[str, Any]:
     return docs[0]
 
 
-def _schedulable_nodes(kube) -> list[str]:
-    out = []
-    for n in kube.items("nodes"):
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in n["status"].get("conditions", []))
-        no_schedule = any(t.get("effect") in ("NoSchedule", "NoExecute") for t in n["spec"].get("taints") or [])
-        if ready and not no_schedule and not n["spec"].get("unschedulable"):
-            out.append(n["metadata"]["name"])
-    return sorted(out)
-
-
 @pytest.fixture(scope="module")
 def nodes(kube) -> list[str]:
-    names = _schedulable_nodes(kube)
+    names = schedulable_nodes(kube)
     assert len(names) >= 3, (
         f"these tests need 3 nodes that run pods, the cluster has {names}: bring the kind cluster up with e2e/run.sh"
     )
@@ -345,4 +335,4 @@ def test_node_lost(cfg, kube, cache_factory, dataset, nodes):
         kube.kubectl("delete", "datasetcache", name, "-n", ns, "--wait=true", "--timeout=120s")
     finally:
         _rejoin(kube, victim)
-        wait_for(f"{victim} Ready again", lambda: victim in _schedulable_nodes(kube), timeout=180)
+        wait_for(f"{victim} Ready again", lambda: victim in schedulable_nodes(kube), timeout=180)

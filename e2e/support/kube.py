@@ -182,3 +182,14 @@ def node_pids_of_container(container_id: str, node: str | None = None) -> list[i
             f"cannot list the processes of container {cid[:12]} on {node or '(local)'}: {p.stderr[-300:]}"
         )
     return [int(x) for x in lines[:-1]]
+
+
+def schedulable_nodes(kube: Kube) -> list[str]:
+    """Ready nodes that take ordinary pods (no NoSchedule/NoExecute taint, not cordoned), sorted."""
+    out = []
+    for n in kube.items("nodes"):
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in n["status"].get("conditions", []))
+        no_schedule = any(t.get("effect") in ("NoSchedule", "NoExecute") for t in n["spec"].get("taints") or [])
+        if ready and not no_schedule and not n["spec"].get("unschedulable"):
+            out.append(n["metadata"]["name"])
+    return sorted(out)
