@@ -118,6 +118,7 @@ def verify_dscache(dest: Path, revision: str, prefix: str, digests: dict[str, st
 
 class Tools:
     def __init__(self, server: S3Server, env: dict[str, str]) -> None:
+        self.server = server
         self.ep = server.endpoint
         self.env = env
         self.s5cmd = str(tool_bin("s5cmd") / "s5cmd")
@@ -210,6 +211,14 @@ class Run:
     cpu_s: float  # user + sys of the child (and its waited-for children)
     peak_rss_mib: float
     out: str  # the last stdout line (dscache's summary)
+    server_cpu_s: float = 0.0  # user + sys the S3 server spent meanwhile (small_profile)
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + sys seconds a running process has used so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 GNU_TIME = shutil.which("time") and "/usr/bin/time"
@@ -260,6 +269,27 @@ def fresh(dest: Path) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     os.sync()  # flush earlier runs' dirty pages outside the timed region
+    drop_page_cache()
+
+
+def drop_page_cache() -> None:
+    """Start every timed run from the same memory state: an empty page cache.
+
+    Without it, a run's CPU depends on what ran before it. Measured with s5cmd
+    alone, 5,000 x 64 KiB, three runs each: 474-892 ms per 1,000 objects when
+    earlier outputs were kept, 1,239-1,333 right after deleting them (the kernel
+    bills the freeing to the next writer), 501-565 with the cache dropped; in a
+    rotation the tool that ran first paid up to twice what the second did. The
+    server then reads the source from disk, alike for every tool. Needs root;
+    without it the bench runs as before and says so once.
+    """
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+    except OSError as e:
+        if not getattr(drop_page_cache, "warned", False):
+            log(f"cannot drop the page cache ({e.strerror}): CPU figures depend on run order")
+            drop_page_cache.warned = True  # type: ignore[attr-defined]
 
 
 def tree_bytes(dest: Path) -> tuple[int, int]:
@@ -288,8 +318,10 @@ def small_profile(
     digests: dict[str, str],
     endpoint: str = "",
     with_warm: bool = True,
+    server_pid: int | None = None,
 ) -> tuple[dict[str, list[Run]], list[Run]]:
-    """Every tool copies ``prefix`` ``runs`` times, rotating the order; dscache is verified, then re-run warm."""
+    """Every tool copies ``prefix`` ``runs`` times, rotating the order; dscache is verified, then re-run warm.
+    With ``server_pid``, each run also records the CPU the S3 server spent serving it."""
     small: dict[str, list[Run]] = {t: [] for t in ["dscache", *peers]}
     warm: list[Run] = []
     for r in range(runs):
@@ -298,7 +330,10 @@ def small_profile(
             dest = work / "dest" / tool
             fresh(dest)
             cmd = tools.command(tool, prefix, dest, revision=revision, pod=f"cold-{r}", endpoint=endpoint)
+            before = proc_cpu_s(server_pid) if server_pid else 0.0
             run = run_child(cmd, env)
+            if server_pid:
+                run = dataclasses.replace(run, server_cpu_s=proc_cpu_s(server_pid) - before)
             n, b = tree_bytes(dest / "revs" / revision / "data" if tool == "dscache" else dest)
             if (n, b) != (count, count * size):
                 raise RuntimeError(f"{tool} copied {n} files / {b} B, expected {count} / {count * size}")
@@ -429,7 +464,17 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
     revs = {p: tools.revision(p) for p in ("small", "large")}
     log(f"revisions (as the operator pins them): {revs}")
     small, warm = small_profile(
-        tools, env, work, "small", small_count, args.small_size, peers, args.runs, revs["small"], digests
+        tools,
+        env,
+        work,
+        "small",
+        small_count,
+        args.small_size,
+        peers,
+        args.runs,
+        revs["small"],
+        digests,
+        server_pid=tools.server.proc.pid if tools.server.proc else None,
     )
     large: dict[str, list[Run]] = {"dscache": [], "s5cmd": [], "dd": [], "dd-fdatasync": []}
     for r in range(args.runs):
@@ -464,8 +509,15 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         "cpu_ms_per_1k_small": {k: round(med(v, "cpu_s") / small_count * 1e6, 1) for k, v in small.items()},
         "cpu_s_per_gib": {k: round(med(large[k], "cpu_s") / gib, 2) for k in ("dscache", "s5cmd")},
         "peak_rss_mib": {k: round(max(r.peak_rss_mib for r in v), 1) for k, v in small.items()},
+        # What bounds loopback speed: client and server share the machine's cores,
+        # so a copy takes at least (client + server CPU per object) / cores.
+        "server_cpu_ms_per_1k_small": {
+            k: round(med(v, "server_cpu_s") / small_count * 1e6, 1) for k, v in small.items()
+        },
     }
     result["warm_speedup"] = round(smed["dscache"] / result["warm_s"], 1)
+    both = {k: round(result["cpu_ms_per_1k_small"][k] + result["server_cpu_ms_per_1k_small"][k]) for k in small}
+    log(f"small, client + server CPU per 1k objects (2 shared cores bound the speed): {both} ms")
     log(
         f"small: dscache is {smed['s5cmd'] / smed['dscache']:.2f}x s5cmd (target 1.5)"
         + (f", {smed['awscli'] / smed['dscache']:.1f}x aws-cli (target 5)" if "awscli" in smed else "")
