@@ -30,7 +30,8 @@ and read the load averages printed with each profile.
 The last line printed is one JSON object (see the issue for the fields):
 small_s / large_s / dd_s / warm_s as before, plus cold_s (dscache's cold copy
 of the small set, the same number as small_s.dscache) and warm_speedup, and
-now wan, cpu_ms_per_1k_small, cpu_s_per_gib, peak_rss_mib, loadavg and scale.
+now wan, cpu_ms_per_1k_small, cpu_s_per_gib, peak_rss_mib, server_cpu_ms_per_1k_small,
+loadavg and scale.
 """
 
 from __future__ import annotations
