@@ -288,9 +288,12 @@ def drop_page_cache() -> None:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1")
     except OSError as e:
-        if not getattr(drop_page_cache, "warned", False):
+        if not _cache_warned:
             log(f"cannot drop the page cache ({e.strerror}): CPU figures depend on run order")
-            drop_page_cache.warned = True  # type: ignore[attr-defined]
+            _cache_warned.append(True)
+
+
+_cache_warned: list[bool] = []  # said once per bench run
 
 
 def tree_bytes(dest: Path) -> tuple[int, int]:

@@ -285,22 +285,16 @@ def _released(helper: dict[str, Any]) -> list[str]:
     return args[i].split(",") if i < len(args) else []
 
 
-class HelperLog:
-    """Every wipe helper of one cache seen while it runs, polled by one thread for all lanes.
+class _Poller:
+    """A daemon thread that calls ``poll()`` every ``interval`` seconds inside a ``with`` block."""
 
-    A helper lives a few seconds; one poller for everyone keeps one kubectl at a time
-    (the e2e machine has 2 cores) and remembers each helper even after it is gone.
-    """
+    interval = 0.2
 
-    def __init__(self, kube, ns: str, name: str) -> None:
-        self.kube, self.ns, self.name = kube, ns, name
-        self.errors: list[str] = []
-        self._seen: dict[str, dict[str, Any]] = {}  # pod uid -> the pod as first seen
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> HelperLog:
+    def __enter__(self):
         self._thread.start()
         return self
 
@@ -310,15 +304,38 @@ class HelperLog:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                pods = _wipe_helpers(self.kube, self.ns, self.name)
-            except Exception as e:
-                self.errors = [*self.errors[-4:], str(e)]  # the last few say why
-                pods = []
-            with self._lock:
-                for p in pods:
-                    self._seen.setdefault(p["metadata"]["uid"], p)
-            time.sleep(0.1)
+            self.poll()
+            time.sleep(self.interval)
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+
+class HelperLog(_Poller):
+    """Every wipe helper of one cache seen while it runs, polled by one thread for all lanes.
+
+    A helper lives a few seconds; one poller for everyone keeps one kubectl at a time
+    (the e2e machine has 2 cores) and remembers each helper even after it is gone.
+    """
+
+    interval = 0.1
+
+    def __init__(self, kube, ns: str, name: str) -> None:
+        super().__init__()
+        self.kube, self.ns, self.name = kube, ns, name
+        self.errors: list[str] = []
+        self._seen: dict[str, dict[str, Any]] = {}  # pod uid -> the pod as first seen
+        self._lock = threading.Lock()
+
+    def poll(self) -> None:
+        try:
+            pods = _wipe_helpers(self.kube, self.ns, self.name)
+        except Exception as e:
+            self.errors = [*self.errors[-4:], str(e)]  # the last few say why
+            pods = []
+        with self._lock:
+            for p in pods:
+                self._seen.setdefault(p["metadata"]["uid"], p)
 
     def releasing(self, node: str, pod_uid: str) -> dict[str, Any] | None:
         """The first helper seen on ``node`` that releases the lease of pod ``pod_uid``."""
@@ -329,7 +346,7 @@ class HelperLog:
             )
 
 
-class ReadyMonitor:
+class ReadyMonitor(_Poller):
     """Samples the status; a node shown Ready with a held revision must have that revision on disk.
 
     A violation counts only if the status did not change while the disk was
@@ -338,33 +355,22 @@ class ReadyMonitor:
     """
 
     def __init__(self, cfg, kube, ns: str, name: str) -> None:
+        super().__init__()
         self.kube, self.ns, self.name = kube, ns, name
         self.path = host_copy(cfg, ns, name)
         self.samples = self.ready_samples = 0
         self.checked: Counter[str] = Counter()  # per node: Ready samples whose copy was looked at
         self.violations: list[str] = []
         self.exec_errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> ReadyMonitor:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._sample()
-            except NodeExecError as e:
-                # Not being able to look at the node is a broken test, never "no evidence".
-                self.exec_errors.append(str(e))
-            except Exception:
-                pass
-            time.sleep(0.2)
+    def poll(self) -> None:
+        try:
+            self._sample()
+        except NodeExecError as e:
+            # Not being able to look at the node is a broken test, never "no evidence".
+            self.exec_errors.append(str(e))
+        except Exception:
+            pass
 
     def _sample(self) -> None:
         obj = self.kube.get("datasetcache", self.name, self.ns) or {}
