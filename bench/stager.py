@@ -16,7 +16,12 @@ Profiles (issue 9):
  - ``loopback``: the server on 127.0.0.1, as always;
  - ``wan``: the same server behind tests/support/faultproxy.py in latency mode
    (~20 ms round trip, keep-alive kept), small files only: what decides speed
-   against real S3 is requests in flight and connection reuse, not CPU;
+   against real S3 is requests in flight and connection reuse. Here the proxy
+   and the server still share the client's 2 cores, so wan also reports their
+   CPU per object and each tool's connections: a new connection costs a round
+   trip and proxy CPU, so a tool that opens one per request pays twice (one
+   run, 3,000 objects: dscache 72 connections and 230 ms of proxy CPU per 1k,
+   s5cmd 2,446 and 567 ms);
  - ``--scale``: 1,000,000 x 1 KiB objects, written straight onto versitygw's
    posix backend (a file plus its ``user.etag`` xattr is all it needs for an
    object; the API would take an hour), then dscache cold, warm, s5cmd, and
@@ -30,8 +35,9 @@ and read the load averages printed with each profile.
 The last line printed is one JSON object (see the issue for the fields):
 small_s / large_s / dd_s / warm_s as before, plus cold_s (dscache's cold copy
 of the small set, the same number as small_s.dscache) and warm_speedup, and
-now wan, cpu_ms_per_1k_small, cpu_s_per_gib, peak_rss_mib, server_cpu_ms_per_1k_small,
-loadavg and scale.
+now wan (with its own server_cpu_ms_per_1k_small, proxy_cpu_ms_per_1k_small and
+connections), cpu_ms_per_1k_small, cpu_s_per_gib, peak_rss_mib,
+server_cpu_ms_per_1k_small, loadavg and scale.
 """
 
 from __future__ import annotations
@@ -213,11 +219,13 @@ class Run:
     peak_rss_mib: float
     out: str  # the last stdout line (dscache's summary)
     server_cpu_s: float = 0.0  # user + sys the S3 server spent meanwhile (small_profile)
+    proxy_cpu_s: float = 0.0  # user + sys the wan profile's latency proxy spent meanwhile
+    connections: int = 0  # connections the tool opened through that proxy
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + sys seconds a running process has used so far (/proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
+def proc_cpu_s(pid: int, tid: int | None = None) -> float:
+    """User + sys seconds a running process (or one of its threads) has used so far."""
+    with open(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -323,9 +331,11 @@ def small_profile(
     endpoint: str = "",
     with_warm: bool = True,
     server_pid: int | None = None,
+    proxy: FaultProxy | None = None,
 ) -> tuple[dict[str, list[Run]], list[Run]]:
     """Every tool copies ``prefix`` ``runs`` times, rotating the order; dscache is verified, then re-run warm.
-    With ``server_pid``, each run also records the CPU the S3 server spent serving it."""
+    With ``server_pid``, each run also records the CPU the S3 server spent serving it; with ``proxy``,
+    the CPU of the proxy's thread and the connections the tool opened through it."""
     small: dict[str, list[Run]] = {t: [] for t in ["dscache", *peers]}
     warm: list[Run] = []
     for r in range(runs):
@@ -335,9 +345,17 @@ def small_profile(
             fresh(dest)
             cmd = tools.command(tool, prefix, dest, revision=revision, pod=f"cold-{r}", endpoint=endpoint)
             before = proc_cpu_s(server_pid) if server_pid else 0.0
+            proxy_before = proc_cpu_s(os.getpid(), proxy.thread_id) if proxy else 0.0
+            conns_before = proxy.counts.get("connections", 0) if proxy else 0
             run = run_child(cmd, env)
             if server_pid:
                 run = dataclasses.replace(run, server_cpu_s=proc_cpu_s(server_pid) - before)
+            if proxy:
+                run = dataclasses.replace(
+                    run,
+                    proxy_cpu_s=proc_cpu_s(os.getpid(), proxy.thread_id) - proxy_before,
+                    connections=proxy.counts.get("connections", 0) - conns_before,
+                )
             n, b = tree_bytes(dest / "revs" / revision / "data" if tool == "dscache" else dest)
             if (n, b) != (count, count * size):
                 raise RuntimeError(f"{tool} copied {n} files / {b} B, expected {count} / {count * size}")
@@ -437,19 +455,29 @@ def main() -> int:
                     digests,
                     endpoint=proxy.endpoint,
                     with_warm=False,
+                    server_pid=server.proc.pid if server.proc else None,
+                    proxy=proxy,
                 )
             finally:
                 proxy.stop()
             wmed = {k: round(med(v), 3) for k, v in wan.items()}
+            per_1k = {
+                what: {k: round(med(v, attr) / wan_count * 1e6, 1) for k, v in wan.items()}
+                for what, attr in (("client", "cpu_s"), ("server", "server_cpu_s"), ("proxy", "proxy_cpu_s"))
+            }
             result["wan"] = {
                 "objects": wan_count,
                 "small_s": wmed,
                 "rtt_ms": args.rtt_ms,
-                "cpu_ms_per_1k_small": {k: round(med(v, "cpu_s") / wan_count * 1e6, 1) for k, v in wan.items()},
+                "cpu_ms_per_1k_small": per_1k["client"],
+                "server_cpu_ms_per_1k_small": per_1k["server"],
+                "proxy_cpu_ms_per_1k_small": per_1k["proxy"],
+                "connections": {k: round(statistics.median(r.connections for r in v)) for k, v in wan.items()},
                 "proxy_connections": proxy.counts.get("connections", 0),
             }
             load["wan"] = loadavg()
             log(f"wan ({args.rtt_ms:.0f} ms): dscache is {wmed['s5cmd'] / wmed['dscache']:.2f}x s5cmd (target 1.5)")
+            log_wan_bounds(result["wan"], per_1k, wan_count)
         if args.scale:
             result["scale"] = scale_profile(tools, env, work, args, server)
             load["scale"] = loadavg()
@@ -462,6 +490,20 @@ def main() -> int:
     log(f"load averages (1, 5, 15 min) after each profile: {load} (noise from other work on the machine)")
     print(json.dumps(result), flush=True)
     return 0
+
+
+def log_wan_bounds(wan: dict, per_1k: dict[str, dict[str, float]], count: int) -> None:
+    """What bounds the wan figure: the round trips, or the CPU the client, the server and the proxy
+    share on this machine's cores (on a real WAN only the client's share is on the node)."""
+    cores = os.cpu_count() or 1
+    for tool, seconds in wan["small_s"].items():
+        cpu_ms = sum(per_1k[w][tool] for w in per_1k)
+        log(
+            f"wan {tool}: {seconds:.2f}s; CPU per 1k client {per_1k['client'][tool]:.0f} + server "
+            f"{per_1k['server'][tool]:.0f} + proxy {per_1k['proxy'][tool]:.0f} ms = floor "
+            f"{cpu_ms * count / 1e6 / cores:.2f}s on {cores} cores; {wan['connections'][tool]} connections "
+            f"(each new one waits a round trip)"
+        )
 
 
 def loopback_profile(tools, env, work, args, small_count, large_size, peers, digests) -> dict:

@@ -70,6 +70,9 @@ class FaultProxy:
     counts: dict[str, int] = field(default_factory=dict)
     #: Latency mode: the round trip added between client and upstream (policy unused).
     rtt_ms: float = 0.0
+    #: The loop thread's kernel id, once started: its CPU is in /proc/self/task/<id>/stat
+    #: (the stager bench bills the proxy's share of the shared cores with it).
+    thread_id: int = 0
     _n: int = 0
 
     @property
@@ -81,6 +84,7 @@ class FaultProxy:
         self._loop = asyncio.new_event_loop()
 
         async def serve() -> None:
+            self.thread_id = threading.get_native_id()
             self._serving = asyncio.current_task()
             self._server = await asyncio.start_server(self._handle, self.host, self.port)
             self.port = self._server.sockets[0].getsockname()[1]
