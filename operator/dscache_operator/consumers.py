@@ -54,6 +54,11 @@ REVISION_ANNOTATION = ANNOTATION_REVISION
 
 #: Stray leases recorded per (node, revision) are capped: status must stay small.
 MAX_STRAY_LEASES = 200
+#: How long a revision that a wipe found held by what it could not release
+#: waits before the next wipe helper, unless a lease it found can be released
+#: by then. Without it a stray entry (a file someone left under leases/, which no
+#: pod's end will ever release) started a helper pod every reconciliation.
+KEPT_RETRY_S = 300.0
 
 #: The pseudo-revision of a node's version 1 copy: the data that version 1 staged
 #: straight into the top of C. Read only by pods without a revision annotation
@@ -401,11 +406,11 @@ def plan_node(
         elif known.wipedAt is not None:
             if p not in consumers and not _started_after(p, parse_time(known.wipedAt)):
                 continue
-            known.wipedAt, known.strayLeases, known.lastUsed = None, [], fmt_time(now)
+            known.wipedAt, known.strayLeases, known.lastUsed, known.keptAt = None, [], fmt_time(now), None
     for r in revs.values():
         n = sum(1 for p in consumers if (p.revision or LEGACY) == r.id)
         if n != r.consumers:
-            r.consumers, r.lastUsed = n, fmt_time(now)
+            r.consumers, r.lastUsed, r.keptAt = n, fmt_time(now), None
     entry.revisions = [revs[k] for k in sorted(revs)]
     active = [r for r in entry.revisions if r.wipedAt is None]
 
@@ -419,7 +424,10 @@ def plan_node(
     elif block_all or not holds_copy:
         pass  # an unscheduled pod of unknown revision may land here: keep everything
     elif deleting:
-        if not consumers and not blocked_everywhere:
+        # A whole-cache wipe that was kept marked every revision (controller.py).
+        kept = [r for r in entry.revisions if r.keptAt]
+        waits = bool(kept) and all(_kept_waits(r, live_anywhere, now) for r in kept)
+        if not consumers and not blocked_everywhere and not waits:
             # One helper removes C itself once no lease at all remains.
             release = {p.uid for p in done_here if p.uid}
             for r in active:
@@ -432,7 +440,7 @@ def plan_node(
         for r in active:
             if r.consumers or legacy_holders or r.id in blocked_everywhere:
                 continue
-            if not _ttl_passed(r.lastUsed, retention, now):
+            if not _ttl_passed(r.lastUsed, retention, now) or _kept_waits(r, live_anywhere, now):
                 continue
             if r.id == LEGACY:
                 # Why no reader of the version 1 copy ever sees its files vanish:
@@ -462,6 +470,15 @@ def plan_node(
             # Nothing of any revision left here (a version 1 copy is LEGACY, active until wiped).
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
     return NodePlan(entry, wipes, _newest(relevant))
+
+
+def _kept_waits(r: NodeRevision, live_anywhere: frozenset[str], now: datetime.datetime) -> bool:
+    """Whether the next wipe of ``r`` waits: a wipe found it held (keptAt) less than
+    KEPT_RETRY_S ago, and none of the leases it found can be released now."""
+    kept = parse_time(r.keptAt)
+    if kept is None or (now - kept).total_seconds() >= KEPT_RETRY_S:
+        return False
+    return not any(u not in live_anywhere for u in r.strayLeases)
 
 
 def _newest(pods: Iterable[PodInfo]) -> datetime.datetime | None:

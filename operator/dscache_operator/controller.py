@@ -175,11 +175,12 @@ async def reconcile(
                 if step.revision not in (None, r.id):
                     continue
                 if outcome is wipe.Outcome.REMOVED:
-                    r.wipedAt, r.strayLeases, r.consumers = fmt_time(now), [], 0
+                    r.wipedAt, r.strayLeases, r.consumers, r.keptAt = fmt_time(now), [], 0, None
                 elif outcome is wipe.Outcome.KEPT:
                     # Leases of pods we did not release: looked at again next time (see
-                    # consumers.plan_node for why an unknown one is then released).
-                    r.strayLeases = sorted(set(leases))[:MAX_STRAY_LEASES]
+                    # consumers.plan_node for why an unknown one is then released, and
+                    # why a revision kept by nothing releasable waits before the next try).
+                    r.strayLeases, r.keptAt = sorted(set(leases))[:MAX_STRAY_LEASES], fmt_time(now)
             if outcome is not wipe.Outcome.REMOVED:
                 pending += 1
         if (

@@ -285,6 +285,12 @@ class NodeRevision(_Model):
         description="Leases a wipe found that belong to no pod the operator can see (pods deleted "
         "while it was not looking); released by the next wipe if still unknown then.",
     )
+    keptAt: Timestamp | None = Field(
+        default=None,
+        description="When a wipe last found this revision held by something it could not release "
+        "(a lease of a live pod, or an entry that is no lease: see the node's message). The next "
+        "wipe waits a few minutes unless one of strayLeases can be released by then.",
+    )
 
 
 class NodeStatus(_Model):

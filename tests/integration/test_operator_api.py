@@ -684,6 +684,44 @@ def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
         watch.close()
 
 
+def test_a_copy_kept_by_a_stray_entry_gets_no_helper_loop(kube_api, ready_cache):
+    """A wipe found the revision held by an entry under leases/ that is no pod's lease
+    (no pod's end will ever release it). The node says so, and no helper is started
+    again for KEPT_RETRY_S: before keptAt, one started every reconciliation (1 s here)."""
+    k = kube_api
+    ns, name = ready_cache
+    watch = HelperWatch(k)
+    try:
+        job = create_job(k, ns, job_body("stray", name))
+        pod = start_job_pod(k, ns, job, "node-s")
+        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+        complete_job(k, ns, "stray")
+        helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper")[0]
+        rev = pod["metadata"]["annotations"]["dscache.io/revision"]
+        summary = {
+            "cache": f"/var/lib/dscache-test/{ns}/{name}",
+            "revision": rev,
+            "released": [pod["metadata"]["uid"]],
+            "existed": True,
+            "removed": False,
+            "stray": [f"leases/{rev}/notes.txt"],
+        }
+        kubelet_runs_helper(k, helper, message=json.dumps(summary))
+
+        def kept() -> dict | None:
+            revs = (node_entry(k, ns, name, "node-s") or {}).get("revisions") or []
+            return next((r for r in revs if r["id"] == rev and r.get("keptAt")), None)
+
+        k.wait_for(kept, what="the revision marked kept")
+        assert "remove them by hand" in node_entry(k, ns, name, "node-s")["message"]
+        k.wait_for(lambda: not helper_for(k, ns, name), what="helper pod deleted")
+        time.sleep(5)  # five reconciliations
+        assert watch.for_cache(ns, name) == ["node-s"], watch.added
+        assert kept().get("wipedAt") is None
+    finally:
+        watch.close()
+
+
 def test_failed_stager_shows_failed_node(kube_api, ready_cache):
     k = kube_api
     ns, name = ready_cache

@@ -355,6 +355,48 @@ def test_stray_leases_are_released_unless_a_live_pod_owns_them():
     assert step.release == ("uid-gone", "uid-p")
 
 
+def _kept(kept_ago: float, stray: list[str], consumers: int = 0) -> list[NodeStatus]:
+    """Node n1 whose REV a wipe found held ``kept_ago`` seconds before NOW."""
+    kept_at = (NOW - datetime.timedelta(seconds=kept_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    rev = NodeRevision(id=REV, consumers=consumers, lastUsed="2026-11-21T11:00:00Z", keptAt=kept_at, strayLeases=stray)
+    return [NodeStatus(node="n1", state="Ready", consumers=consumers, revisions=[rev])]
+
+
+def test_a_revision_kept_by_nothing_releasable_waits_before_the_next_helper():
+    """A wipe found REV held by an entry that is no lease (or by the lease of a pod that
+    still holds REV elsewhere): a new helper would find the same, so none starts for
+    KEPT_RETRY_S (it started one every reconciliation); then it tries again."""
+    from dscache_operator.consumers import KEPT_RETRY_S
+
+    done = [pod(phase="Succeeded")]
+    live_q = [*done, pod("q", node="n2", job="other")]  # q holds REV on n2
+    for stray, pods in (([], done), (["uid-q"], live_q)):
+        owners = jobs(train=True, other=False)
+        assert not plan_nodes(_kept(60, stray), pods, owners, WIPE, NOW)["n1"].wipes
+        (step,) = plan_nodes(_kept(KEPT_RETRY_S + 1, stray), pods, owners, WIPE, NOW)["n1"].wipes
+        assert step.revision == REV
+
+
+def test_a_kept_revision_with_a_releasable_lease_is_wiped_again_at_once():
+    (step,) = plan_nodes(_kept(1, ["uid-gone"]), [pod(phase="Succeeded")], jobs(train=True), WIPE, NOW)["n1"].wipes
+    assert step.release == ("uid-gone", "uid-p")
+
+
+def test_a_new_consumer_clears_the_kept_mark():
+    plan = plan_nodes(_kept(1, []), [pod()], jobs(train=False), WIPE, NOW)["n1"]
+    assert plan.entry.revisions[0].consumers == 1
+    assert plan.entry.revisions[0].keptAt is None
+
+
+def test_a_kept_whole_cache_wipe_on_deletion_waits_too():
+    from dscache_operator.consumers import KEPT_RETRY_S
+
+    done = [pod(phase="Succeeded")]
+    assert not plan_nodes(_kept(60, []), done, jobs(train=True), WIPE, NOW, deleting=True)["n1"].wipes
+    (step,) = plan_nodes(_kept(KEPT_RETRY_S + 1, []), done, jobs(train=True), WIPE, NOW, deleting=True)["n1"].wipes
+    assert step.revision is None
+
+
 def test_a_wiped_revision_is_not_wiped_again_for_finished_pods_but_comes_back_for_new_ones():
     """Node n1 keeps serving REV2 while REV was wiped: REV's finished pods must
     not bring it back (that would start a helper every reconciliation)."""
