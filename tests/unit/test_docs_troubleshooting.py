@@ -1,0 +1,52 @@
+"""The README's Troubleshooting section names everything the code can tell a user:
+every Event reason, every source-check reason and every stager exit code.
+A reason added to the code without a line for it here fails this test."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dscache_contract import ExitCode
+
+REPO = Path(__file__).resolve().parents[2]
+OPERATOR = REPO / "operator" / "dscache_operator"
+
+
+def troubleshooting() -> str:
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("## Troubleshooting")
+    return readme[start : readme.index("\n## ", start + 1)]
+
+
+def test_every_event_reason_is_documented():
+    reasons = set()
+    for path in OPERATOR.glob("*.py"):
+        reasons.update(re.findall(r'reason="([A-Za-z]+)"', path.read_text()))
+    assert {"Wiped", "WipeStuck", "NodeGone"} <= reasons  # the pattern still finds them
+    section = troubleshooting()
+    assert [r for r in sorted(reasons) if f"`{r}`" not in section] == []
+
+
+def test_every_source_check_reason_is_documented():
+    # CheckResult(ok, "Reason", message) and the reason strings listed under it.
+    code = (OPERATOR / "sourcecheck.py").read_text()
+    reasons = set(re.findall(r'CheckResult\(\s*(?:True|False),\s*"([A-Za-z]+)"', code))
+    reasons |= set(re.findall(r'^\s+"([A-Z][A-Za-z]+)",\n', code, re.M)) - {
+        # S3 error codes the check maps onto AccessDenied, not reasons of its own.
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AllAccessDisabled",
+        "InvalidToken",
+        "ExpiredToken",
+        "Forbidden",
+    }
+    assert {"Listed", "NotVerifiable", "SecretForbidden", "SourceError"} <= reasons
+    section = troubleshooting()
+    assert [r for r in sorted(reasons) if f"`{r}`" not in section] == []
+
+
+def test_every_stager_exit_code_is_documented():
+    codes = troubleshooting().split("exit code", 1)[1]
+    missing = [c for c in ExitCode if c is not ExitCode.OK and not re.search(rf"\b{int(c)}\s+[A-Za-z(]", codes)]
+    assert missing == []
