@@ -27,11 +27,14 @@ from typing import Any, NamedTuple, cast
 import kopf
 import pydantic
 
+from dscache_contract import RevisionRef
+
 from . import common
 from .common import Context, ctx_of
 from .injection import REVISION_ANNOTATION, InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
 from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, VolumeMode
+from .status import owner_pin_ref, revision_ref
 
 HOSTPATH_ID = "dscache-hostpath"
 EMPTYDIR_ID = "dscache-emptydir"
@@ -45,11 +48,10 @@ class CacheView(NamedTuple):
     message: str | None
     deleting: bool
     invalid: str | None = None
-    revision: str | None = None
-    #: owner UID -> (the revision its pods already stage, its as-of time) (status.owners)
-    pins: dict[str, tuple[str, str | None]] | None = None
-    #: the pinned revision's versions time (versioned buckets; dscache_contract.versions)
-    as_of: str | None = None
+    #: status.revision: what a workload that carries none yet is given
+    revision: RevisionRef | None = None
+    #: owner UID -> the revision its pods already stage (status.owners)
+    pins: dict[str, RevisionRef] | None = None
 
 
 def cache_view(body: Any) -> CacheView:
@@ -61,15 +63,16 @@ def cache_view(body: Any) -> CacheView:
         invalid = None
     except pydantic.ValidationError as e:
         spec, invalid = None, str(e).splitlines()[0]
-    revision = (status.get("revision") or {}).get("id")
-    as_of = (status.get("revision") or {}).get("asOf")
-    pins = {
-        o["uid"]: (o["revision"], o.get("asOf"))
-        for o in status.get("owners") or []
-        if o.get("uid") and o.get("revision")
-    }
+    pins = {o["uid"]: ref for o in status.get("owners") or [] if o.get("uid") and (ref := owner_pin_ref(o))}
     return CacheView(
-        spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid, revision, pins, as_of
+        spec,
+        status.get("phase"),
+        cond.get("reason"),
+        cond.get("message"),
+        deleting,
+        invalid,
+        revision_ref(status.get("revision")),
+        pins,
     )
 
 
@@ -140,19 +143,18 @@ def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
     return None
 
 
-def choose_revision(view: CacheView, obj: dict[str, Any]) -> tuple[str | None, str | None]:
+def choose_revision(view: CacheView, obj: dict[str, Any]) -> RevisionRef | None:
     """The revision a new Job or Pod gets when it carries none: the one its owner's
     pods already stage (status.owners), else the cache's pinned revision.
 
     Remaining window: a workload whose first pods are admitted before the
     controller has recorded its pin (one reconcile interval) while a refresh
     changes status.revision in between can get two revisions; Jobs are immune
-    (the revision is set on the Job's pod template at Job admission).
-    Returns (revision, as-of time); the time belongs to that revision only."""
+    (the revision is set on the Job's pod template at Job admission)."""
     owner = direct_owner_uid(obj)
     if owner and view.pins and owner in view.pins:
         return view.pins[owner]
-    return view.revision, view.as_of
+    return view.revision
 
 
 def no_revision(namespace: str, name: str, view: CacheView) -> str:
@@ -194,7 +196,7 @@ async def mutate(
     if reason:
         raise kopf.AdmissionError(reason, code=400)
     assert view is not None and view.spec is not None
-    revision, as_of = choose_revision(view, raw)
+    revision = choose_revision(view, raw)
     target_meta = (
         ((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job" else raw.get("metadata")
     ) or {}
@@ -209,8 +211,7 @@ async def mutate(
             spec=view.spec,
             settings=ctx.settings,
             mode=mode,
-            revision=revision or "",
-            as_of=as_of,
+            revision=revision,
         )
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400) from e

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from dscache_contract import WipeArgs
+from dscache_contract import RevisionRef, WipeArgs
 from dscache_operator import wipe
 from dscache_operator.consumers import (
     LEGACY,
@@ -43,7 +43,8 @@ def pod(
     uid=None,
 ):
     owner = OwnerRef(kind, job, f"uid-{job}") if job else None
-    return PodInfo(name, node, phase, owner, mode, init, started, message, uid or f"uid-{name}", revision)
+    pinned = RevisionRef(revision) if revision else None
+    return PodInfo(name, node, phase, owner, mode, init, started, message, uid or f"uid-{name}", pinned)
 
 
 def jobs(**state):
@@ -257,7 +258,7 @@ def test_unscheduled_pod_blocks_its_revision_on_every_node():
     plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
     assert not plans["n1"].wipe and not plans["n2"].wipe
     # A pending pod of another revision blocks only that revision.
-    pods[-1] = pods[-1]._replace(revision=REV2)
+    pods[-1] = pods[-1]._replace(pinned=RevisionRef(REV2))
     plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
     assert plans["n1"].wipe and plans["n2"].wipe
 

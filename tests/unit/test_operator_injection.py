@@ -9,7 +9,7 @@ import jsonpatch
 import kopf
 import pytest
 
-from dscache_contract import StageArgs
+from dscache_contract import RevisionRef, StageArgs
 from dscache_operator import injection, webhook
 from dscache_operator.common import Context, memo_for
 from dscache_operator.injection import INIT_NAME, VOLUME_NAME, InjectionError, inject_object
@@ -19,6 +19,7 @@ from dscache_operator.settings import Settings
 SETTINGS = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:test")
 REV = "r-0123456789abcdef0123"
 REV2 = "r-fedcba9876543210fedc"
+PIN = RevisionRef(REV)
 
 
 def spec(**extra) -> DatasetCacheSpec:
@@ -84,7 +85,7 @@ def test_injects_exactly_once_and_is_idempotent():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     once = copy.deepcopy(obj)
     assert not inject_object(
@@ -95,7 +96,7 @@ def test_injects_exactly_once_and_is_idempotent():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     assert obj == once
     ps = pod_spec(obj)
@@ -133,7 +134,7 @@ def test_init_container_args_credentials_and_privileges():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     (init,) = pod_spec(obj)["initContainers"]
     assert init["image"] == "stager:test"
@@ -173,7 +174,7 @@ def test_emptydir_mode_runs_non_root():
         spec=spec(),
         settings=SETTINGS,
         mode="EmptyDir",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     ps = pod_spec(obj)
     assert {"name": VOLUME_NAME, "emptyDir": {}} in ps["volumes"]
@@ -186,7 +187,14 @@ def test_no_credentials_means_no_secret_refs():
     s = spec(source={"uri": "s3://bkt/x/"})
     obj = job()
     inject_object(
-        obj, kind="Job", namespace="ml", cache_name="imagenet", spec=s, settings=SETTINGS, mode="HostPath", revision=REV
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=s,
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=RevisionRef(REV),
     )
     assert [e["name"] for e in pod_spec(obj)["initContainers"][0]["env"]] == ["DSCACHE_POD_UID"]
 
@@ -202,7 +210,7 @@ def test_mount_path_clash_is_refused_with_cache_and_fix():
             spec=spec(),
             settings=SETTINGS,
             mode="HostPath",
-            revision=REV,
+            revision=RevisionRef(REV),
         )
     msg = str(e.value)
     assert "imagenet" in msg and "/data" in msg and "spec.mountPath" in msg
@@ -224,7 +232,7 @@ def test_pod_injection_and_requested_cache():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     assert [c["name"] for c in pod["spec"]["initContainers"]] == [INIT_NAME]
 
@@ -236,8 +244,8 @@ class FakeIndex(dict):
     """kopf.Index maps keys to stores (iterables of values)."""
 
 
-def view(phase="Ready", reason="Listed", message="", deleting=False, revision=REV, pins=None, as_of=None):
-    return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins, as_of)
+def view(phase="Ready", reason="Listed", message="", deleting=False, revision=PIN, pins=None):
+    return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins)
 
 
 def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
@@ -365,7 +373,7 @@ def test_reinjection_keeps_the_original_mode():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     pod = {
         "metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
@@ -381,7 +389,7 @@ def test_reinjection_keeps_the_original_mode():
         spec=spec(),
         settings=SETTINGS,
         mode="EmptyDir",
-        revision=REV2,
+        revision=RevisionRef(REV2),
     )
     assert pod == before and pod["metadata"]["annotations"]["dscache.io/volume"] == "HostPath"
 
@@ -404,14 +412,14 @@ def test_job_pods_keep_the_template_revision_after_a_refresh():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     pod = {
         "metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
         "spec": copy.deepcopy(obj["spec"]["template"]["spec"]),
     }
     # The cache moved on to REV2; a pod the Job creates later still stages REV.
-    _ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [view(revision=REV2)]}), kind="pods")
+    _ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2))]}), kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
     (init,) = result["spec"]["initContainers"]
     assert StageArgs.from_argv(init["args"]).revision == REV
@@ -429,7 +437,7 @@ def test_pods_of_other_owners_reuse_their_owners_revision():
         },
         "spec": {"containers": [{"name": "c", "image": "i"}]},
     }
-    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, pins={"u-pt": (REV, None)})]})
+    index = FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2), pins={"u-pt": RevisionRef(REV)})]})
     _ops, result = run_mutate(pod, index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
     pod["metadata"]["ownerReferences"][0]["uid"] = "u-other"
@@ -459,13 +467,13 @@ def test_versioned_pins_carry_their_as_of_time_to_pod_and_stager():
     def stager_argv(result):
         return next(c for c in result["spec"]["initContainers"] if c["name"] == INIT_NAME)["args"]
 
-    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, as_of=t2, pins={"u-pt": (REV, t1)})]})
+    index = FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2, t2), pins={"u-pt": RevisionRef(REV, t1)})]})
     _ops, result = run_mutate(copy.deepcopy(pod), index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision-as-of"] == t1
     args = StageArgs.from_argv(stager_argv(result))
     assert (args.revision, args.as_of) == (REV, t1)
     # An owner pinned before the bucket was versioned: no time, even though the cache has one now.
-    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, as_of=t2, pins={"u-pt": (REV, None)})]})
+    index = FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2, t2), pins={"u-pt": RevisionRef(REV)})]})
     _ops, result = run_mutate(copy.deepcopy(pod), index, kind="pods")
     assert "dscache.io/revision-as-of" not in result["metadata"]["annotations"]
     assert StageArgs.from_argv(stager_argv(result)).as_of is None
@@ -524,7 +532,7 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     ps = pod_spec(obj)
     assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME, "poison", "mesh"]
@@ -551,7 +559,7 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     assert again == obj
 
