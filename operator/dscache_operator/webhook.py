@@ -50,8 +50,8 @@ class CacheView(NamedTuple):
     invalid: str | None = None
     #: status.revision: what a workload that carries none yet is given
     revision: RevisionRef | None = None
-    #: owner UID -> the revision its pods already stage (status.owners)
-    pins: dict[str, RevisionRef] | None = None
+    #: owner UID -> the revision its pods already stage (status.owners; None: unreadable)
+    pins: dict[str, RevisionRef | None] | None = None
 
 
 def cache_view(body: Any) -> CacheView:
@@ -63,7 +63,7 @@ def cache_view(body: Any) -> CacheView:
         invalid = None
     except pydantic.ValidationError as e:
         spec, invalid = None, str(e).splitlines()[0]
-    pins = {o["uid"]: ref for o in status.get("owners") or [] if o.get("uid") and (ref := owner_pin_ref(o))}
+    pins = {o["uid"]: owner_pin_ref(o) for o in status.get("owners") or [] if o.get("uid")}
     return CacheView(
         spec,
         status.get("phase"),
@@ -150,10 +150,19 @@ def choose_revision(view: CacheView, obj: dict[str, Any]) -> RevisionRef | None:
     Remaining window: a workload whose first pods are admitted before the
     controller has recorded its pin (one reconcile interval) while a refresh
     changes status.revision in between can get two revisions; Jobs are immune
-    (the revision is set on the Job's pod template at Job admission)."""
+    (the revision is set on the Job's pod template at Job admission).
+
+    An owner pin that cannot be read (status edited by hand) refuses the pod:
+    falling back to status.revision could give the owner's pods two revisions."""
     owner = direct_owner_uid(obj)
     if owner and view.pins and owner in view.pins:
-        return view.pins[owner]
+        pinned = view.pins[owner]
+        if pinned is None:
+            raise InjectionError(
+                f"the revision status.owners pins for its owner (uid {owner}) is unreadable; the operator "
+                f"rewrites it from the owner's pods at its next reconcile: retry shortly."
+            )
+        return pinned
     return view.revision
 
 
@@ -196,7 +205,10 @@ async def mutate(
     if reason:
         raise kopf.AdmissionError(reason, code=400)
     assert view is not None and view.spec is not None
-    revision = choose_revision(view, raw)
+    try:
+        revision = choose_revision(view, raw)
+    except InjectionError as e:
+        raise kopf.AdmissionError(f"DatasetCache {namespace}/{cache_name}: {e}", code=503) from e
     target_meta = (
         ((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job" else raw.get("metadata")
     ) or {}

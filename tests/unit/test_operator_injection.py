@@ -494,6 +494,55 @@ def test_bad_as_of_annotation_is_refused():
     assert "revision-as-of" in str(e.value) and "malformed" in str(e.value)
 
 
+def test_an_as_of_annotation_without_its_revision_is_refused():
+    """Left alone it would be paired with the cache's current revision: a time that
+    belongs to another listing (or, unversioned, to none), on the pod and in its pins."""
+    obj = job()
+    obj["spec"]["template"]["metadata"]["annotations"] = {"dscache.io/revision-as-of": "2026-01-01T00:00:00Z"}
+    for current in (PIN, RevisionRef(REV2, "2026-02-01T00:00:00Z")):
+        with pytest.raises(kopf.AdmissionError) as e:
+            run_mutate(obj, FakeIndex({("ml", "imagenet"): [view(revision=current)]}))
+        assert "revision-as-of" in str(e.value) and "without dscache.io/revision" in str(e.value)
+
+
+def test_cache_view_reads_status_revisions_as_whole_values():
+    t1, t2 = "2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
+    body = {
+        "spec": spec().model_dump(mode="json", exclude_none=True),
+        "status": {
+            "phase": "Ready",
+            "revision": {"id": REV2, "objects": 1, "bytes": 1, "versioned": True, "asOf": t2},
+            "owners": [
+                {"uid": "u-a", "kind": "Job", "name": "a", "revision": REV, "asOf": t1},
+                {"uid": "u-b", "kind": "Job", "name": "b", "revision": REV},
+                {"uid": "u-c", "kind": "Job", "name": "c", "revision": REV, "asOf": "garbage"},
+            ],
+        },
+    }
+    got = webhook.cache_view(body)
+    assert got.revision == RevisionRef(REV2, t2)
+    # An unreadable pin is kept as unreadable, never half-read.
+    assert got.pins == {"u-a": RevisionRef(REV, t1), "u-b": RevisionRef(REV), "u-c": None}
+    # ...and refuses that owner's pods: status.revision (REV2) would give its pods two revisions.
+    pod = {
+        "metadata": {
+            "name": "w-1",
+            "namespace": "ml",
+            "annotations": {"dscache.io/cache": "imagenet"},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "X", "name": "c", "uid": "u-c", "controller": True}],
+        },
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+    }
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(pod, FakeIndex({("ml", "imagenet"): [got]}), kind="pods")
+    assert "status.owners" in str(e.value) and "u-c" in str(e.value) and "retry" in str(e.value)
+    pod["metadata"]["ownerReferences"][0]["uid"] = "u-a"
+    _ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [got]}), kind="pods")
+    assert RevisionRef.from_annotations(result["metadata"]["annotations"], "imagenet") == RevisionRef(REV, t1)
+    body["status"]["revision"] = {"id": "nonsense"}
+    assert webhook.cache_view(body).revision is None
+
+
 def test_bad_revision_annotation_is_refused():
     obj = job()
     obj["spec"]["template"]["metadata"]["annotations"] = {"dscache.io/revision": "../../etc"}
