@@ -27,7 +27,6 @@ from typing import Any
 
 import dscache_contract as contract
 from dscache_contract import (
-    ANNOTATION_REVISION,
     ENV_DIR,
     ENV_MANIFEST,
     ENV_POD_UID,
@@ -50,7 +49,6 @@ INIT_NAME = STAGER_CONTAINER_NAME
 STAGE_DIR = STAGE_MOUNT_PATH
 #: Annotation recording the volume mode on the pod (for the controller).
 MODE_ANNOTATION = "dscache.io/volume"
-REVISION_ANNOTATION = ANNOTATION_REVISION
 NONROOT_UID = 65532
 
 Mode = VolumeMode

@@ -27,11 +27,11 @@ from typing import Any, NamedTuple, cast
 import kopf
 import pydantic
 
-from dscache_contract import RevisionRef
+from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_REVISION, RevisionRef
 
 from . import common
 from .common import Context, ctx_of
-from .injection import REVISION_ANNOTATION, InjectionError, direct_owner_uid, inject_object, requested_cache
+from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
 from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, VolumeMode
 from .status import owner_pin_ref, revision_ref
@@ -166,6 +166,28 @@ def choose_revision(view: CacheView, obj: dict[str, Any]) -> RevisionRef | None:
     return view.revision
 
 
+def versioning_mismatch(namespace: str, name: str, view: CacheView, carried: RevisionRef) -> str | None:
+    """A carried revision the cache knows (status.revision or an owner's pin) must
+    agree with it on being versioned. A versioned id digests versionIds, an
+    unversioned one does not, so the same id is never both: a pair that disagrees
+    can only fail in the stager, and one missing its as-of time is fixable here."""
+    for known in (view.revision, *(view.pins or {}).values()):
+        if known is None or known.id != carried.id or known.versioned == carried.versioned:
+            continue
+        ref = f"DatasetCache {namespace}/{name}: annotation {ANNOTATION_REVISION}={carried.id}"
+        if known.as_of is not None:
+            return (
+                f"{ref} is a revision of a versioned bucket, but {ANNOTATION_AS_OF} is missing: without it "
+                f"the stager cannot find its versions. Add {ANNOTATION_AS_OF}={known.as_of}, or remove "
+                f"{ANNOTATION_REVISION} to get the cache's current revision."
+            )
+        return (
+            f"{ref} is a revision of an unversioned listing, but {ANNOTATION_AS_OF}={carried.as_of} is set: "
+            f"remove {ANNOTATION_AS_OF}."
+        )
+    return None
+
+
 def no_revision(namespace: str, name: str, view: CacheView) -> str:
     why = f"{view.reason}: {view.message}" if view.reason else "the source has not been listed yet"
     return (
@@ -205,15 +227,26 @@ async def mutate(
     if reason:
         raise kopf.AdmissionError(reason, code=400)
     assert view is not None and view.spec is not None
-    try:
-        revision = choose_revision(view, raw)
-    except InjectionError as e:
-        raise kopf.AdmissionError(f"DatasetCache {namespace}/{cache_name}: {e}", code=503) from e
     target_meta = (
         ((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job" else raw.get("metadata")
     ) or {}
-    if revision is None and REVISION_ANNOTATION not in (target_meta.get("annotations") or {}):
-        raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
+    try:
+        # A revision the object already carries wins (a Job's pods inherit the
+        # template's); refused here when malformed, never replaced.
+        revision = RevisionRef.from_annotations(target_meta.get("annotations") or {}, cache_name)
+    except ValueError as e:
+        raise kopf.AdmissionError(str(e), code=400) from e
+    if revision is not None:
+        reason = versioning_mismatch(namespace, cache_name, view, revision)
+        if reason:
+            raise kopf.AdmissionError(reason, code=400)
+    else:
+        try:
+            revision = choose_revision(view, raw)
+        except InjectionError as e:
+            raise kopf.AdmissionError(f"DatasetCache {namespace}/{cache_name}: {e}", code=503) from e
+        if revision is None:
+            raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
     try:
         changed = inject_object(
             raw,

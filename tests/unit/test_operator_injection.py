@@ -505,6 +505,27 @@ def test_an_as_of_annotation_without_its_revision_is_refused():
         assert "revision-as-of" in str(e.value) and "without dscache.io/revision" in str(e.value)
 
 
+def test_a_carried_revision_that_disagrees_with_the_cache_on_versioning_is_refused():
+    """A versioned revision's id digests versionIds, so it is never served without its
+    as-of time (the stager would fail later); the webhook knows the time and says so."""
+    t1 = "2026-01-01T00:00:00Z"
+    obj = job()
+    obj["spec"]["template"]["metadata"]["annotations"] = {"dscache.io/revision": REV}
+    for known in ({"revision": RevisionRef(REV, t1)}, {"revision": PIN, "pins": {"u-x": RevisionRef(REV, t1)}}):
+        with pytest.raises(kopf.AdmissionError) as e:
+            run_mutate(obj, FakeIndex({("ml", "imagenet"): [view(**known)]}))
+        assert f"Add dscache.io/revision-as-of={t1}" in str(e.value), known
+    obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision-as-of"] = t1
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(obj, FakeIndex({("ml", "imagenet"): [view(revision=PIN)]}))
+    assert "unversioned" in str(e.value) and "remove dscache.io/revision-as-of" in str(e.value)
+    # Agreeing, or a revision the cache no longer lists: admitted as carried.
+    for current in (RevisionRef(REV, t1), RevisionRef(REV2)):
+        _ops, result = run_mutate(obj, FakeIndex({("ml", "imagenet"): [view(revision=current)]}))
+        tmeta = result["spec"]["template"]["metadata"]
+        assert RevisionRef.from_annotations(tmeta["annotations"], "imagenet") == RevisionRef(REV, t1)
+
+
 def test_cache_view_reads_status_revisions_as_whole_values():
     t1, t2 = "2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
     body = {
