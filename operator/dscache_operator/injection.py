@@ -290,14 +290,13 @@ def inject_object(
     spec: DatasetCacheSpec,
     settings: Settings,
     mode: Mode,
-    revision: RevisionRef | None,
+    revision: RevisionRef,
 ) -> bool:
     """Inject into a Job's pod template or a Pod; mutate ``obj`` in place.
 
-    ``revision`` is the one to pin when the object carries none yet (None: it
-    must carry one); a revision already on the pod template / pod (a Job's pods
-    inherit it) always wins, so every pod of one Job stages the same bytes,
-    whenever it is created.
+    ``revision`` is the one to pin when the object carries none yet; a revision
+    already on the pod template / pod (a Job's pods inherit it) always wins, so
+    every pod of one Job stages the same bytes, whenever it is created.
     """
     if kind == "Job":
         template = obj.setdefault("spec", {}).setdefault("template", {})
@@ -311,11 +310,6 @@ def inject_object(
         revision = RevisionRef.from_annotations(annotations, cache_name) or revision
     except ValueError as e:
         raise InjectionError(str(e)) from None
-    if revision is None:
-        raise InjectionError(
-            f"DatasetCache {cache_name!r} has no pinned revision yet; retry once it has one "
-            f"(kubectl get dsc {cache_name} -o jsonpath='{{.status.revision.id}}')."
-        )
     existing = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == VOLUME_NAME), None)
     if existing is not None and any(c.get("name") == INIT_NAME for c in pod_spec.get("initContainers") or []):
         # Already injected (e.g. a Job's pod): keep the mode it was injected with.
