@@ -36,7 +36,16 @@ from .revision import RevisionHasher, normalize_etag
 from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
 from .selection import Selection, normalize_key, parse_source, selected
 from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary
-from .versions import ObjectVersion, Pin, VersionPicker, format_as_of, page_versions, parse_as_of, pin
+from .versions import (
+    ObjectVersion,
+    Pin,
+    RevisionRef,
+    VersionPicker,
+    format_as_of,
+    page_versions,
+    parse_as_of,
+    pin,
+)
 
 __all__ = [
     "DEFAULT_REGION",
@@ -48,6 +57,7 @@ __all__ = [
     "ObjectVersion",
     "Pin",
     "RevisionHasher",
+    "RevisionRef",
     "Selection",
     "StageArgs",
     "StageSummary",

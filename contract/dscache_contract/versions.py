@@ -30,6 +30,11 @@ prefix still being written is listed again after a pause; one that never
 settles is pinned anyway, and a stager that then picks differently fails on
 the digest with a clear reason.
 
+A pinned revision travels as one value, :class:`RevisionRef` (id and as-of
+time together), from the listing (:attr:`Pin.ref`) through status and the
+webhook to the pod's annotations and the stager's argv: an as-of time means
+something only for the listing its id digests, so the two are never passed apart.
+
 Standard library only (see __init__): the caller passes a boto3 client in.
 """
 
@@ -38,10 +43,12 @@ from __future__ import annotations
 import datetime
 import email.utils
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .layout import validate_revision
+from .names import ANNOTATION_AS_OF, ANNOTATION_REVISION
 from .revision import RevisionHasher
 from .selection import Selection
 
@@ -135,6 +142,67 @@ class VersionPicker:
             yield v
 
 
+@dataclass(frozen=True, slots=True)
+class RevisionRef:
+    """One pinned revision: its id and, in a versioned bucket, its versions time.
+
+    Both are checked on construction, and ``as_of`` must be in the canonical
+    form :func:`format_as_of` writes, so two refs to one revision compare equal.
+    Why not :class:`Pin`: a pod carries the revision, not the listing's counts.
+    """
+
+    id: str
+    as_of: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_revision(self.id)
+        if self.as_of is not None and format_as_of(parse_as_of(self.as_of)) != self.as_of:
+            raise ValueError(f"as-of must be a UTC time like 2026-01-31T12:00:00Z, got {self.as_of!r}")
+
+    @property
+    def versioned(self) -> bool:
+        return self.as_of is not None
+
+    def to_annotations(self) -> dict[str, str]:
+        """The pod (or pod template) annotations that record this revision."""
+        out = {ANNOTATION_REVISION: self.id}
+        if self.as_of is not None:
+            out[ANNOTATION_AS_OF] = self.as_of
+        return out
+
+    @classmethod
+    def from_annotations(cls, annotations: Mapping[str, Any], cache: str) -> RevisionRef | None:
+        """The revision an object already carries (None: none yet). A malformed or
+        orphaned pair is refused (ValueError naming the annotation and the fix),
+        never replaced: replacing it could give one Job's pods two revisions."""
+        rev, as_of = annotations.get(ANNOTATION_REVISION), annotations.get(ANNOTATION_AS_OF)
+        if rev is None:
+            if as_of is None:
+                return None
+            # An as-of time alone would be paired with whatever revision the cache
+            # has now: a time that belongs to another listing, or to none.
+            raise ValueError(
+                f"DatasetCache {cache!r}: annotation {ANNOTATION_AS_OF}={as_of!r} is set without "
+                f"{ANNOTATION_REVISION}; an as-of time belongs to one revision. Remove it to get the "
+                f"cache's current revision, or set {ANNOTATION_REVISION} to the revision it belongs to."
+            )
+        try:
+            validate_revision(rev)
+        except ValueError as e:
+            raise ValueError(
+                f"DatasetCache {cache!r}: annotation {ANNOTATION_REVISION}={rev!r} is not a revision id "
+                f"({e}); remove it to get the cache's current revision (kubectl get dsc {cache} "
+                f"-o jsonpath='{{.status.revision.id}}')."
+            ) from None
+        try:
+            return cls(rev, as_of)
+        except ValueError as e:
+            raise ValueError(
+                f"DatasetCache {cache!r}: annotation {ANNOTATION_AS_OF}={as_of!r} is malformed ({e}); remove "
+                f"it together with {ANNOTATION_REVISION} to get the cache's current revision."
+            ) from None
+
+
 @dataclass(frozen=True)
 class Pin:
     """A revision as the operator pins it; ``as_of`` only for a versioned bucket."""
@@ -147,6 +215,11 @@ class Pin:
     @property
     def versioned(self) -> bool:
         return self.as_of is not None
+
+    @property
+    def ref(self) -> RevisionRef:
+        """The revision alone, as status, the webhook and pods carry it."""
+        return RevisionRef(self.revision, self.as_of)
 
 
 def versioning_enabled(client: Any, bucket: str) -> tuple[bool, int | None]:

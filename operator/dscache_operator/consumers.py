@@ -33,7 +33,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_REVISION
+from dscache_contract import RevisionRef
 
 from .models import (
     CACHE_ANNOTATION,
@@ -50,7 +50,6 @@ from .models import (
 # Fixed names (dscache_contract), repeated here to keep this module import-light.
 INIT_NAME = "dscache-stage"
 MODE_ANNOTATION = "dscache.io/volume"
-REVISION_ANNOTATION = ANNOTATION_REVISION
 
 #: Stray leases recorded per (node, revision) are capped: status must stay small.
 MAX_STRAY_LEASES = 200
@@ -93,13 +92,17 @@ class PodInfo(NamedTuple):
     started: str | None  # init container start (RFC 3339)
     message: str | None  # init container termination message
     uid: str = ""
-    revision: str | None = None
+    pinned: RevisionRef | None = None  # the revision it was admitted with (None: none, or unreadable)
     init_finished: str | None = None  # when the init container terminated (RFC 3339; metrics count runs by it)
-    as_of: str | None = None  # the revision's versions time (versioned buckets)
 
     @property
     def finished(self) -> bool:
         return self.phase in (PodPhase.SUCCEEDED, PodPhase.FAILED)
+
+    @property
+    def revision(self) -> str | None:
+        """The pinned revision's id: what a node holds and a wipe removes."""
+        return self.pinned.id if self.pinned is not None else None
 
 
 def controller_ref(meta: dict[str, Any]) -> OwnerRef | None:
@@ -132,6 +135,14 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
                 init, started, message = "failed", last.get("startedAt"), last.get("message")
                 finished = last.get("finishedAt")
     annotations = meta.get("annotations") or {}
+    try:
+        pinned = RevisionRef.from_annotations(annotations, annotations.get(CACHE_ANNOTATION, ""))
+    except ValueError:
+        # Admission refuses malformed revision annotations, so only a hand edit
+        # after admission gets here. Counted as no revision: such a pod holds every
+        # revision on its node (and, unscheduled, everywhere), the safe side for
+        # wipes, and it gives its owner no pin.
+        pinned = None
     return PodInfo(
         name=meta.get("name", ""),
         node=spec.get("nodeName") or None,
@@ -142,9 +153,8 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         started=started,
         message=(message or "").strip() or None,
         uid=meta.get("uid", ""),
-        revision=annotations.get(REVISION_ANNOTATION),
+        pinned=pinned,
         init_finished=finished,
-        as_of=annotations.get(ANNOTATION_AS_OF),
     )
 
 

@@ -122,15 +122,15 @@ async def reconcile(
         token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
         if token is not None:
             wanted["observedRefresh"] = token
-        if result.ok and result.revision:
+        if result.ok and result.revision is not None:
             old_rev = (current.get("revision") or {}).get("id")
-            wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now, result.as_of)
-            if old_rev != result.revision:
+            wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now)
+            if old_rev != result.revision.id:
                 kopf.event(
                     body,
                     type="Normal",
                     reason="RevisionPinned",
-                    message=f"revision {result.revision} ({result.objects} objects, {result.bytes} "
+                    message=f"revision {result.revision.id} ({result.objects} objects, {result.bytes} "
                     f"bytes) pinned ({why}); was {old_rev or 'none'}",
                 )
         elif result.ok is None and current.get("revision"):

@@ -27,8 +27,6 @@ from typing import Any
 
 import dscache_contract as contract
 from dscache_contract import (
-    ANNOTATION_AS_OF,
-    ANNOTATION_REVISION,
     ENV_DIR,
     ENV_MANIFEST,
     ENV_POD_UID,
@@ -40,6 +38,7 @@ from dscache_contract import (
     STAGER_CONTAINER_NAME,
     TERMINATION_LOG,
     VOLUME_NAME,
+    RevisionRef,
 )
 
 from .models import CACHE_ANNOTATION, CONSUMER_LABEL, DatasetCacheSpec, VolumeMode
@@ -50,7 +49,6 @@ INIT_NAME = STAGER_CONTAINER_NAME
 STAGE_DIR = STAGE_MOUNT_PATH
 #: Annotation recording the volume mode on the pod (for the controller).
 MODE_ANNOTATION = "dscache.io/volume"
-REVISION_ANNOTATION = ANNOTATION_REVISION
 NONROOT_UID = 65532
 
 Mode = VolumeMode
@@ -69,14 +67,12 @@ def _norm(path: str) -> str:
     return posixpath.normpath(path) if path else path
 
 
-def stage_args(
-    spec: DatasetCacheSpec, settings: Settings, revision: str, as_of: str | None = None
-) -> contract.StageArgs:
+def stage_args(spec: DatasetCacheSpec, settings: Settings, revision: RevisionRef) -> contract.StageArgs:
     src = spec.source
     return contract.StageArgs(
         source=src.uri,
-        revision=revision,
-        as_of=as_of,
+        revision=revision.id,
+        as_of=revision.as_of,
         cache_dir=STAGE_DIR,
         pod_uid=POD_UID_ARG,
         endpoint_url=src.endpoint,
@@ -89,8 +85,8 @@ def stage_args(
     )
 
 
-def stager_args(spec: DatasetCacheSpec, settings: Settings, revision: str, as_of: str | None = None) -> list[str]:
-    return stage_args(spec, settings, revision, as_of).to_argv()
+def stager_args(spec: DatasetCacheSpec, settings: Settings, revision: RevisionRef) -> list[str]:
+    return stage_args(spec, settings, revision).to_argv()
 
 
 def stager_security_context(mode: Mode) -> dict[str, Any]:
@@ -120,8 +116,7 @@ def init_container(
     spec: DatasetCacheSpec,
     settings: Settings,
     mode: Mode,
-    revision: str,
-    as_of: str | None = None,
+    revision: RevisionRef,
 ) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         # The lease file is named by the pod's UID, which exists only once the pod
@@ -146,7 +141,7 @@ def init_container(
         "image": settings.stager_image,
         "imagePullPolicy": settings.stager_pull_policy,
         "command": [STAGER_COMMAND],
-        "args": stager_args(spec, settings, revision, as_of),
+        "args": stager_args(spec, settings, revision),
         "env": env,
         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_DIR}],
         "resources": resources,
@@ -232,8 +227,7 @@ def inject(
     spec: DatasetCacheSpec,
     settings: Settings,
     mode: Mode,
-    revision: str,
-    as_of: str | None = None,
+    revision: RevisionRef,
 ) -> bool:
     """Mutate ``pod_spec`` in place; return True if anything changed."""
     check_clashes(pod_spec, name, spec.mountPath)
@@ -247,7 +241,7 @@ def inject(
     inits = pod_spec.setdefault("initContainers", [])
     ours = next((c for c in inits if c.get("name") == INIT_NAME), None)
     if ours is None:
-        ours = init_container(namespace, name, spec, settings, mode, revision, as_of)
+        ours = init_container(namespace, name, spec, settings, mode, revision)
         inits.insert(0, ours)
         changed = True
     elif inits[0] is not ours:
@@ -257,10 +251,10 @@ def inject(
         inits.insert(0, ours)
         changed = True
     for c in inits[1:]:
-        changed = _force_read_only(c, revision) or changed
+        changed = _force_read_only(c, revision.id) or changed
 
-    env_values = {ENV_DIR: spec.mountPath, ENV_MANIFEST: manifest_path(), ENV_REVISION: revision}
-    wanted_mounts = training_mounts(spec.mountPath, revision)
+    env_values = {ENV_DIR: spec.mountPath, ENV_MANIFEST: manifest_path(), ENV_REVISION: revision.id}
+    wanted_mounts = training_mounts(spec.mountPath, revision.id)
     by_path = {_norm(w["mountPath"]): w for w in wanted_mounts}
     for c in pod_spec.get("containers") or []:
         mounts = c.setdefault("volumeMounts", [])
@@ -269,7 +263,7 @@ def inject(
                 continue
             want = by_path.get(_norm(m.get("mountPath", "")))
             if want is None:
-                changed = _force_read_only({"volumeMounts": [m]}, revision) or changed
+                changed = _force_read_only({"volumeMounts": [m]}, revision.id) or changed
             elif m != want:
                 mounts[i] = dict(want)  # a user's mount at our path becomes exactly ours
                 changed = True
@@ -296,16 +290,13 @@ def inject_object(
     spec: DatasetCacheSpec,
     settings: Settings,
     mode: Mode,
-    revision: str,
-    as_of: str | None = None,
+    revision: RevisionRef,
 ) -> bool:
     """Inject into a Job's pod template or a Pod; mutate ``obj`` in place.
 
-    ``revision`` (with ``as_of``, its versions time in a versioned bucket) is
-    the one to pin when the object carries none yet; a revision already on the
-    pod template / pod (a Job's pods inherit it) always wins, together with the
-    as-of time it carries, so every pod of one Job stages the same bytes,
-    whenever it is created.
+    ``revision`` is the one to pin when the object carries none yet; a revision
+    already on the pod template / pod (a Job's pods inherit it) always wins, so
+    every pod of one Job stages the same bytes, whenever it is created.
     """
     if kind == "Job":
         template = obj.setdefault("spec", {}).setdefault("template", {})
@@ -315,9 +306,10 @@ def inject_object(
         pod_spec = obj.setdefault("spec", {})
         meta = obj.setdefault("metadata", {})
     annotations = meta.get("annotations") or {}
-    carried = pinned_revision(annotations, cache_name)
-    if carried is not None:
-        revision, as_of = carried
+    try:
+        revision = RevisionRef.from_annotations(annotations, cache_name) or revision
+    except ValueError as e:
+        raise InjectionError(str(e)) from None
     existing = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == VOLUME_NAME), None)
     if existing is not None and any(c.get("name") == INIT_NAME for c in pod_spec.get("initContainers") or []):
         # Already injected (e.g. a Job's pod): keep the mode it was injected with.
@@ -330,13 +322,10 @@ def inject_object(
         settings=settings,
         mode=mode,
         revision=revision,
-        as_of=as_of,
     )
     # The pods carry the cache name (for the controller's consumer index), the
     # mode and the revision (for wipe planning per node and revision).
-    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: VolumeMode(mode).value, REVISION_ANNOTATION: revision}
-    if as_of is not None:
-        wanted[ANNOTATION_AS_OF] = as_of
+    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: VolumeMode(mode).value, **revision.to_annotations()}
     if any(annotations.get(k) != v for k, v in wanted.items()):
         meta["annotations"] = {**annotations, **wanted}
         changed = True
@@ -350,30 +339,6 @@ def inject_object(
             jmeta["annotations"] = {**jann, CACHE_ANNOTATION: cache_name}
             changed = True
     return changed
-
-
-def pinned_revision(annotations: dict[str, Any], cache: str) -> tuple[str, str | None] | None:
-    """The revision (and its as-of time) an object already carries; a malformed one is refused, not replaced."""
-    rev = annotations.get(REVISION_ANNOTATION)
-    if rev is None:
-        return None
-    as_of = annotations.get(ANNOTATION_AS_OF)
-    if as_of is not None:
-        try:
-            contract.parse_as_of(as_of)
-        except ValueError as e:
-            raise InjectionError(
-                f"DatasetCache {cache!r}: annotation {ANNOTATION_AS_OF}={as_of!r} is malformed ({e}); remove "
-                f"it together with {REVISION_ANNOTATION} to get the cache's current revision."
-            ) from None
-    try:
-        return contract.validate_revision(rev), as_of
-    except ValueError as e:
-        raise InjectionError(
-            f"DatasetCache {cache!r}: annotation {REVISION_ANNOTATION}={rev!r} is not a revision id "
-            f"({e}); remove it to get the cache's current revision (kubectl get dsc {cache} "
-            f"-o jsonpath='{{.status.revision.id}}')."
-        ) from None
 
 
 def _label(meta: dict[str, Any]) -> bool:

@@ -41,10 +41,8 @@ class CheckResult:
     message: str
     objects: int | None = None
     bytes: int | None = None
-    #: The revision id of the listing (dscache_contract.RevisionHasher), when listed.
-    revision: str | None = None
-    #: In a versioned bucket: the time the revision's versions are found at (dscache_contract.versions).
-    as_of: str | None = None
+    #: The listing's revision (id, and in a versioned bucket its versions time), when listed.
+    revision: contract.RevisionRef | None = None
 
 
 def credentials_from_secret(secret: dict[str, Any] | None, namespace: str, name: str) -> dict[str, str] | CheckResult:
@@ -215,8 +213,7 @@ def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> 
         f"{pinned.objects} objects, {pinned.bytes} bytes in {source.uri} (revision {pinned.revision}{versions})",
         pinned.objects,
         pinned.bytes,
-        pinned.revision,
-        pinned.as_of,
+        pinned.ref,
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from dscache_contract import RevisionRef
+
 from .consumers import fmt_time
 from .models import NodeState, NodeStatus, human_bytes
 
@@ -51,11 +53,30 @@ def changed(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
 
 
 def revision_fragment(
-    rev: str, objects: int | None, nbytes: int | None, now: datetime.datetime, as_of: str | None = None
+    rev: RevisionRef, objects: int | None, nbytes: int | None, now: datetime.datetime
 ) -> dict[str, Any]:
-    out = {"id": rev, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now)}
+    out = {"id": rev.id, "objects": objects or 0, "bytes": nbytes or 0, "listedAt": fmt_time(now)}
     # asOf only when set: status equal to the object's own must compare equal.
-    return out | ({"versioned": True, "asOf": as_of} if as_of is not None else {"versioned": False})
+    return out | ({"versioned": True, "asOf": rev.as_of} if rev.versioned else {"versioned": False})
+
+
+def _ref(rev: Any, as_of: Any) -> RevisionRef | None:
+    # Status is written by this operator alone; one it cannot read (edited by
+    # hand) counts as no revision rather than stopping the webhook's index.
+    try:
+        return RevisionRef(rev, as_of) if rev else None
+    except ValueError:
+        return None
+
+
+def revision_ref(fragment: dict[str, Any] | None) -> RevisionRef | None:
+    """The revision in a status.revision fragment (None: none, or unreadable)."""
+    return _ref(fragment.get("id"), fragment.get("asOf")) if fragment else None
+
+
+def owner_pin_ref(pin: dict[str, Any]) -> RevisionRef | None:
+    """The revision in one status.owners item (None: none, or unreadable)."""
+    return _ref(pin.get("revision"), pin.get("asOf"))
 
 
 def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit: int = 500) -> list[dict[str, Any]]:
@@ -68,17 +89,16 @@ def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit:
     old = {o.get("uid"): o for o in prior}
     pins: dict[str, dict[str, Any]] = {}
     for p in sorted(pods, key=lambda p: p.started or ""):
-        if not p.revision or p.owner is None or not holds(p, owners):
+        if p.pinned is None or p.owner is None or not holds(p, owners):
             continue
         ref, seen = p.owner, set()
         while ref is not None and ref.uid not in seen and len(pins) < limit:
             seen.add(ref.uid)
             # An earlier pin wins, with its own as-of time (a revision and its time go together).
-            kept = old.get(ref.uid) or {}
-            rev, as_of = (kept["revision"], kept.get("asOf")) if kept.get("revision") else (p.revision, p.as_of)
-            pin = {"uid": ref.uid, "kind": ref.kind, "name": ref.name, "revision": rev}
-            if as_of is not None:  # a null in a list item would fail the schema
-                pin["asOf"] = as_of
+            rev = owner_pin_ref(old.get(ref.uid) or {}) or p.pinned
+            pin = {"uid": ref.uid, "kind": ref.kind, "name": ref.name, "revision": rev.id}
+            if rev.as_of is not None:  # a null in a list item would fail the schema
+                pin["asOf"] = rev.as_of
             pins.setdefault(ref.uid, pin)
             info = owners(ref.uid)
             ref = info.owner if info is not None else None

@@ -27,11 +27,14 @@ from typing import Any, NamedTuple, cast
 import kopf
 import pydantic
 
+from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_REVISION, RevisionRef
+
 from . import common
 from .common import Context, ctx_of
-from .injection import REVISION_ANNOTATION, InjectionError, direct_owner_uid, inject_object, requested_cache
+from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
 from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, VolumeMode
+from .status import owner_pin_ref, revision_ref
 
 HOSTPATH_ID = "dscache-hostpath"
 EMPTYDIR_ID = "dscache-emptydir"
@@ -45,11 +48,10 @@ class CacheView(NamedTuple):
     message: str | None
     deleting: bool
     invalid: str | None = None
-    revision: str | None = None
-    #: owner UID -> (the revision its pods already stage, its as-of time) (status.owners)
-    pins: dict[str, tuple[str, str | None]] | None = None
-    #: the pinned revision's versions time (versioned buckets; dscache_contract.versions)
-    as_of: str | None = None
+    #: status.revision: what a workload that carries none yet is given
+    revision: RevisionRef | None = None
+    #: owner UID -> the revision its pods already stage (status.owners; None: unreadable)
+    pins: dict[str, RevisionRef | None] | None = None
 
 
 def cache_view(body: Any) -> CacheView:
@@ -61,15 +63,16 @@ def cache_view(body: Any) -> CacheView:
         invalid = None
     except pydantic.ValidationError as e:
         spec, invalid = None, str(e).splitlines()[0]
-    revision = (status.get("revision") or {}).get("id")
-    as_of = (status.get("revision") or {}).get("asOf")
-    pins = {
-        o["uid"]: (o["revision"], o.get("asOf"))
-        for o in status.get("owners") or []
-        if o.get("uid") and o.get("revision")
-    }
+    pins = {o["uid"]: owner_pin_ref(o) for o in status.get("owners") or [] if o.get("uid")}
     return CacheView(
-        spec, status.get("phase"), cond.get("reason"), cond.get("message"), deleting, invalid, revision, pins, as_of
+        spec,
+        status.get("phase"),
+        cond.get("reason"),
+        cond.get("message"),
+        deleting,
+        invalid,
+        revision_ref(status.get("revision")),
+        pins,
     )
 
 
@@ -140,7 +143,7 @@ def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
     return None
 
 
-def choose_revision(view: CacheView, obj: dict[str, Any]) -> tuple[str | None, str | None]:
+def choose_revision(view: CacheView, obj: dict[str, Any]) -> RevisionRef | None:
     """The revision a new Job or Pod gets when it carries none: the one its owner's
     pods already stage (status.owners), else the cache's pinned revision.
 
@@ -148,11 +151,41 @@ def choose_revision(view: CacheView, obj: dict[str, Any]) -> tuple[str | None, s
     controller has recorded its pin (one reconcile interval) while a refresh
     changes status.revision in between can get two revisions; Jobs are immune
     (the revision is set on the Job's pod template at Job admission).
-    Returns (revision, as-of time); the time belongs to that revision only."""
+
+    An owner pin that cannot be read (status edited by hand) refuses the pod:
+    falling back to status.revision could give the owner's pods two revisions."""
     owner = direct_owner_uid(obj)
     if owner and view.pins and owner in view.pins:
-        return view.pins[owner]
-    return view.revision, view.as_of
+        pinned = view.pins[owner]
+        if pinned is None:
+            raise InjectionError(
+                f"the revision status.owners pins for its owner (uid {owner}) is unreadable; the operator "
+                f"rewrites it from the owner's pods at its next reconcile: retry shortly."
+            )
+        return pinned
+    return view.revision
+
+
+def versioning_mismatch(namespace: str, name: str, view: CacheView, carried: RevisionRef) -> str | None:
+    """A carried revision the cache knows (status.revision or an owner's pin) must
+    agree with it on being versioned. A versioned id digests versionIds, an
+    unversioned one does not, so the same id is never both: a pair that disagrees
+    can only fail in the stager, and one missing its as-of time is fixable here."""
+    for known in (view.revision, *(view.pins or {}).values()):
+        if known is None or known.id != carried.id or known.versioned == carried.versioned:
+            continue
+        ref = f"DatasetCache {namespace}/{name}: annotation {ANNOTATION_REVISION}={carried.id}"
+        if known.as_of is not None:
+            return (
+                f"{ref} is a revision of a versioned bucket, but {ANNOTATION_AS_OF} is missing: without it "
+                f"the stager cannot find its versions. Add {ANNOTATION_AS_OF}={known.as_of}, or remove "
+                f"{ANNOTATION_REVISION} to get the cache's current revision."
+            )
+        return (
+            f"{ref} is a revision of an unversioned listing, but {ANNOTATION_AS_OF}={carried.as_of} is set: "
+            f"remove {ANNOTATION_AS_OF}."
+        )
+    return None
 
 
 def no_revision(namespace: str, name: str, view: CacheView) -> str:
@@ -194,12 +227,26 @@ async def mutate(
     if reason:
         raise kopf.AdmissionError(reason, code=400)
     assert view is not None and view.spec is not None
-    revision, as_of = choose_revision(view, raw)
     target_meta = (
         ((raw.get("spec") or {}).get("template") or {}).get("metadata") if kind == "Job" else raw.get("metadata")
     ) or {}
-    if revision is None and REVISION_ANNOTATION not in (target_meta.get("annotations") or {}):
-        raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
+    try:
+        # A revision the object already carries wins (a Job's pods inherit the
+        # template's); refused here when malformed, never replaced.
+        revision = RevisionRef.from_annotations(target_meta.get("annotations") or {}, cache_name)
+    except ValueError as e:
+        raise kopf.AdmissionError(str(e), code=400) from e
+    if revision is not None:
+        reason = versioning_mismatch(namespace, cache_name, view, revision)
+        if reason:
+            raise kopf.AdmissionError(reason, code=400)
+    else:
+        try:
+            revision = choose_revision(view, raw)
+        except InjectionError as e:
+            raise kopf.AdmissionError(f"DatasetCache {namespace}/{cache_name}: {e}", code=503) from e
+        if revision is None:
+            raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
     try:
         changed = inject_object(
             raw,
@@ -209,8 +256,7 @@ async def mutate(
             spec=view.spec,
             settings=ctx.settings,
             mode=mode,
-            revision=revision or "",
-            as_of=as_of,
+            revision=revision,
         )
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400) from e

@@ -7,7 +7,11 @@ import datetime
 import pytest
 
 from dscache_contract import (
+    ANNOTATION_AS_OF,
+    ANNOTATION_REVISION,
+    Pin,
     RevisionHasher,
+    RevisionRef,
     Selection,
     VersionPicker,
     format_as_of,
@@ -173,3 +177,62 @@ def test_versioning_status_the_server_refuses_to_tell_means_unversioned():
 
     got = pin(Refusing([put("p/a", "a1", T0)]), "bkt", Selection("p/"))
     assert got.as_of is None and got.objects == 1
+
+
+# --- RevisionRef: a pinned revision as one value -------------------------------------------
+
+REV = "r-0123456789abcdef0123"
+AS_OF = "2026-01-31T12:00:00Z"
+
+
+def test_revision_ref_validates_both_parts_on_construction():
+    assert RevisionRef(REV).versioned is False and RevisionRef(REV, AS_OF).versioned is True
+    with pytest.raises(ValueError, match="not a dscache revision id"):
+        RevisionRef("../../etc")
+    with pytest.raises(ValueError, match="not a dscache revision id"):
+        RevisionRef("r-0123")
+    # Garbled, and parseable but not the canonical form format_as_of writes: one
+    # revision must have one spelling, or two refs to it would compare unequal.
+    for bad in ("yesterday", "", "2026-01-31 12:00:00Z", "2026-1-31T12:00:00Z", "2026-01-31T12:00:00+00:00"):
+        with pytest.raises(ValueError, match="as-of must be a UTC time like"):
+            RevisionRef(REV, bad)
+    assert RevisionRef(REV, format_as_of(parse_as_of(AS_OF))) == RevisionRef(REV, AS_OF)
+    assert RevisionRef(REV) != RevisionRef(REV, AS_OF)
+
+
+def test_revision_ref_annotation_round_trip():
+    for ref in (RevisionRef(REV), RevisionRef(REV, AS_OF)):
+        annotations = {"dscache.io/cache": "c", "other": "x", **ref.to_annotations()}
+        assert RevisionRef.from_annotations(annotations, "c") == ref
+    # The annotation names are the contract's, and an unversioned revision sets no as-of at all.
+    assert RevisionRef(REV).to_annotations() == {ANNOTATION_REVISION: REV}
+    assert RevisionRef(REV, AS_OF).to_annotations() == {ANNOTATION_REVISION: REV, ANNOTATION_AS_OF: AS_OF}
+    assert (ANNOTATION_REVISION, ANNOTATION_AS_OF) == ("dscache.io/revision", "dscache.io/revision-as-of")
+    assert RevisionRef.from_annotations({"dscache.io/cache": "c"}, "c") is None
+
+
+def test_revision_ref_from_annotations_refuses_with_the_annotation_and_the_fix():
+    with pytest.raises(ValueError) as e:
+        RevisionRef.from_annotations({ANNOTATION_REVISION: "../../etc"}, "imagenet")
+    msg = str(e.value)
+    assert "'imagenet'" in msg and f"{ANNOTATION_REVISION}='../../etc'" in msg and "not a revision id" in msg
+    assert "remove it" in msg and "kubectl get dsc imagenet" in msg
+    with pytest.raises(ValueError) as e:
+        RevisionRef.from_annotations({ANNOTATION_REVISION: REV, ANNOTATION_AS_OF: "yesterday"}, "imagenet")
+    msg = str(e.value)
+    assert f"{ANNOTATION_AS_OF}='yesterday'" in msg and "malformed" in msg
+    assert f"remove it together with {ANNOTATION_REVISION}" in msg
+    # An as-of time without its revision would be paired with whatever revision the
+    # cache has now: a time that belongs to another listing. Refused, not completed.
+    with pytest.raises(ValueError) as e:
+        RevisionRef.from_annotations({ANNOTATION_AS_OF: AS_OF}, "imagenet")
+    msg = str(e.value)
+    assert f"{ANNOTATION_AS_OF}={AS_OF!r}" in msg and f"without {ANNOTATION_REVISION}" in msg
+    assert "belongs to one revision" in msg and "Remove it" in msg
+
+
+def test_a_pin_gives_its_revision_with_its_own_as_of_time():
+    assert Pin(REV, 3, 30, AS_OF).ref == RevisionRef(REV, AS_OF)
+    assert Pin(REV, 3, 30).ref == RevisionRef(REV)
+    with pytest.raises(ValueError):
+        _ = Pin(REV, 3, 30, "garbage").ref

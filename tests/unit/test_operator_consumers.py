@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from dscache_contract import WipeArgs
+from dscache_contract import RevisionRef, WipeArgs
 from dscache_operator import wipe
 from dscache_operator.consumers import (
     LEGACY,
@@ -43,7 +43,8 @@ def pod(
     uid=None,
 ):
     owner = OwnerRef(kind, job, f"uid-{job}") if job else None
-    return PodInfo(name, node, phase, owner, mode, init, started, message, uid or f"uid-{name}", revision)
+    pinned = RevisionRef(revision) if revision else None
+    return PodInfo(name, node, phase, owner, mode, init, started, message, uid or f"uid-{name}", pinned)
 
 
 def jobs(**state):
@@ -257,7 +258,7 @@ def test_unscheduled_pod_blocks_its_revision_on_every_node():
     plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
     assert not plans["n1"].wipe and not plans["n2"].wipe
     # A pending pod of another revision blocks only that revision.
-    pods[-1] = pods[-1]._replace(revision=REV2)
+    pods[-1] = pods[-1]._replace(pinned=RevisionRef(REV2))
     plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
     assert plans["n1"].wipe and plans["n2"].wipe
 
@@ -456,6 +457,64 @@ def test_owner_pins_cover_the_whole_owner_chain_and_keep_the_first_revision():
         owner_pins([pods[0]._replace(phase="Succeeded")], owners(**{"uid-js-w-0": job_._replace(finished=True)}), pins)
         == []
     )
+
+
+def test_owner_pins_keep_a_revision_and_its_as_of_time_together():
+    """A versioned pod's pin carries its as-of time; a prior pin keeps its own time
+    (never a later pod's time with the earlier revision)."""
+    from dscache_operator.status import owner_pin_ref, owner_pins, revision_fragment, revision_ref
+
+    t1, t2 = "2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
+    view = owners(**{"uid-train": OwnerInfo("Job", "train", False, None)})
+    first = pod("train-0")._replace(pinned=RevisionRef(REV, t1))
+    (p1,) = owner_pins([first], view, [])
+    assert p1 == {"uid": "uid-train", "kind": "Job", "name": "train", "revision": REV, "asOf": t1}
+    assert owner_pin_ref(p1) == RevisionRef(REV, t1)
+    later = pod("train-1")._replace(pinned=RevisionRef(REV2, t2))
+    assert owner_pins([first, later], view, [p1]) == [p1]
+    assert owner_pins([later], view, [p1]) == [p1]  # the pin outlives the pod that made it
+    # Unversioned: no asOf key at all (a null in a list item would fail the schema).
+    (p0,) = owner_pins([pod("train-0")], view, [])
+    assert "asOf" not in p0 and owner_pin_ref(p0) == RevisionRef(REV)
+    # status.revision keeps its exact shape, and reads back as the same value.
+    now = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
+    frag = revision_fragment(RevisionRef(REV, t1), 4, 40, now)
+    assert frag == {
+        "id": REV,
+        "objects": 4,
+        "bytes": 40,
+        "listedAt": "2026-11-21T12:00:00Z",
+        "versioned": True,
+        "asOf": t1,
+    }
+    assert revision_ref(frag) == RevisionRef(REV, t1)
+    frag = revision_fragment(RevisionRef(REV), None, None, now)
+    assert frag == {"id": REV, "objects": 0, "bytes": 0, "listedAt": "2026-11-21T12:00:00Z", "versioned": False}
+    assert revision_ref(frag) == RevisionRef(REV)
+    # A status edited by hand reads as no revision, never as a half of one.
+    assert revision_ref({"id": REV, "asOf": "yesterday"}) is None and revision_ref(None) is None
+    assert owner_pin_ref({"uid": "u", "revision": "r-bad"}) is None
+
+
+def test_pod_info_reads_the_revision_with_its_as_of_time_or_not_at_all():
+    def info(annotations):
+        return pod_info(
+            {"metadata": {"name": "p", "uid": "u", "annotations": {"dscache.io/cache": "c", **annotations}}}
+        )
+
+    t1 = "2026-01-01T00:00:00Z"
+    got = info({"dscache.io/revision": REV, "dscache.io/revision-as-of": t1})
+    assert (got.pinned, got.revision) == (RevisionRef(REV, t1), REV)
+    assert info({"dscache.io/revision": REV}).pinned == RevisionRef(REV)
+    # Edited after admission into something unreadable: no revision, which holds
+    # every revision on its node (the safe side for wipes) and pins no owner.
+    for bad in (
+        {"dscache.io/revision": REV, "dscache.io/revision-as-of": "yesterday"},
+        {"dscache.io/revision": "../x"},
+        {"dscache.io/revision-as-of": t1},
+    ):
+        got = info(bad)
+        assert (got.pinned, got.revision) == (None, None), bad
 
 
 # --- the version 1 copy (a node staged before revisions existed) ------------------------------

@@ -9,7 +9,7 @@ import jsonpatch
 import kopf
 import pytest
 
-from dscache_contract import StageArgs
+from dscache_contract import RevisionRef, StageArgs
 from dscache_operator import injection, webhook
 from dscache_operator.common import Context, memo_for
 from dscache_operator.injection import INIT_NAME, VOLUME_NAME, InjectionError, inject_object
@@ -19,6 +19,7 @@ from dscache_operator.settings import Settings
 SETTINGS = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:test")
 REV = "r-0123456789abcdef0123"
 REV2 = "r-fedcba9876543210fedc"
+PIN = RevisionRef(REV)
 
 
 def spec(**extra) -> DatasetCacheSpec:
@@ -84,7 +85,7 @@ def test_injects_exactly_once_and_is_idempotent():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     once = copy.deepcopy(obj)
     assert not inject_object(
@@ -95,7 +96,7 @@ def test_injects_exactly_once_and_is_idempotent():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     assert obj == once
     ps = pod_spec(obj)
@@ -133,7 +134,7 @@ def test_init_container_args_credentials_and_privileges():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     (init,) = pod_spec(obj)["initContainers"]
     assert init["image"] == "stager:test"
@@ -173,7 +174,7 @@ def test_emptydir_mode_runs_non_root():
         spec=spec(),
         settings=SETTINGS,
         mode="EmptyDir",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     ps = pod_spec(obj)
     assert {"name": VOLUME_NAME, "emptyDir": {}} in ps["volumes"]
@@ -186,7 +187,14 @@ def test_no_credentials_means_no_secret_refs():
     s = spec(source={"uri": "s3://bkt/x/"})
     obj = job()
     inject_object(
-        obj, kind="Job", namespace="ml", cache_name="imagenet", spec=s, settings=SETTINGS, mode="HostPath", revision=REV
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=s,
+        settings=SETTINGS,
+        mode="HostPath",
+        revision=RevisionRef(REV),
     )
     assert [e["name"] for e in pod_spec(obj)["initContainers"][0]["env"]] == ["DSCACHE_POD_UID"]
 
@@ -202,7 +210,7 @@ def test_mount_path_clash_is_refused_with_cache_and_fix():
             spec=spec(),
             settings=SETTINGS,
             mode="HostPath",
-            revision=REV,
+            revision=RevisionRef(REV),
         )
     msg = str(e.value)
     assert "imagenet" in msg and "/data" in msg and "spec.mountPath" in msg
@@ -224,7 +232,7 @@ def test_pod_injection_and_requested_cache():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     assert [c["name"] for c in pod["spec"]["initContainers"]] == [INIT_NAME]
 
@@ -236,8 +244,8 @@ class FakeIndex(dict):
     """kopf.Index maps keys to stores (iterables of values)."""
 
 
-def view(phase="Ready", reason="Listed", message="", deleting=False, revision=REV, pins=None, as_of=None):
-    return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins, as_of)
+def view(phase="Ready", reason="Listed", message="", deleting=False, revision=PIN, pins=None):
+    return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins)
 
 
 def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
@@ -365,7 +373,7 @@ def test_reinjection_keeps_the_original_mode():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     pod = {
         "metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
@@ -381,7 +389,7 @@ def test_reinjection_keeps_the_original_mode():
         spec=spec(),
         settings=SETTINGS,
         mode="EmptyDir",
-        revision=REV2,
+        revision=RevisionRef(REV2),
     )
     assert pod == before and pod["metadata"]["annotations"]["dscache.io/volume"] == "HostPath"
 
@@ -404,14 +412,14 @@ def test_job_pods_keep_the_template_revision_after_a_refresh():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     pod = {
         "metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]),
         "spec": copy.deepcopy(obj["spec"]["template"]["spec"]),
     }
     # The cache moved on to REV2; a pod the Job creates later still stages REV.
-    _ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [view(revision=REV2)]}), kind="pods")
+    _ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2))]}), kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
     (init,) = result["spec"]["initContainers"]
     assert StageArgs.from_argv(init["args"]).revision == REV
@@ -429,7 +437,7 @@ def test_pods_of_other_owners_reuse_their_owners_revision():
         },
         "spec": {"containers": [{"name": "c", "image": "i"}]},
     }
-    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, pins={"u-pt": (REV, None)})]})
+    index = FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2), pins={"u-pt": RevisionRef(REV)})]})
     _ops, result = run_mutate(pod, index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision"] == REV
     pod["metadata"]["ownerReferences"][0]["uid"] = "u-other"
@@ -459,13 +467,13 @@ def test_versioned_pins_carry_their_as_of_time_to_pod_and_stager():
     def stager_argv(result):
         return next(c for c in result["spec"]["initContainers"] if c["name"] == INIT_NAME)["args"]
 
-    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, as_of=t2, pins={"u-pt": (REV, t1)})]})
+    index = FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2, t2), pins={"u-pt": RevisionRef(REV, t1)})]})
     _ops, result = run_mutate(copy.deepcopy(pod), index, kind="pods")
     assert result["metadata"]["annotations"]["dscache.io/revision-as-of"] == t1
     args = StageArgs.from_argv(stager_argv(result))
     assert (args.revision, args.as_of) == (REV, t1)
     # An owner pinned before the bucket was versioned: no time, even though the cache has one now.
-    index = FakeIndex({("ml", "imagenet"): [view(revision=REV2, as_of=t2, pins={"u-pt": (REV, None)})]})
+    index = FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2, t2), pins={"u-pt": RevisionRef(REV)})]})
     _ops, result = run_mutate(copy.deepcopy(pod), index, kind="pods")
     assert "dscache.io/revision-as-of" not in result["metadata"]["annotations"]
     assert StageArgs.from_argv(stager_argv(result)).as_of is None
@@ -484,6 +492,76 @@ def test_bad_as_of_annotation_is_refused():
     with pytest.raises(kopf.AdmissionError) as e:
         run_mutate(obj, FakeIndex({("ml", "imagenet"): [view()]}))
     assert "revision-as-of" in str(e.value) and "malformed" in str(e.value)
+
+
+def test_an_as_of_annotation_without_its_revision_is_refused():
+    """Left alone it would be paired with the cache's current revision: a time that
+    belongs to another listing (or, unversioned, to none), on the pod and in its pins."""
+    obj = job()
+    obj["spec"]["template"]["metadata"]["annotations"] = {"dscache.io/revision-as-of": "2026-01-01T00:00:00Z"}
+    for current in (PIN, RevisionRef(REV2, "2026-02-01T00:00:00Z")):
+        with pytest.raises(kopf.AdmissionError) as e:
+            run_mutate(obj, FakeIndex({("ml", "imagenet"): [view(revision=current)]}))
+        assert "revision-as-of" in str(e.value) and "without dscache.io/revision" in str(e.value)
+
+
+def test_a_carried_revision_that_disagrees_with_the_cache_on_versioning_is_refused():
+    """A versioned revision's id digests versionIds, so it is never served without its
+    as-of time (the stager would fail later); the webhook knows the time and says so."""
+    t1 = "2026-01-01T00:00:00Z"
+    obj = job()
+    obj["spec"]["template"]["metadata"]["annotations"] = {"dscache.io/revision": REV}
+    for known in ({"revision": RevisionRef(REV, t1)}, {"revision": PIN, "pins": {"u-x": RevisionRef(REV, t1)}}):
+        with pytest.raises(kopf.AdmissionError) as e:
+            run_mutate(obj, FakeIndex({("ml", "imagenet"): [view(**known)]}))
+        assert f"Add dscache.io/revision-as-of={t1}" in str(e.value), known
+    obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision-as-of"] = t1
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(obj, FakeIndex({("ml", "imagenet"): [view(revision=PIN)]}))
+    assert "unversioned" in str(e.value) and "remove dscache.io/revision-as-of" in str(e.value)
+    # Agreeing, or a revision the cache no longer lists: admitted as carried.
+    for current in (RevisionRef(REV, t1), RevisionRef(REV2)):
+        _ops, result = run_mutate(obj, FakeIndex({("ml", "imagenet"): [view(revision=current)]}))
+        tmeta = result["spec"]["template"]["metadata"]
+        assert RevisionRef.from_annotations(tmeta["annotations"], "imagenet") == RevisionRef(REV, t1)
+
+
+def test_cache_view_reads_status_revisions_as_whole_values():
+    t1, t2 = "2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
+    body = {
+        "spec": spec().model_dump(mode="json", exclude_none=True),
+        "status": {
+            "phase": "Ready",
+            "revision": {"id": REV2, "objects": 1, "bytes": 1, "versioned": True, "asOf": t2},
+            "owners": [
+                {"uid": "u-a", "kind": "Job", "name": "a", "revision": REV, "asOf": t1},
+                {"uid": "u-b", "kind": "Job", "name": "b", "revision": REV},
+                {"uid": "u-c", "kind": "Job", "name": "c", "revision": REV, "asOf": "garbage"},
+            ],
+        },
+    }
+    got = webhook.cache_view(body)
+    assert got.revision == RevisionRef(REV2, t2)
+    # An unreadable pin is kept as unreadable, never half-read.
+    assert got.pins == {"u-a": RevisionRef(REV, t1), "u-b": RevisionRef(REV), "u-c": None}
+    # ...and refuses that owner's pods: status.revision (REV2) would give its pods two revisions.
+    pod = {
+        "metadata": {
+            "name": "w-1",
+            "namespace": "ml",
+            "annotations": {"dscache.io/cache": "imagenet"},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "X", "name": "c", "uid": "u-c", "controller": True}],
+        },
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+    }
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(pod, FakeIndex({("ml", "imagenet"): [got]}), kind="pods")
+    assert "status.owners" in str(e.value) and "u-c" in str(e.value) and "retry" in str(e.value)
+    pod["metadata"]["ownerReferences"][0]["uid"] = "u-a"
+    _ops, result = run_mutate(pod, FakeIndex({("ml", "imagenet"): [got]}), kind="pods")
+    assert RevisionRef.from_annotations(result["metadata"]["annotations"], "imagenet") == RevisionRef(REV, t1)
+    body["status"]["revision"] = {"id": "nonsense"}
+    assert webhook.cache_view(body).revision is None
 
 
 def test_bad_revision_annotation_is_refused():
@@ -524,7 +602,7 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     ps = pod_spec(obj)
     assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME, "poison", "mesh"]
@@ -551,7 +629,7 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
         spec=spec(),
         settings=SETTINGS,
         mode="HostPath",
-        revision=REV,
+        revision=RevisionRef(REV),
     )
     assert again == obj
 

@@ -107,7 +107,7 @@ def test_revision_refresh_triggers():
 
 def test_source_listing_pins_the_contract_revision(monkeypatch):
     """The operator's digest is the contract's, over exactly the selected objects."""
-    from dscache_contract import RevisionHasher
+    from dscache_contract import RevisionHasher, RevisionRef
     from dscache_operator.models import Source
 
     pages = [
@@ -132,7 +132,8 @@ def test_source_listing_pins_the_contract_revision(monkeypatch):
     h = RevisionHasher()
     h.add("p/a.bin", 3, '"e1"')
     h.add("p/sub/b.bin", 4, '"e3"')
-    assert (got.ok, got.objects, got.bytes, got.revision) == (True, 2, 7, h.revision_id())
+    # Unversioned: the revision carries no as-of time.
+    assert (got.ok, got.objects, got.bytes, got.revision) == (True, 2, 7, RevisionRef(h.revision_id()))
 
 
 def test_logging_and_pull_secret_settings():
