@@ -329,6 +329,35 @@ def test_large_object_paths_write_exact_bytes(
     assert (fetcher.spliced_parts, fetcher.streamed_parts) == ((3, 0) if zero_copy else (0, 3))
 
 
+def test_the_stager_splices_large_objects_from_a_plain_http_endpoint(s3_server: S3Server, bucket: str, tmp_path: Path):
+    """The test above drives Fetcher directly; this one runs the real CLI against the
+    plain-HTTP test endpoint, so a stager that stops choosing splice(2) fails here."""
+    from dscache_stager.fetch import PART_SIZE
+
+    body = os.urandom(2 * PART_SIZE + 12345)
+    s3_server.put_tree(bucket, {"sp/blob": body})
+    assert s3_server.endpoint.startswith("http://")
+    uri, cache = f"s3://{bucket}/sp/", tmp_path / "c"
+    rev = boto3_revision(s3_server, uri)
+    # The real CLI, with the Fetcher it builds wrapped only to report which path each part took.
+    spy = (
+        "import json, sys, dscache_stager.sync as s\n"
+        "class Spy(s.Fetcher):\n"
+        "    def close(self):\n"
+        "        print('parts ' + json.dumps([self.spliced_parts, self.streamed_parts]), file=sys.stderr)\n"
+        "        super().close()\n"
+        "s.Fetcher = Spy\n"
+        "from dscache_stager.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = [*sync_argv(uri, cache, rev), "--endpoint-url", s3_server.endpoint]
+    p = subprocess.run([sys.executable, "-c", spy, *argv], env=stage_env(s3_server), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert (data_dir(cache, rev) / "blob").read_bytes() == body
+    (parts,) = [json.loads(line[len("parts ") :]) for line in p.stderr.splitlines() if line.startswith("parts ")]
+    assert parts == [3, 0], f"(spliced, streamed) parts: {parts}"
+
+
 def test_cli_exit_1_on_an_internal_error_leaves_a_reason(s3_server: S3Server, bucket: str, tmp_path: Path):
     """Any unexpected exception: exit 1, a traceback on stderr, and one line in the termination log."""
     s3_server.put_tree(bucket, {"i/a": b"a"})
