@@ -13,7 +13,11 @@ overhead_s = (training container start - Job create) - the stager's own copy sec
 Three cold runs, each on a fresh cache; overhead_s is their median and
 overhead_runs lists every run's figure. Both are written to
 $DSCACHE_E2E_RESULTS/timeline.json, which e2e/run.sh copies into
-build/e2e-result.json.
+build/e2e-result.json, with the product's target (target_s) and whether the
+median met it. The figure is reported, not asserted: speed is judged from
+measurements, never by a timed test on a shared 2-core machine. The test
+fails when the timeline is not a real one: a copy that was not timed, or
+events out of order.
 """
 
 import datetime
@@ -25,7 +29,7 @@ import time
 from conftest import assert_complete, init_summary, job_pods
 from support import workloads as w
 
-TARGET_S = 3.0
+TARGET_S = 1.0  # the product's target for Job create to training start, minus the copy
 RUNS = 3  # odd, so the median is one real run
 
 
@@ -74,6 +78,9 @@ def test_timeline_overhead(cfg, kube, cache_factory, dataset):
         runs.append(_measure(cfg, kube, cache["namespace"], cache["name"], dataset, f"timeline-{i}"))
     for r in runs:
         assert r["copied_bytes"] == dataset.bytes, r  # a real copy was timed, not a reuse
+        # Whole-second kubelet stamps can tie, never run backwards.
+        order = ["init_start_after_s", "init_end_after_s", "training_container_started_at_after_s"]
+        assert [r[k] for k in order] == sorted(r[k] for k in order), r
     overheads = [r["overhead_s"] for r in runs]
     median = round(statistics.median(overheads), 3)
     result = {
@@ -81,9 +88,9 @@ def test_timeline_overhead(cfg, kube, cache_factory, dataset):
         "overhead_runs": overheads,
         "overhead_statistic": "median",
         "target_s": TARGET_S,
+        "target_met": median <= TARGET_S,
         "runs": runs,
     }
     cfg.results.mkdir(parents=True, exist_ok=True)
     (cfg.results / "timeline.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
-    assert median <= TARGET_S, f"median overhead {median} s > {TARGET_S} s: {result}"
