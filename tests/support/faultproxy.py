@@ -17,6 +17,7 @@ the benchmark process, not in the measured tool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import struct
@@ -219,4 +220,8 @@ async def _delayed_pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, de
     except (ConnectionError, OSError):
         pass
     finally:
+        # Awaited, not only cancelled: at stop() the loop ends right after, and a
+        # sender still cancelling then is reported as "Task was destroyed but it is pending".
         sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):
+            await sender
