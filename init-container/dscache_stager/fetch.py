@@ -37,7 +37,7 @@ instead of asyncio, and MALLOC_MMAP_THRESHOLD_=4 MiB against the mmap pairs.
 What bounds the speed, then (bench/stager.py prints it per profile): here the
 S3 server (and, at 20 ms, the latency proxy) share our 2 cores, so a copy
 takes at least (client + server + proxy CPU per object) / cores; the full run
-of 2026-11-23 was within 25% of that floor for both dscache and s5cmd, in both
+of 2026-11-23 took 14-26% longer than that floor for both dscache and s5cmd, in both
 profiles. Against a remote S3 only our share is on the node, and all of it
 but tokio's part runs on this one asyncio thread: about 0.5-0.7 ms per object,
 so roughly 1,500-2,000 objects/s whatever the cores or the requests in flight.
