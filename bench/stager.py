@@ -638,7 +638,8 @@ def sourcecheck_child(server: S3Server, env: dict[str, str]) -> Run:
         f"creds = {{'AWS_ACCESS_KEY_ID': {env['AWS_ACCESS_KEY_ID']!r}, "
         f"'AWS_SECRET_ACCESS_KEY': {env['AWS_SECRET_ACCESS_KEY']!r}}}\n"
         "r = sourcecheck._list_sync(src, creds, 60.0)\n"
-        "print(json.dumps({'ok': r.ok, 'reason': r.reason, 'objects': r.objects, 'revision': r.revision}))\n"
+        "rev = r.revision.id if r.revision else None\n"
+        "print(json.dumps({'ok': r.ok, 'reason': r.reason, 'objects': r.objects, 'revision': rev}))\n"
     )
     return run_child([sys.executable, "-c", code], env)
 
