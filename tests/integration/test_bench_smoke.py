@@ -1,0 +1,51 @@
+"""bench/stager.py end to end at a tiny size: every profile (loopback, wan, --scale)
+against the real S3 server, with s5cmd as the peer. CI runs no benchmark, so without
+this a change elsewhere can break a profile unseen (the --scale source check once
+failed at its last step, after 20 minutes, on a type the operator had changed).
+The bench verifies every copy itself and exits non-zero on a mismatch; this test
+checks that it ran to the end and wrote every documented field. No timing is judged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.tools import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
+    argv = [
+        sys.executable,
+        str(REPO / "bench" / "stager.py"),
+        "--runs=1",
+        "--small-count=30",
+        "--large-count=1",
+        f"--large-size={4 << 20}",
+        "--peers=s5cmd",
+        "--wan-count=30",
+        "--wan-peers=s5cmd",
+        "--scale",
+        "--scale-count=200",
+        "--scale-peers=s5cmd",
+        f"--workdir={tmp_path}",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("small_s", "large_s", "cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "peak_rss_mib"):
+        assert set(result[key]) == {"dscache", "s5cmd"}, key
+    assert result["small_objects"] == 30 and result["dd_s"] > 0 and result["warm_s"] > 0
+    wan = result["wan"]
+    assert set(wan["small_s"]) == {"dscache", "s5cmd"} and wan["objects"] == 30
+    for key in ("cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "proxy_cpu_ms_per_1k_small", "connections"):
+        assert set(wan[key]) == {"dscache", "s5cmd"}, key
+    scale = result["scale"]
+    assert scale["objects"] == 200
+    for key in ("dscache_s", "s5cmd_s", "dscache_peak_rss_mib", "warm_s", "sourcecheck_s", "sourcecheck_peak_rss_mib"):
+        assert scale[key] > 0, key
+    assert set(result["loadavg"]) >= {"start", "loopback", "wan", "scale", "end"}
