@@ -32,6 +32,23 @@ from .layout import (
     validate_revision,
 )
 from .names import *  # noqa: F403 - the names are the API
+from .node import (
+    AGENT_LABEL,
+    AGENT_PORT,
+    ENV_NODE_IP,
+    INVENTORY_ANNOTATION,
+    RESERVE_PATH,
+    WARM_LABEL_PREFIX,
+    WIPE_PATH,
+    HeldRevision,
+    Inventory,
+    ReserveAnswer,
+    ReserveRequest,
+    WipeRequest,
+    cache_digest,
+    parse_warm_label,
+    warm_label,
+)
 from .revision import RevisionHasher, normalize_etag
 from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
 from .selection import Selection, normalize_key, parse_source, selected
@@ -48,6 +65,21 @@ from .versions import (
 )
 
 __all__ = [
+    "AGENT_LABEL",
+    "AGENT_PORT",
+    "ENV_NODE_IP",
+    "INVENTORY_ANNOTATION",
+    "RESERVE_PATH",
+    "WARM_LABEL_PREFIX",
+    "WIPE_PATH",
+    "HeldRevision",
+    "Inventory",
+    "ReserveAnswer",
+    "ReserveRequest",
+    "WipeRequest",
+    "cache_digest",
+    "parse_warm_label",
+    "warm_label",
     "DEFAULT_REGION",
     "EXIT_CODE_HELP",
     "TOP_NAMES",

@@ -111,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the final line also goes (default: /dev/termination-log if it exists)",
     )
     s.add_argument("--progress-interval", type=float, default=3.0, metavar="SECONDS")
+    s.add_argument(
+        "--agent",
+        metavar="URL",
+        help="the node agent (dscache-node) to ask for room under the node's byte budget before copying, "
+        "e.g. http://$(DSCACHE_NODE_IP):9477; unset or unreachable: only free space is checked",
+    )
+    s.add_argument(
+        "--cache",
+        metavar="NAMESPACE/NAME",
+        help="the DatasetCache this copy belongs to, as the agent names it (needed with --agent)",
+    )
 
     w = sub.add_parser(
         "wipe",
@@ -172,8 +183,12 @@ class StageArgs:
     termination_log: str | None = None
     progress_interval: float = 3.0
     retry_timeout: float | None = None
+    agent: str | None = None
+    cache: str | None = None
 
     def __post_init__(self) -> None:
+        if self.agent is not None and (self.cache is None or self.cache.count("/") != 1):
+            raise ArgsError(f"--agent needs --cache NAMESPACE/NAME, got {self.cache!r}")
         try:
             parse_source(self.source)
             validate_revision(self.revision)
@@ -208,6 +223,8 @@ class StageArgs:
             argv += ["--progress-interval", repr(self.progress_interval)]
         if self.retry_timeout is not None:
             argv += ["--retry-timeout", repr(self.retry_timeout)]
+        _opt(argv, "--agent", self.agent)
+        _opt(argv, "--cache", self.cache)
         return argv
 
     @classmethod
@@ -227,6 +244,8 @@ class StageArgs:
             termination_log=ns.termination_log,
             progress_interval=ns.progress_interval,
             retry_timeout=ns.retry_timeout,
+            agent=ns.agent,
+            cache=ns.cache,
         )
 
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ANNOTATION_AS_OF",
     "ANNOTATION_CACHE",
+    "ANNOTATION_PLACEMENT",
     "ANNOTATION_REVISION",
     "COMPLETE_NAME",
     "DATA_DIR",
@@ -54,6 +55,9 @@ POD_UID_ARG = f"$({ENV_POD_UID})"
 # Annotations.
 ANNOTATION_CACHE = "dscache.io/cache"
 ANNOTATION_REVISION = "dscache.io/revision"
+# On a workload's pod template: "required" makes its pods wait for a node that
+# holds their revision instead of copying elsewhere ("preferred" is the default).
+ANNOTATION_PLACEMENT = "dscache.io/placement"
 # Versioned buckets: the revision's versions time (dscache_contract.versions), beside the revision.
 ANNOTATION_AS_OF = "dscache.io/revision-as-of"
 

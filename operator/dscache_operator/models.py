@@ -68,6 +68,13 @@ class RetentionPolicy(enum.StrEnum):
     RETAIN_WHILE_USED = "RetainWhileUsed"
 
 
+class PlacementMode(enum.StrEnum):
+    """spec.placement.mode (or a pod's annotation dscache.io/placement, lower-case)."""
+
+    PREFERRED = "Preferred"
+    REQUIRED = "Required"
+
+
 class PodPhase(enum.StrEnum):
     """Kubernetes' own pod phases (read, never written)."""
 
@@ -223,6 +230,47 @@ class Refresh(_Model):
     )
 
 
+class Toleration(_Model):
+    """A core/v1 Toleration."""
+
+    key: str | None = Field(default=None, description="The taint key to tolerate (empty with Exists: every taint).")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal (default).")
+    value: str | None = Field(default=None, description="The taint value to match with Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="The taint effect to tolerate (empty: every effect)."
+    )
+    tolerationSeconds: int | None = Field(default=None, description="With NoExecute: how long the pod stays.")
+
+
+class Prestage(_Model):
+    nodeSelector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels a node must carry to get the current revision ahead of any Job "
+        "(empty: every node that runs the dscache node agent).",
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Taints of those nodes that pre-staging may ignore (GPU nodes are usually tainted).",
+    )
+    nodes: int | None = Field(
+        default=None,
+        ge=1,
+        description="How many of the matching nodes hold the revision (nodes that already hold it "
+        "count first). Omit for every matching node.",
+    )
+
+
+class Placement(_Model):
+    mode: PlacementMode = Field(
+        default=PlacementMode.PREFERRED,
+        description="Preferred: pods prefer nodes that already hold their revision (node affinity "
+        "with the chart's weight), and copy elsewhere when none fits. Required: pods wait for such a "
+        "node instead of copying elsewhere (with spec.prestage, the nodes it fills). A pod can ask "
+        "for Required itself with the annotation dscache.io/placement: required.",
+    )
+
+
 class DatasetCacheSpec(_Model):
     source: Source = Field(description="The S3 dataset to stage.")
     mountPath: str = Field(
@@ -246,6 +294,15 @@ class DatasetCacheSpec(_Model):
     )
     refresh: Refresh = Field(
         default_factory=Refresh, description="When the pinned revision of the source is re-computed."
+    )
+    prestage: Prestage | None = Field(
+        default=None,
+        description="Stage the current revision onto chosen nodes before any Job asks, and again "
+        "whenever the revision changes. Pre-staged copies stay until prestage is removed or the "
+        "cache is deleted (the node's byte budget may evict them while unused).",
+    )
+    placement: Placement = Field(
+        default_factory=Placement, description="How pods are drawn to nodes that already hold their revision."
     )
 
 
@@ -353,6 +410,20 @@ class OwnerPin(_Model):
     asOf: str | None = Field(default=None, description="The revision's versions time (versioned buckets).")
 
 
+class WarmRevision(_Model):
+    revision: str = Field(description="A revision id.")
+    nodes: int = Field(ge=0, description="Nodes whose agent reports this revision complete and verified.")
+
+
+class PrestageStatus(_Model):
+    wanted: int = Field(ge=0, description="Nodes that should hold the current revision.")
+    ready: int = Field(ge=0, description="Of those, nodes that hold it.")
+    nodes: list[str] = Field(
+        default_factory=list, max_length=256, description="The nodes chosen (at most 256 listed)."
+    )
+    message: str | None = Field(default=None, description="Why some are not ready yet.", max_length=4096)
+
+
 class DatasetCacheStatus(_Model):
     phase: Phase | None = Field(
         default=None,
@@ -366,7 +437,9 @@ class DatasetCacheStatus(_Model):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Conditions in the metav1.Condition shape (SourceReady).",
+        description="Conditions in the metav1.Condition shape: SourceReady (the source was listed) and "
+        "Ready (the source is ready and, with spec.prestage, the chosen nodes hold the current revision; "
+        "kubectl wait --for=condition=Ready dsc/NAME).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observedGeneration: int | None = Field(default=None, ge=0, description="The .metadata.generation last checked.")
@@ -386,6 +459,14 @@ class DatasetCacheStatus(_Model):
         default=None, description="The value of the annotation dscache.io/refresh last acted on.", max_length=1024
     )
     readyNodes: int = Field(default=0, ge=0, description="Nodes with state Ready.")
+    warm: list[WarmRevision] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Per revision, how many nodes hold it complete (their node agents' labels): "
+        "the webhook draws pods of that revision to those nodes.",
+    )
+    prestage: PrestageStatus | None = Field(default=None, description="Pre-staging progress (spec.prestage).")
+    reason: str | None = Field(default=None, description="The Ready condition's reason, for kubectl get.")
     nodes: list[NodeStatus] = Field(
         default_factory=list,
         description="Per-node state of the copy.",
@@ -410,6 +491,10 @@ PRINTER_COLUMNS = [
     {"name": "Revision", "type": "string", "jsonPath": ".status.revision.id"},
     {"name": "Ready nodes", "type": "integer", "jsonPath": ".status.readyNodes"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Source", "type": "string", "jsonPath": ".spec.source.uri", "priority": 1},
+    {"name": "Warm", "type": "integer", "jsonPath": ".status.warm[0].nodes", "priority": 1},
+    {"name": "Prestaged", "type": "integer", "jsonPath": ".status.prestage.ready", "priority": 1},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
 ]
 
 

@@ -70,6 +70,13 @@ def _cache_root(value: str) -> str:
     return root
 
 
+def _weight(text: str) -> int:
+    weight = int(text)
+    if not 1 <= weight <= 100:
+        raise ValueError(f"DSCACHE_PLACEMENT_WEIGHT must be 1-100 (a node affinity weight), got {text!r}")
+    return weight
+
+
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -142,6 +149,18 @@ class Settings:
     namespace, so the stager image must be pullable with the user pod's own
     pull secrets or the nodes' credentials (see the chart README)."""
 
+    agent_port: int = 9477
+    """``DSCACHE_AGENT_PORT``: port of the node agents (``dscache-node``, host network): the
+    controller sends wipes there, the stager asks it for room under the node's byte budget."""
+
+    agent_token_file: str | None = None
+    """``DSCACHE_AGENT_TOKEN_FILE``: file holding the token the node agents require on wipe
+    requests (a Secret of the chart, mounted in the controller and in every agent)."""
+
+    placement_weight: int = 80
+    """``DSCACHE_PLACEMENT_WEIGHT``: weight (1-100) of the preferred node affinity the webhook
+    adds toward nodes that hold a pod's revision."""
+
     log_level: str = "INFO"
     """``DSCACHE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR."""
 
@@ -187,6 +206,9 @@ class Settings:
             health_port=int(opt("DSCACHE_HEALTH_PORT") or d.health_port),
             metrics_port=int(opt("DSCACHE_METRICS_PORT") or d.metrics_port),
             image_pull_secrets=tuple(_csv(get("DSCACHE_IMAGE_PULL_SECRETS", ""))),
+            agent_port=int(opt("DSCACHE_AGENT_PORT") or d.agent_port),
+            agent_token_file=opt("DSCACHE_AGENT_TOKEN_FILE"),
+            placement_weight=_weight(opt("DSCACHE_PLACEMENT_WEIGHT") or str(d.placement_weight)),
             log_level=_choice("DSCACHE_LOG_LEVEL", (opt("DSCACHE_LOG_LEVEL") or d.log_level).upper(), LOG_LEVELS),
             log_format=_choice("DSCACHE_LOG_FORMAT", (opt("DSCACHE_LOG_FORMAT") or d.log_format).lower(), LOG_FORMATS),
         )
