@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAMESPACE/NAME",
         help="the DatasetCache this copy belongs to, as the agent names it (needed with --agent)",
     )
+    s.add_argument(
+        "--bytes",
+        type=int,
+        metavar="N",
+        help="the revision's total size (the operator's listing): what is asked of the agent",
+    )
 
     w = sub.add_parser(
         "wipe",
@@ -185,6 +191,7 @@ class StageArgs:
     retry_timeout: float | None = None
     agent: str | None = None
     cache: str | None = None
+    bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.agent is not None and (self.cache is None or self.cache.count("/") != 1):
@@ -225,6 +232,7 @@ class StageArgs:
             argv += ["--retry-timeout", repr(self.retry_timeout)]
         _opt(argv, "--agent", self.agent)
         _opt(argv, "--cache", self.cache)
+        _opt(argv, "--bytes", self.bytes)
         return argv
 
     @classmethod
@@ -246,6 +254,7 @@ class StageArgs:
             retry_timeout=ns.retry_timeout,
             agent=ns.agent,
             cache=ns.cache,
+            bytes=ns.bytes,
         )
 
     @classmethod

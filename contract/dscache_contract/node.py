@@ -28,7 +28,7 @@ from .layout import validate_revision
 WARM_LABEL_PREFIX = "warm.dscache.io/"
 #: The Node annotation with the agent's inventory (``Inventory`` as JSON).
 INVENTORY_ANNOTATION = "dscache.io/inventory"
-#: Label on Nodes where an agent runs (set by the agent itself at start).
+#: Label on Nodes where an agent runs (set by the agent itself at start; its value is the port).
 AGENT_LABEL = "dscache.io/agent"
 #: The agent's port (host network: the stager reaches it at its node's IP).
 AGENT_PORT = 9477
@@ -114,7 +114,9 @@ class ReserveRequest:
     @classmethod
     def from_json(cls, text: str) -> ReserveRequest:
         data = json.loads(text)
-        req = cls(str(data["namespace"]), str(data["cache"]), validate_revision(str(data["revision"])), int(data["bytes"]))
+        req = cls(
+            str(data["namespace"]), str(data["cache"]), validate_revision(str(data["revision"])), int(data["bytes"])
+        )
         if req.bytes < 0:
             raise ValueError("bytes must not be negative")
         return req

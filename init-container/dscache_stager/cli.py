@@ -122,6 +122,9 @@ def _sync(ns: argparse.Namespace) -> StageSummary:
         filters=Filters(list(args.include), list(args.exclude)),
         concurrency=args.concurrency or default_concurrency(),
         progress_interval=args.progress_interval,
+        agent=args.agent,
+        cache=args.cache,
+        bytes=args.bytes,
     )
     return sync(opts, Progress())
 

@@ -267,6 +267,33 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, onerror=on_error)
 
 
+#: Prefix of a directory on its way out (see discard); readers and scanners skip it.
+GONE_PREFIX = ".gone-"
+
+
+def discard(path: str) -> None:
+    """Remove a revision dir (or a cache dir) so that it is never seen half removed.
+
+    It is first renamed to a sibling ``.gone-<name>-<nonce>`` (atomic, and no
+    write permission on a sealed dir is needed within one parent), then removed.
+    A process killed in between leaves only a ``.gone-`` entry, which no reader
+    takes for a revision and the node agent removes when it next reads the disk;
+    without the rename, a kill could leave a revision whose completion marker
+    survived its data.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+    parent, name = os.path.split(path.rstrip("/"))
+    gone = os.path.join(parent, f"{GONE_PREFIX}{name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.rename(path, gone)
+    remove_tree(gone)
+
+
 def _make_writable(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

@@ -78,6 +78,10 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
             )
         from .sync import cold
 
+        if opts.agent and opts.cache and opts.bytes is not None:
+            from .room import ask
+
+            ask(opts.agent, opts.cache, opts.revision, opts.bytes, progress)
         progress.note(
             f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
             f"({opts.concurrency} requests in flight)"

@@ -29,6 +29,10 @@ class SyncOptions:
     filters: Filters = field(default_factory=Filters)
     concurrency: int = field(default_factory=default_concurrency)
     progress_interval: float = 3.0
+    #: The node agent to ask for room, this copy's cache (NAMESPACE/NAME) and its revision's size.
+    agent: str | None = None
+    cache: str | None = None
+    bytes: int | None = None
 
     @property
     def selection(self) -> Selection:

@@ -31,14 +31,14 @@ import fcntl
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import dscache_contract as contract
 from dscache_contract import WipeArgs, WipeSummary
 
 from .errors import BusyError, UsageError
-from .layout import cache_lock, remove_tree
+from .layout import cache_lock, discard, remove_tree
 
 #: Version 1's metadata dir at the top of C, and its lock file inside it.
 V1_META = ".dscache"
@@ -50,7 +50,11 @@ V1_LOCK = "lock"
 LEGACY_QUIET_S = 600.0
 
 
-def wipe(args: WipeArgs) -> WipeSummary:
+def wipe(args: WipeArgs, before_remove: Callable[[str | None], None] | None = None) -> WipeSummary:
+    """``before_remove(revision)`` (None: the whole cache dir) runs under the lock right
+    before a removal, once nothing holds it: the node agent takes the revision's warm
+    label off its Node there, so the label never outlives the copy. If it raises,
+    nothing is removed."""
     c = _inside_root(args.cache_dir, args.root)
     out = WipeSummary(cache=args.cache_dir, revision=args.revision, released=list(args.release), legacy=args.legacy)
     if c is None:
@@ -69,7 +73,9 @@ def wipe(args: WipeArgs) -> WipeSummary:
                 out.existed = os.path.lexists(rev_dir)
                 out.leases, out.stray = _revision_leases(c, args.revision)
                 if not out.leases and not out.stray:
-                    remove_tree(rev_dir)
+                    if out.existed and before_remove is not None:
+                        before_remove(args.revision)
+                    discard(rev_dir)
                     remove_tree(contract.lease_dir(c, args.revision))
                     out.removed = out.existed
             else:
@@ -78,7 +84,9 @@ def wipe(args: WipeArgs) -> WipeSummary:
                 if not out.leases and not out.stray:
                     # The lock file goes with C: a stager waiting on it notices
                     # (layout.cache_lock) and fails with CacheGone, never writes.
-                    remove_tree(c)
+                    if before_remove is not None:
+                        before_remove(None)
+                    discard(c)
                     out.removed = True
     except BlockingIOError:
         raise BusyError(

@@ -295,13 +295,10 @@ def termination_summary(message: str | None) -> dict[str, Any]:
 class Release(NamedTuple):
     """One wipe step to take: remove ``revision`` (None: the whole cache dir, on
     deletion; LEGACY: the version 1 copy) on the node once the leases of ``release``
-    are deleted.
-    ``newest_use``: the newest stager start of that revision there (a helper created
-    before it decided on stale facts and is replaced)."""
+    are deleted."""
 
     revision: str | None
     release: tuple[str, ...]
-    newest_use: datetime.datetime | None = None
 
 
 class NodePlan(NamedTuple):
@@ -340,8 +337,10 @@ def plan_node(
     block_all: bool = False,
     keep_wiped: float = 3600.0,
     live_anywhere: frozenset[str] = frozenset(),
+    keep: frozenset[str] = frozenset(),
 ) -> NodePlan | None:
-    """``blocked_everywhere``: revisions of unscheduled live pods (they may land here);
+    """``keep``: revisions pre-staged onto this node (spec.prestage), never wiped while so;
+    ``blocked_everywhere``: revisions of unscheduled live pods (they may land here);
     ``block_all``: an unscheduled live pod of unknown revision exists;
     ``live_anywhere``: UIDs of every pod of the cache that still holds its revision.
 
@@ -442,13 +441,13 @@ def plan_node(
             release = {p.uid for p in done_here if p.uid}
             for r in active:
                 release.update(u for u in r.strayLeases if u not in live_anywhere)
-            wipes.append(Release(None, tuple(sorted(release)), _newest(relevant)))
+            wipes.append(Release(None, tuple(sorted(release))))
     else:
         # A pod without a revision annotation mounts C itself, so it sees every
         # revision and the version 1 copy: while one holds here, nothing is removed.
         legacy_holders = any(not p.revision for p in consumers)
         for r in active:
-            if r.consumers or legacy_holders or r.id in blocked_everywhere:
+            if r.consumers or legacy_holders or r.id in blocked_everywhere or r.id in keep:
                 continue
             if not _ttl_passed(r.lastUsed, retention, now) or _kept_waits(r, live_anywhere, now):
                 continue
@@ -469,13 +468,11 @@ def plan_node(
                 # too), and before it starts its pod reads nothing and it stages a
                 # fresh copy. Either way the next plan sees the pod and waits.
                 # No leases to release: version 1 wrote none.
-                wipes.append(Release(LEGACY, (), _newest(p for p in relevant if not p.revision)))
+                wipes.append(Release(LEGACY, ()))
                 continue
             release = {p.uid for p in done_here if p.uid and p.revision == r.id}
             release.update(u for u in r.strayLeases if u not in live_anywhere)
-            wipes.append(
-                Release(r.id, tuple(sorted(release)), _newest(p for p in relevant if p.revision in (r.id, None)))
-            )
+            wipes.append(Release(r.id, tuple(sorted(release))))
         if not active and not consumers and prior is not None and entry.state != NodeState.WIPED:
             # Nothing of any revision left here (a version 1 copy is LEGACY, active until wiped).
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
@@ -505,9 +502,11 @@ def plan_nodes(
     deleting: bool = False,
     keep_wiped: float = 3600.0,
     gone_nodes: frozenset[str] = frozenset(),
+    keep: dict[str, frozenset[str]] | None = None,
 ) -> dict[str, NodePlan]:
     """``gone_nodes``: nodes the API server says no longer exist. They are dropped
-    from status and get no wipe helper (their disks went with them)."""
+    from status and get no wipe (their disks went with them). ``keep``: per node, the
+    revisions pre-staged there (see plan_node)."""
     pods = list(pods)
     by_node: dict[str, list[PodInfo]] = {}
     blocked: set[str] = set()
@@ -544,6 +543,7 @@ def plan_nodes(
             block_all,
             keep_wiped,
             live,
+            (keep or {}).get(node, frozenset()),
         )
         if plan is not None:
             plans[node] = plan

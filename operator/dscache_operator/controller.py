@@ -4,9 +4,10 @@ Everything is level-based: one timer per DatasetCache recomputes the wanted
 status from read-only views of users' pods and Jobs (views.py) and from the
 API server, and acts on the difference. A restarted operator therefore
 converges: no node decision is made before the views have listed everything,
-wipe helper pods have deterministic names, and a node's copy is wiped only
-when no consumer is alive there. The source check lives in sourcecheck.py,
-the wipe driver in wipe.py, the planning in consumers.py.
+wipes are idempotent requests to the node's agent, and a node's copy is wiped
+only when no consumer is alive there. The source check lives in sourcecheck.py,
+the wipe request in wipe.py, the planning in consumers.py, pre-staging in
+prestage.py.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from typing import Any
 
 import kopf
 
-from . import common, sourcecheck, wipe
+import dscache_contract as contract
+from dscache_contract import RevisionRef
+
+from . import common, prestage, sourcecheck, wipe
 from . import status as st
 from .common import Context, ctx_of
-from .consumers import MAX_STRAY_LEASES, fmt_time, plan_nodes
+from .consumers import MAX_STRAY_LEASES, PodInfo, fmt_time, parse_time, plan_nodes
 from .kube import ApiError
 from .models import (
     GROUP,
@@ -31,11 +35,18 @@ from .models import (
     NodeState,
     NodeStatus,
     Phase,
+    PodPhase,
+    PrestageStatus,
     VolumeMode,
 )
+from .nodes import NodeInfo
 from .views import Views
 
 CACHES = (GROUP, VERSION, PLURAL)
+#: A pre-stage pod that succeeded while its node is still not warm is replaced after this long.
+PRESTAGE_RETRY_S = 300.0
+#: A failed pre-stage pod is replaced after this long (its message is in status meanwhile).
+PRESTAGE_FAILED_RETRY_S = 60.0
 #: The liveness probe fails once the API server has refused our credentials this long.
 AUTH_FAILURE_LIMIT = 300.0
 
@@ -150,15 +161,29 @@ async def reconcile(
     prior = [NodeStatus.model_validate(n) for n in current.get("nodes") or []]
     pods = views.pods.get((namespace, name))
     owners = views.owner_lookup(namespace)
+    nodes = {n.name: n for n in views.all_nodes()}
     ctx.metrics.observe_stagers(namespace, name, pods)
-    plans = plan_nodes(prior, pods, owners, cache.retention, now, deleting=deleting)
+    revision = st.revision_ref(wanted.get("revision", current.get("revision")))
+    rev_bytes = (wanted.get("revision") or current.get("revision") or {}).get("bytes")
+    chosen = []
+    if cache.prestage is not None and revision is not None and not deleting:
+        chosen = prestage.choose(cache.prestage, nodes.values(), namespace, name, revision.id)
+        wanted["prestage"] = await _prestage(
+            ctx, meta, cache, namespace, name, revision, rev_bytes, chosen, pods, now, logger
+        )
+    elif current.get("prestage") is not None:
+        wanted["prestage"] = None
+    if not chosen or deleting:
+        await _drop_prestage_pods(ctx, namespace, pods, keep=set())
+    keep = {n.name: frozenset({revision.id}) for n in chosen} if revision is not None else {}
+    plans = plan_nodes(prior, pods, owners, cache.retention, now, deleting=deleting, keep=keep)
     gone = await _gone_nodes(kube, [node for node, plan in plans.items() if plan.wipe])
     entries: list[NodeStatus] = []
     live = pending = 0
     for node, plan in plans.items():
         entry = plan.entry
         if node in gone:
-            # Its disk went with it: drop it from status, and never start a helper there.
+            # Its disk went with it: drop it from status, and never ask for a wipe there.
             kopf.event(
                 body,
                 type="Normal",
@@ -169,7 +194,7 @@ async def reconcile(
         live += entry.consumers
         for step in plan.wipes:
             outcome, leases = await wipe.drive(
-                kube, ctx.settings, ctx.metrics, body, namespace, name, entry, step, step.newest_use, logger, now=now
+                ctx.settings, ctx.metrics, body, namespace, name, entry, step, nodes.get(node), logger
             )
             for r in entry.revisions:
                 if step.revision not in (None, r.id):
@@ -196,6 +221,18 @@ async def reconcile(
     _events_for_transitions(body, {p.node: p for p in prior}, entries)
     wanted.update(st.nodes_fragment(entries))
     wanted["owners"] = st.owner_pins(pods, owners, current.get("owners") or [])
+    wanted["warm"] = st.warm_fragment(namespace, name, revision, entries, nodes.values())
+    source = st.get_condition(
+        {"conditions": wanted.get("conditions") or current.get("conditions") or []}, st.SOURCE_READY
+    )
+    ready = st.ready_condition(source, revision, wanted.get("prestage", current.get("prestage")), deleting)
+    wanted["conditions"] = st.set_condition(
+        wanted.get("conditions") or current.get("conditions") or [],
+        **ready,
+        generation=meta.get("generation"),
+        now=now,
+    )
+    wanted["reason"] = ready["reason"]
 
     diff = st.changed(current, wanted)
     for key, value in diff.items():
@@ -206,15 +243,80 @@ async def reconcile(
     return live, pending
 
 
+async def _prestage(
+    ctx: Context,
+    meta: Any,
+    cache: DatasetCacheSpec,
+    namespace: str,
+    name: str,
+    revision: RevisionRef,
+    nbytes: int | None,
+    chosen: list[NodeInfo],
+    pods: list[PodInfo],
+    now: datetime.datetime,
+    logger: Any,
+) -> dict[str, Any]:
+    """Make every chosen node hold ``revision``: one pre-stage pod per node that does not yet.
+
+    A succeeded pod whose node is still not warm (its copy was evicted, or the agent has
+    not labelled it yet) is replaced after PRESTAGE_RETRY_S; a failed one after
+    PRESTAGE_FAILED_RETRY_S, its message shown meanwhile."""
+    kube = ctx.api()
+    key = contract.warm_label(namespace, name, revision.id)
+    mine = {p.name: p for p in pods if p.name.startswith(prestage.POD_PREFIX)}
+    wanted_names = set()
+    ready, problems = 0, []
+    for node in chosen:
+        pod_name = prestage.pod_name(namespace, name, node.name, revision.id)
+        wanted_names.add(pod_name)
+        if key in node.warm:
+            ready += 1
+            continue
+        pod = mine.get(pod_name)
+        if pod is None:
+            body = prestage.build_pod(namespace, name, meta["uid"], node.name, cache, ctx.settings, revision, nbytes)
+            try:
+                if await kube.create_pod(namespace, body) is not None:
+                    logger.info(f"pre-staging {revision.id} onto node {node.name} (pod {pod_name})")
+            except ApiError as e:
+                problems.append(f"{node.name}: cannot create the pre-stage pod: {e}")
+            continue
+        finished = parse_time(pod.init_finished)
+        age = (now - finished).total_seconds() if finished else 0.0
+        if pod.phase == PodPhase.FAILED or pod.init == "failed":
+            problems.append(f"{node.name}: {pod.message or 'the pre-stage pod failed'}")
+            if age > PRESTAGE_FAILED_RETRY_S:
+                await kube.delete_pod(namespace, pod_name)
+        elif pod.phase == PodPhase.SUCCEEDED and age > PRESTAGE_RETRY_S:
+            await kube.delete_pod(namespace, pod_name)  # staged, yet not warm: stage again
+    await _drop_prestage_pods(ctx, namespace, pods, keep=wanted_names)
+    message = None
+    if not chosen:
+        message = "no ready node with a dscache-node agent matches spec.prestage (nodeSelector, tolerations)"
+    elif problems:
+        message = "; ".join(problems)[:4000]
+    return PrestageStatus(
+        wanted=len(chosen), ready=ready, nodes=sorted(n.name for n in chosen)[:256], message=message
+    ).model_dump(exclude_none=True)
+
+
+async def _drop_prestage_pods(ctx: Context, namespace: str, pods: list[PodInfo], keep: set[str]) -> None:
+    """Delete finished pre-stage pods that are no longer wanted (an older revision, a node
+    no longer chosen, prestage removed); running ones finish first."""
+    for p in pods:
+        if p.name.startswith(prestage.POD_PREFIX) and p.name not in keep and p.finished:
+            await ctx.api().delete_pod(namespace, p.name)
+
+
 async def _gone_nodes(kube: Any, nodes: list[str]) -> set[str]:
-    """Nodes (among those about to get a wipe helper) that the API server no longer has."""
+    """Nodes (among those about to get a wipe) that the API server no longer has."""
     gone = set()
     for node in nodes:
         try:
             if await kube.get(f"/api/v1/nodes/{node}") is None:
                 gone.add(node)
         except ApiError as e:
-            if e.status != 403:  # without RBAC on nodes, assume it exists (the helper times out)
+            if e.status != 403:  # without RBAC on nodes, assume it exists (the wipe says why it waits)
                 raise
     return gone
 

@@ -67,7 +67,15 @@ def _norm(path: str) -> str:
     return posixpath.normpath(path) if path else path
 
 
-def stage_args(spec: DatasetCacheSpec, settings: Settings, revision: RevisionRef) -> contract.StageArgs:
+def stage_args(
+    spec: DatasetCacheSpec,
+    settings: Settings,
+    revision: RevisionRef,
+    cache: str | None = None,
+    nbytes: int | None = None,
+) -> contract.StageArgs:
+    """``cache`` (NAMESPACE/NAME, hostPath mode only): the stager asks its node's agent for room
+    under the node's byte budget, for ``nbytes`` (the revision's size, when the webhook knows it)."""
     src = spec.source
     return contract.StageArgs(
         source=src.uri,
@@ -82,11 +90,20 @@ def stage_args(spec: DatasetCacheSpec, settings: Settings, revision: RevisionRef
         exclude=tuple(src.exclude),
         concurrency=settings.stager_concurrency or None,
         termination_log=TERMINATION_LOG,
+        agent=f"http://$({contract.ENV_NODE_IP}):{settings.agent_port}" if cache else None,
+        cache=cache,
+        bytes=nbytes if cache else None,
     )
 
 
-def stager_args(spec: DatasetCacheSpec, settings: Settings, revision: RevisionRef) -> list[str]:
-    return stage_args(spec, settings, revision).to_argv()
+def stager_args(
+    spec: DatasetCacheSpec,
+    settings: Settings,
+    revision: RevisionRef,
+    cache: str | None = None,
+    nbytes: int | None = None,
+) -> list[str]:
+    return stage_args(spec, settings, revision, cache, nbytes).to_argv()
 
 
 def stager_security_context(mode: Mode) -> dict[str, Any]:
@@ -117,12 +134,17 @@ def init_container(
     settings: Settings,
     mode: Mode,
     revision: RevisionRef,
+    nbytes: int | None = None,
 ) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         # The lease file is named by the pod's UID, which exists only once the pod
         # does: the kubelet expands $(DSCACHE_POD_UID) in the args from this.
         {"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
     ]
+    host_path = mode == VolumeMode.HOST_PATH
+    if host_path:
+        # The node agent listens on its node's IP (host network): $(DSCACHE_NODE_IP) in --agent.
+        env.append({"name": contract.ENV_NODE_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}})
     secret = spec.source.secret_name
     if secret:
         for key, optional in (
@@ -141,7 +163,7 @@ def init_container(
         "image": settings.stager_image,
         "imagePullPolicy": settings.stager_pull_policy,
         "command": [STAGER_COMMAND],
-        "args": stager_args(spec, settings, revision),
+        "args": stager_args(spec, settings, revision, f"{namespace}/{name}" if host_path else None, nbytes),
         "env": env,
         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_DIR}],
         "resources": resources,
@@ -228,6 +250,7 @@ def inject(
     settings: Settings,
     mode: Mode,
     revision: RevisionRef,
+    nbytes: int | None = None,
 ) -> bool:
     """Mutate ``pod_spec`` in place; return True if anything changed."""
     check_clashes(pod_spec, name, spec.mountPath)
@@ -241,7 +264,7 @@ def inject(
     inits = pod_spec.setdefault("initContainers", [])
     ours = next((c for c in inits if c.get("name") == INIT_NAME), None)
     if ours is None:
-        ours = init_container(namespace, name, spec, settings, mode, revision)
+        ours = init_container(namespace, name, spec, settings, mode, revision, nbytes)
         inits.insert(0, ours)
         changed = True
     elif inits[0] is not ours:
@@ -291,6 +314,7 @@ def inject_object(
     settings: Settings,
     mode: Mode,
     revision: RevisionRef,
+    nbytes: int | None = None,
 ) -> bool:
     """Inject into a Job's pod template or a Pod; mutate ``obj`` in place.
 
@@ -322,6 +346,7 @@ def inject_object(
         settings=settings,
         mode=mode,
         revision=revision,
+        nbytes=nbytes,
     )
     # The pods carry the cache name (for the controller's consumer index), the
     # mode and the revision (for wipe planning per node and revision).

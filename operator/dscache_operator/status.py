@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable
 from typing import Any
 
 from dscache_contract import RevisionRef
 
 from .consumers import fmt_time
 from .models import NodeState, NodeStatus, human_bytes
+from .nodes import NodeInfo, warm_nodes
 
 SOURCE_READY = "SourceReady"
+READY = "Ready"
+MAX_WARM_REVISIONS = 64
 
 
 def set_condition(
@@ -103,3 +107,43 @@ def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit:
             info = owners(ref.uid)
             ref = info.owner if info is not None else None
     return [pins[k] for k in sorted(pins)]
+
+
+def warm_fragment(
+    namespace: str, name: str, revision: RevisionRef | None, entries: list[NodeStatus], nodes: Iterable[NodeInfo]
+) -> list[dict[str, Any]]:
+    """status.warm: per revision (the pinned one first), how many nodes' agents hold it complete."""
+    ids = [revision.id] if revision is not None else []
+    for e in entries:
+        ids += [r.id for r in e.revisions if r.wipedAt is None and r.id.startswith("r-") and r.id not in ids]
+    nodes = list(nodes)
+    return [
+        {"revision": rev, "nodes": len(warm_nodes(nodes, namespace, name, rev))} for rev in ids[:MAX_WARM_REVISIONS]
+    ]
+
+
+def ready_condition(
+    source: dict[str, Any] | None, revision: RevisionRef | None, prestage: dict[str, Any] | None, deleting: bool
+) -> dict[str, str]:
+    """The Ready condition (kubectl wait --for=condition=Ready): the source is checked with a
+    revision pinned and, with spec.prestage, every chosen node holds that revision."""
+    if deleting:
+        return _ready("False", "Deleting", "the DatasetCache is being deleted")
+    if source is None or source.get("status") != "True":
+        why = f"{source.get('reason')}: {source.get('message')}" if source else "the source has not been checked yet"
+        return _ready("False", "SourceNotReady", f"the source is not ready ({why})")
+    if revision is None:
+        return _ready("False", "NoRevision", "no revision of the source is pinned yet")
+    if prestage is not None:
+        wanted, ready = prestage.get("wanted", 0), prestage.get("ready", 0)
+        if wanted == 0:
+            return _ready("False", "NoPrestageNodes", prestage.get("message") or "no node matches spec.prestage")
+        if ready < wanted:
+            more = f": {prestage['message']}" if prestage.get("message") else ""
+            return _ready("False", "Prestaging", f"{ready} of {wanted} node(s) hold revision {revision.id}{more}")
+        return _ready("True", "Prestaged", f"revision {revision.id} is on all {wanted} pre-stage node(s)")
+    return _ready("True", "SourceReady", f"revision {revision.id} is pinned; pods stage it when they start")
+
+
+def _ready(status: str, reason: str, message: str) -> dict[str, str]:
+    return {"type": READY, "status": status, "reason": reason, "message": message}

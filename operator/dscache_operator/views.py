@@ -19,6 +19,7 @@ from .consumers import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, 
 from .informer import MultiInformer
 from .kube import Kube
 from .models import CONSUMER_LABEL
+from .nodes import ALL, NodeInfo, node_extract
 
 
 def _pod_extract(body: dict[str, Any]) -> tuple[tuple[str, str], PodInfo] | None:
@@ -42,6 +43,9 @@ class Views:
     def __init__(self, kube: Kube, namespaces: tuple[str, ...]) -> None:
         selector = f"{CONSUMER_LABEL}=true"
         self.pods = MultiInformer(kube, "/api/v1", "pods", namespaces, selector, _pod_extract)
+        # Nodes: their agents' warm labels and addresses (optional: without RBAC on
+        # nodes, no node is known to hold anything and no wipe can be sent).
+        self.nodes = MultiInformer(kube, "/api/v1", "nodes", (), "", node_extract, optional=True)
         self.owners: dict[str, MultiInformer] = {}
         for kind in OWNER_KINDS:
             batch_job = kind.kind == "Job"
@@ -60,7 +64,7 @@ class Views:
         return self.owners["Job"]
 
     def _all(self) -> list[MultiInformer]:
-        return [self.pods, *self.owners.values()]
+        return [self.pods, self.nodes, *self.owners.values()]
 
     def start(self) -> None:
         for m in self._all():
@@ -76,6 +80,9 @@ class Views:
 
     def auth_failing_for(self) -> float:
         return max(m.auth_failing_for() for m in self._all())
+
+    def all_nodes(self) -> list[NodeInfo]:
+        return self.nodes.get(ALL)
 
     def owner_lookup(self, namespace: str) -> OwnerLookup:
         def lookup(uid: str) -> OwnerInfo | None:

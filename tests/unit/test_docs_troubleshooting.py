@@ -11,6 +11,7 @@ from dscache_contract import ExitCode
 
 REPO = Path(__file__).resolve().parents[2]
 OPERATOR = REPO / "operator" / "dscache_operator"
+NODE_AGENT = REPO / "init-container" / "dscache_node"
 
 
 def troubleshooting() -> str:
@@ -21,9 +22,9 @@ def troubleshooting() -> str:
 
 def test_every_event_reason_is_documented():
     reasons = set()
-    for path in OPERATOR.glob("*.py"):
+    for path in [*OPERATOR.glob("*.py"), *NODE_AGENT.glob("*.py")]:
         reasons.update(re.findall(r'reason="([A-Za-z]+)"', path.read_text()))
-    assert {"Wiped", "WipeStuck", "NodeGone"} <= reasons  # the pattern still finds them
+    assert {"Wiped", "WipeFailed", "NodeGone", "Evicted"} <= reasons  # the pattern still finds them
     section = troubleshooting()
     assert [r for r in sorted(reasons) if f"`{r}`" not in section] == []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from dscache_contract import RevisionRef, WipeArgs
+from dscache_contract import RevisionRef
 from dscache_operator import wipe
 from dscache_operator.consumers import (
     LEGACY,
@@ -188,31 +188,6 @@ def test_deletion_wipes_even_retained_copies():
     prior = [node(consumers=0, lastUsed="2026-11-21T11:59:00Z")]
     p = plan_nodes(prior, [], jobs(), keep, NOW, deleting=True)["n1"]
     assert [s.revision for s in p.wipes] == [None]  # --all: C itself, once no lease remains
-
-
-def test_wipe_helper_pod_is_pinned_tolerant_and_confined():
-    s = Settings(cache_root="/mnt/nvme/dscache", namespace="dscache-system", stager_image="stager:t")
-    pod_ = wipe.helper_pod("ml", "imagenet", "gpu-7", s, REV, ("u1", "u2"))
-    assert pod_["metadata"]["name"] == wipe.helper_name("ml", "imagenet", "gpu-7", REV)
-    assert pod_["metadata"]["name"] != wipe.helper_name("ml", "imagenet", "gpu-8", REV)
-    assert pod_["metadata"]["name"] != wipe.helper_name("ml", "imagenet", "gpu-7", REV2)
-    assert pod_["metadata"]["namespace"] == "dscache-system"
-    spec = pod_["spec"]
-    assert spec["nodeName"] == "gpu-7"
-    assert spec["tolerations"] == [{"operator": "Exists"}]
-    assert spec["automountServiceAccountToken"] is False
-    (c,) = spec["containers"]
-    assert WipeArgs.from_argv(c["args"]) == WipeArgs(
-        cache_dir="/mnt/nvme/dscache/ml/imagenet",
-        root="/mnt/nvme/dscache",
-        revision=REV,
-        release=("u1", "u2"),
-        termination_log="/dev/termination-log",
-    )
-    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert spec["volumes"] == [
-        {"name": "cache-root", "hostPath": {"path": "/mnt/nvme/dscache", "type": "DirectoryOrCreate"}}
-    ]
 
 
 def test_long_wiped_nodes_without_pods_are_forgotten():
@@ -543,13 +518,12 @@ def test_a_version_1_copy_is_listed_and_kept_while_a_pod_without_revision_holds_
 def test_a_version_1_copy_is_wiped_once_no_legacy_holder_remains():
     p = plan_nodes([v1_node()], [legacy_pod(job="old", phase="Succeeded")], jobs(old=True), WIPE, NOW)["n1"]
     assert [(s.revision, s.release) for s in p.wipes] == [(LEGACY, ())]
-    assert p.wipes[0].newest_use == datetime.datetime(2026, 11, 21, 11, 0, tzinfo=datetime.UTC)
     # Its old pods may be gone altogether (only the status entry remembers the copy).
     p = plan_nodes([v1_node(consumers=0)], [], jobs(), WIPE, NOW)["n1"]
     assert [s.revision for s in p.wipes] == [LEGACY]
     (step,) = p.wipes
-    args = WipeArgs.from_argv(wipe.helper_args("ml", "c", S, step.revision, step.release))
-    assert args.legacy and args.revision is None and not args.all_revisions
+    req = wipe.request_for("ml", "c", step)
+    assert req.legacy and req.revision is None and not req.all_revisions
 
 
 def test_a_version_1_copy_beside_a_current_revision_goes_alone():

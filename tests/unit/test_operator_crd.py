@@ -53,6 +53,10 @@ def test_crd_names_and_shape():
         "Revision",
         "Ready nodes",
         "Age",
+        "Source",
+        "Warm",
+        "Prestaged",
+        "Reason",
     ]
 
 

@@ -152,6 +152,8 @@ def test_init_container_args_credentials_and_privileges():
         include=("*.tar",),
         exclude=("tmp/*",),
         termination_log="/dev/termination-log",
+        agent="http://$(DSCACHE_NODE_IP):9477",
+        cache="ml/imagenet",
     )
     uid_env = next(e for e in init["env"] if e["name"] == "DSCACHE_POD_UID")
     assert uid_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
@@ -196,7 +198,8 @@ def test_no_credentials_means_no_secret_refs():
         mode="HostPath",
         revision=RevisionRef(REV),
     )
-    assert [e["name"] for e in pod_spec(obj)["initContainers"][0]["env"]] == ["DSCACHE_POD_UID"]
+    # The pod's UID (its lease) and its node's IP (the node agent, asked for room): no Secret.
+    assert [e["name"] for e in pod_spec(obj)["initContainers"][0]["env"]] == ["DSCACHE_POD_UID", "DSCACHE_NODE_IP"]
 
 
 def test_mount_path_clash_is_refused_with_cache_and_fix():

@@ -292,14 +292,14 @@ def test_a_stager_waiting_behind_a_real_wipe_starts_over(root: Path, monkeypatch
     finds the revision gone (so it stages it again) and writes its lease after."""
     c = str(C(root))
     deleting, go_on = threading.Event(), threading.Event()
-    real_remove = wipe_mod.remove_tree
+    real_discard = wipe_mod.discard
 
-    def slow_remove(path: str) -> None:
+    def slow_discard(path: str) -> None:
         deleting.set()
         go_on.wait(10)
-        real_remove(path)
+        real_discard(path)
 
-    monkeypatch.setattr(wipe_mod, "remove_tree", slow_remove)
+    monkeypatch.setattr(wipe_mod, "discard", slow_discard)
     seen: dict = {}
 
     def stager() -> None:
@@ -329,14 +329,14 @@ def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(
 ):
     c = str(C(root))
     deleting, go_on = threading.Event(), threading.Event()
-    real_remove = wipe_mod.remove_tree
+    real_discard = wipe_mod.discard
 
-    def slow_remove(path: str) -> None:
+    def slow_discard(path: str) -> None:
         deleting.set()
         go_on.wait(10)
-        real_remove(path)
+        real_discard(path)
 
-    monkeypatch.setattr(wipe_mod, "remove_tree", slow_remove)
+    monkeypatch.setattr(wipe_mod, "discard", slow_discard)
     out: dict = {}
     w = threading.Thread(
         target=lambda: out.setdefault("wipe", wipe(WipeArgs(c, str(root), all_revisions=True, release=("u1", "u2"))))

@@ -1,0 +1,385 @@
+"""The node agent's work: read the disk, publish it on the Node, make room, wipe.
+
+Every action that removes a copy runs the stager's own wipe (dscache_stager.wipe)
+under the cache's flock, so the rules are the ones a stager obeys: a copy with
+a lease is never removed, and a stager that takes the lock after a removal
+stages again. The warm label comes off the Node before the copy goes (the
+wipe's ``before_remove``), and goes on only after the copy was verified
+against its manifest, so a label never names a copy that is not whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import dscache_contract as contract
+from dscache_contract import (
+    INVENTORY_ANNOTATION,
+    WARM_LABEL_PREFIX,
+    HeldRevision,
+    Inventory,
+    ReserveAnswer,
+    ReserveRequest,
+    WipeArgs,
+    WipeRequest,
+    WipeSummary,
+    cache_digest,
+    warm_label,
+)
+from dscache_stager.errors import BusyError
+from dscache_stager.layout import cache_lock
+from dscache_stager.progress import human_bytes as _human
+from dscache_stager.wipe import wipe as run_wipe
+
+from . import budget, disk
+from .kube import ApiError, Kube
+from .metrics import AgentMetrics
+from .settings import AgentSettings
+
+log = logging.getLogger("dscache-node")
+
+#: A reservation not turned into a complete copy within this long is forgotten.
+RESERVATION_TTL = 6 * 3600.0
+
+
+@dataclass
+class PodView:
+    """This node's consumer pods, from the watch (pods.py): UID -> finished."""
+
+    finished: dict[str, bool] = field(default_factory=dict)
+    synced: bool = False
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, kube: Kube | None, metrics: AgentMetrics) -> None:
+        self.s = settings
+        self.kube = kube
+        self.metrics = metrics
+        self.pods = PodView()
+        # One mutation at a time: scans, reservations, evictions and wipes all read
+        # the disk and then act on what they read.
+        self.lock = threading.RLock()
+        self._verified: dict[tuple[str, str, str], tuple[int, int]] = {}
+        self._reserved: dict[tuple[str, str, str], tuple[int, float]] = {}
+        self._published: tuple[frozenset[str], str] | None = None
+        self.evicted_bytes = 0
+        self.last_refresh = 0.0
+
+    # --- reading the disk, publishing it --------------------------------------------------
+
+    def c(self, namespace: str, cache: str) -> str:
+        return contract.cache_dir(self.s.cache_root, namespace, cache)
+
+    def refresh(self) -> list[disk.OnDisk]:
+        """One pass: finish interrupted removals, release leases of finished pods, keep
+        within the budget, verify new copies, publish labels and inventory."""
+        with self.lock:
+            removed = disk.finish_removals(self.s.cache_root)
+            if removed:
+                log.info(f"finished {removed} removal(s) a killed process had left")
+            revs = disk.scan(self.s.cache_root)
+            if self._release_finished(revs):
+                revs = disk.scan(self.s.cache_root)
+            self._forget_reservations(revs)
+            if self._enforce_budget(revs):
+                revs = disk.scan(self.s.cache_root)
+            self._publish(revs)
+            self.last_refresh = time.monotonic()
+            return revs
+
+    def _warm(self, revs: list[disk.OnDisk]) -> list[disk.OnDisk]:
+        """Complete, verified copies, most wanted first, at most max_labels of them."""
+        ok = []
+        for r in revs:
+            if not r.complete or r.sealed is None:
+                continue
+            key = (r.namespace, r.cache, r.revision)
+            if self._verified.get(key) != r.sealed:
+                problem = disk.verify(self.c(r.namespace, r.cache), r.revision)
+                if problem is not None:
+                    log.warning(
+                        f"{r.namespace}/{r.cache} {r.revision} does not match its manifest: {problem}; not labelled"
+                    )
+                    continue
+                self._verified[key] = r.sealed
+            ok.append(r)
+        # In use first, then the most recently released: the copies Jobs will want next.
+        ok.sort(key=lambda r: (bool(r.leases), r.released_at), reverse=True)
+        return ok[: self.s.max_labels]
+
+    def _publish(self, revs: list[disk.OnDisk]) -> None:
+        warm = self._warm(revs)
+        labels = frozenset(warm_label(r.namespace, r.cache, r.revision) for r in warm)
+        _, free = disk.filesystem(self.s.cache_root)
+        current = self._room(revs)
+        inventory = Inventory(
+            node=self.s.node,
+            budget=current.budget,
+            held=current.held,
+            free=free,
+            evicted_bytes=self.evicted_bytes,
+            revisions=[
+                HeldRevision(
+                    r.namespace,
+                    r.cache,
+                    r.revision,
+                    r.bytes,
+                    r.complete,
+                    len(r.leases),
+                    round(r.released_at, 3),
+                    warm_label(r.namespace, r.cache, r.revision) in labels,
+                )
+                for r in sorted(revs, key=lambda r: r.released_at, reverse=True)
+            ],
+        )
+        self.metrics.observe(self.s.node, current, revs, self.evicted_bytes)
+        text = inventory.to_json()
+        if self._published == (labels, text):
+            return
+        self._patch_node(labels, text)
+        self._published = (labels, text)
+
+    def _patch_node(self, labels: frozenset[str], inventory: str) -> None:
+        if self.kube is None:
+            return
+        node = self.kube.get(f"/api/v1/nodes/{self.s.node}") or {}
+        have = {k for k in (node.get("metadata") or {}).get("labels") or {} if k.startswith(WARM_LABEL_PREFIX)}
+        patch: dict[str, Any] = {k: None for k in have - labels}
+        patch.update({k: "true" for k in labels - have})
+        # The agent's label names its port, so the controller finds it at the node's IP.
+        patch[contract.AGENT_LABEL] = str(self.s.port)
+        self.kube.merge_patch(
+            f"/api/v1/nodes/{self.s.node}",
+            {"metadata": {"labels": patch, "annotations": {INVENTORY_ANNOTATION: inventory}}},
+        )
+
+    def _unlabel(self, namespace: str, cache: str, revision: str | None) -> None:
+        """Take the warm label(s) off the Node before a copy goes (raises if it cannot)."""
+        if self.kube is None:
+            return
+        if revision is not None:
+            keys = {warm_label(namespace, cache, revision)}
+        else:
+            prefix = f"{WARM_LABEL_PREFIX}{cache_digest(namespace, cache)}."
+            node = self.kube.get(f"/api/v1/nodes/{self.s.node}") or {}
+            keys = {k for k in (node.get("metadata") or {}).get("labels") or {} if k.startswith(prefix)}
+        if keys:
+            self.kube.merge_patch(f"/api/v1/nodes/{self.s.node}", {"metadata": {"labels": dict.fromkeys(keys)}})
+        self._published = None  # publish afresh next time
+
+    # --- leases -----------------------------------------------------------------------------
+
+    def _release_finished(self, revs: list[disk.OnDisk]) -> bool:
+        """Delete the leases of pods that finished (or are gone) on this node.
+
+        A finished pod reads nothing, so its lease only kept the copy from the
+        budget's eviction; whether the copy stays for its Job is the controller's
+        call (owner-aware wipes). A lease of a pod never seen is released only
+        when the view is complete and the lease is older than the grace period.
+        """
+        if not self.pods.synced:
+            return False
+        released = False
+        now = time.time()
+        for r in revs:
+            gone = []
+            c = self.c(r.namespace, r.cache)
+            for uid in r.leases:
+                finished = self.pods.finished.get(uid)
+                if finished is False:
+                    continue
+                if finished is None:
+                    try:
+                        age = now - os.lstat(contract.lease_path(c, r.revision, uid)).st_mtime
+                    except (OSError, ValueError):
+                        continue
+                    if age < self.s.unknown_lease_grace:
+                        continue
+                gone.append(uid)
+            if gone and self._release(c, r.revision, gone):
+                released = True
+        return released
+
+    def _release(self, c: str, rev: str, uids: list[str]) -> bool:
+        try:
+            with cache_lock(c, blocking=False):
+                for uid in uids:
+                    try:
+                        os.unlink(contract.lease_path(c, rev, uid))
+                    except (FileNotFoundError, ValueError, IsADirectoryError):
+                        pass
+            return True
+        except BlockingIOError:
+            return False  # a stager is at work here: next pass
+
+    # --- the budget -------------------------------------------------------------------------
+
+    def _reserved_bytes(self) -> int:
+        return sum(b for b, _ in self._reserved.values())
+
+    def _forget_reservations(self, revs: list[disk.OnDisk]) -> None:
+        complete = {(r.namespace, r.cache, r.revision) for r in revs if r.complete}
+        now = time.monotonic()
+        for key, (_, at) in list(self._reserved.items()):
+            if key in complete or now - at > RESERVATION_TTL or not _locked(self.c(key[0], key[1])):
+                del self._reserved[key]
+
+    def _room(self, revs: list[disk.OnDisk], promised: bool = True) -> budget.Room:
+        """``promised``: count reservations against the filesystem too. A copy in progress has
+        written part of its reservation already, so that counts some bytes twice: right when
+        answering a reservation (err on the safe side), wrong when deciding to evict."""
+        size, free = disk.filesystem(self.s.cache_root)
+        reserved = self._reserved_bytes()
+        return budget.room(
+            self.s.budget.of(size), free, self.s.headroom.of(size), revs, reserved, reserved if promised else 0
+        )
+
+    def _enforce_budget(self, revs: list[disk.OnDisk]) -> bool:
+        """Over budget (it was lowered), or the disk is past its headroom: evict unleased copies."""
+        current = self._room(revs, promised=False)
+        if min(current.budget - current.held, current.fs_room) >= 0:
+            return False
+        candidates = budget.evictable(revs)
+        chosen = budget.victims(0, current, candidates) or candidates
+        return bool(self._evict(chosen, "the node was over its dscache budget or its disk headroom"))
+
+    def reserve(self, req: ReserveRequest) -> ReserveAnswer:
+        """Room for ``req.bytes`` of a copy in progress, evicting LRU unleased copies if needed."""
+        c = self.c(req.namespace, req.cache)
+        if not _locked(c):
+            # Only a stager at work holds the lock: without it, this is no copy in progress.
+            return ReserveAnswer(False, 0, 0, 0, message=f"no stager holds the lock of {c}: nothing to reserve for")
+        with self.lock:
+            revs = disk.scan(self.s.cache_root)
+            self._reserved.pop((req.namespace, req.cache, req.revision), None)
+            current = self._room(revs)
+            evicted: list[str] = []
+            if req.bytes > current.available:
+                candidates = budget.evictable(revs, keep=frozenset({(req.namespace, req.cache)}))
+                chosen = budget.victims(req.bytes, current, candidates)
+                if chosen:
+                    evicted = self._evict(chosen, f"making room for {req.namespace}/{req.cache} {req.revision}")
+                    revs = disk.scan(self.s.cache_root)
+                    current = self._room(revs)
+            if req.bytes > current.available:
+                self.metrics.refused.inc()
+                held_by_leases = sum(r.bytes for r in revs if r.complete and r.leases)
+                return ReserveAnswer(
+                    False,
+                    current.budget,
+                    current.held,
+                    current.available,
+                    evicted,
+                    message=(
+                        f"revision {req.revision} of {req.namespace}/{req.cache} needs {req.bytes} bytes "
+                        f"({_human(req.bytes)}) but node {self.s.node} can give at most {current.available} "
+                        f"bytes ({_human(current.available)}) even after evicting every unused copy: its dscache "
+                        f"budget is {current.budget} bytes ({_human(current.budget)}), {held_by_leases} of them "
+                        f"held by copies pods are using. Raise the chart value nodeAgent.budget, free the "
+                        f"node's cache disk, or narrow the cache with include/exclude"
+                    ),
+                )
+            self._reserved[(req.namespace, req.cache, req.revision)] = (req.bytes, time.monotonic())
+            self._published = None
+            return ReserveAnswer(True, current.budget, current.held, current.available, evicted)
+
+    def _evict(self, chosen: Iterable[disk.OnDisk], why: str) -> list[str]:
+        done = []
+        for r in chosen:
+            args = WipeArgs(cache_dir=self.c(r.namespace, r.cache), root=self.s.cache_root, revision=r.revision)
+            try:
+                summary = run_wipe(args, before_remove=functools.partial(self._unlabel, r.namespace, r.cache))
+            except BusyError:
+                continue  # a stager is at work on that cache: its copy may be about to get a lease
+            except (ApiError, OSError) as e:
+                log.warning(f"could not evict {r.namespace}/{r.cache} {r.revision}: {e}")
+                continue
+            if not summary.removed:
+                continue  # a lease appeared since the scan
+            self.evicted_bytes += r.bytes
+            self.metrics.evicted.inc(r.bytes)
+            done.append(f"{r.namespace}/{r.cache}/{r.revision}")
+            message = (
+                f"evicted revision {r.revision} ({_human(r.bytes)}) from node {self.s.node}: {why}; it was "
+                f"unused since {_iso(r.released_at)} (least recently used first, never a copy in use)"
+            )
+            log.info(f"{r.namespace}/{r.cache}: {message}")
+            self._event(r.namespace, r.cache, reason="Evicted", message=message)
+        return done
+
+    # --- the controller's wipes -------------------------------------------------------------
+
+    def wipe(self, req: WipeRequest) -> WipeSummary:
+        args = WipeArgs(
+            cache_dir=self.c(req.namespace, req.cache),
+            root=self.s.cache_root,
+            revision=req.revision,
+            all_revisions=req.all_revisions,
+            legacy=req.legacy,
+            release=req.release,
+        )
+        with self.lock:
+            summary = run_wipe(args, before_remove=lambda rev: self._unlabel(req.namespace, req.cache, rev))
+            self._published = None
+        return summary
+
+    def _event(self, namespace: str, cache: str, reason: str, message: str) -> None:
+        if self.kube is None:
+            return
+        try:
+            dsc = self.kube.get(f"/apis/dscache.io/v1alpha1/namespaces/{namespace}/datasetcaches/{cache}")
+            if dsc is None:
+                return
+            now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            self.kube.post(
+                f"/api/v1/namespaces/{namespace}/events",
+                {
+                    "metadata": {"generateName": f"{cache}.", "namespace": namespace},
+                    "involvedObject": {
+                        "apiVersion": "dscache.io/v1alpha1",
+                        "kind": "DatasetCache",
+                        "name": cache,
+                        "namespace": namespace,
+                        "uid": dsc["metadata"]["uid"],
+                    },
+                    "reason": reason,
+                    "message": message[:1000],
+                    "type": "Normal",
+                    "source": {"component": "dscache-node", "host": self.s.node},
+                    "reportingComponent": "dscache.io/node",
+                    "reportingInstance": self.s.node,
+                    "firstTimestamp": now,
+                    "lastTimestamp": now,
+                    "count": 1,
+                },
+            )
+        except (ApiError, OSError, KeyError) as e:
+            log.warning(f"could not post an Event on {namespace}/{cache}: {e}")
+
+
+def _locked(c: str) -> bool:
+    """Whether some process holds C's flock right now (we take it and let go if we can)."""
+    try:
+        fd = os.open(contract.lock_path(c), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if t else "never"

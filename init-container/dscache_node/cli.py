@@ -1,0 +1,66 @@
+"""``dscache-node``: the node agent's process (one per node, from the chart's DaemonSet)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+from .agent import Agent
+from .kube import Kube
+from .metrics import AgentMetrics
+from .pods import watch_forever
+from .server import make_server
+from .settings import AgentSettings
+
+log = logging.getLogger("dscache-node")
+
+
+def main() -> int:
+    try:
+        settings = AgentSettings.from_env()
+    except (ValueError, KeyError) as e:
+        print(f"dscache-node: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    token = None
+    if settings.token_file:
+        with open(settings.token_file) as f:
+            token = f.read().strip() or None
+    if token is None:
+        log.warning("no agent token (DSCACHE_AGENT_TOKEN_FILE): every wipe request will be refused")
+    kube = Kube.from_env()
+    agent = Agent(settings, kube, AgentMetrics())
+    stop = threading.Event()
+    # The disk first: labels and inventory are recomputed from it before anything is served,
+    # so a restarted agent neither loses nor invents state.
+    agent.refresh()
+    log.info(
+        f"node {settings.node}: cacheRoot {settings.cache_root}, budget {settings.budget}, "
+        f"headroom {settings.headroom}, at most {settings.max_labels} warm labels; serving on :{settings.port}"
+    )
+    threading.Thread(target=watch_forever, args=(kube, settings.node, agent.pods, stop), daemon=True).start()
+
+    def loop() -> None:
+        while not stop.wait(settings.scan_interval):
+            try:
+                agent.refresh()
+            except Exception as e:  # keep going: the next pass reads the disk afresh
+                log.warning(f"refresh failed: {e}")
+
+    threading.Thread(target=loop, daemon=True).start()
+    server = make_server(agent, token, settings.port)
+
+    def on_term(*_: object) -> None:
+        stop.set()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    server.serve_forever()
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())

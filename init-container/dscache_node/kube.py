@@ -1,0 +1,103 @@
+"""A lean Kubernetes API client on the standard library.
+
+Why not the official ``kubernetes`` package: measured on this image's Python,
+importing it and building a CoreV1Api took the process from 8 to 65 MiB RSS,
+against 20 MiB for http.client + ssl + json; the agent runs on every node, and
+it needs five calls (get, merge-patch, post, list and watch).
+
+In a pod it uses the ServiceAccount token (re-read on every request: kubelet
+rotates it) and CA. Out of a cluster (integration tests): DSCACHE_KUBE_SERVER
+with DSCACHE_KUBE_CA and either DSCACHE_KUBE_CERT/DSCACHE_KUBE_KEY or
+DSCACHE_KUBE_TOKEN_FILE.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import ssl
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+class Kube:
+    def __init__(self, server: str, ctx: ssl.SSLContext, token_file: str | None, timeout: float = 10.0) -> None:
+        url = urllib.parse.urlsplit(server)
+        self.host, self.port = url.hostname or "localhost", url.port or 443
+        self.ctx, self.token_file, self.timeout = ctx, token_file, timeout
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Kube:
+        env = dict(os.environ if env is None else env)
+        if env.get("DSCACHE_KUBE_SERVER"):
+            ctx = ssl.create_default_context(cafile=env.get("DSCACHE_KUBE_CA"))
+            if env.get("DSCACHE_KUBE_CERT"):
+                ctx.load_cert_chain(env["DSCACHE_KUBE_CERT"], env.get("DSCACHE_KUBE_KEY"))
+            return cls(env["DSCACHE_KUBE_SERVER"], ctx, env.get("DSCACHE_KUBE_TOKEN_FILE"))
+        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise RuntimeError("not in a cluster (no KUBERNETES_SERVICE_HOST) and DSCACHE_KUBE_SERVER is not set")
+        ctx = ssl.create_default_context(cafile=f"{SA_DIR}/ca.crt")
+        return cls(f"https://{host}:{port}", ctx, f"{SA_DIR}/token")
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        h = {"Accept": "application/json"}
+        if self.token_file:
+            with open(self.token_file) as f:
+                h["Authorization"] = f"Bearer {f.read().strip()}"
+        if content_type:
+            h["Content-Type"] = content_type
+        return h
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> dict[str, Any] | None:
+        """One call; None on 404; ApiError on any other failure."""
+        conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=self.timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=data, headers=self._headers(content_type if data else None))
+            resp = conn.getresponse()
+            text = resp.read().decode(errors="replace")
+        finally:
+            conn.close()
+        if resp.status == 404:
+            return None
+        if resp.status >= 300:
+            raise ApiError(resp.status, text)
+        out: dict[str, Any] = json.loads(text) if text else {}
+        return out
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        return self.request("GET", path)
+
+    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        return self.request("PATCH", path, patch, "application/merge-patch+json")
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        return self.request("POST", path, body)
+
+    def watch(self, path: str, timeout_seconds: int = 300) -> Iterator[dict[str, Any]]:
+        """Stream watch events (one JSON object per line) until the server ends the watch."""
+        sep = "&" if "?" in path else "?"
+        conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=timeout_seconds + 30)
+        try:
+            conn.request("GET", f"{path}{sep}watch=1&timeoutSeconds={timeout_seconds}", headers=self._headers())
+            resp = conn.getresponse()
+            if resp.status >= 300:
+                raise ApiError(resp.status, resp.read().decode(errors="replace"))
+            while line := resp.readline():
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            conn.close()

@@ -1,0 +1,52 @@
+"""Ask the node agent for room under the node's byte budget before a cold copy.
+
+The stager sees only its own cache dir; the agent sees the whole cacheRoot and
+can evict copies nobody uses. Asked under C's lock (the agent checks that the
+lock is held, i.e. that a copy is really in progress), before the first byte.
+An agent that does not answer is not a reason to fail a Job: the free-space
+check still runs, and the agent enforces its budget again when it is back.
+"""
+
+from __future__ import annotations
+
+import http.client
+import urllib.parse
+
+from dscache_contract import RESERVE_PATH, ReserveAnswer, ReserveRequest
+
+from .errors import NoSpaceError
+from .progress import Progress, human_bytes
+
+TIMEOUT_S = 30.0  # evicting a large copy takes a while
+
+
+def ask(agent: str, cache: str, revision: str, nbytes: int, progress: Progress) -> ReserveAnswer | None:
+    """Reserve ``nbytes`` for ``revision`` of ``cache`` (NAMESPACE/NAME); raise NoSpaceError if it
+    cannot fit even after eviction; None if the agent could not be asked."""
+    namespace, name = cache.split("/", 1)
+    url = urllib.parse.urlsplit(agent)
+    body = ReserveRequest(namespace, name, revision, nbytes).to_json()
+    try:
+        conn = http.client.HTTPConnection(url.hostname or "localhost", url.port or 80, timeout=TIMEOUT_S)
+        try:
+            conn.request("POST", RESERVE_PATH, body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            text = resp.read().decode(errors="replace")
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise OSError(f"HTTP {resp.status}: {text[:200]}")
+        answer = ReserveAnswer.from_json(text)
+    except (OSError, ValueError, TypeError) as e:
+        progress.note(f"the node agent at {agent} did not answer ({e}); checking free space only")
+        return None
+    if not answer.ok:
+        raise NoSpaceError(answer.message)
+    if answer.evicted:
+        progress.note(
+            f"the node agent evicted {len(answer.evicted)} unused copy(ies) to make room: {', '.join(answer.evicted)}"
+        )
+    progress.note(
+        f"room reserved: {human_bytes(nbytes)} of the node's budget ({human_bytes(answer.available)} was available)"
+    )
+    return answer
