@@ -418,9 +418,7 @@ class WarmRevision(_Model):
 class PrestageStatus(_Model):
     wanted: int = Field(ge=0, description="Nodes that should hold the current revision.")
     ready: int = Field(ge=0, description="Of those, nodes that hold it.")
-    nodes: list[str] = Field(
-        default_factory=list, max_length=256, description="The nodes chosen (at most 256 listed)."
-    )
+    nodes: list[str] = Field(default_factory=list, max_length=256, description="The nodes chosen (at most 256 listed).")
     message: str | None = Field(default=None, description="Why some are not ready yet.", max_length=4096)
 
 

@@ -641,5 +641,6 @@ def test_the_registered_index_is_the_one_mutate_reads():
     import inspect
 
     ids = [h.id for h in webhook.make_registry()._indexing.get_all_handlers()]
-    assert ids == ["dscache_caches"], ids
-    assert "dscache_caches" in inspect.signature(webhook.mutate).parameters
+    assert ids == ["dscache_caches", "dscache_nodes"], ids
+    for index_id in ids:
+        assert index_id in inspect.signature(webhook.mutate).parameters
