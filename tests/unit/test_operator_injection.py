@@ -248,11 +248,12 @@ def view(phase="Ready", reason="Listed", message="", deleting=False, revision=PI
     return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins)
 
 
-def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
+def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None, nodes=None, warnings=None, settings=SETTINGS):
+    """``nodes``: the node index (placement); ``warnings``: kopf's list for AdmissionReview warnings."""
     body = kopf.Body(copy.deepcopy(obj))
     patch = kopf.Patch(body=body)
     resource = kopf.Resource("batch" if kind == "jobs" else "", "v1", kind)
-    memo = memo_for(Context(settings=SETTINGS, kube=kube))
+    memo = memo_for(Context(settings=settings, kube=kube))
     asyncio.run(
         webhook.mutate(
             mode=webhook.VolumeMode(mode),
@@ -262,6 +263,8 @@ def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
             resource=resource,
             memo=memo,
             dscache_caches=index,
+            dscache_nodes=nodes,
+            warnings=warnings,
         )
     )
     ops = patch.as_json_patch()
