@@ -80,9 +80,21 @@ def test_node_index_keeps_only_warm_keys_and_the_budget():
     got = webhook.index_nodes(name="n1", labels=labels, annotations=annotations, namespace=None, body={})
     assert got == {KEY: "n1", OTHER: "n1", placement.BUDGET_KEY: 500 * GIB}
     assert webhook.index_nodes(name="n2", labels={}, annotations={}) == {}
+    # The handler kopf registered over Nodes is this one, under the kwarg name mutate() reads.
+    (handler,) = [h for h in webhook.make_registry()._indexing.get_all_handlers() if h.id == "dscache_nodes"]
+    assert handler.selector is not None and handler.selector.any_name == "nodes"
+    assert handler.fn(name="n1", labels=labels, annotations=annotations) == got
 
 
-@pytest.mark.parametrize("text", ["{", "[]", '{"budget": "lots"}', '{"node": "n1"}', '{"budget": true}', ""])
+@pytest.mark.parametrize(
+    "budget", ['"lots"', "true", "-1", "null", "1.5"], ids=["string", "bool", "negative", "null", "float"]
+)
+def test_a_budget_that_is_not_a_byte_count_is_ignored(budget):
+    text = f'{{"node": "n1", "budget": {budget}, "held": 0, "free": 0}}'
+    assert placement.node_entries("n1", {}, {"dscache.io/inventory": text}) == {}
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"node": "n1"}', '{"node": "n1", "budget": 1, "bogus": 2}', ""])
 def test_unparsable_inventory_is_ignored(text):
     assert placement.node_entries("n1", {KEY: ""}, {"dscache.io/inventory": text}) == {KEY: "n1"}
 
