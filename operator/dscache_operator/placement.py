@@ -102,6 +102,21 @@ def annotation_mode(annotations: Mapping[str, str]) -> PlacementMode | None:
     )
 
 
+def carry_to_template(job_annotations: Mapping[str, str], template_meta: dict[str, Any]) -> bool:
+    """Copy a Job's own ANNOTATION_PLACEMENT onto its pod template; True if copied.
+
+    A Job opts in with the cache annotation on itself or its template, so users
+    put the placement one beside it; only the template's reaches the pods. The
+    template's own value wins. Validated first: a bad value is refused at the Job."""
+    value = job_annotations.get(ANNOTATION_PLACEMENT)
+    annotations = template_meta.get("annotations") or {}
+    if value is None or ANNOTATION_PLACEMENT in annotations:
+        return False
+    annotation_mode(job_annotations)
+    template_meta["annotations"] = {**annotations, ANNOTATION_PLACEMENT: value}
+    return True
+
+
 def effective_mode(cache_mode: PlacementMode, annotations: Mapping[str, str]) -> PlacementMode:
     """Required if the cache or the pod asks for it. A pod cannot relax a cache's
     Required: the cache's owner chose to never copy outside warm nodes."""

@@ -213,18 +213,22 @@ def warm_placement(
 
     Pods only: a Job's template is injected when the Job is created, but which
     nodes are warm matters when each of its pods is, and they pass through here
-    too (with the template's annotations). Raises PlacementError on an invalid
-    placement annotation."""
+    too (with the template's annotations). A Job's own placement annotation is
+    copied onto its template (as the cache annotation is), or its pods would
+    never see it. Raises PlacementError on an invalid placement annotation."""
     assert view.spec is not None
+    carried = False
     if kind == "Job":
-        template = (obj.get("spec") or {}).get("template") or {}
-        pod_spec, meta = template.get("spec") or {}, template.get("metadata") or {}
+        # inject_object has set up the template's spec and metadata.
+        template = obj["spec"]["template"]
+        pod_spec, meta = template["spec"], template["metadata"]
+        carried = placement.carry_to_template((obj.get("metadata") or {}).get("annotations") or {}, meta)
     else:
         pod_spec, meta = obj.setdefault("spec", {}), obj.get("metadata") or {}
     by_cache = view.spec.placement.mode == PlacementMode.REQUIRED
     mode = placement.effective_mode(view.spec.placement.mode, meta.get("annotations") or {})
     if not placement.uses_host_path(pod_spec):
-        return False, []  # an emptyDir copy is the pod's own: no node holds it for anyone
+        return carried, []  # an emptyDir copy is the pod's own: no node holds it for anyone
     ref = f"DatasetCache {namespace}/{cache_name}"
     notes: list[str] = []
     # The size is known for the cache's current revision only; a carried older one is not judged.
@@ -233,13 +237,13 @@ def warm_placement(
         if too_big:
             notes.append(too_big)
     if kind == "Pod" and pod_spec.get("nodeName"):
-        return False, notes  # bound already: the scheduler never sees it, so affinity could only make it fail
+        return carried, notes  # bound already: the scheduler never sees it, so affinity could only make it fail
     key = warm_label(namespace, cache_name, revision.id)
     warm = placement.warm_nodes(nodes, key)
     if mode == PlacementMode.REQUIRED and not warm:
         notes.append(placement.cold_required_warning(ref, revision.id, by_cache))
     changed = kind == "Pod" and placement.place(pod_spec, key, mode, warm, weight)
-    return changed, notes
+    return changed or carried, notes
 
 
 def no_revision(namespace: str, name: str, view: CacheView) -> str:

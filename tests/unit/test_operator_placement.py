@@ -346,3 +346,25 @@ def test_cache_view_reads_the_revision_bytes():
     assert webhook.cache_view(body).revision_bytes is None
     del body["status"]["revision"]
     assert webhook.cache_view(body).revision_bytes is None
+
+
+def test_a_jobs_own_placement_annotation_reaches_its_pods():
+    """The cache annotation may sit on the Job itself; the placement one beside it must
+    not be silently lost: it is copied onto the template, which the pods inherit."""
+    obj = job()
+    obj["metadata"]["annotations"]["dscache.io/placement"] = "Required"
+    warnings: list[str] = []
+    _ops, result = run_mutate(obj, caches(), nodes=nodes(), warnings=warnings)
+    assert result["spec"]["template"]["metadata"]["annotations"]["dscache.io/placement"] == "Required"
+    assert "affinity" not in result["spec"]["template"]["spec"]
+    (warning,) = warnings
+    assert "Pending" in warning
+    # The template's own value wins; a bad Job-level value is refused at the Job.
+    obj["spec"]["template"]["metadata"]["annotations"] = {"dscache.io/placement": "preferred"}
+    _ops, result = run_mutate(obj, caches(), nodes=nodes(), warnings=[])
+    assert result["spec"]["template"]["metadata"]["annotations"]["dscache.io/placement"] == "preferred"
+    obj = job()
+    obj["metadata"]["annotations"]["dscache.io/placement"] = "sometimes"
+    with pytest.raises(kopf.AdmissionError) as e:
+        run_mutate(obj, caches(), nodes=nodes(), warnings=[])
+    assert "'sometimes'" in str(e.value)
