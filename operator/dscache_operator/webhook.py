@@ -14,6 +14,12 @@ is also read fresh, so a source check that just failed is not missed. If the
 API server cannot be asked, the request is
 refused with a retryable message (fail closed: a Job that asks for a cache
 never starts without it).
+
+Node index: each Node's warm label keys and byte budget (placement.py), for
+warm-node placement of Pods and the capacity warning. Cold, it knows no warm
+node: Preferred then adds nothing (the pod copies, as before warm nodes
+existed), Required still adds its term (and warns that no node is known to
+hold the revision), and no capacity warning is given.
 """
 
 from __future__ import annotations
@@ -272,7 +278,7 @@ async def mutate(
     """Inject the cache into an opted-in Job or Pod, and place Pods on warm nodes.
 
     ``warnings`` is kopf's list for AdmissionReview response.warnings (kopf 1.45 in uv.lock):
-    what we append there, kubectl prints on apply and the API server logs."""
+    what we append there, kubectl prints (the object is still admitted)."""
     ctx = ctx_of(memo)
     kind = "Job" if resource.plural == "jobs" else "Pod"
     raw = copy.deepcopy(dict(body))
