@@ -14,6 +14,12 @@ is also read fresh, so a source check that just failed is not missed. If the
 API server cannot be asked, the request is
 refused with a retryable message (fail closed: a Job that asks for a cache
 never starts without it).
+
+Node index: each Node's warm label keys and byte budget (placement.py), for
+warm-node placement of Pods and the capacity warning. Cold, it knows no warm
+node: Preferred then adds nothing (the pod copies, as before warm nodes
+existed), Required still adds its term (and warns that no node is known to
+hold the revision), and no capacity warning is given.
 """
 
 from __future__ import annotations
@@ -27,13 +33,13 @@ from typing import Any, NamedTuple, cast
 import kopf
 import pydantic
 
-from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_REVISION, RevisionRef
+from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_REVISION, RevisionRef, warm_label
 
-from . import common
+from . import common, placement
 from .common import Context, ctx_of
 from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
-from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, VolumeMode
+from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, PlacementMode, VolumeMode
 from .status import owner_pin_ref, revision_ref
 
 HOSTPATH_ID = "dscache-hostpath"
@@ -52,6 +58,8 @@ class CacheView(NamedTuple):
     revision: RevisionRef | None = None
     #: owner UID -> the revision its pods already stage (status.owners; None: unreadable)
     pins: dict[str, RevisionRef | None] | None = None
+    #: status.revision.bytes: the size of ``revision`` (None: unknown), for the capacity warning
+    revision_bytes: int | None = None
 
 
 def cache_view(body: Any) -> CacheView:
@@ -64,6 +72,7 @@ def cache_view(body: Any) -> CacheView:
     except pydantic.ValidationError as e:
         spec, invalid = None, str(e).splitlines()[0]
     pins = {o["uid"]: owner_pin_ref(o) for o in status.get("owners") or [] if o.get("uid")}
+    size = (status.get("revision") or {}).get("bytes")
     return CacheView(
         spec,
         status.get("phase"),
@@ -73,11 +82,17 @@ def cache_view(body: Any) -> CacheView:
         invalid,
         revision_ref(status.get("revision")),
         pins,
+        size if isinstance(size, int) and not isinstance(size, bool) else None,
     )
 
 
 def index_caches(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {(namespace, name): cache_view(body)}
+
+
+def index_nodes(name: str, labels: Any, annotations: Any, **_: Any) -> dict[Any, Any]:
+    """A Node's warm label keys (-> its name) and its byte budget; nothing else of it is kept."""
+    return placement.node_entries(name, labels or {}, annotations or {})
 
 
 #: How long admission waits for a just-created cache's first revision (the
@@ -188,6 +203,55 @@ def versioning_mismatch(namespace: str, name: str, view: CacheView, carried: Rev
     return None
 
 
+def warm_placement(
+    obj: dict[str, Any],
+    *,
+    kind: str,
+    namespace: str,
+    cache_name: str,
+    view: CacheView,
+    revision: RevisionRef,
+    weight: int,
+    nodes: Any,
+) -> tuple[bool, list[str]]:
+    """Node affinity toward the nodes that hold ``revision`` (Pods only) and this
+    admission's warnings (Jobs and Pods). Mutates ``obj``; returns (changed, warnings).
+
+    Pods only: a Job's template is injected when the Job is created, but which
+    nodes are warm matters when each of its pods is, and they pass through here
+    too (with the template's annotations). A Job's own placement annotation is
+    copied onto its template (as the cache annotation is), or its pods would
+    never see it. Raises PlacementError on an invalid placement annotation."""
+    assert view.spec is not None
+    carried = False
+    if kind == "Job":
+        # inject_object has set up the template's spec and metadata.
+        template = obj["spec"]["template"]
+        pod_spec, meta = template["spec"], template["metadata"]
+        carried = placement.carry_to_template((obj.get("metadata") or {}).get("annotations") or {}, meta)
+    else:
+        pod_spec, meta = obj.setdefault("spec", {}), obj.get("metadata") or {}
+    by_cache = view.spec.placement.mode == PlacementMode.REQUIRED
+    mode = placement.effective_mode(view.spec.placement.mode, meta.get("annotations") or {})
+    if not placement.uses_host_path(pod_spec):
+        return carried, []  # an emptyDir copy is the pod's own: no node holds it for anyone
+    ref = f"DatasetCache {namespace}/{cache_name}"
+    notes: list[str] = []
+    # The size is known for the cache's current revision only; a carried older one is not judged.
+    if view.revision is not None and view.revision.id == revision.id:
+        too_big = placement.capacity_warning(ref, revision.id, view.revision_bytes, placement.largest_budget(nodes))
+        if too_big:
+            notes.append(too_big)
+    if kind == "Pod" and pod_spec.get("nodeName"):
+        return carried, notes  # bound already: the scheduler never sees it, so affinity could only make it fail
+    key = warm_label(namespace, cache_name, revision.id)
+    warm = placement.warm_nodes(nodes, key)
+    if mode == PlacementMode.REQUIRED and not warm:
+        notes.append(placement.cold_required_warning(ref, revision.id, by_cache))
+    changed = kind == "Pod" and placement.place(pod_spec, key, mode, warm, weight)
+    return changed or carried, notes
+
+
 def no_revision(namespace: str, name: str, view: CacheView) -> str:
     why = f"{view.reason}: {view.message}" if view.reason else "the source has not been listed yet"
     return (
@@ -207,8 +271,14 @@ async def mutate(
     resource: kopf.Resource,
     memo: Any,
     dscache_caches: Any = None,
+    dscache_nodes: Any = None,
+    warnings: list[str] | None = None,
     **_: Any,
 ) -> None:
+    """Inject the cache into an opted-in Job or Pod, and place Pods on warm nodes.
+
+    ``warnings`` is kopf's list for AdmissionReview response.warnings (kopf 1.45 in uv.lock):
+    what we append there, kubectl prints (the object is still admitted)."""
     ctx = ctx_of(memo)
     kind = "Job" if resource.plural == "jobs" else "Pod"
     raw = copy.deepcopy(dict(body))
@@ -260,7 +330,22 @@ async def mutate(
         )
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400) from e
-    if changed:
+    try:
+        placed, notes = warm_placement(
+            raw,
+            kind=kind,
+            namespace=namespace,
+            cache_name=cache_name,
+            view=view,
+            revision=revision,
+            weight=ctx.settings.placement_weight,
+            nodes=dscache_nodes,
+        )
+    except placement.PlacementError as e:
+        raise kopf.AdmissionError(f"DatasetCache {namespace}/{cache_name}: {e}", code=400) from e
+    if warnings is not None:
+        warnings.extend(notes)
+    if changed or placed:
 
         def apply(target: kopf.RawBody) -> None:
             whole = cast(dict[str, Any], target)  # the whole object is replaced, not typed keys
@@ -302,6 +387,13 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
     @kopf.index(GROUP, VERSION, PLURAL, id="dscache_caches", registry=registry)
     def dscache_caches(**kwargs: Any) -> dict[Any, Any]:
         return index_caches(**kwargs)
+
+    # Nodes: which hold which revision (warm labels) and their byte budgets, for
+    # placement and the capacity warning. Needs list/watch on nodes (cluster-wide:
+    # kopf watches a cluster-scoped resource cluster-wide even in namespaced mode).
+    @kopf.index("", "v1", "nodes", id="dscache_nodes", registry=registry)
+    def dscache_nodes(**kwargs: Any) -> dict[Any, Any]:
+        return index_nodes(**kwargs)
 
     for handler_id, mode in ((HOSTPATH_ID, VolumeMode.HOST_PATH), (EMPTYDIR_ID, VolumeMode.EMPTY_DIR)):
         _register(registry, handler_id, mode)

@@ -251,11 +251,12 @@ def view(phase="Ready", reason="Listed", message="", deleting=False, revision=PI
     return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins)
 
 
-def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
+def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None, nodes=None, warnings=None, settings=SETTINGS):
+    """``nodes``: the node index (placement); ``warnings``: kopf's list for AdmissionReview warnings."""
     body = kopf.Body(copy.deepcopy(obj))
     patch = kopf.Patch(body=body)
     resource = kopf.Resource("batch" if kind == "jobs" else "", "v1", kind)
-    memo = memo_for(Context(settings=SETTINGS, kube=kube))
+    memo = memo_for(Context(settings=settings, kube=kube))
     asyncio.run(
         webhook.mutate(
             mode=webhook.VolumeMode(mode),
@@ -265,6 +266,8 @@ def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None):
             resource=resource,
             memo=memo,
             dscache_caches=index,
+            dscache_nodes=nodes,
+            warnings=warnings,
         )
     )
     ops = patch.as_json_patch()
@@ -644,5 +647,6 @@ def test_the_registered_index_is_the_one_mutate_reads():
     import inspect
 
     ids = [h.id for h in webhook.make_registry()._indexing.get_all_handlers()]
-    assert ids == ["dscache_caches"], ids
-    assert "dscache_caches" in inspect.signature(webhook.mutate).parameters
+    assert ids == ["dscache_caches", "dscache_nodes"], ids
+    for index_id in ids:
+        assert index_id in inspect.signature(webhook.mutate).parameters
