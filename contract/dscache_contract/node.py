@@ -4,8 +4,8 @@ Three parties meet here, so the names live in one place:
 - the node agent (``dscache-node``, one per node) publishes its inventory on
   its Node: one *warm label* per complete, verified revision it holds, and one
   annotation with the inventory itself (JSON, bounded);
-- the webhook reads which nodes are warm (through the controller's status) and
-  adds node affinity on the warm label's key;
+- the webhook reads which nodes are warm (its own index of Node labels) and
+  adds node affinity on the warm label's key; the controller counts them in status;
 - the stager asks its node's agent for room before it copies (a reservation),
   and the controller asks it to release leases and remove revisions (a wipe).
 

@@ -327,6 +327,8 @@ async def mutate(
             settings=ctx.settings,
             mode=mode,
             revision=revision,
+            # Its size, for the stager's request for room on its node: known for the pinned revision.
+            nbytes=view.revision_bytes if view.revision is not None and revision.id == view.revision.id else None,
         )
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400) from e
