@@ -268,7 +268,7 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
         if installed:
             kube.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "180s")
         kube.kubectl("create", "namespace", RELEASE_NS, check=False)
-        # Wipe helpers mount a hostPath: the release namespace must stay privileged.
+        # The node agents mount a hostPath and use the host network: the release namespace stays privileged.
         kube.kubectl("label", "namespace", RELEASE_NS, "--overwrite", "pod-security.kubernetes.io/enforce=privileged")
         t0 = time.monotonic()
         try:
@@ -299,10 +299,11 @@ def cache_factory(cfg: Config, kube: Kube, release, namespaces, dataset) -> Call
         secret: str | None = "s3-keys",
         ready: bool = True,
         ds: w.Dataset | None = None,
+        extra: dict | None = None,
     ) -> dict:
         ns = namespace or namespaces["main"]
         name = f"{prefix}-{next(counter)}"
-        kube.apply(w.dataset_cache(name, ns, ds or dataset, cfg.endpoint_pod, secret, retention=retention))
+        kube.apply(w.dataset_cache(name, ns, ds or dataset, cfg.endpoint_pod, secret, retention=retention, extra=extra))
         if ready:
             wait_for(
                 f"DatasetCache {ns}/{name} phase Ready",

@@ -2,8 +2,9 @@
 
 - test_snapshot_isolation: a reader keeps re-hashing its revision while the bucket
   changes and a second Job stages the new revision beside it on the same node.
-- test_wipe_race: a Job is created the moment a wipe helper appears, 20 rounds in
-  one lane per node at once.
+- test_wipe_race: a Job is created as the wipe of its predecessor's revision is due
+  (its predecessor's Job just completed, plus a random 0-2.5 s), 20 rounds in one lane
+  per node at once; the node agents' logs say which rounds' wipes really ran.
 - test_stage_after_wipe: a wipe runs while a pod sits in a user init container.
 - test_cache_mount_read_only: a container that mounts dscache-data itself, writable.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import re
 import threading
 import time
@@ -28,7 +30,6 @@ from typing import Any
 
 import pytest
 from conftest import (
-    RELEASE_NS,
     assert_complete,
     cache_status,
     describe_pods,
@@ -38,11 +39,11 @@ from conftest import (
     job_pods,
     send_go,
 )
+from support import agent
 from support import workloads as w
 from support.kube import NodeExecError, node_path_exists, schedulable_nodes, wait_for
 
 REVISION_ANNOTATION = "dscache.io/revision"  # dscache_contract.ANNOTATION_REVISION
-WIPE_SELECTOR = "app.kubernetes.io/name=dscache-wipe"
 
 READER = r"""
 import hashlib, json, os, sys, time
@@ -270,19 +271,14 @@ def test_snapshot_isolation(cfg, kube, s3, cache_factory, dataset):
     assert rounds >= 2 and mismatches == 0 and missing == 0
 
 
-def _wipe_helpers(kube, ns: str, name: str) -> list[dict[str, Any]]:
-    return [
-        p
-        for p in kube.items("pods", namespace=RELEASE_NS, selector=WIPE_SELECTOR)
-        if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-for") == f"{ns}/{name}"
-    ]
-
-
-def _released(helper: dict[str, Any]) -> list[str]:
-    """The pod UIDs whose leases a wipe helper releases (its ``--release a,b`` argument)."""
-    args = helper["spec"]["containers"][0].get("args") or []
-    i = args.index("--release") + 1 if "--release" in args else len(args)
-    return args[i].split(",") if i < len(args) else []
+def _wipes(kube, node: str, ns: str, name: str) -> list[tuple[str, list[str], str]]:
+    """The wipes the agent on ``node`` ran for one cache, from its log: (what, released UIDs, outcome)."""
+    out = []
+    for m in re.finditer(
+        rf"wipe {re.escape(ns)}/{re.escape(name)} (.+?) release=(\S+): (\w+)", agent.agent_log(kube, node)
+    ):
+        out.append((m.group(1), [] if m.group(2) == "-" else m.group(2).split(","), m.group(3)))
+    return out
 
 
 class _Poller:
@@ -309,41 +305,6 @@ class _Poller:
 
     def poll(self) -> None:
         raise NotImplementedError
-
-
-class HelperLog(_Poller):
-    """Every wipe helper of one cache seen while it runs, polled by one thread for all lanes.
-
-    A helper lives a few seconds; one poller for everyone keeps one kubectl at a time
-    (the e2e machine has 2 cores) and remembers each helper even after it is gone.
-    """
-
-    interval = 0.1
-
-    def __init__(self, kube, ns: str, name: str) -> None:
-        super().__init__()
-        self.kube, self.ns, self.name = kube, ns, name
-        self.errors: list[str] = []
-        self._seen: dict[str, dict[str, Any]] = {}  # pod uid -> the pod as first seen
-        self._lock = threading.Lock()
-
-    def poll(self) -> None:
-        try:
-            pods = _wipe_helpers(self.kube, self.ns, self.name)
-        except Exception as e:
-            self.errors = [*self.errors[-4:], str(e)]  # the last few say why
-            pods = []
-        with self._lock:
-            for p in pods:
-                self._seen.setdefault(p["metadata"]["uid"], p)
-
-    def releasing(self, node: str, pod_uid: str) -> dict[str, Any] | None:
-        """The first helper seen on ``node`` that releases the lease of pod ``pod_uid``."""
-        with self._lock:
-            return next(
-                (p for p in self._seen.values() if p["spec"].get("nodeName") == node and pod_uid in _released(p)),
-                None,
-            )
 
 
 class ReadyMonitor(_Poller):
@@ -398,11 +359,14 @@ class ReadyMonitor(_Poller):
 
 @pytest.mark.timeout(1500)
 def test_wipe_race(cfg, kube, cache_factory, dataset):
-    """Job 1 completes; Job 2 (same cache, same node) is created the moment a wipe helper
-    releasing Job 1's lease appears on that node. 20 rounds, run as one lane per node at
-    once: the race is per node (helpers and leases are), and lanes on different nodes also
-    race each other's status updates on the one cache. A lane sees only its own node's
-    helpers and its own Jobs' pods; every lane's failures fail the test."""
+    """Job 1 completes; Job 2 (same cache, same node) is created as Job 1's wipe is due:
+    when Job 1's Job is Complete, plus a random 0-2.5 s, so that over 20 rounds the node
+    agent's wipe (released lease, then removal if no lease is left, under the stagers'
+    flock) lands before, during and after Job 2's stager takes its lease. One lane per node
+    at once: the race is per node (wipes and leases are), and lanes on different nodes also
+    race each other's status updates on the one cache. Whatever the order, every reader
+    verifies its data and no node is shown Ready without its copy; the agents' logs say how
+    many rounds' wipes really ran (removed or kept)."""
     cache = cache_factory("race")
     ns, name = cache["namespace"], cache["name"]
     rounds = 20
@@ -410,8 +374,9 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
     assert nodes, "no schedulable node"
     reader_failures: list[str] = []
     warm: list[bool] = []
-    seen_helpers: set[str] = set()
+    released: dict[str, list[str]] = {}  # node -> pod UIDs of Job 1s whose round should have had a wipe
     stop = threading.Event()  # set once any lane failed: the others end at their next round
+    rnd = random.Random(7)
 
     def lane(node: str, round_ids: list[int]) -> None:
         for i in round_ids:
@@ -420,25 +385,16 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
             j1, j2 = f"race-{i}-a", f"race-{i}-b"
             kube.create(reader_job(j1, ns, name, cfg.stager_image, expect=dataset.digest, node=node))
             uid = pod_of(kube, ns, j1)["metadata"]["uid"]
-            # Watched from j1's creation on, not from its Complete condition: the helper can
-            # come and go before the Job controller sets that. Matching j1's pod UID among the
-            # leases the helper releases means a late helper of the previous round's j2 is never
-            # taken for this round's.
-            helper = wait_for(
-                f"a wipe helper on {node} releasing the lease of {j1} (pod {uid})",
-                lambda uid=uid: helpers.releasing(node, uid),
-                timeout=270,
-                interval=0.05,
-                describe=lambda j1=j1: (
-                    f"helper poll errors: {helpers.errors}\n"
-                    + json.dumps(cache_status(kube, ns, name), indent=1)
-                    + "\n"
-                    + describe_pods(kube, ns, f"job-name={j1}")
-                ),
+            wait_for(
+                f"Job {j1} to finish",
+                lambda j1=j1: job_condition(kube, ns, j1),
+                timeout=180,
+                interval=0.1,
+                describe=lambda j1=j1: describe_pods(kube, ns, f"job-name={j1}"),
             )
-            # The moment it appears, the next Job arrives.
+            time.sleep(rnd.uniform(0, 2.5))
             kube.create(reader_job(j2, ns, name, cfg.stager_image, expect=dataset.digest, node=node))
-            seen_helpers.add(helper["metadata"]["uid"])
+            released.setdefault(node, []).append(uid)
             for job in (j1, j2):
                 state = wait_for(
                     f"Job {job}",
@@ -454,7 +410,6 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
 
     with (
         ReadyMonitor(cfg, kube, ns, name) as monitor,
-        HelperLog(kube, ns, name) as helpers,
         ThreadPoolExecutor(len(nodes), "race-lane") as pool,
     ):
         lanes = {pool.submit(lane, node, list(range(k, rounds, len(nodes)))): node for k, node in enumerate(nodes)}
@@ -469,6 +424,11 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
         for f, node in lanes.items()
         if (e := f.exception()) is not None
     ]
+    wiped = Counter()
+    for node, uids in released.items():
+        for _what, uids_released, outcome in _wipes(kube, node, ns, name):
+            if set(uids_released) & set(uids):
+                wiped[outcome] += 1
     unchecked = [n for n in nodes if not monitor.checked[n]]
     record(
         cfg,
@@ -477,7 +437,7 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
             "rounds": rounds,
             "lanes": nodes,
             "lane_errors": len(lane_errors),
-            "helpers_raced": len(seen_helpers),
+            "wipes_releasing_job1": dict(wiped),
             "second_job_warm": sum(warm),
             "second_job_restaged": len(warm) - sum(warm),
             "reader_failures": len(reader_failures),
@@ -492,7 +452,7 @@ def test_wipe_race(cfg, kube, cache_factory, dataset):
         + reader_failures
         + monitor.violations
         + monitor.exec_errors[:3]
-        + ([f"raced {len(seen_helpers)} helpers, not {rounds}"] if len(seen_helpers) != rounds else [])
+        + ([] if sum(wiped.values()) else ["no round's wipe ran at all: the race was never run"])
         + ([f"no Ready sample of nodes {unchecked} was checked on disk"] if unchecked else [])
     )
     assert not problems, "\n\n".join(problems)
@@ -549,16 +509,9 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
     send_go(kube, ns, pod1["metadata"]["name"])
     assert_complete(kube, ns, "saw-1")
 
-    helpers: set[str] = set()
-
     def rev1_wiped() -> bool:
-        # The helper is deleted once the operator has read its result, so remember every one seen.
-        helpers.update(
-            p["metadata"]["uid"]
-            for p in _wipe_helpers(kube, ns, name)
-            if (p["metadata"].get("annotations") or {}).get("dscache.io/wipe-revision") == rev1
-        )
-        return bool(helpers) and not node_path_exists(f"{c}/revs/{rev1}", node=node)
+        removed = [w_ for w_ in _wipes(kube, node, ns, name) if w_[0] == rev1 and w_[2] == "removed"]
+        return bool(removed) and not node_path_exists(f"{c}/revs/{rev1}", node=node)
 
     wait_for(
         f"revision {rev1} wiped on {node}",
@@ -579,7 +532,7 @@ def test_stage_after_wipe(cfg, kube, s3, cache_factory, dataset):
     record(
         cfg,
         "test_stage_after_wipe",
-        {"revision_1": rev1, "revision_2": rev2, "helpers_for_rev1": len(helpers), "stager_warm": summary["warm"]},
+        {"revision_1": rev1, "revision_2": rev2, "wiped_by_agent": True, "stager_warm": summary["warm"]},
     )
 
 

@@ -104,6 +104,14 @@ mapfile -t KIND_NODES < <("$KUBECTL" get nodes -o jsonpath='{range .items[*]}{.m
 export KIND_NODES_LIST="${KIND_NODES[*]}"
 klog "nodes Ready: ${KIND_NODES[*]}"
 
+# Each node's cache root on a small size-limited filesystem of its own (1 GiB tmpfs), as a
+# node's NVMe would be: the node agents' budgets and free-space checks meet a real limit
+# (test_capacity_lru), and nothing the suite stages can fill the machine's disk.
+for _n in "${KIND_NODES[@]}"; do
+  docker exec "$_n" sh -c 'mkdir -p /var/lib/dscache && { grep -qs " /var/lib/dscache " /proc/mounts ||
+    mount -t tmpfs -o size='"${DSCACHE_KIND_CACHE_SIZE:-1g}"',mode=0755 dscache-cache /var/lib/dscache; }'
+done
+
 # Controllers and tests that take a node away rewire it with this when it comes back.
 if $_local_node; then export KIND_REJOIN_CMD="bash $KIND_REPO/e2e/kind/pod-network.sh"; else export KIND_REJOIN_CMD=true; fi
 

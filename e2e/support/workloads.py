@@ -137,7 +137,9 @@ def dataset_cache(
     mount_path: str = "/data",
     retention: dict[str, Any] | None = None,
     resources: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``extra``: more spec fields as they are (e.g. prestage, placement)."""
     source: dict[str, Any] = {"uri": ds.uri, "endpoint": endpoint, "region": "us-east-1", "addressingStyle": "path"}
     if secret:
         source["credentials"] = {"secretRef": {"name": secret}}
@@ -146,6 +148,7 @@ def dataset_cache(
         spec["retention"] = retention
     if resources:
         spec["resources"] = resources
+    spec.update(extra or {})
     return {
         "apiVersion": "dscache.io/v1alpha1",
         "kind": "DatasetCache",

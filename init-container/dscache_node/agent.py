@@ -330,6 +330,12 @@ class Agent:
         with self.lock:
             summary = run_wipe(args, before_remove=lambda rev: self._unlabel(req.namespace, req.cache, rev))
             self._published = None
+        what = "legacy copy" if req.legacy else req.revision or "whole cache dir"
+        log.info(
+            f"wipe {req.namespace}/{req.cache} {what} release={','.join(req.release) or '-'}: "
+            f"{'removed' if summary.removed else 'kept' if summary.existed else 'absent'}"
+            + (f" (leases {','.join(summary.leases)})" if summary.leases else "")
+        )
         return summary
 
     def _event(self, namespace: str, cache: str, reason: str, message: str) -> None:

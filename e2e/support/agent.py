@@ -1,0 +1,103 @@
+"""The node agents (dscache-node) as the tests see them: their pods, logs, labels and disks."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import dscache_contract as contract
+from support.kube import Kube, NodeExecError, node_sh
+
+AGENT_SELECTOR = "app.kubernetes.io/name=dscache-node"
+RELEASE_NS = "dscache-system"
+
+
+def agent_pod(kube: Kube, node: str) -> dict[str, Any] | None:
+    pods = kube.items("pods", namespace=RELEASE_NS, selector=AGENT_SELECTOR)
+    return next((p for p in pods if p["spec"].get("nodeName") == node), None)
+
+
+def agent_log(kube: Kube, node: str) -> str:
+    pod = agent_pod(kube, node)
+    if pod is None:
+        return ""
+    return kube.kubectl("logs", pod["metadata"]["name"], "-n", RELEASE_NS, "--all-containers", check=False).stdout
+
+
+def node_obj(kube: Kube, node: str) -> dict[str, Any]:
+    return kube.get("node", node) or {}
+
+
+def warm_labels(kube: Kube, node: str) -> set[str]:
+    labels = (node_obj(kube, node).get("metadata") or {}).get("labels") or {}
+    return {k for k in labels if k.startswith(contract.WARM_LABEL_PREFIX)}
+
+
+def inventory(kube: Kube, node: str) -> contract.Inventory | None:
+    text = ((node_obj(kube, node).get("metadata") or {}).get("annotations") or {}).get(contract.INVENTORY_ANNOTATION)
+    return contract.Inventory.from_json(text) if text else None
+
+
+def complete_on_disk(cache_root: str, node: str) -> set[tuple[str, str, str]]:
+    """(namespace, cache, revision) of every complete revision under cacheRoot on ``node``."""
+    root = shlex.quote(cache_root)
+    p = node_sh(
+        f'cd {root} 2>/dev/null && for f in */*/revs/r-*/meta/complete; do [ -e "$f" ] && echo "$f"; done; echo end',
+        node=node,
+    )
+    lines = p.stdout.split()
+    if p.returncode != 0 or not lines or lines[-1] != "end":
+        raise NodeExecError(f"cannot list the revisions on {node}: {p.stderr[-300:]}")
+    out = set()
+    for line in lines[:-1]:
+        ns, cache, _, rev = line.split("/")[:4]
+        out.add((ns, cache, rev))
+    return out
+
+
+def leftovers_on_disk(cache_root: str, node: str) -> list[str]:
+    p = node_sh(f"find {shlex.quote(cache_root)} -maxdepth 4 -name '.gone-*'; echo end", node=node)
+    lines = p.stdout.split()
+    if p.returncode != 0 or not lines or lines[-1] != "end":
+        raise NodeExecError(f"cannot look for leftovers on {node}: {p.stderr[-300:]}")
+    return lines[:-1]
+
+
+def disagreement(kube: Kube, cache_root: str, node: str, max_labels: int = 16) -> str | None:
+    """None when the node's warm labels, its agent's inventory and its disk agree; else how they differ."""
+    disk = complete_on_disk(cache_root, node)
+    labels = warm_labels(kube, node)
+    inv = inventory(kube, node)
+    want = {contract.warm_label(ns, c, r) for ns, c, r in disk}
+    problems = []
+    if not labels <= want:
+        problems.append(f"labels without a complete copy on disk: {sorted(labels - want)}")
+    if len(disk) <= max_labels and labels != want:
+        problems.append(f"complete copies without a label: {sorted(want - labels)}")
+    if inv is None:
+        problems.append("no inventory annotation")
+    else:
+        listed = {(r.namespace, r.cache, r.revision) for r in inv.revisions if r.complete}
+        if listed != disk and not inv.truncated:
+            problems.append(f"inventory {sorted(listed)} != disk {sorted(disk)}")
+    return "; ".join(problems) if problems else None
+
+
+def describe(kube: Kube, cache_root: str, node: str) -> str:
+    try:
+        disk = sorted(complete_on_disk(cache_root, node))
+    except NodeExecError as e:
+        disk = [str(e)]
+    inv = inventory(kube, node)
+    return json.dumps(
+        {
+            "node": node,
+            "labels": sorted(warm_labels(kube, node)),
+            "disk": disk,
+            "inventory": [r.__dict__ for r in inv.revisions] if inv else None,
+            "agent_log_tail": agent_log(kube, node)[-2000:],
+        },
+        indent=1,
+        default=str,
+    )
