@@ -119,13 +119,16 @@ class Agent:
     def _publish(self, revs: list[disk.OnDisk]) -> None:
         warm = self._warm(revs)
         labels = frozenset(warm_label(r.namespace, r.cache, r.revision) for r in warm)
-        _, free = disk.filesystem(self.s.cache_root)
+        size, free = disk.filesystem(self.s.cache_root)
         current = self._room(revs)
+        # Free space moves with every write: published in steps of 1% of the filesystem,
+        # so that a copy in progress does not patch the Node at every pass.
+        step = max(1, size // 100)
         inventory = Inventory(
             node=self.s.node,
             budget=current.budget,
             held=current.held,
-            free=free,
+            free=free // step * step,
             evicted_bytes=self.evicted_bytes,
             revisions=[
                 HeldRevision(

@@ -274,7 +274,9 @@ async def _prestage(
             continue
         pod = mine.get(pod_name)
         if pod is None:
-            body = prestage.build_pod(namespace, name, meta["uid"], node.name, cache, ctx.settings, revision, nbytes)
+            body = prestage.build_pod(
+                namespace, name, meta.get("uid", ""), node.name, cache, ctx.settings, revision, nbytes
+            )
             try:
                 if await kube.create_pod(namespace, body) is not None:
                     logger.info(f"pre-staging {revision.id} onto node {node.name} (pod {pod_name})")
