@@ -26,6 +26,12 @@ of operator/deploy/*.yaml: dscache-controller, dscache-webhook, ...
 {{- define "dscache.webhook.fullname" -}}
 {{- printf "%s-webhook" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
 {{- end }}
+{{- define "dscache.node.fullname" -}}
+{{- printf "%s-node" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
+{{- end }}
+{{- define "dscache.agentTokenSecret" -}}
+{{- printf "%s-agent-token" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
+{{- end }}
 {{- define "dscache.webhook.tlsSecret" -}}
 {{- printf "%s-webhook-tls" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
 {{- end }}
@@ -45,6 +51,25 @@ app.kubernetes.io/part-of: dscache
 {{- define "dscache.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "dscache.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+The node agents' labels: their own app.kubernetes.io/name (<name>-node, by
+default dscache-node, what `kubectl get pods -l app.kubernetes.io/name=dscache-node`
+and the controller's messages use), so the metrics Service and the operator's
+selectors (name <name>) never pick them up by accident.
+*/}}
+{{- define "dscache.node.selectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-node" (include "dscache.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: node
+{{- end }}
+{{- define "dscache.node.labels" -}}
+helm.sh/chart: {{ include "dscache.chart" . }}
+{{ include "dscache.node.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dscache
 {{- end }}
 
 {{/* Usage: include "dscache.componentLabels" (list $ "controller") */}}
@@ -82,6 +107,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- define "dscache.webhook.serviceAccountName" -}}
 {{- default (include "dscache.webhook.fullname" .) .Values.webhook.serviceAccount.name }}
+{{- end }}
+{{- define "dscache.node.serviceAccountName" -}}
+{{- default (include "dscache.node.fullname" .) .Values.nodeAgent.serviceAccount.name }}
 {{- end }}
 
 {{/*
@@ -121,7 +149,10 @@ narrows it to exactly those namespaces.
 {{/*
 Environment of both processes (operator/dscache_operator/settings.py). The
 controller and the webhook get the same settings: the webhook injects the
-stager with them and the controller runs the wipe helpers with them.
+stager with them (the stager asks its node's agent on DSCACHE_AGENT_PORT for
+room) and the controller builds pre-stage pods with them and sends wipes to the
+agents. What only one of them needs is in its Deployment: the agent token
+(controller) and the placement weight (webhook).
 */}}
 {{- define "dscache.env" -}}
 - name: DSCACHE_CACHE_ROOT
@@ -142,12 +173,8 @@ stager with them and the controller runs the wipe helpers with them.
       fieldPath: metadata.namespace
 - name: DSCACHE_WATCH_NAMESPACES
   value: {{ join "," .Values.watchNamespaces | quote }}
-- name: DSCACHE_WIPE_TOLERATIONS
-  value: {{ .Values.wipe.tolerations | toJson | quote }}
-{{- with .Values.wipe.priorityClassName }}
-- name: DSCACHE_WIPE_PRIORITY_CLASS
-  value: {{ . | quote }}
-{{- end }}
+- name: DSCACHE_AGENT_PORT
+  value: {{ .Values.nodeAgent.port | int | toString | quote }}
 - name: DSCACHE_RECONCILE_INTERVAL
   value: {{ .Values.controller.reconcileIntervalSeconds | toString | quote }}
 - name: DSCACHE_SOURCE_RETRY_INTERVAL
@@ -199,4 +226,36 @@ livenessProbe:
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
+{{- end }}
+
+{{/*
+The agent token (DSCACHE_AGENT_TOKEN_FILE): the Secret <fullname>-agent-token
+mounted read-only at /var/run/dscache-agent in the controller (which sends it
+on every wipe) and in every node agent (which requires it on wipes).
+*/}}
+{{- define "dscache.agentTokenDir" -}}/var/run/dscache-agent{{- end }}
+{{- define "dscache.agentTokenEnv" -}}
+- name: DSCACHE_AGENT_TOKEN_FILE
+  value: {{ printf "%s/token" (include "dscache.agentTokenDir" .) | quote }}
+{{- end }}
+{{- define "dscache.agentTokenMount" -}}
+- name: agent-token
+  mountPath: {{ include "dscache.agentTokenDir" . }}
+  readOnly: true
+{{- end }}
+{{- define "dscache.agentTokenVolume" -}}
+- name: agent-token
+  secret:
+    secretName: {{ include "dscache.agentTokenSecret" . }}
+    # Owner root (the agent) and group fsGroup (the controller, uid 65532); nobody else.
+    defaultMode: 0440
+{{- end }}
+
+{{/*
+A byte size value as the agent reads it: a string as is ("500Gi", "80%"), a
+number as an integer (Helm reads numbers in values files as floats, which
+toString would print as 5.36870912e+11).
+*/}}
+{{- define "dscache.size" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ . | int64 | toString }}{{ end }}
 {{- end }}
