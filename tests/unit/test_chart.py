@@ -56,10 +56,16 @@ VALUE_SETS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
                 "concurrency": 64,
                 "resources": {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
             },
-            "wipe": {
+            "nodeAgent": {
+                "port": 19477,
+                "budget": "500Gi",
+                "headroom": "20%",
+                "maxLabels": 8,
+                "nodeSelector": {"dscache.io/cache-node": "true"},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                "priorityClassName": "system-node-critical",
+                "priorityClassName": "",
             },
+            "placement": {"weight": 50},
             "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
             "controller": {
                 "serviceAccount": {
@@ -82,6 +88,7 @@ VALUE_SETS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
             "crds": {"install": False},
             "metrics": {"enabled": False},
             "webhook": {"podDisruptionBudget": {"enabled": False}},
+            "nodeAgent": {"enabled": False},
             "certManager": {
                 "enabled": True,
                 "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"},
@@ -157,6 +164,7 @@ def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 def normalise(text: str) -> str:
     """Replace what is random in every render (generated keys and certificates)."""
     text = re.sub(r"(caBundle|ca\.crt|tls\.crt|tls\.key): \S+", r"\1: <GENERATED>", text)
+    text = re.sub(r"(?m)^  token: \S+$", "  token: <GENERATED>", text)
     return re.sub(r'(dscache\.io/tls-not-after): "\d+"', r'\1: "<GENERATED>"', text)
 
 
@@ -314,7 +322,8 @@ def test_generated_certificate_is_consistent(default_docs, tmp_path: Path):
 def test_cert_manager_mode(helm: str):
     namespace, values, extra = VALUE_SETS["cert-manager"]
     docs = docs_of(template(helm, namespace, values, extra).stdout)
-    assert not find(docs, "Secret"), "cert-manager writes the serving Secret, not the chart"
+    assert not find(docs, "Secret", "dscache-webhook-tls"), "cert-manager writes the serving Secret, not the chart"
+    assert [d["metadata"]["name"] for d in find(docs, "Secret")] == ["dscache-agent-token"]
     mwc = one(docs, "MutatingWebhookConfiguration")
     assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NS}/dscache-webhook"
     assert all("caBundle" not in h["clientConfig"] for h in mwc["webhooks"]), (
@@ -389,23 +398,33 @@ def test_env_names_are_the_operator_settings(default_docs):
         re.findall(r'"(DSCACHE_[A-Z_]+)"', (REPO / "operator" / "dscache_operator" / "settings.py").read_text())
     )
     assert len(known) > 10
-    webhook_only = {"DSCACHE_WEBHOOK_ADDR", "DSCACHE_WEBHOOK_PORT", "DSCACHE_WEBHOOK_CERT", "DSCACHE_WEBHOOK_KEY"}
-    optional = {"DSCACHE_STAGER_CONCURRENCY", "DSCACHE_WIPE_PRIORITY_CLASS"}  # set only when given
-    for name, wanted in (
-        ("dscache-controller", known - webhook_only - optional),
-        ("dscache-webhook", known - optional),
+    webhook_only = {
+        "DSCACHE_WEBHOOK_ADDR",
+        "DSCACHE_WEBHOOK_PORT",
+        "DSCACHE_WEBHOOK_CERT",
+        "DSCACHE_WEBHOOK_KEY",
+        "DSCACHE_PLACEMENT_WEIGHT",
+    }
+    controller_only = {"DSCACHE_AGENT_TOKEN_FILE"}  # the webhook never wipes: it does not get the token
+    optional = {"DSCACHE_STAGER_CONCURRENCY"}  # set only when given
+    # Settings of the wipe helper pods, which are gone (the node agents wipe): nothing reads them.
+    unused = {"DSCACHE_WIPE_TOLERATIONS", "DSCACHE_WIPE_PRIORITY_CLASS"}
+    for name, wanted, never in (
+        ("dscache-controller", known - webhook_only - optional - unused, webhook_only | unused),
+        ("dscache-webhook", known - controller_only - optional - unused, controller_only | unused),
     ):
         (c,) = one(default_docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
         env = env_of(c)
         assert set(env) <= known, set(env) - known
         assert wanted <= set(env), wanted - set(env)
+        assert not set(env) & never, set(env) & never
         assert env["DSCACHE_CACHE_ROOT"] == "/var/lib/dscache"
         assert env["DSCACHE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
         assert json.loads(env["DSCACHE_STAGER_RESOURCES"]) == {
             "requests": {"cpu": "500m", "memory": "256Mi"},
             "limits": {"memory": "1Gi"},
         }
-        assert json.loads(env["DSCACHE_WIPE_TOLERATIONS"]) == [{"operator": "Exists"}]
+        assert env["DSCACHE_AGENT_PORT"] == "9477"
         assert env["DSCACHE_STAGER_IMAGE"] == "dscache-stager:0.1.0"
 
 
@@ -420,8 +439,24 @@ def test_values_reach_the_env(helm: str):
         assert env["DSCACHE_STAGER_PULL_POLICY"] == "Always"
         assert env["DSCACHE_STAGER_CONCURRENCY"] == "64"
         assert json.loads(env["DSCACHE_STAGER_RESOURCES"])["limits"] == {"memory": "4Gi"}
-        assert json.loads(env["DSCACHE_WIPE_TOLERATIONS"]) == values["wipe"]["tolerations"]
-        assert env["DSCACHE_WIPE_PRIORITY_CLASS"] == "system-node-critical"
+        assert env["DSCACHE_AGENT_PORT"] == "19477"
+    (c,) = one(docs, "Deployment", "dscache-webhook")["spec"]["template"]["spec"]["containers"]
+    assert env_of(c)["DSCACHE_PLACEMENT_WEIGHT"] == "50"
+    agent = one(docs, "DaemonSet", "dscache-node")["spec"]["template"]["spec"]
+    (c,) = agent["containers"]
+    env = env_of(c)
+    assert (env["DSCACHE_AGENT_PORT"], env["DSCACHE_NODE_BUDGET"], env["DSCACHE_NODE_HEADROOM"]) == (
+        "19477",
+        "500Gi",
+        "20%",
+    )
+    assert env["DSCACHE_NODE_MAX_LABELS"] == "8"
+    assert c["ports"] == [{"name": "http", "containerPort": 19477, "protocol": "TCP"}]
+    assert (c["image"], c["imagePullPolicy"]) == ("registry.example/dscache-stager:1.2.3", "Always")
+    assert agent["nodeSelector"] == {"dscache.io/cache-node": "true"}
+    assert agent["tolerations"] == values["nodeAgent"]["tolerations"]
+    assert "priorityClassName" not in agent
+    assert agent["imagePullSecrets"] == [{"name": "regcred"}]
     assert one(docs, "Deployment", "dscache-webhook")["spec"]["replicas"] == 3
     assert one(docs, "ServiceMonitor")["metadata"]["labels"]["release"] == "prom"
     # product command: cacheRoot as given.
@@ -505,12 +540,22 @@ def test_rbac_least_privilege(helm: str):
                         else f"{values['fullnameOverride']}-controller",
                     )
                 ], (name, crb)
-        # Pod writes only in the release namespace.
-        for rb in find(docs, "RoleBinding"):
-            ref = rb["roleRef"]
+        # Pod writes: the controller's pre-stage pods, in the namespaces it serves
+        # (cluster-wide only when it serves the whole cluster); nobody else writes pods.
+        watched = values.get("watchNamespaces", [])
+        for binding in find(docs, "RoleBinding") + find(docs, "ClusterRoleBinding"):
+            ref = binding["roleRef"]
             role = roles.get((ref["kind"], ref["name"]))
-            if role and any("create" in r["verbs"] and "pods" in r["resources"] for r in role["rules"]):
-                assert rb["metadata"]["namespace"] == namespace, (name, rb)
+            if role and any(
+                set(r["verbs"]) - {"get", "list", "watch"} and "pods" in r["resources"] for r in role["rules"]
+            ):
+                assert [s["name"] for s in binding["subjects"]] == [
+                    f"{values.get('fullnameOverride', 'dscache')}-controller"
+                ]
+                if binding["kind"] == "RoleBinding":
+                    assert binding["metadata"]["namespace"] in watched, (name, binding)
+                else:
+                    assert not watched, (name, binding)
 
 
 def test_rbac_watch_namespaces(helm: str):
@@ -524,9 +569,21 @@ def test_rbac_watch_namespaces(helm: str):
         assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", sa)) == ["ml-team", "research"]
         assert not find(docs, "ClusterRoleBinding", sa)
     # ...and only kopf's read-only discovery of cluster-scoped objects stays cluster-wide.
+    # Nodes are cluster-scoped too: the controller's and the webhook's node views come from here.
     assert _rules(one(docs, "ClusterRole", "dscache-discovery")) == [
         (("",), ("namespaces",), ("list", "watch")),
+        (("",), ("nodes",), ("get", "list", "watch")),
         (("apiextensions.k8s.io",), ("customresourcedefinitions",), ("list", "watch")),
+    ]
+    # Pre-stage pods in the watched namespaces only; the node agents stay cluster-wide.
+    assert sorted(rb["metadata"]["namespace"] for rb in find(docs, "RoleBinding", "dscache-prestage")) == [
+        "ml-team",
+        "research",
+    ]
+    assert not find(docs, "ClusterRoleBinding", "dscache-prestage")
+    assert sorted(b["metadata"]["name"] for b in find(docs, "ClusterRoleBinding")) == [
+        "dscache-discovery",
+        "dscache-node",
     ]
     # rbac.scopeToWatchNamespaces=false: the bindings of operator/deploy/rbac.yaml.
     docs = docs_of(
@@ -656,7 +713,15 @@ def test_crd_rendered_from_the_generated_file(default_docs, helm: str):
         ({"watchNamespaces": ["a", "a"]}, "at '/watchNamespaces'"),
         ({"stager": {"image": {"pullPolicy": "Sometimes"}}}, "at '/stager/image/pullPolicy'"),
         ({"stager": {"concurrency": 0}}, "at '/stager/concurrency'"),
-        ({"wipe": {"tolerations": [{"operator": "Maybe"}]}}, "at '/wipe/tolerations/0/operator'"),
+        ({"nodeAgent": {"tolerations": [{"operator": "Maybe"}]}}, "at '/nodeAgent/tolerations/0/operator'"),
+        ({"nodeAgent": {"budget": "lots"}}, "at '/nodeAgent/budget'"),
+        ({"nodeAgent": {"budget": "180%"}}, "at '/nodeAgent/budget'"),
+        ({"nodeAgent": {"headroom": -1}}, "at '/nodeAgent/headroom'"),
+        ({"nodeAgent": {"maxLabels": 0}}, "at '/nodeAgent/maxLabels'"),
+        ({"nodeAgent": {"port": 0}}, "at '/nodeAgent/port'"),
+        ({"placement": {"weight": 0}}, "at '/placement/weight'"),
+        ({"placement": {"weight": 101}}, "at '/placement/weight'"),
+        ({"wipe": {"tolerations": []}}, "additional properties 'wipe' not allowed"),
         ({"metrics": {"port": 70000}}, "at '/metrics/port'"),
         ({"cacheroot": "/mnt/nvme"}, "additional properties 'cacheroot' not allowed"),
     ],
@@ -716,7 +781,7 @@ def test_service_accounts_images_pull_secrets_and_spread(helm: str):
         "logging": {"level": "DEBUG", "format": "json"},
     }
     docs = docs_of(template(helm, values=values).stdout)
-    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["dscache-webhook"]
+    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["dscache-webhook", "dscache-node"]
     ctl = one(docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]
     assert ctl["serviceAccountName"] == "platform-sa"
     subjects = [s for d in find(docs, "ClusterRoleBinding") + find(docs, "RoleBinding") for s in d["subjects"]]
@@ -734,3 +799,182 @@ def test_service_accounts_images_pull_secrets_and_spread(helm: str):
     assert tsc["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "webhook"
     bad = template(helm, values={"logging": {"format": "xml"}}, check=False)
     assert bad.returncode != 0 and "format" in bad.stderr
+
+
+# --- issue 16: the node agent ---------------------------------------------------------------
+
+
+def test_node_agent_daemonset(default_docs):
+    ds = one(default_docs, "DaemonSet", "dscache-node")
+    assert ds["metadata"]["labels"]["app.kubernetes.io/name"] == "dscache-node"
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    template = ds["spec"]["template"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    pod = template["spec"]
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["serviceAccountName"] == "dscache-node"
+    assert pod["automountServiceAccountToken"] is True
+    assert pod["terminationGracePeriodSeconds"] == 10
+    assert pod["priorityClassName"] == "system-node-critical"
+    # Tainted GPU nodes get an agent too.
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    assert "nodeSelector" not in pod
+    (c,) = pod["containers"]
+    assert c["command"] == ["dscache-node"]
+    assert (c["image"], c["imagePullPolicy"]) == ("dscache-stager:0.1.0", "IfNotPresent")
+    assert c["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
+    assert c["ports"] == [{"name": "http", "containerPort": 9477, "protocol": "TCP"}]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    # uid 0 with no capability at all: the owner of cacheRoot needs none.
+    sc = c["securityContext"]
+    assert sc["runAsUser"] == 0
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "privileged" not in sc
+    env = env_of(c)
+    assert env["DSCACHE_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["DSCACHE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["DSCACHE_CACHE_ROOT"] == "/var/lib/dscache"
+    assert env["DSCACHE_AGENT_PORT"] == "9477"
+    assert (env["DSCACHE_NODE_BUDGET"], env["DSCACHE_NODE_HEADROOM"], env["DSCACHE_NODE_MAX_LABELS"]) == (
+        "80%",
+        "15%",
+        "16",
+    )
+    assert env["DSCACHE_LOG_LEVEL"] == "INFO"
+    # The only host path: cacheRoot, at the same path inside.
+    host = [v for v in pod["volumes"] if "hostPath" in v]
+    assert host == [{"name": "cache-root", "hostPath": {"path": "/var/lib/dscache", "type": "DirectoryOrCreate"}}]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["cache-root"]["mountPath"] == "/var/lib/dscache"
+
+
+def test_node_agent_env_is_what_the_agent_reads(default_docs):
+    """Every DSCACHE_* the DaemonSet sets is one dscache_node/settings.py reads (no typo goes unnoticed)."""
+    source = (REPO / "init-container" / "dscache_node" / "settings.py").read_text()
+    known = set(re.findall(r'"(DSCACHE_[A-Z_]+)"', source))
+    (c,) = one(default_docs, "DaemonSet", "dscache-node")["spec"]["template"]["spec"]["containers"]
+    env = set(env_of(c))
+    assert env <= known, env - known
+    # What the chart leaves at the agent's defaults: its internal timings.
+    assert known - env <= {"DSCACHE_NODE_SCAN_INTERVAL", "DSCACHE_NODE_UNKNOWN_LEASE_GRACE"}, known - env
+
+
+def test_node_agent_values(helm: str):
+    docs = docs_of(
+        template(
+            helm,
+            values={
+                "cacheRoot": "/mnt/nvme/dscache/",
+                "nodeAgent": {
+                    "budget": 536870912000,
+                    "tolerations": [],
+                    "priorityClassName": "dscache-node",
+                    "serviceAccount": {"create": False, "name": "node-sa"},
+                },
+            },
+        ).stdout
+    )
+    pod = one(docs, "DaemonSet", "dscache-node")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    # A number in a values file is a float to Helm: it still reaches the agent as an integer.
+    assert env_of(c)["DSCACHE_NODE_BUDGET"] == "536870912000"
+    assert env_of(c)["DSCACHE_CACHE_ROOT"] == "/mnt/nvme/dscache"
+    assert pod["volumes"][0]["hostPath"]["path"] == "/mnt/nvme/dscache"
+    assert "tolerations" not in pod
+    assert pod["priorityClassName"] == "dscache-node"
+    assert pod["serviceAccountName"] == "node-sa"
+    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["dscache-controller", "dscache-webhook"]
+    assert one(docs, "ClusterRoleBinding", "dscache-node")["subjects"] == [
+        {"kind": "ServiceAccount", "name": "node-sa", "namespace": NS}
+    ]
+
+
+def test_agent_token_secret_mounted_in_the_agents_and_the_controller(default_docs):
+    secret = one(default_docs, "Secret", "dscache-agent-token")
+    assert secret["type"] == "Opaque"
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token), token
+    path = "/var/run/dscache-agent/token"
+    for kind, name in (("DaemonSet", "dscache-node"), ("Deployment", "dscache-controller")):
+        pod = one(default_docs, kind, name)["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "agent-token"]
+        assert vol["secret"] == {"secretName": "dscache-agent-token", "defaultMode": 0o440}, name
+        (c,) = pod["containers"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "agent-token"]
+        assert (mount["mountPath"], mount["readOnly"]) == ("/var/run/dscache-agent", True), name
+        assert env_of(c)["DSCACHE_AGENT_TOKEN_FILE"] == path, name
+    # The webhook never wipes: it has no token.
+    hook = one(default_docs, "Deployment", "dscache-webhook")["spec"]["template"]["spec"]
+    assert all("agent-token" not in json.dumps(v) for v in hook["volumes"])
+    assert "DSCACHE_AGENT_TOKEN_FILE" not in env_of(hook["containers"][0])
+
+
+def test_agent_token_is_kept_across_upgrades():
+    """The token is read back with `lookup` (as the webhook certificate is) and made only when missing."""
+    text = (CHART / "templates" / "agent-token.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in text
+    assert "randAlphaNum 48" in text
+    assert re.search(r"if not \$token \}\}\s*\{\{- \$token = randAlphaNum 48", text)
+
+
+def test_node_agent_rbac(default_docs):
+    rules = _rules(one(default_docs, "ClusterRole", "dscache-node"))
+    assert rules == [
+        (("",), ("nodes",), ("get", "patch")),
+        (("",), ("pods",), ("list", "watch")),
+        (("", "events.k8s.io"), ("events",), ("create", "patch")),
+        (("dscache.io",), ("datasetcaches",), ("get", "list")),
+    ]
+    crb = one(default_docs, "ClusterRoleBinding", "dscache-node")
+    assert crb["roleRef"]["name"] == "dscache-node"
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "dscache-node", "namespace": NS}]
+    assert one(default_docs, "ServiceAccount", "dscache-node")
+    # The controller: a node view, and pre-stage pods wherever it serves (cluster-wide by default).
+    controller = _rules(one(default_docs, "ClusterRole", "dscache-controller"))
+    assert (("",), ("nodes",), ("get", "list", "watch")) in controller
+    assert (("",), ("pods",), ("list", "watch")) in controller
+    assert _rules(one(default_docs, "ClusterRole", "dscache-prestage")) == [
+        (("",), ("pods",), ("create", "delete", "get", "list", "watch"))
+    ]
+    crb = one(default_docs, "ClusterRoleBinding", "dscache-prestage")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "dscache-controller", "namespace": NS}]
+    # No more wipe helper pods in the release namespace.
+    assert not find(default_docs, "Role") and not find(default_docs, "RoleBinding")
+    # The webhook: its node index, read-only.
+    webhook = _rules(one(default_docs, "ClusterRole", "dscache-webhook"))
+    assert (("",), ("nodes",), ("list", "watch")) in webhook
+    for _, resources, verbs in webhook:
+        assert set(verbs) <= {"get", "list", "watch"} or resources == ("events",), (resources, verbs)
+
+
+def test_node_agent_disabled(helm: str):
+    docs = docs_of(template(helm, values={"nodeAgent": {"enabled": False}}).stdout)
+    assert not find(docs, "DaemonSet")
+    assert not find(docs, "ClusterRole", "dscache-node") and not find(docs, "ClusterRoleBinding", "dscache-node")
+    assert not find(docs, "ServiceAccount", "dscache-node")
+    assert not find(docs, "Service", "dscache-node-metrics")
+    # The token is still there, for agents run some other way, and the controller still sends it.
+    assert one(docs, "Secret", "dscache-agent-token")
+    (c,) = one(docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]["containers"]
+    assert env_of(c)["DSCACHE_AGENT_TOKEN_FILE"] == "/var/run/dscache-agent/token"
+
+
+def test_node_agent_metrics_service(default_docs, helm: str):
+    svc = one(default_docs, "Service", "dscache-node-metrics")
+    ds = one(default_docs, "DaemonSet", "dscache-node")
+    assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9477, "targetPort": "http", "protocol": "TCP"}]
+    # The operator's metrics Service does not select the agents, and the ServiceMonitor selects both Services.
+    operator_svc = one(default_docs, "Service", "dscache-metrics")
+    assert not operator_svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    docs = docs_of(template(helm, values={"metrics": {"serviceMonitor": {"enabled": True}}}).stdout)
+    selector = one(docs, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    for name in ("dscache-metrics", "dscache-node-metrics"):
+        assert selector.items() <= one(docs, "Service", name)["metadata"]["labels"].items(), name
+    docs = docs_of(template(helm, values={"metrics": {"enabled": False}}).stdout)
+    assert not find(docs, "Service", "dscache-node-metrics")
