@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "dscache"
 NS = "dscache-system"
 SECRET = f"/api/v1/namespaces/{NS}/secrets/dscache-webhook-tls"
+AGENT_TOKEN = f"/api/v1/namespaces/{NS}/secrets/dscache-agent-token"
 MWC = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/dscache"
 
 
@@ -115,13 +116,16 @@ def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: 
     assert len(bundles) == 6 and all(b == data["ca.crt"] for b in bundles)
     verify(tmp_path, data["ca.crt"], data["tls.crt"])
     assert api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/datasetcaches.dscache.io")
+    token = api.get(AGENT_TOKEN)["data"]["token"]
+    assert len(base64.b64decode(token)) == 48
 
-    # Upgrades (changed values, and --reuse-values) keep the certificate as is.
+    # Upgrades (changed values, and --reuse-values) keep the certificate and the agent token as is.
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--reuse-values", "--set", "webhook.timeoutSeconds=7")
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--set", "cacheRoot=/mnt/nvme/dscache")
     data2, bundles2 = tls_state(api)
     assert data2 == data
     assert bundles2 == bundles
+    assert api.get(AGENT_TOKEN)["data"]["token"] == token
     assert api.get(MWC)["webhooks"][0]["timeoutSeconds"] == 5  # the last upgrade reset it
 
     # Near expiry: renewed, and the bundle trusts old and new CA until the next upgrade.
@@ -136,6 +140,11 @@ def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: 
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--reuse-values")
     data4, bundles4 = tls_state(api)
     assert data4 == data3 and all(b == data3["ca.crt"] for b in bundles4)
+    assert api.get(AGENT_TOKEN)["data"]["token"] == token
+    # Rotating the agent token: delete the Secret, upgrade.
+    api.delete(AGENT_TOKEN)
+    helm("upgrade", "dscache", str(CHART), "-n", NS, "--reuse-values")
+    assert api.get(AGENT_TOKEN)["data"]["token"] != token
 
     # Uninstall: the CRD stays (deleting it would delete every DatasetCache).
     helm("uninstall", "dscache", "-n", NS)
@@ -231,13 +240,14 @@ def test_operator_runs_with_the_charts_rbac(api: KubeAPI, helm, s3_server, bucke
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"watchNamespaces": ["ml-team"], "rbac": {"scopeToWatchNamespaces": True}}))
     helm("upgrade", "--install", "dscache", str(CHART), "-n", NS, "--create-namespace", "-f", str(values))
-    # No cluster-wide grant except kopf's read-only discovery.
+    # No cluster-wide grant except the read-only discovery (CRDs, namespaces, nodes) and the
+    # node agents' own (each patches its Node and watches its node's pods in every namespace).
     crbs = api.get("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings")["items"]
-    assert [
+    assert sorted(
         b["metadata"]["name"]
         for b in crbs
         if b["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == "dscache"
-    ] == ["dscache-discovery"]
+    ) == ["dscache-discovery", "dscache-node"]
 
     # The API server's RBAC authorizer sees new bindings through its own informer, a
     # moment after they are created: wait until it grants them, so a 403 in the logs
@@ -246,7 +256,10 @@ def test_operator_runs_with_the_charts_rbac(api: KubeAPI, helm, s3_server, bucke
         user = f"system:serviceaccount:{NS}:dscache-controller"
         checks = [
             {"verb": "list", "group": "jobset.x-k8s.io", "resource": "jobsets", "namespace": "ml-team"},
-            {"verb": "create", "resource": "pods", "namespace": NS},
+            # Pre-stage pods, in the watched namespace (no more wipe helpers in its own).
+            {"verb": "create", "resource": "pods", "namespace": "ml-team"},
+            # Its node view: cluster-scoped, granted by the discovery ClusterRole in scoped mode.
+            {"verb": "watch", "resource": "nodes"},
             {"verb": "get", "resource": "secrets", "namespace": "ml-team"},
         ]
         return all(
