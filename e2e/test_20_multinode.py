@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import RELEASE_NS, REPO, cache_status, host_copy, init_summary, send_go
+from conftest import REPO, cache_status, host_copy, init_summary, send_go
 from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, node_sh, schedulable_nodes, wait_for
