@@ -60,7 +60,7 @@ PYEOF
 say "helm install dscache charts/dscache (cacheRoot=$CACHE_ROOT)"
 t=$SECONDS
 for ns in dscache-system ml; do k get namespace "$ns" >/dev/null 2>&1 || k create namespace "$ns" >/dev/null; done
-# Wipe helper pods mount a hostPath: the release namespace stays at Pod Security "privileged".
+# The node agents mount a hostPath on the host network: the release namespace stays at Pod Security "privileged".
 k label namespace dscache-system --overwrite pod-security.kubernetes.io/enforce=privileged >/dev/null
 "$HELM" upgrade --install dscache charts/dscache -n dscache-system --wait --timeout 300s \
   --set cacheRoot="$CACHE_ROOT" \

@@ -173,6 +173,7 @@ async def reconcile(
         )
     elif current.get("prestage") is not None:
         wanted["prestage"] = None
+        ctx.metrics.set_prestaged(namespace, name, {})
     if not chosen or deleting:
         await _drop_prestage_pods(ctx, namespace, pods, keep=set())
     keep = {n.name: frozenset({revision.id}) for n in chosen} if revision is not None else {}
@@ -292,6 +293,7 @@ async def _prestage(
         elif pod.phase == PodPhase.SUCCEEDED and age > PRESTAGE_RETRY_S:
             await kube.delete_pod(namespace, pod_name)  # staged, yet not warm: stage again
     await _drop_prestage_pods(ctx, namespace, pods, keep=wanted_names)
+    ctx.metrics.set_prestaged(namespace, name, {n.name: nbytes or 0 for n in chosen if key in n.warm})
     message = None
     if not chosen:
         message = "no ready node with a dscache-node agent matches spec.prestage (nodeSelector, tolerations)"

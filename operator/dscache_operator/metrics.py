@@ -46,8 +46,8 @@ ADMISSION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0
 #: A stage takes from well under a second (warm) to hours (a cold multi-TB copy).
 STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 ADMISSION_RESULTS = ("admitted", "refused", "error")
-#: Outcomes of one wipe helper pod (wipe.py): started, then one of the others.
-WIPE_RESULTS = ("started", "succeeded", "kept", "busy", "failed", "timeout")
+#: Outcomes of one wipe request to a node agent (wipe.py).
+WIPE_RESULTS = ("succeeded", "kept", "busy", "failed")
 STAGER_RESULTS = ("ok", "failed")
 #: The reasons sourcecheck.py gives; others still count, they just start from nothing.
 SOURCE_REASONS = ("Listed", "NoSuchBucket", "AccessDenied", "EndpointUnreachable", "SecretNotFound")
@@ -121,7 +121,13 @@ class Metrics:
 
         per_cache = ["namespace", "cache"]
         self.wipes = Counter(
-            "dscache_wipes", "Wipe helper pods by outcome, per cache.", [*per_cache, "result"], registry=ctl
+            "dscache_wipes", "Wipe requests to node agents by outcome, per cache.", [*per_cache, "result"], registry=ctl
+        )
+        self.prestaged = Gauge(
+            "dscache_prestaged_bytes",
+            "Bytes of the current revision pre-staged on each node that holds it (spec.prestage), per cache.",
+            [*per_cache, "node"],
+            registry=ctl,
         )
         self.stager_runs = Counter(
             "dscache_stager_runs",
@@ -149,6 +155,8 @@ class Metrics:
             per_cache,
             registry=ctl,
         )
+        #: cache -> the nodes it has a dscache_prestaged_bytes series for
+        self._prestaged_nodes: dict[tuple[str, str], set[str]] = {}
         #: cache -> the stager runs already counted: (pod uid, init container startedAt)
         self._counted: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
@@ -182,8 +190,18 @@ class Metrics:
             self.reused_bytes.labels(namespace, name)
         self.inventory.caches[key] = (str(phase), [str(s) for s in states])
 
+    def set_prestaged(self, namespace: str, name: str, nodes: dict[str, int]) -> None:
+        """``nodes``: node -> bytes pre-staged there now; nodes no longer listed are dropped."""
+        for node in self._prestaged_nodes.pop((namespace, name), set()) - set(nodes):
+            self.prestaged.remove(namespace, name, node)
+        if nodes:
+            self._prestaged_nodes[(namespace, name)] = set(nodes)
+        for node, nbytes in nodes.items():
+            self.prestaged.labels(namespace, name, node).set(nbytes)
+
     def forget_cache(self, namespace: str, name: str) -> None:
         key = (namespace, name)
+        self.set_prestaged(namespace, name, {})
         self.inventory.caches.pop(key, None)
         self._counted.pop(key, None)
         for result in WIPE_RESULTS:
