@@ -978,3 +978,10 @@ def test_node_agent_metrics_service(default_docs, helm: str):
         assert selector.items() <= one(docs, "Service", name)["metadata"]["labels"].items(), name
     docs = docs_of(template(helm, values={"metrics": {"enabled": False}}).stdout)
     assert not find(docs, "Service", "dscache-node-metrics")
+
+
+def test_notes_name_the_agents(helm: str):
+    notes = render_notes(helm, {})
+    assert "kubectl get pods -n dscache-system -l app.kubernetes.io/name=dscache-node -o wide" in notes
+    assert "budget 80%" in notes
+    assert "nodeAgent.enabled=false" in render_notes(helm, {"nodeAgent": {"enabled": False}})
