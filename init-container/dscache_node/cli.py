@@ -24,11 +24,17 @@ def main() -> int:
         print(f"dscache-node: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    token = None
-    if settings.token_file:
-        with open(settings.token_file) as f:
-            token = f.read().strip() or None
-    if token is None:
+
+    def token() -> str | None:
+        if not settings.token_file:
+            return None
+        try:
+            with open(settings.token_file) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+
+    if token() is None:
         log.warning("no agent token (DSCACHE_AGENT_TOKEN_FILE): every wipe request will be refused")
     kube = Kube.from_env()
     agent = Agent(settings, kube, AgentMetrics())

@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -26,7 +27,10 @@ log = logging.getLogger("dscache-node")
 MAX_BODY = 1 << 20
 
 
-def make_server(agent: Agent, token: str | None, port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+def make_server(agent: Agent, token: Callable[[], str | None], port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+    """``token()``: the token wipes must carry, read afresh per request (a rotated Secret
+    takes effect without a restart)."""
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
             log.debug(format % args)
@@ -60,7 +64,8 @@ def make_server(agent: Agent, token: str | None, port: int, addr: str = "0.0.0.0
                     self._send(200, agent.reserve(ReserveRequest.from_json(text)).to_json().encode())
                 elif self.path == WIPE_PATH:
                     given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
-                    if not token or not hmac.compare_digest(given.encode(), token.encode()):
+                    wanted = token()
+                    if not wanted or not hmac.compare_digest(given.encode(), wanted.encode()):
                         return self._error(401, "a wipe needs the agent token (Authorization: Bearer ...)")
                     summary = agent.wipe(WipeRequest.from_json(text))
                     self._send(200, summary.to_json().encode())

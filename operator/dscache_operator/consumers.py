@@ -54,9 +54,9 @@ MODE_ANNOTATION = "dscache.io/volume"
 #: Stray leases recorded per (node, revision) are capped: status must stay small.
 MAX_STRAY_LEASES = 200
 #: How long a revision that a wipe found held by what it could not release
-#: waits before the next wipe helper, unless a lease it found can be released
+#: waits before the next wipe request, unless a lease it found can be released
 #: by then. Without it a stray entry (a file someone left under leases/, which no
-#: pod's end will ever release) started a helper pod every reconciliation.
+#: pod's end will ever release) sent a wipe every reconciliation.
 KEPT_RETRY_S = 300.0
 
 #: The pseudo-revision of a node's version 1 copy: the data that version 1 staged
@@ -437,7 +437,7 @@ def plan_node(
         kept = [r for r in entry.revisions if r.keptAt]
         waits = bool(kept) and all(_kept_waits(r, live_anywhere, now) for r in kept)
         if not consumers and not blocked_everywhere and not waits:
-            # One helper removes C itself once no lease at all remains.
+            # One wipe removes C itself once no lease at all remains.
             release = {p.uid for p in done_here if p.uid}
             for r in active:
                 release.update(u for u in r.strayLeases if u not in live_anywhere)
@@ -462,7 +462,7 @@ def plan_node(
                 # once every webhook replica runs it that set only shrinks and the
                 # condition stays true. What is left is a rolling upgrade, where an
                 # old replica may admit such a pod that our view does not show yet;
-                # the helper closes that on disk (dscache_stager.wipe): while its
+                # the agent's wipe closes that on disk (dscache_stager.wipe): while its
                 # stager stages it holds version 1's lock (the wipe is busy), once
                 # it finished the copy changed less than LEGACY_QUIET_S ago (busy
                 # too), and before it starts its pod reads nothing and it stages a

@@ -2,7 +2,7 @@
 
 kopf does our watching, patching and Events; this covers the few direct calls
 we need (GET a DatasetCache on a cold index, read one Secret, create/delete
-wipe helper pods) without pulling a full client library into memory.
+pre-stage pods) without pulling a full client library into memory.
 """
 
 from __future__ import annotations
@@ -136,9 +136,6 @@ class Kube:
     async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
 
-    async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return await self.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
-
     async def create_pod(self, namespace: str, pod: dict[str, Any]) -> dict[str, Any] | None:
         """Create; None if it already exists (deterministic names make this idempotent)."""
         try:
@@ -158,13 +155,6 @@ class Kube:
         except ApiError as e:
             if e.status != 404:
                 raise
-
-    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        data = await self.request(
-            "GET", f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": label_selector}
-        )
-        items: list[dict[str, Any]] = data.get("items", [])
-        return items
 
 
 def connection_info(**kwargs: Any) -> kopf.ConnectionInfo:

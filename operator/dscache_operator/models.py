@@ -360,7 +360,7 @@ class NodeStatus(_Model):
     volume: VolumeMode = Field(
         default=VolumeMode.HOST_PATH,
         description="HostPath: a node-level copy under the operator's cacheRoot "
-        "(wiped by a helper pod); EmptyDir: a per-pod copy that the "
+        "(wiped by the node's dscache-node agent); EmptyDir: a per-pod copy that the "
         "kubelet removes with the pod.",
     )
     bytes: int | None = Field(default=None, ge=0, description="Bytes of the dataset on the node.")

@@ -88,8 +88,8 @@ class Settings:
     ``<cacheRoot>/<namespace>/<cache name>``. Only the admin chooses it."""
 
     stager_image: str = dataclasses.field(default_factory=lambda: f"dscache-stager:{package_version()}")
-    """``DSCACHE_STAGER_IMAGE``: image of the init container and of the wipe
-    helper pods (it provides ``dscache-stage``); default tag: the package version."""
+    """``DSCACHE_STAGER_IMAGE``: image of the init container and of pre-stage pods
+    (it provides ``dscache-stage``); default tag: the package version."""
 
     stager_pull_policy: str = "IfNotPresent"
     """``DSCACHE_STAGER_PULL_POLICY``: imagePullPolicy of injected/helper containers."""
@@ -104,7 +104,7 @@ class Settings:
     """``DSCACHE_STAGER_CONCURRENCY``: ``--concurrency`` of the stager (unset: its default)."""
 
     namespace: str = "dscache-system"
-    """``DSCACHE_NAMESPACE``: the operator's own namespace, where wipe helper pods run."""
+    """``DSCACHE_NAMESPACE``: the operator's own namespace (where its node agents run)."""
 
     watch_namespaces: tuple[str, ...] = ()
     """``DSCACHE_WATCH_NAMESPACES``: comma-separated namespaces to watch;
@@ -122,13 +122,6 @@ class Settings:
     webhook_key: str | None = None
     """``DSCACHE_WEBHOOK_KEY``: PEM private key of the serving certificate."""
 
-    wipe_tolerations: tuple[dict[str, Any], ...] = ({"operator": "Exists"},)
-    """``DSCACHE_WIPE_TOLERATIONS``: JSON list of tolerations of wipe helper
-    pods; the default tolerates every taint so that every node can be wiped."""
-
-    wipe_priority_class: str | None = None
-    """``DSCACHE_WIPE_PRIORITY_CLASS``: priorityClassName of wipe helper pods."""
-
     reconcile_interval: float = 10.0
     """``DSCACHE_RECONCILE_INTERVAL``: seconds between level-based
     reconciliations of each DatasetCache (consumers, node states, wipes)."""
@@ -141,13 +134,6 @@ class Settings:
 
     metrics_port: int = 9090
     """``DSCACHE_METRICS_PORT``: port of the Prometheus endpoint (``/metrics``); 0 disables it."""
-
-    image_pull_secrets: tuple[str, ...] = ()
-    """``DSCACHE_IMAGE_PULL_SECRETS``: comma-separated names of Secrets in the
-    operator's namespace, set as imagePullSecrets on the wipe helper pods (they
-    run there). Not added to users' pods: a pull secret only works in its own
-    namespace, so the stager image must be pullable with the user pod's own
-    pull secrets or the nodes' credentials (see the chart README)."""
 
     agent_port: int = 9477
     """``DSCACHE_AGENT_PORT``: port of the node agents (``dscache-node``, host network): the
@@ -195,17 +181,10 @@ class Settings:
             webhook_port=int(opt("DSCACHE_WEBHOOK_PORT") or d.webhook_port),
             webhook_cert=opt("DSCACHE_WEBHOOK_CERT"),
             webhook_key=opt("DSCACHE_WEBHOOK_KEY"),
-            wipe_tolerations=(
-                tuple(json.loads(get("DSCACHE_WIPE_TOLERATIONS", "")))
-                if opt("DSCACHE_WIPE_TOLERATIONS")
-                else d.wipe_tolerations
-            ),
-            wipe_priority_class=opt("DSCACHE_WIPE_PRIORITY_CLASS"),
             reconcile_interval=float(opt("DSCACHE_RECONCILE_INTERVAL") or d.reconcile_interval),
             source_retry_interval=float(opt("DSCACHE_SOURCE_RETRY_INTERVAL") or d.source_retry_interval),
             health_port=int(opt("DSCACHE_HEALTH_PORT") or d.health_port),
             metrics_port=int(opt("DSCACHE_METRICS_PORT") or d.metrics_port),
-            image_pull_secrets=tuple(_csv(get("DSCACHE_IMAGE_PULL_SECRETS", ""))),
             agent_port=int(opt("DSCACHE_AGENT_PORT") or d.agent_port),
             agent_token_file=opt("DSCACHE_AGENT_TOKEN_FILE"),
             placement_weight=_weight(opt("DSCACHE_PLACEMENT_WEIGHT") or str(d.placement_weight)),

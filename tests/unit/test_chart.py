@@ -407,8 +407,7 @@ def test_env_names_are_the_operator_settings(default_docs):
     }
     controller_only = {"DSCACHE_AGENT_TOKEN_FILE"}  # the webhook never wipes: it does not get the token
     optional = {"DSCACHE_STAGER_CONCURRENCY"}  # set only when given
-    # Settings of the wipe helper pods, which are gone (the node agents wipe): nothing reads them.
-    unused = {"DSCACHE_WIPE_TOLERATIONS", "DSCACHE_WIPE_PRIORITY_CLASS"}
+    unused: set[str] = set()
     for name, wanted, never in (
         ("dscache-controller", known - webhook_only - optional - unused, webhook_only | unused),
         ("dscache-webhook", known - controller_only - optional - unused, controller_only | unused),
@@ -791,7 +790,6 @@ def test_service_accounts_images_pull_secrets_and_spread(helm: str):
     assert c["image"] == f"ghcr.io/acme/dscache-operator@{digest}"
     env = env_of(c)
     assert env["DSCACHE_STAGER_IMAGE"] == "ghcr.io/acme/dscache-stager:9.9"
-    assert env["DSCACHE_IMAGE_PULL_SECRETS"] == "regcred"
     assert (env["DSCACHE_LOG_LEVEL"], env["DSCACHE_LOG_FORMAT"]) == ("DEBUG", "json")
     hook = one(docs, "Deployment", "dscache-webhook")["spec"]["template"]["spec"]
     (tsc,) = hook["topologySpreadConstraints"]

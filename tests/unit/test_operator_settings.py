@@ -14,7 +14,6 @@ def test_defaults():
     s = Settings.from_env({})
     assert s.cache_root == "/var/lib/dscache"
     assert s.watch_namespaces == ()
-    assert s.wipe_tolerations == ({"operator": "Exists"},)
 
 
 def test_from_env():
@@ -26,7 +25,6 @@ def test_from_env():
             "DSCACHE_WATCH_NAMESPACES": "ml, research,,",
             "DSCACHE_WEBHOOK_PORT": "8443",
             "DSCACHE_WEBHOOK_CERT": "/tls/tls.crt",
-            "DSCACHE_WIPE_TOLERATIONS": '[{"key": "gpu", "operator": "Exists"}]',
             "DSCACHE_RECONCILE_INTERVAL": "2.5",
             "DSCACHE_STAGER_CONCURRENCY": "64",
         }
@@ -36,7 +34,6 @@ def test_from_env():
     assert s.stager_image == "reg/stager:1" and s.namespace == "ops"
     assert s.watch_namespaces == ("ml", "research")
     assert s.webhook_port == 8443 and s.webhook_cert == "/tls/tls.crt" and s.webhook_key is None
-    assert s.wipe_tolerations == ({"key": "gpu", "operator": "Exists"},)
     assert s.reconcile_interval == 2.5 and s.stager_concurrency == 64
 
 
@@ -137,10 +134,8 @@ def test_source_listing_pins_the_contract_revision(monkeypatch):
 
 
 def test_logging_and_pull_secret_settings():
-    s = Settings.from_env(
-        {"DSCACHE_LOG_LEVEL": "debug", "DSCACHE_LOG_FORMAT": "JSON", "DSCACHE_IMAGE_PULL_SECRETS": "a, b"}
-    )
-    assert (s.log_level, s.log_format, s.image_pull_secrets) == ("DEBUG", "json", ("a", "b"))
+    s = Settings.from_env({"DSCACHE_LOG_LEVEL": "debug", "DSCACHE_LOG_FORMAT": "JSON"})
+    assert (s.log_level, s.log_format) == ("DEBUG", "json")
     assert (Settings.from_env({}).log_level, Settings.from_env({}).log_format) == ("INFO", "text")
     with pytest.raises(ValueError, match="DSCACHE_LOG_FORMAT"):
         Settings.from_env({"DSCACHE_LOG_FORMAT": "xml"})

@@ -46,7 +46,7 @@ def agent(tmp_path):
     root.mkdir()
     port = free_port()
     a = Agent(AgentSettings(node="n1", cache_root=str(root), port=port), None, AgentMetrics())
-    server = make_server(a, TOKEN, port, addr="127.0.0.1")
+    server = make_server(a, lambda: TOKEN, port, addr="127.0.0.1")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield a
     server.shutdown()

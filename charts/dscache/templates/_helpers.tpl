@@ -183,10 +183,6 @@ agents. What only one of them needs is in its Deployment: the agent token
   value: {{ .Values.health.port | int | toString | quote }}
 - name: DSCACHE_METRICS_PORT
   value: {{ ternary (.Values.metrics.port | int) 0 .Values.metrics.enabled | toString | quote }}
-{{- $secrets := list }}
-{{- range .Values.imagePullSecrets }}{{ $secrets = append $secrets .name }}{{ end }}
-- name: DSCACHE_IMAGE_PULL_SECRETS
-  value: {{ join "," $secrets | quote }}
 - name: DSCACHE_LOG_LEVEL
   value: {{ .Values.logging.level | quote }}
 - name: DSCACHE_LOG_FORMAT
