@@ -337,7 +337,8 @@ def _kill_agent(kube, node: str) -> int:
     pod = agent.agent_pod(kube, node)
     assert pod is not None, f"no agent on {node}"
     restarts = sum(cs.get("restartCount", 0) for cs in pod["status"].get("containerStatuses") or [])
-    p = node_sh("pkill -9 -f 'bin/dscache-node' && echo killed", node=node)
+    # "[b]in": the pattern must not match this very shell's command line.
+    p = node_sh("pkill -9 -f 'python3 /opt/dscache/[b]in/dscache-node' && echo killed", node=node)
     assert "killed" in p.stdout, p.stderr
     return restarts
 
