@@ -24,7 +24,7 @@ from dscache_contract import RevisionRef
 from . import common, prestage, sourcecheck, wipe
 from . import status as st
 from .common import Context, ctx_of
-from .consumers import MAX_STRAY_LEASES, PodInfo, fmt_time, parse_time, plan_nodes
+from .consumers import MAX_STRAY_LEASES, NodePlan, PodInfo, Release, fmt_time, parse_time, plan_nodes
 from .kube import ApiError
 from .models import (
     GROUP,
@@ -87,72 +87,20 @@ async def reconcile(
     **_: Any,
 ) -> tuple[int, int] | None:
     """Recompute and patch status; return (live consumers, copies not yet wiped),
-    or None while the pod/Job views are still filling (no node decision then)."""
+    or None while the pod/Job views are still filling (no node decision then).
+
+    1. the source, when due (sourcecheck.py); 2. pre-staging (prestage.py);
+    3. the node plan (consumers.py), its wipes carried out by the nodes' agents
+    (wipe.py); 4. the Ready condition and the warm counts (status.py)."""
     cache = DatasetCacheSpec.model_validate(dict(spec))
     current: dict[str, Any] = dict(status)
-    wanted: dict[str, Any] = {}
     now = _now()
-    kube = ctx.api()
-
-    # 1. The source, on create/spec change (and retried while it is failing).
-    why = (
-        None
-        if deleting
-        else sourcecheck.source_due(
-            meta, current, memo, ctx.settings.source_retry_interval, cache.refresh.interval, now
-        )
-    )
-    if why is not None:
-        result = await sourcecheck.check_source(kube, namespace, cache, ctx.settings.namespace)
-        memo.last_check = time.monotonic()
-        ctx.metrics.source_checked(result.reason)
-        generation = meta.get("generation")
-        conditions = st.set_condition(
-            current.get("conditions") or [],
-            type=st.SOURCE_READY,
-            status={True: "True", False: "False", None: "Unknown"}[result.ok],
-            reason=result.reason,
-            message=result.message,
-            generation=generation,
-            now=now,
-        )
-        old = st.get_condition(current, st.SOURCE_READY)
-        if not old or old.get("reason") != result.reason or old.get("observedGeneration") != generation:
-            kopf.event(
-                body,
-                type="Warning" if result.ok is False else "Normal",
-                reason="SourceChecked" if result.ok else result.reason,
-                message=result.message,
-            )
-        wanted.update(
-            conditions=conditions,
-            observedGeneration=generation,
-            phase=Phase.FAILED if result.ok is False else Phase.READY,
-            **st.source_fragment(result.objects, result.bytes),
-        )
-        token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
-        if token is not None:
-            wanted["observedRefresh"] = token
-        if result.ok and result.revision is not None:
-            old_rev = (current.get("revision") or {}).get("id")
-            wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now)
-            if old_rev != result.revision.id:
-                kopf.event(
-                    body,
-                    type="Normal",
-                    reason="RevisionPinned",
-                    message=f"revision {result.revision.id} ({result.objects} objects, {result.bytes} "
-                    f"bytes) pinned ({why}); was {old_rev or 'none'}",
-                )
-        elif result.ok is None and current.get("revision"):
-            wanted["revision"] = None  # nothing verifiable to pin any more
-    elif not current.get("phase"):
-        wanted["phase"] = Phase.PENDING
+    wanted = await _check_source(ctx, body, meta, cache, namespace, current, memo, deleting, now)
     if deleting:
         wanted["phase"] = Phase.DELETING
 
-    # 2. Consumers and node copies, only once the views of pods and Jobs are
-    #    complete (a cold view would look like "no consumers" and wipe in-use copies).
+    # Node decisions only once the views of pods and Jobs are complete (a cold view
+    # would look like "no consumers" and wipe in-use copies).
     views: Views | None = ctx.views
     if views is None or not views.ready():
         for key, value in st.changed(current, wanted).items():
@@ -165,20 +113,125 @@ async def reconcile(
     ctx.metrics.observe_stagers(namespace, name, pods)
     revision = st.revision_ref(wanted.get("revision", current.get("revision")))
     rev_bytes = (wanted.get("revision") or current.get("revision") or {}).get("bytes")
-    chosen = []
+
+    chosen: list[NodeInfo] = []
     if cache.prestage is not None and revision is not None and not deleting:
         chosen = prestage.choose(cache.prestage, nodes.values(), namespace, name, revision.id)
         wanted["prestage"] = await _prestage(
             ctx, meta, cache, namespace, name, revision, rev_bytes, chosen, pods, now, logger
         )
-    elif current.get("prestage") is not None:
-        wanted["prestage"] = None
+    else:
+        if current.get("prestage") is not None:
+            wanted["prestage"] = None
         ctx.metrics.set_prestaged(namespace, name, {})
-    if not chosen or deleting:
         await _drop_prestage_pods(ctx, namespace, pods, keep=set())
     keep = {n.name: frozenset({revision.id}) for n in chosen} if revision is not None else {}
+
     plans = plan_nodes(prior, pods, owners, cache.retention, now, deleting=deleting, keep=keep)
-    gone = await _gone_nodes(kube, [node for node, plan in plans.items() if plan.wipe])
+    entries, live, pending = await _carry_out(ctx, body, namespace, name, plans, nodes, now, logger)
+    _events_for_transitions(body, {p.node: p for p in prior}, entries)
+    wanted.update(st.nodes_fragment(entries))
+    wanted["owners"] = st.owner_pins(pods, owners, current.get("owners") or [])
+    wanted["warm"] = st.warm_fragment(namespace, name, revision, entries, nodes.values())
+
+    conditions = wanted.get("conditions") or current.get("conditions") or []
+    source = st.get_condition({"conditions": conditions}, st.SOURCE_READY)
+    ready = st.ready_condition(source, revision, wanted.get("prestage", current.get("prestage")), deleting)
+    wanted["conditions"] = st.set_condition(conditions, **ready, generation=meta.get("generation"), now=now)
+    wanted["reason"] = ready["reason"]
+
+    for key, value in st.changed(current, wanted).items():
+        patch.status[key] = value
+    ctx.metrics.set_cache(
+        namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING, [e.state for e in entries]
+    )
+    return live, pending
+
+
+async def _check_source(
+    ctx: Context,
+    body: kopf.Body,
+    meta: Any,
+    cache: DatasetCacheSpec,
+    namespace: str,
+    current: dict[str, Any],
+    memo: Any,
+    deleting: bool,
+    now: datetime.datetime,
+) -> dict[str, Any]:
+    """The status fields a source check changes, when one is due (on create, a spec or
+    refresh change, the refresh interval, and retried while it is failing)."""
+    wanted: dict[str, Any] = {}
+    why = (
+        None
+        if deleting
+        else sourcecheck.source_due(
+            meta, current, memo, ctx.settings.source_retry_interval, cache.refresh.interval, now
+        )
+    )
+    if why is None:
+        if not current.get("phase"):
+            wanted["phase"] = Phase.PENDING
+        return wanted
+    result = await sourcecheck.check_source(ctx.api(), namespace, cache, ctx.settings.namespace)
+    memo.last_check = time.monotonic()
+    ctx.metrics.source_checked(result.reason)
+    generation = meta.get("generation")
+    conditions = st.set_condition(
+        current.get("conditions") or [],
+        type=st.SOURCE_READY,
+        status={True: "True", False: "False", None: "Unknown"}[result.ok],
+        reason=result.reason,
+        message=result.message,
+        generation=generation,
+        now=now,
+    )
+    old = st.get_condition(current, st.SOURCE_READY)
+    if not old or old.get("reason") != result.reason or old.get("observedGeneration") != generation:
+        kopf.event(
+            body,
+            type="Warning" if result.ok is False else "Normal",
+            reason="SourceChecked" if result.ok else result.reason,
+            message=result.message,
+        )
+    wanted.update(
+        conditions=conditions,
+        observedGeneration=generation,
+        phase=Phase.FAILED if result.ok is False else Phase.READY,
+        **st.source_fragment(result.objects, result.bytes),
+    )
+    token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
+    if token is not None:
+        wanted["observedRefresh"] = token
+    if result.ok and result.revision is not None:
+        old_rev = (current.get("revision") or {}).get("id")
+        wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now)
+        if old_rev != result.revision.id:
+            kopf.event(
+                body,
+                type="Normal",
+                reason="RevisionPinned",
+                message=f"revision {result.revision.id} ({result.objects} objects, {result.bytes} "
+                f"bytes) pinned ({why}); was {old_rev or 'none'}",
+            )
+    elif result.ok is None and current.get("revision"):
+        wanted["revision"] = None  # nothing verifiable to pin any more
+    return wanted
+
+
+async def _carry_out(
+    ctx: Context,
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    plans: dict[str, NodePlan],
+    nodes: dict[str, NodeInfo],
+    now: datetime.datetime,
+    logger: Any,
+) -> tuple[list[NodeStatus], int, int]:
+    """Send each planned wipe to its node's agent and record the outcomes in the node entries.
+    Returns the entries to show, the live consumers, and the copies not wiped yet."""
+    gone = await _gone_nodes(ctx.api(), [node for node, plan in plans.items() if plan.wipe])
     entries: list[NodeStatus] = []
     live = pending = 0
     for node, plan in plans.items():
@@ -197,51 +250,31 @@ async def reconcile(
             outcome, leases = await wipe.drive(
                 ctx.settings, ctx.metrics, body, namespace, name, entry, step, nodes.get(node), logger
             )
-            for r in entry.revisions:
-                if step.revision not in (None, r.id):
-                    continue
-                if outcome is wipe.Outcome.REMOVED:
-                    r.wipedAt, r.strayLeases, r.consumers, r.keptAt = fmt_time(now), [], 0, None
-                elif outcome is wipe.Outcome.KEPT:
-                    # Leases of pods we did not release: looked at again next time (see
-                    # consumers.plan_node for why an unknown one is then released, and
-                    # why a revision kept by nothing releasable waits before the next try).
-                    r.strayLeases, r.keptAt = sorted(set(leases))[:MAX_STRAY_LEASES], fmt_time(now)
-            if outcome is not wipe.Outcome.REMOVED:
-                pending += 1
-        if (
-            plan.wipe
-            and not any(r.wipedAt is None for r in entry.revisions)
-            and not entry.consumers
-            and entry.state != NodeState.WIPED
-        ):
-            entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
+            record_outcome(entry, step, outcome, leases, now)
+            pending += outcome is not wipe.Outcome.REMOVED
+        if plan.wipe and not entry.consumers and all(r.wipedAt for r in entry.revisions):
+            if entry.state != NodeState.WIPED:
+                entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
         elif not plan.wipe and entry.state != NodeState.WIPED and entry.volume == VolumeMode.HOST_PATH:
             pending += 1
         entries.append(entry)
-    _events_for_transitions(body, {p.node: p for p in prior}, entries)
-    wanted.update(st.nodes_fragment(entries))
-    wanted["owners"] = st.owner_pins(pods, owners, current.get("owners") or [])
-    wanted["warm"] = st.warm_fragment(namespace, name, revision, entries, nodes.values())
-    source = st.get_condition(
-        {"conditions": wanted.get("conditions") or current.get("conditions") or []}, st.SOURCE_READY
-    )
-    ready = st.ready_condition(source, revision, wanted.get("prestage", current.get("prestage")), deleting)
-    wanted["conditions"] = st.set_condition(
-        wanted.get("conditions") or current.get("conditions") or [],
-        **ready,
-        generation=meta.get("generation"),
-        now=now,
-    )
-    wanted["reason"] = ready["reason"]
+    return entries, live, pending
 
-    diff = st.changed(current, wanted)
-    for key, value in diff.items():
-        patch.status[key] = value
-    ctx.metrics.set_cache(
-        namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING, [e.state for e in entries]
-    )
-    return live, pending
+
+def record_outcome(
+    entry: NodeStatus, step: Release, outcome: wipe.Outcome, leases: list[str], now: datetime.datetime
+) -> None:
+    """What one wipe's outcome changes in its node's revisions."""
+    for r in entry.revisions:
+        if step.revision not in (None, r.id):
+            continue
+        if outcome is wipe.Outcome.REMOVED:
+            r.wipedAt, r.strayLeases, r.consumers, r.keptAt = fmt_time(now), [], 0, None
+        elif outcome is wipe.Outcome.KEPT:
+            # Leases of pods we did not release: looked at again next time (see
+            # consumers.plan_node for why an unknown one is then released, and
+            # why a revision kept by nothing releasable waits before the next try).
+            r.strayLeases, r.keptAt = sorted(set(leases))[:MAX_STRAY_LEASES], fmt_time(now)
 
 
 async def _prestage(
