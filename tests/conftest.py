@@ -76,3 +76,14 @@ def dscache_operator(kube_api, tmp_path_factory: pytest.TempPathFactory):
 def opted_ns(kube_api) -> str:
     """A fresh namespace labelled dscache.io/injection=enabled."""
     return kube_api.namespace(f"ml-{next(_ns_ids)}", {"dscache.io/injection": "enabled"})
+
+
+@pytest.fixture
+def agents(kube_api, dscache_operator, tmp_path):
+    """Node agents (dscache-node processes) this test starts, one per fake Node: ``agents.start(node)``.
+    They read the controller's agent token; all are stopped when the test ends."""
+    from tests.support.nodeagent import NodeAgents
+
+    pool = NodeAgents(kube_api, tmp_path / "agents", dscache_operator.agent_token_file)
+    yield pool
+    pool.stop_all()
