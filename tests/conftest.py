@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +89,20 @@ def agents(kube_api, dscache_operator, tmp_path):
     pool = NodeAgents(kube_api, tmp_path / "agents", dscache_operator.agent_token_file)
     yield pool
     pool.stop_all()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A size- and inode-limited tmpfs, like a nearly full NVMe."""
+
+    def mount(size: str, inodes: int = 10_000) -> Path:
+        mnt = tmp_path / f"disk-{size}-{inodes}"
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(mnt)], check=True)
+        mounts.append(mnt)
+        return mnt
+
+    mounts: list[Path] = []
+    yield mount
+    for m in mounts:
+        subprocess.run(["umount", str(m)], check=False)
