@@ -226,28 +226,43 @@ def test_a_wipe_takes_the_label_off_before_the_copy_goes(kube_api, agents, ns, t
 def test_a_killed_agent_finishes_the_removal_and_its_labels_match_the_disk(kube_api, agents, ns):
     k = kube_api
     node = f"agent-c{next(_ids)}"
-    agent = agents.start(node)
-    root = agent.cache_root
+    root = agents.workdir / node / "root"
     keep, going, held = rev("keep"), rev("going"), rev("held")
     stage_copy(root, ns, "keep", keep)
-    c_going = stage_copy(root, ns, "going", going)
+    # A large tree, so that its removal takes a moment (about a second here).
+    c_going = stage_copy(root, ns, "going", going, {f"d{i % 50}/f{i}": b"" for i in range(20000)})
     c_held = stage_copy(root, ns, "held", held, leases=("pod-uid-1",))
     stage_copy(root, ns, "whole", rev("whole"))
-    k.wait_for(lambda: len(warm_labels(k, node)) == 4, what="four copies labelled")
+    agent = agents.start(node)
+    assert len(warm_labels(k, node)) == 4
 
-    agent.stop(kill=True)  # SIGKILL
-    # What a removal killed half way leaves: the revision (and a whole cache dir) renamed
-    # to .gone-*, partly deleted; their labels were still on the Node.
-    gone = Path(contract.revisions_root(str(c_going))) / f".gone-{going}-4242-1"
-    os.rename(contract.revision_dir(str(c_going), going), gone)
-    os.unlink(gone / "data" / "a.bin")
+    # SIGKILLed while it removes a revision (the controller asked for the wipe).
+    revs_root = Path(contract.revisions_root(str(c_going)))
+    answer: list[object] = []
+    t = threading.Thread(
+        target=lambda: answer.append(_try(agent.wipe, contract.WipeRequest(ns, "going", revision=going))),
+        daemon=True,
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while not any(revs_root.glob(".gone-*")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    agent.stop(kill=True)
+    t.join(30)
+    leftovers = list(revs_root.glob(".gone-*"))
+    assert leftovers, "the removal was over before the kill: nothing left to finish"
+    assert not revision_on_disk(root, ns, "going", going)
+    assert isinstance(answer[0], OSError), answer  # the controller got no answer: it would ask again
+    # Its label came off before the copy went, so the Node never claimed the half-removed tree.
+    assert contract.warm_label(ns, "going", going) not in warm_labels(k, node)
+    # While it is down: a whole cache dir left half removed by another killed process, and a
+    # label of a revision this disk does not hold (as if the disk were replaced meanwhile).
     os.rename(root / ns / "whole", root / ns / ".gone-whole-4242-2")
-    # And a label of a revision this disk never held (a disk replaced while the agent was down).
     stray = contract.warm_label(ns, "elsewhere", rev("elsewhere"))
     k.merge_patch(f"/api/v1/nodes/{node}", {"metadata": {"labels": {stray: "true"}}})
 
     agent.start()  # ready = its first pass is done
-    assert not gone.exists() and not (root / ns / ".gone-whole-4242-2").exists()
+    assert not any(revs_root.glob(".gone-*")) and not (root / ns / ".gone-whole-4242-2").exists()
     assert warm_labels(k, node) == {contract.warm_label(ns, "keep", keep), contract.warm_label(ns, "held", held)}
     assert os.path.exists(contract.lease_path(str(c_held), held, "pod-uid-1")), "a lease was lost"
     assert revision_on_disk(root, ns, "keep", keep) and revision_on_disk(root, ns, "held", held)
@@ -257,6 +272,16 @@ def test_a_killed_agent_finishes_the_removal_and_its_labels_match_the_disk(kube_
         ("held", held, 1, True),
     }
     assert "finished 2 removal(s) a killed process had left" in agent.log()
+    # The controller asks again: nothing is left, and it is told so.
+    code, text = agent.wipe(contract.WipeRequest(ns, "going", revision=going))
+    assert code == 200 and not contract.WipeSummary.from_dict(json.loads(text)).existed, text
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
 
 
 # --- (d) the byte budget: LRU eviction, never a leased copy, refusal naming both numbers -------
