@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +78,31 @@ def dscache_operator(kube_api, tmp_path_factory: pytest.TempPathFactory):
 def opted_ns(kube_api) -> str:
     """A fresh namespace labelled dscache.io/injection=enabled."""
     return kube_api.namespace(f"ml-{next(_ns_ids)}", {"dscache.io/injection": "enabled"})
+
+
+@pytest.fixture
+def agents(kube_api, dscache_operator, tmp_path):
+    """Node agents (dscache-node processes) this test starts, one per fake Node: ``agents.start(node)``.
+    They read the controller's agent token; all are stopped when the test ends."""
+    from tests.support.nodeagent import NodeAgents
+
+    pool = NodeAgents(kube_api, tmp_path / "agents", dscache_operator.agent_token_file)
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A size- and inode-limited tmpfs, like a nearly full NVMe."""
+
+    def mount(size: str, inodes: int = 10_000) -> Path:
+        mnt = tmp_path / f"disk-{size}-{inodes}"
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(mnt)], check=True)
+        mounts.append(mnt)
+        return mnt
+
+    mounts: list[Path] = []
+    yield mount
+    for m in mounts:
+        subprocess.run(["umount", str(m)], check=False)

@@ -22,6 +22,7 @@ from dscache_contract import RESERVE_PATH, WIPE_PATH, ArgsError, ReserveRequest,
 from dscache_stager.errors import BusyError, UsageError
 
 from .agent import Agent
+from .kube import ApiError
 
 log = logging.getLogger("dscache-node")
 MAX_BODY = 1 << 20
@@ -75,6 +76,10 @@ def make_server(agent: Agent, token: Callable[[], str | None], port: int, addr: 
                 self._error(409, str(e))
             except (ArgsError, UsageError, ValueError, KeyError, TypeError) as e:
                 self._error(400, f"bad request: {e}")
+            except (ApiError, OSError) as e:
+                # E.g. the API server refused to take a warm label off (then nothing was removed): say so,
+                # rather than drop the connection without an answer.
+                self._error(503, f"{self.path} failed: {e}")
 
     server = ThreadingHTTPServer((addr, port), Handler)
     server.daemon_threads = True

@@ -4,7 +4,10 @@ The controller and the webhook run as subprocesses with the ServiceAccounts
 and RBAC of operator/deploy/, and the API server calls the webhook over TLS
 through the MutatingWebhookConfiguration of operator/deploy/webhook.yaml.
 There is no kubelet and no job controller: the tests patch pod and Job status
-the way those components would.
+the way those components would, and stage a pod's copy on its node's disk the
+way its stager would. Each node a test wipes runs a real node agent
+(dscache-node, tests/support/nodeagent.py) with its own cacheRoot in a temp dir:
+the controller's wipes reach it over HTTP, and the tests assert on that disk.
 """
 
 from __future__ import annotations
@@ -12,14 +15,17 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
 import subprocess
-import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from dscache_contract import RevisionHasher, StageArgs, WipeArgs
+import dscache_contract as contract
+from dscache_contract import RevisionHasher, StageArgs
 from tests.support.kubeapi import OPERATOR_NS, ApiError, KubeAPI
+from tests.support.nodeagent import NodeAgent, revision_on_disk, stage_copy, warm_labels
 from tests.support.tools import kubectl
 
 pytestmark = pytest.mark.integration
@@ -141,8 +147,8 @@ def create_job(k: KubeAPI, ns: str, body: dict) -> dict:
 
 
 def ensure_node(k: KubeAPI, node: str) -> None:
-    """A Node object as a kubelet would register it (the operator starts no wipe helper on a
-    node the API server does not have)."""
+    """A Node object as a kubelet would register it, when the test started no agent for it
+    (tests that wipe start one: the ``agents`` fixture, tests/support/nodeagent.py)."""
     try:
         k.create("/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
     except ApiError as e:
@@ -305,82 +311,21 @@ def complete_job(k: KubeAPI, ns: str, name: str, failed: bool = False) -> None:
     k.merge_patch(f"/apis/batch/v1/namespaces/{ns}/jobs/{name}/status", {"status": status})
 
 
-def helper_pods(k: KubeAPI) -> list[dict]:
-    return k.request(
-        "GET", f"/api/v1/namespaces/{OPERATOR_NS}/pods", params={"labelSelector": "app.kubernetes.io/name=dscache-wipe"}
-    )["items"]
+def staged(agent: NodeAgent, ns: str, cache: str, pod: dict, **kw) -> Path:
+    """What the pod's stager leaves on its node: the revision it was admitted with, complete,
+    and the pod's lease on it. Returns the revision's dir under the agent's cacheRoot."""
+    rev = pod["metadata"]["annotations"]["dscache.io/revision"]
+    c = stage_copy(agent.cache_root, ns, cache, rev, leases=(pod["metadata"]["uid"],), **kw)
+    return Path(contract.revision_dir(str(c), rev))
 
 
-def helper_for(k: KubeAPI, ns: str, cache: str) -> list[dict]:
-    return [p for p in helper_pods(k) if p["metadata"]["annotations"].get("dscache.io/wipe-for") == f"{ns}/{cache}"]
+def wait_gone(k: KubeAPI, path: Path, timeout: float = 30) -> None:
+    k.wait_for(lambda: not os.path.lexists(path), timeout=timeout, what=f"{path} removed")
 
 
-def kubelet_runs_helper(k: KubeAPI, pod: dict, exit_code: int = 0, message: str | None = None) -> None:
-    t = now_rfc3339()
-    if message is None:
-        message = "" if exit_code == 0 else "error: boom"
-    k.merge_patch(
-        f"/api/v1/namespaces/{OPERATOR_NS}/pods/{pod['metadata']['name']}/status",
-        {
-            "status": {
-                "phase": "Succeeded" if exit_code == 0 else "Failed",
-                "containerStatuses": [
-                    {
-                        "name": "wipe",
-                        "ready": False,
-                        "restartCount": 0,
-                        "image": "x",
-                        "imageID": "",
-                        "state": {
-                            "terminated": {
-                                "exitCode": exit_code,
-                                "startedAt": t,
-                                "finishedAt": t,
-                                "reason": "Completed",
-                                "message": message,
-                            }
-                        },
-                    }
-                ],
-            }
-        },
-    )
-
-
-class HelperWatch:
-    """Counts wipe helper pods ADDED in the operator namespace (a real watch)."""
-
-    def __init__(self, k: KubeAPI) -> None:
-        self.k = k
-        self.added: list[tuple[str, str]] = []
-        rv = k.request("GET", f"/api/v1/namespaces/{OPERATOR_NS}/pods")["metadata"]["resourceVersion"]
-        self.proc = subprocess.Popen(
-            [
-                kubectl(),
-                "--kubeconfig",
-                str(k.kubeconfig),
-                "get",
-                "--raw",
-                f"/api/v1/namespaces/{OPERATOR_NS}/pods?watch=1&resourceVersion={rv}"
-                f"&labelSelector=app.kubernetes.io%2Fname%3Ddscache-wipe",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            ev = json.loads(line)
-            if ev["type"] == "ADDED":
-                o = ev["object"]
-                self.added.append((o["metadata"]["annotations"].get("dscache.io/wipe-for"), o["spec"].get("nodeName")))
-
-    def for_cache(self, ns: str, cache: str) -> list[str]:
-        return [node for who, node in self.added if who == f"{ns}/{cache}"]
-
-    def close(self) -> None:
-        self.proc.kill()
+def wipe_lines(agent: NodeAgent, ns: str, cache: str) -> list[str]:
+    """The wipe requests of ns/cache the agent served, as 'WHAT release=UIDS: OUTCOME'."""
+    return [line.split(f" wipe {ns}/{cache} ", 1)[1] for line in agent.wipes(ns, cache)]
 
 
 @pytest.fixture
@@ -608,7 +553,7 @@ def test_mount_clash_is_refused(kube_api, ready_cache):
     assert "clashes" in e.value.body and name in e.value.body
 
 
-def test_emptydir_namespace(kube_api, dscache_operator, s3_server, s3_bucket):
+def test_emptydir_namespace(kube_api, dscache_operator, agents, s3_server, s3_bucket):
     from tests.support.s3server import ACCESS_KEY, SECRET_KEY
 
     ns = kube_api.namespace(
@@ -623,7 +568,8 @@ def test_emptydir_namespace(kube_api, dscache_operator, s3_server, s3_bucket):
     (vol,) = [v for v in spec["volumes"] if v["name"] == "dscache-data"]
     assert vol == {"name": "dscache-data", "emptyDir": {}}
     assert spec["initContainers"][0]["securityContext"]["runAsNonRoot"] is True
-    # The kubelet removes emptyDir copies with their pods: Wiped without a helper pod.
+    # The kubelet removes emptyDir copies with their pods: Wiped without asking the node's agent.
+    agent = agents.start("node-e")
     pod = start_job_pod(kube_api, ns, job, "node-e")
     kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
     e = wait_node_state(kube_api, ns, "ds", "node-e", "Ready")
@@ -631,173 +577,160 @@ def test_emptydir_namespace(kube_api, dscache_operator, s3_server, s3_bucket):
     kubelet_status(kube_api, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
     complete_job(kube_api, ns, "train")
     wait_node_state(kube_api, ns, "ds", "node-e", "Wiped")
-    assert helper_for(kube_api, ns, "ds") == []
+    time.sleep(2)
+    assert wipe_lines(agent, ns, "ds") == []
 
 
 # --- lifecycle: node state, wipe, deletion, restart ---------------------------------------
 
 
-def test_job_completion_wipes_the_node_once(kube_api, ready_cache):
+def test_job_completion_wipes_the_node_once(kube_api, ready_cache, agents):
     k = kube_api
     ns, name = ready_cache
-    watch = HelperWatch(k)
-    try:
-        job = create_job(k, ns, job_body("train", name))
-        pod = start_job_pod(k, ns, job, "node-a")
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Pending", init="running")
-        wait_node_state(k, ns, name, "node-a", "Staging")
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
-        e = wait_node_state(k, ns, name, "node-a", "Ready")
-        assert (e["bytes"], e["objects"], e["seconds"], e["consumers"]) == (35, 3, 0.42, 1)
-        assert get_cache(k, ns, name)["status"]["readyNodes"] == 1
+    node_a, node_b = agents.start("node-a"), agents.start("node-b")
+    job = create_job(k, ns, job_body("train", name))
+    pod = start_job_pod(k, ns, job, "node-a")
+    uid, rev = pod["metadata"]["uid"], pod["metadata"]["annotations"]["dscache.io/revision"]
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Pending", init="running")
+    wait_node_state(k, ns, name, "node-a", "Staging")
+    copy_a = staged(node_a, ns, name, pod)
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+    e = wait_node_state(k, ns, name, "node-a", "Ready")
+    assert (e["bytes"], e["objects"], e["seconds"], e["consumers"]) == (35, 3, 0.42, 1)
+    assert get_cache(k, ns, name)["status"]["readyNodes"] == 1
+    # The agent verified the copy and labelled its Node: the cache counts it warm.
+    k.wait_for(lambda: contract.warm_label(ns, name, rev) in warm_labels(k, "node-a"), what="node-a warm")
 
-        # A second Job on another node is still running: its copy must stay.
-        job2 = create_job(k, ns, job_body("other", name))
-        pod2 = start_job_pod(k, ns, job2, "node-b")
-        kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+    # A second Job on another node is still running: its copy must stay.
+    job2 = create_job(k, ns, job_body("other", name))
+    pod2 = start_job_pod(k, ns, job2, "node-b")
+    copy_b = staged(node_b, ns, name, pod2)
+    kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
 
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
-        time.sleep(2.5)
-        assert watch.for_cache(ns, name) == [], "wiped while the Job had not completed yet"
-        complete_job(k, ns, "train")
-        helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper pod")[0]
-        assert helper["spec"]["nodeName"] == "node-a"
-        assert helper["spec"]["tolerations"] == [{"operator": "Exists"}]
-        rev = pod["metadata"]["annotations"]["dscache.io/revision"]
-        assert WipeArgs.from_argv(helper["spec"]["containers"][0]["args"]) == WipeArgs(
-            cache_dir=f"/var/lib/dscache-test/{ns}/{name}",
-            root="/var/lib/dscache-test",
-            revision=rev,
-            release=(pod["metadata"]["uid"],),
-            termination_log="/dev/termination-log",
-        )
-        time.sleep(2.5)  # several reconciliations while the helper runs: no second helper
-        kubelet_runs_helper(k, helper)
-        wait_node_state(k, ns, name, "node-a", "Wiped")
-        k.wait_for(lambda: not helper_for(k, ns, name), what="helper pod deleted")
-        time.sleep(3)
-        assert watch.for_cache(ns, name) == ["node-a"], watch.added
-        entry = node_entry(k, ns, name, "node-a")
-        assert entry["bytes"] == 35 and entry["seconds"] == 0.42 and entry["consumers"] == 0
-        assert node_entry(k, ns, name, "node-b")["state"] == "Ready"
-    finally:
-        watch.close()
-
-
-def test_a_copy_kept_by_a_stray_entry_gets_no_helper_loop(kube_api, ready_cache):
-    """A wipe found the revision held by an entry under leases/ that is no pod's lease
-    (no pod's end will ever release it). The node says so, and no helper is started
-    again for KEPT_RETRY_S: before keptAt, one started every reconciliation (1 s here)."""
-    k = kube_api
-    ns, name = ready_cache
-    watch = HelperWatch(k)
-    try:
-        job = create_job(k, ns, job_body("stray", name))
-        pod = start_job_pod(k, ns, job, "node-s")
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
-        complete_job(k, ns, "stray")
-        helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper")[0]
-        rev = pod["metadata"]["annotations"]["dscache.io/revision"]
-        summary = {
-            "cache": f"/var/lib/dscache-test/{ns}/{name}",
-            "revision": rev,
-            "released": [pod["metadata"]["uid"]],
-            "existed": True,
-            "removed": False,
-            "stray": [f"leases/{rev}/notes.txt"],
-        }
-        kubelet_runs_helper(k, helper, message=json.dumps(summary))
-
-        def kept() -> dict | None:
-            revs = (node_entry(k, ns, name, "node-s") or {}).get("revisions") or []
-            return next((r for r in revs if r["id"] == rev and r.get("keptAt")), None)
-
-        k.wait_for(kept, what="the revision marked kept")
-        assert "remove them by hand" in node_entry(k, ns, name, "node-s")["message"]
-        k.wait_for(lambda: not helper_for(k, ns, name), what="helper pod deleted")
-        time.sleep(5)  # five reconciliations
-        assert watch.for_cache(ns, name) == ["node-s"], watch.added
-        assert kept().get("wipedAt") is None
-    finally:
-        watch.close()
-
-
-def test_failed_stager_shows_failed_node(kube_api, ready_cache):
-    k = kube_api
-    ns, name = ready_cache
-    job = create_job(k, ns, job_body("fails", name))
-    pod = start_job_pod(k, ns, job, "node-f")
-    kubelet_status(
-        k,
-        ns,
-        pod["metadata"]["name"],
-        phase="Failed",
-        init="done",
-        exit_code=4,
-        message="error: not enough free space: need 35 bytes, 0 free",
-    )
-    e = wait_node_state(k, ns, name, "node-f", "Failed")
-    assert "not enough free space" in e["message"]
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+    time.sleep(2.5)
+    assert wipe_lines(node_a, ns, name) == [], "wiped while the Job had not completed yet"
+    assert copy_a.exists()
+    complete_job(k, ns, "train")
+    wait_node_state(k, ns, name, "node-a", "Wiped")
+    assert not copy_a.exists()
+    assert contract.warm_label(ns, name, rev) not in warm_labels(k, "node-a")
+    time.sleep(3)  # several reconciliations after the wipe: no second request
+    assert wipe_lines(node_a, ns, name) == [f"{rev} release={uid}: removed"], node_a.log()[-3000:]
+    entry = node_entry(k, ns, name, "node-a")
+    assert entry["bytes"] == 35 and entry["seconds"] == 0.42 and entry["consumers"] == 0
+    assert node_entry(k, ns, name, "node-b")["state"] == "Ready"
+    assert copy_b.exists() and wipe_lines(node_b, ns, name) == []
     events = k.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
-    assert any(ev["reason"] == "NodeFailed" for ev in events)
+    assert any(ev["reason"] == "Wiped" and "node-a" in ev["message"] for ev in events)
 
 
-def test_deleting_the_cache_runs_the_finalizer(kube_api, ready_cache):
+def test_a_copy_kept_by_a_stray_entry_gets_no_request_loop(kube_api, ready_cache, agents):
+    """A wipe found the revision held by an entry under leases/ that is no pod's lease
+    (no pod's end will ever release it). The node says so, and the agent is not asked
+    again for KEPT_RETRY_S: before keptAt, it was asked every reconciliation (1 s here)."""
     k = kube_api
     ns, name = ready_cache
+    agent = agents.start("node-s")
+    job = create_job(k, ns, job_body("stray", name))
+    pod = start_job_pod(k, ns, job, "node-s")
+    rev = pod["metadata"]["annotations"]["dscache.io/revision"]
+    copy = staged(agent, ns, name, pod)
+    stray = Path(contract.lease_dir(str(copy.parent.parent), rev)) / ".notes"  # no pod UID
+    stray.write_text("mine")
+    kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+    complete_job(k, ns, "stray")
+
+    def kept() -> dict | None:
+        revs = (node_entry(k, ns, name, "node-s") or {}).get("revisions") or []
+        return next((r for r in revs if r["id"] == rev and r.get("keptAt")), None)
+
+    k.wait_for(kept, what="the revision marked kept")
+    message = node_entry(k, ns, name, "node-s")["message"]
+    assert "remove them by hand" in message and f"leases/{rev}/.notes" in message, message
+    time.sleep(5)  # five reconciliations
+    assert [line.split(": ")[-1] for line in wipe_lines(agent, ns, name)] == ["kept"], agent.wipes(ns, name)
+    assert kept().get("wipedAt") is None
+    assert copy.exists() and stray.exists()
+
+
+def test_deleting_the_cache_runs_the_finalizer(kube_api, ready_cache, agents):
+    k = kube_api
+    ns, name = ready_cache
+    agent = agents.start("node-d")
     job = create_job(k, ns, job_body("train", name))
     pod = start_job_pod(k, ns, job, "node-d")
+    copy = staged(agent, ns, name, pod)
     kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
     wait_node_state(k, ns, name, "node-d", "Ready")
     k.delete(f"{DSC.format(ns=ns)}/{name}")
     # A live consumer blocks the wipe; the cache waits in Deleting.
     k.wait_for(lambda: get_cache(k, ns, name)["status"]["phase"] == "Deleting", what="Deleting")
     time.sleep(2)
-    assert helper_for(k, ns, name) == [] and get_cache(k, ns, name) is not None
+    assert wipe_lines(agent, ns, name) == [] and copy.exists() and get_cache(k, ns, name) is not None
     # New workloads cannot use a cache being deleted.
     with pytest.raises(ApiError) as e:
         create_job(k, ns, job_body("late", name))
     assert "being deleted" in e.value.body
     kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
     complete_job(k, ns, "train")
-    helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper on deletion")[0]
-    assert helper["spec"]["nodeName"] == "node-d"
-    kubelet_runs_helper(k, helper)
     k.wait_for(lambda: get_cache(k, ns, name) is None, timeout=30, what="cache gone after finalizer")
-    k.wait_for(lambda: not helper_for(k, ns, name), what="helper deleted")
+    # The whole cache dir went, lock file included.
+    assert not (agent.cache_root / ns / name).exists()
+    assert list((agent.cache_root / ns).iterdir()) == []
+    assert [w.split(": ")[-1] for w in wipe_lines(agent, ns, name)] == ["removed"], agent.wipes(ns, name)
+    assert wipe_lines(agent, ns, name)[0].startswith("whole cache dir release=")
 
 
-def test_failed_wipe_is_retried(kube_api, ready_cache):
+def test_failed_wipe_is_retried(kube_api, ready_cache, agents):
+    """The node's agent does not answer (stopped): the wipe fails, says so, and is asked
+    again until the agent is back."""
     k = kube_api
     ns, name = ready_cache
+    agent = agents.start("node-r")
     job = create_job(k, ns, job_body("train", name))
     pod = start_job_pod(k, ns, job, "node-r")
+    copy = staged(agent, ns, name, pod)
     kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+    agent.stop()
     complete_job(k, ns, "train", failed=True)
-    helper = k.wait_for(lambda: helper_for(k, ns, name), what="helper")[0]
-    uid = helper["metadata"]["uid"]
-    kubelet_runs_helper(k, helper, exit_code=1)
-    again = k.wait_for(
-        lambda: [p for p in helper_for(k, ns, name) if p["metadata"]["uid"] != uid],
-        what="a new helper after the failed one",
-    )[0]
-    kubelet_runs_helper(k, again)
+    entry = k.wait_for(
+        lambda: (lambda n: n if n and "did not answer" in (n.get("message") or "") else None)(
+            node_entry(k, ns, name, "node-r")
+        ),
+        what="the failed wipe in status",
+    )
+    assert entry["state"] != "Wiped" and f"127.0.0.1:{agent.port}" in entry["message"], entry
+    events = k.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+    assert any(ev["reason"] == "WipeFailed" and "retrying" in ev["message"] for ev in events)
+    time.sleep(1.5)  # retried meanwhile: still nothing removed
+    assert copy.exists()
+    agent.start()
     wait_node_state(k, ns, name, "node-r", "Wiped")
+    assert not copy.exists()
+    assert node_entry(k, ns, name, "node-r").get("message") is None
+    assert [w.split(": ")[-1] for w in wipe_lines(agent, ns, name)] == ["removed"], agent.wipes(ns, name)
 
 
-def test_operator_restart_converges(kube_api, dscache_operator, ready_cache):
+def test_operator_restart_converges(kube_api, dscache_operator, ready_cache, agents):
+    """The controller is SIGKILLed while the Job completes, and again while the agent is
+    removing the copy: the agent finishes the removal, and the restarted controller
+    converges on Wiped without leaving the copy or touching the busy node."""
     k = kube_api
     op = dscache_operator
     ns, name = ready_cache
-    watch = HelperWatch(k)
+    node_x, node_y = agents.start("node-x"), agents.start("node-y")
     try:
         job = create_job(k, ns, job_body("train", name))
         pod = start_job_pod(k, ns, job, "node-x")
+        # A large tree, so that removing it takes a moment.
+        copy_x = staged(node_x, ns, name, pod, files={f"d{i % 50}/f{i}": b"" for i in range(20000)})
         kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
         wait_node_state(k, ns, name, "node-x", "Ready")
         # Another Job keeps node-y busy across the restart.
         job2 = create_job(k, ns, job_body("busy", name))
         pod2 = start_job_pod(k, ns, job2, "node-y")
+        copy_y = staged(node_y, ns, name, pod2)
         kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
         wait_node_state(k, ns, name, "node-y", "Ready")
 
@@ -805,76 +738,89 @@ def test_operator_restart_converges(kube_api, dscache_operator, ready_cache):
         kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
         complete_job(k, ns, "train")
         time.sleep(1)
-        assert helper_for(k, ns, name) == []
+        assert copy_x.exists() and wipe_lines(node_x, ns, name) == []
         op.start("controller")
-        helper = k.wait_for(lambda: helper_for(k, ns, name), timeout=40, what="helper after restart")[0]
-        assert helper["spec"]["nodeName"] == "node-x"
 
-        # Killed again while the helper runs: the restarted operator finds the same helper.
+        # Killed again as soon as the agent is at work (the copy renamed away, its removal under way).
+        def removing() -> bool:
+            return not copy_x.exists()
+
+        k.wait_for(removing, timeout=40, interval=0.01, what="the agent removing the copy")
         op.stop("controller", kill=True)
-        kubelet_runs_helper(k, helper)
+        wait_gone(k, copy_x)  # the agent finishes what it started
+        k.wait_for(lambda: not disk_leftovers(node_x), what="no .gone- leftovers")
         op.start("controller")
         wait_node_state(k, ns, name, "node-x", "Wiped", timeout=40)
-        k.wait_for(lambda: not helper_for(k, ns, name), what="helper deleted")
         time.sleep(3)
-        assert watch.for_cache(ns, name) == ["node-x"], watch.added
+        outcomes = [w.split(": ")[-1] for w in wipe_lines(node_x, ns, name)]
+        # One request, or a second one after the restart if the first answer was lost with the
+        # killed controller: that one finds nothing left.
+        assert outcomes in (["removed"], ["removed", "absent"]), node_x.wipes(ns, name)
         assert node_entry(k, ns, name, "node-y")["state"] == "Ready"
+        assert copy_y.exists() and wipe_lines(node_y, ns, name) == []
     finally:
-        watch.close()
         if not op.alive("controller"):
             op.start("controller")
 
 
-def test_an_upgraded_node_gets_one_legacy_wipe_once_its_version_1_pod_ends(kube_api, ready_cache):
+def disk_leftovers(agent: NodeAgent) -> list[str]:
+    return [str(p) for p in agent.cache_root.rglob(".gone-*")]
+
+
+def test_an_upgraded_node_gets_one_legacy_wipe_once_its_version_1_pod_ends(kube_api, ready_cache, agents):
     """A pod admitted before the upgrade has no revision annotation: it mounts C itself and
-    reads the version 1 copy at its top. That copy is removed (wipe --legacy) only once no
+    reads the version 1 copy at its top. That copy is removed (a legacy wipe) only once no
     such pod holds the node, exactly once, and the node then shows Wiped."""
     k = kube_api
     ns, name = ready_cache
-    watch = HelperWatch(k)
-    try:
-        job = create_job(k, ns, job_body("v1job", name))
-        pod = start_job_pod(k, ns, job, "node-v1")
-        pname = pod["metadata"]["name"]
-        # As a version 1 webhook admitted it (this one only mutates on CREATE).
-        k.merge_patch(
-            f"/api/v1/namespaces/{ns}/pods/{pname}", {"metadata": {"annotations": {"dscache.io/revision": None}}}
-        )
-        kubelet_status(k, ns, pname, phase="Running", init="done", message=json.dumps(SUMMARY))
+    agent = agents.start("node-v1")
+    job = create_job(k, ns, job_body("v1job", name))
+    pod = start_job_pod(k, ns, job, "node-v1")
+    pname = pod["metadata"]["name"]
+    # As a version 1 webhook admitted it (this one only mutates on CREATE).
+    k.merge_patch(f"/api/v1/namespaces/{ns}/pods/{pname}", {"metadata": {"annotations": {"dscache.io/revision": None}}})
+    # What a version 1 stager left: the data at the top of C, its metadata in C/.dscache
+    # (last written long ago), and, beside it, a revision another pod staged since.
+    c = agent.cache_root / ns / name
+    (c / "sub").mkdir(parents=True)
+    (c / "a.bin").write_bytes(b"a" * 10)
+    (c / "sub" / "c.bin").write_bytes(b"c" * 15)
+    (c / ".dscache").mkdir()
+    for trace in ("complete", "manifest.jsonl"):
+        (c / ".dscache" / trace).write_text("{}")
+        os.utime(c / ".dscache" / trace, (time.time() - 3600, time.time() - 3600))
+    newer = rev_of(k, ns, name)
+    stage_copy(agent.cache_root, ns, name, newer, leases=("another-pod",))
+    kubelet_status(k, ns, pname, phase="Running", init="done", message=json.dumps(SUMMARY))
 
-        def legacy() -> dict | None:
-            revs = (node_entry(k, ns, name, "node-v1") or {}).get("revisions") or []
-            return next((r for r in revs if r["id"] == "legacy"), None)
+    def legacy() -> dict | None:
+        revs = (node_entry(k, ns, name, "node-v1") or {}).get("revisions") or []
+        return next((r for r in revs if r["id"] == "legacy"), None)
 
-        k.wait_for(lambda: (legacy() or {}).get("consumers") == 1, what="the version 1 copy listed, held")
-        kubelet_status(k, ns, pname, phase="Succeeded", init="done", message=json.dumps(SUMMARY))
-        time.sleep(2.5)  # its Job still runs (it may recreate the pod): kept
-        assert watch.for_cache(ns, name) == [], "the version 1 copy was wiped while its Job ran"
-        complete_job(k, ns, "v1job")
-        helper = k.wait_for(lambda: helper_for(k, ns, name), what="legacy wipe helper")[0]
-        assert helper["spec"]["nodeName"] == "node-v1"
-        assert WipeArgs.from_argv(helper["spec"]["containers"][0]["args"]) == WipeArgs(
-            cache_dir=f"/var/lib/dscache-test/{ns}/{name}",
-            root="/var/lib/dscache-test",
-            legacy=True,
-            termination_log="/dev/termination-log",
-        )
-        summary = {"cache": "/c", "legacy": True, "existed": True, "removed": True, "legacy_entries": 4}
-        kubelet_runs_helper(k, helper, message=json.dumps(summary))
-        wait_node_state(k, ns, name, "node-v1", "Wiped")
-        assert (legacy() or {}).get("wipedAt")
-        k.wait_for(lambda: not helper_for(k, ns, name), what="helper pod deleted")
-        time.sleep(3)
-        assert watch.for_cache(ns, name) == ["node-v1"], watch.added
-    finally:
-        watch.close()
+    k.wait_for(lambda: (legacy() or {}).get("consumers") == 1, what="the version 1 copy listed, held")
+    kubelet_status(k, ns, pname, phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+    time.sleep(2.5)  # its Job still runs (it may recreate the pod): kept
+    assert wipe_lines(agent, ns, name) == [], "the version 1 copy was wiped while its Job ran"
+    assert (c / "a.bin").exists()
+    complete_job(k, ns, "v1job")
+    wait_node_state(k, ns, name, "node-v1", "Wiped")
+    assert (legacy() or {}).get("wipedAt")
+    # Only what predates revisions went: revs/, leases/ and the lock stay.
+    assert sorted(p.name for p in c.iterdir()) == ["leases", "lock", "revs"], sorted(p.name for p in c.iterdir())
+    assert revision_on_disk(agent.cache_root, ns, name, newer)
+    time.sleep(3)
+    assert wipe_lines(agent, ns, name) == ["legacy copy release=-: removed"], agent.wipes(ns, name)
 
 
-def test_bare_pod_completion_wipes(kube_api, ready_cache):
+def rev_of(k: KubeAPI, ns: str, name: str) -> str:
+    return get_cache(k, ns, name)["status"]["revision"]["id"]
+
+
+def test_bare_pod_completion_wipes(kube_api, ready_cache, agents):
     """A pod with no Job (e.g. one worker of another operator's workload): its end frees the node."""
     k = kube_api
     ns, name = ready_cache
-    ensure_node(k, "node-p")
+    agent = agents.start("node-p")
     pod = k.create(
         f"/api/v1/namespaces/{ns}/pods",
         {
@@ -885,17 +831,17 @@ def test_bare_pod_completion_wipes(kube_api, ready_cache):
         },
     )
     assert pod["metadata"]["labels"]["dscache.io/consumer"] == "true"
+    copy = staged(agent, ns, name, pod)
     kubelet_status(k, ns, "worker-0", phase="Running", init="done", message=json.dumps(SUMMARY))
     wait_node_state(k, ns, name, "node-p", "Ready")
-    assert helper_for(k, ns, name) == []
+    time.sleep(1)
+    assert wipe_lines(agent, ns, name) == [] and copy.exists()
     kubelet_status(k, ns, "worker-0", phase="Succeeded", init="done", message=json.dumps(SUMMARY))
-    helper = k.wait_for(lambda: helper_for(k, ns, name), what="helper")[0]
-    assert helper["spec"]["nodeName"] == "node-p"
-    kubelet_runs_helper(k, helper)
     wait_node_state(k, ns, name, "node-p", "Wiped")
+    assert not copy.exists()
 
 
-def test_retain_while_used_keeps_then_expires(kube_api, dscache_operator, s3_server, s3_bucket, opted_ns):
+def test_retain_while_used_keeps_then_expires(kube_api, dscache_operator, agents, s3_server, s3_bucket, opted_ns):
     k = kube_api
     make_cache(
         k,
@@ -907,8 +853,10 @@ def test_retain_while_used_keeps_then_expires(kube_api, dscache_operator, s3_ser
         retention={"policy": "RetainWhileUsed", "ttlAfterLastUse": "4s"},
     )
     wait_phase(k, opted_ns, "kept", "Ready")
+    agent = agents.start("node-k")
     job = create_job(k, opted_ns, job_body("train", "kept"))
     pod = start_job_pod(k, opted_ns, job, "node-k")
+    copy = staged(agent, opted_ns, "kept", pod)
     kubelet_status(k, opted_ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
     complete_job(k, opted_ns, "train")
     k.wait_for(
@@ -919,32 +867,12 @@ def test_retain_while_used_keeps_then_expires(kube_api, dscache_operator, s3_ser
         what="Ready, unused",
     )
     time.sleep(1.5)
-    assert helper_for(k, opted_ns, "kept") == [], "wiped before ttlAfterLastUse"
-    helper = k.wait_for(lambda: helper_for(k, opted_ns, "kept"), timeout=20, what="helper after the TTL")[0]
-    kubelet_runs_helper(k, helper)
-    wait_node_state(k, opted_ns, "kept", "node-k", "Wiped")
+    assert wipe_lines(agent, opted_ns, "kept") == [] and copy.exists(), "wiped before ttlAfterLastUse"
+    wait_node_state(k, opted_ns, "kept", "node-k", "Wiped", timeout=20)
+    assert not copy.exists()
 
 
-def test_webhook_down_blocks_only_what_asked_for_a_cache_and_cold_start_admits(kube_api, dscache_operator, ready_cache):
-    k = kube_api
-    op = dscache_operator
-    ns, name = ready_cache
-    op.stop("webhook")
-    try:
-        # matchConditions: a Job that did not ask for a cache never reaches the webhook.
-        plain = create_job(k, ns, job_body("plain", None))
-        assert "initContainers" not in plain["spec"]["template"]["spec"]
-        # failurePolicy Fail: one that asked never starts without its cache.
-        with pytest.raises(ApiError) as e:
-            create_job(k, ns, job_body("asked", name))
-        assert "failed calling webhook" in e.value.body
-    finally:
-        op.start("webhook")  # returns as soon as the port listens: the index may still be cold
-    job = create_job(k, ns, job_body("asked", name))
-    assert _injected_counts(job["spec"]["template"]["spec"]) == (1, 1, [2])
-
-
-def test_namespaced_mode(kube_api, dscache_operator, s3_server, s3_bucket):
+def test_namespaced_mode(kube_api, dscache_operator, agents, s3_server, s3_bucket):
     """DSCACHE_WATCH_NAMESPACES: kopf and the informers watch only those namespaces (same RBAC)."""
     k = kube_api
     op = dscache_operator
@@ -954,16 +882,17 @@ def test_namespaced_mode(kube_api, dscache_operator, s3_server, s3_bucket):
     op.extra_env["DSCACHE_WATCH_NAMESPACES"] = mine
     try:
         op.start("controller")
+        agent = agents.start("node-n")
         for ns in (mine, other):
             make_cache(k, ns, "ds", f"s3://{s3_bucket}/data/", s3_server.endpoint, with_keys(k, ns))
         wait_phase(k, mine, "ds", "Ready")
         job = create_job(k, mine, job_body("train", "ds"))
         pod = start_job_pod(k, mine, job, "node-n")
+        copy = staged(agent, mine, "ds", pod)
         kubelet_status(k, mine, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
         complete_job(k, mine, "train")
-        helper = k.wait_for(lambda: helper_for(k, mine, "ds"), what="helper")[0]
-        kubelet_runs_helper(k, helper)
         wait_node_state(k, mine, "ds", "node-n", "Wiped")
+        assert not copy.exists()
         assert (get_cache(k, other, "ds").get("status") or {}).get("phase") is None, "unwatched ns reconciled"
         assert "orbidden" not in op.log("controller")
     finally:
@@ -1066,11 +995,13 @@ def test_a_versioned_bucket_pins_versions_and_every_pod_of_a_job_carries_the_tim
     )
 
 
-def test_a_node_that_is_gone_gets_no_helper(kube_api, ready_cache):
+def test_a_node_that_is_gone_gets_no_wipe(kube_api, ready_cache, agents):
     k = kube_api
     ns, name = ready_cache
+    agent = agents.start("node-gone")
     job = create_job(k, ns, job_body("train", name))
     pod = start_job_pod(k, ns, job, "node-gone")
+    copy = staged(agent, ns, name, pod)
     kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
     wait_node_state(k, ns, name, "node-gone", "Ready")
     k.delete("/api/v1/nodes/node-gone")
@@ -1078,7 +1009,8 @@ def test_a_node_that_is_gone_gets_no_helper(kube_api, ready_cache):
     complete_job(k, ns, "train")
     k.wait_for(lambda: node_entry(k, ns, name, "node-gone") is None, what="node dropped from status")
     time.sleep(2.5)
-    assert helper_for(k, ns, name) == []
+    # Its agent still answers at 127.0.0.1 (a test artefact), yet was never asked.
+    assert wipe_lines(agent, ns, name) == [] and copy.exists()
     events = k.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
     assert any(ev["reason"] == "NodeGone" for ev in events)
 
@@ -1169,7 +1101,7 @@ def test_api_client_survives_a_rotated_token(kube_api, dscache_operator, tmp_pat
     asyncio.run(main())
 
 
-def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operator, ready_cache):
+def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operator, ready_cache, agents):
     """A PyTorchJob (its CRD installed after the operator started: an optional kind): a
     worker that failed while the PyTorchJob runs keeps the node's copy; the copy is
     released only when the PyTorchJob has finished."""
@@ -1214,11 +1146,11 @@ def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operato
     )
     op.stop("controller")  # the absent kind is looked at again every minute; do not wait for that
     op.start("controller")
+    agent = agents.start("node-pt")
     pt = k.create(
         f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs",
         {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "pt"}, "spec": {}},
     )
-    ensure_node(k, "node-pt")
     worker = k.create(
         f"/api/v1/namespaces/{ns}/pods",
         {
@@ -1245,6 +1177,7 @@ def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operato
         },
     )
     rev = worker["metadata"]["annotations"]["dscache.io/revision"]
+    copy = staged(agent, ns, name, worker)
     kubelet_status(k, ns, "pt-worker-0", phase="Running", init="done", message=json.dumps(SUMMARY))
     wait_node_state(k, ns, name, "node-pt", "Ready")
     k.wait_for(
@@ -1256,7 +1189,8 @@ def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operato
     )
     kubelet_status(k, ns, "pt-worker-0", phase="Failed", init="done", message=json.dumps(SUMMARY))
     time.sleep(3)
-    assert helper_for(k, ns, name) == [], "wiped while the PyTorchJob still runs (it may recreate the worker)"
+    assert wipe_lines(agent, ns, name) == [], "wiped while the PyTorchJob still runs (it may recreate the worker)"
+    assert copy.exists()
     assert node_entry(k, ns, name, "node-pt")["consumers"] == 1
     t = now_rfc3339()
     k.merge_patch(
@@ -1267,26 +1201,26 @@ def test_pytorchjob_worker_lifecycle_follows_its_owner(kube_api, dscache_operato
             }
         },
     )
-    helper = k.wait_for(lambda: helper_for(k, ns, name), what="helper once the PyTorchJob finished")[0]
-    args = WipeArgs.from_argv(helper["spec"]["containers"][0]["args"])
-    assert (args.revision, args.release) == (rev, (worker["metadata"]["uid"],))
-    kubelet_runs_helper(k, helper)
     wait_node_state(k, ns, name, "node-pt", "Wiped")
+    assert not copy.exists()
+    assert wipe_lines(agent, ns, name) == [f"{rev} release={worker['metadata']['uid']}: removed"], agent.wipes(ns, name)
 
 
-def test_deleting_a_cache_whose_job_still_needs_pods_does_not_deadlock(kube_api, ready_cache):
+def test_deleting_a_cache_whose_job_still_needs_pods_does_not_deadlock(kube_api, ready_cache, agents):
     """The Job's pod failed and the Job would start another, but the cache is being
     deleted: the new pod is refused, and the deletion completes without waiting for a
     Job that can never finish with this cache."""
     k = kube_api
     ns, name = ready_cache
+    agent = agents.start("node-dl")
     job = create_job(k, ns, job_body("needy", name))
     pod = start_job_pod(k, ns, job, "node-dl")
+    copy = staged(agent, ns, name, pod)
     kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
     wait_node_state(k, ns, name, "node-dl", "Ready")
     kubelet_status(k, ns, pod["metadata"]["name"], phase="Failed", init="done", message=json.dumps(SUMMARY))
     time.sleep(2)
-    assert helper_for(k, ns, name) == [], "wiped while the Job may still start a pod"
+    assert wipe_lines(agent, ns, name) == [] and copy.exists(), "wiped while the Job may still start a pod"
     k.delete(f"{DSC.format(ns=ns)}/{name}")
 
     def refused() -> bool:
@@ -1303,8 +1237,8 @@ def test_deleting_a_cache_whose_job_still_needs_pods_does_not_deadlock(kube_api,
     with pytest.raises(ApiError) as e:  # what the job controller's next pod gets
         start_job_pod(k, ns, job, "node-dl", suffix="1")
     assert "being deleted" in e.value.body
-    helper = k.wait_for(lambda: helper_for(k, ns, name), what="wipe helper although the Job runs")[0]
-    args = WipeArgs.from_argv(helper["spec"]["containers"][0]["args"])
-    assert args.all_revisions and args.release == (pod["metadata"]["uid"],)
-    kubelet_runs_helper(k, helper)
     k.wait_for(lambda: get_cache(k, ns, name) is None, timeout=30, what="cache gone")
+    assert not (agent.cache_root / ns / name).exists()
+    assert wipe_lines(agent, ns, name) == [f"whole cache dir release={pod['metadata']['uid']}: removed"], agent.wipes(
+        ns, name
+    )

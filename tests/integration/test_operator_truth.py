@@ -7,7 +7,9 @@ and webhook as subprocesses with the shipped RBAC (see test_operator_api.py).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 import re
 import socket
 import ssl
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import dscache_contract as contract
 from tests.integration.test_operator_api import (
     DSC,
     SUMMARY,
@@ -30,16 +33,16 @@ from tests.integration.test_operator_api import (
     create_job,
     get_cache,
     grant_secret_read,
-    helper_for,
     job_body,
-    kubelet_runs_helper,
     kubelet_status,
     make_cache,
     make_secret,
-    now_rfc3339,
+    node_entry,
+    staged,
     start_job_pod,
     wait_node_state,
     wait_phase,
+    wipe_lines,
     with_keys,
 )
 from tests.support.kubeapi import REPO, wait_port
@@ -256,91 +259,58 @@ def test_source_check_recovers_from_failed_to_ready(kube_api, dscache_operator, 
     assert [i["name"] for i in job["spec"]["template"]["spec"]["initContainers"]] == ["dscache-stage"]
 
 
-# --- a stale wipe helper is deleted, not run -----------------------------------------------
+# --- a wipe never races a stager: it waits for the lock, then the new lease keeps the copy ----
 
 
-def test_stale_wipe_helper_is_deleted(kube_api, dscache_operator, s3_server, s3_bucket_truth, opted_ns):
-    """A helper created for a wipe, then overtaken by a new stager on that node: the
-    controller deletes it (its wipe would be judged on stale state) and starts a new one."""
-    k = kube_api
+def test_a_wipe_waits_for_a_stager_holding_the_lock(
+    kube_api, dscache_operator, agents, s3_server, s3_bucket_truth, opted_ns
+):
+    """A wipe is due on a node (the first Job completed) while a new Job's stager starts
+    there and holds the cache's flock: the agent answers busy and removes nothing; the
+    stager's lease then keeps the copy while its pod runs; once that Job completed too,
+    one request releases both pods' leases and removes the copy."""
+    k, op = kube_api, dscache_operator
     make_cache(k, opted_ns, "st", f"s3://{s3_bucket_truth}/data/", s3_server.endpoint, with_keys(k, opted_ns))
     wait_phase(k, opted_ns, "st", "Ready")
+    agent = agents.start("node-st")
     job1 = create_job(k, opted_ns, job_body("one", "st"))
-    pod1 = start_job_pod(k, opted_ns, job1, "node-s")
+    pod1 = start_job_pod(k, opted_ns, job1, "node-st")
+    copy = staged(agent, opted_ns, "st", pod1)
+    rev = pod1["metadata"]["annotations"]["dscache.io/revision"]
     kubelet_status(k, opted_ns, pod1["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
-    complete_job(k, opted_ns, "one")
-    stale = k.wait_for(lambda: helper_for(k, opted_ns, "st"), what="the first helper")[0]
-    stale_uid = stale["metadata"]["uid"]
-    # The helper never runs (as if its node were slow to start it); a new Job's stager
-    # starts on that node after the helper was created...
-    time.sleep(1.2)  # creationTimestamp has whole seconds
-    job2 = create_job(k, opted_ns, job_body("two", "st"))
-    pod2 = start_job_pod(k, opted_ns, job2, "node-s")
-    started2 = now_rfc3339()  # after the helper's creationTimestamp
-    assert started2 > stale["metadata"]["creationTimestamp"], (started2, stale["metadata"])
-    kubelet_status(
-        k,
-        opted_ns,
-        pod2["metadata"]["name"],
-        phase="Running",
-        init="done",
-        message=json.dumps(SUMMARY),
-        started=started2,
-    )
-    wait_node_state(k, opted_ns, "st", "node-s", "Ready")
-    # ...and finishes: the wipe is due again, and the old helper is stale.
-    kubelet_status(
-        k,
-        opted_ns,
-        pod2["metadata"]["name"],
-        phase="Succeeded",
-        init="done",
-        message=json.dumps(SUMMARY),
-        started=started2,
-    )
-    complete_job(k, opted_ns, "two")
-    # The controller deletes the stale helper (a pod that never started goes at once;
-    # one still Terminating would wait for its node's kubelet: play that kubelet) and
-    # starts a new one.
-
-    def replaced():
-        helpers = helper_for(k, opted_ns, "st")
-        for p in helpers:
-            if p["metadata"]["uid"] == stale_uid and p["metadata"].get("deletionTimestamp"):
-                k.request(
-                    "DELETE",
-                    f"/api/v1/namespaces/dscache-system/pods/{p['metadata']['name']}",
-                    {
-                        "apiVersion": "v1",
-                        "kind": "DeleteOptions",
-                        "gracePeriodSeconds": 0,
-                        "preconditions": {"uid": stale_uid},
-                    },
-                )
-        if any(p["metadata"]["uid"] == stale_uid for p in helpers):
-            return None
-        return [p for p in helpers if p["metadata"]["uid"] != stale_uid]
-
+    labels = {"namespace": opted_ns, "cache": "st"}
+    c = copy.parent.parent
+    fd = os.open(contract.lock_path(str(c)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fresh = k.wait_for(replaced, timeout=30, what="the stale helper deleted and replaced")[0]
-    except AssertionError as e:
-        raise AssertionError(
-            f"{e}\nstatus: {json.dumps(get_cache(k, opted_ns, 'st').get('status'), indent=1)}\n"
-            f"helpers: {[p['metadata'] for p in helper_for(k, opted_ns, 'st')]}"
-        ) from None
-    # The audit log shows the controller's DELETE of the stale helper (the test never ran it).
-    deletes = [
-        e
-        for e in k.audit_events()
-        if e["verb"] == "delete"
-        and e["user"]["username"].endswith(":dscache-controller")
-        and e.get("objectRef", {}).get("name") == stale["metadata"]["name"]
-    ]
-    assert deletes, "no DELETE of the stale helper by the controller in the audit log"
-    assert fresh["spec"]["nodeName"] == "node-s"
-    assert all(p["metadata"]["uid"] != stale_uid for p in helper_for(k, opted_ns, "st")), "stale helper kept"
-    kubelet_runs_helper(k, fresh)
-    wait_node_state(k, opted_ns, "st", "node-s", "Wiped")
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the second Job's stager, at work on this node
+        complete_job(k, opted_ns, "one")
+        k.wait_for(
+            lambda: metric(op.metrics("controller"), "dscache_wipes_total", result="busy", **labels) >= 2,
+            what="the wipe answered busy (and asked again)",
+        )
+        assert copy.exists() and wipe_lines(agent, opted_ns, "st") == []
+        # The stager writes its pod's lease under the lock, then its pod runs.
+        job2 = create_job(k, opted_ns, job_body("two", "st"))
+        pod2 = start_job_pod(k, opted_ns, job2, "node-st")
+        Path(contract.lease_path(str(c), rev, pod2["metadata"]["uid"])).write_text("{}")
+        kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Pending", init="running")
+        k.wait_for(
+            lambda: (node_entry(k, opted_ns, "st", "node-st") or {}).get("consumers") == 1,
+            what="the new pod counted on the node",
+        )
+    finally:
+        os.close(fd)
+    kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+    wait_node_state(k, opted_ns, "st", "node-st", "Ready")
+    time.sleep(2.5)
+    assert copy.exists(), "the copy went while the new pod reads it"
+    assert wipe_lines(agent, opted_ns, "st") == [], agent.wipes(opted_ns, "st")
+    kubelet_status(k, opted_ns, pod2["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+    complete_job(k, opted_ns, "two")
+    wait_node_state(k, opted_ns, "st", "node-st", "Wiped")
+    assert not copy.exists()
+    uids = ",".join(sorted([pod1["metadata"]["uid"], pod2["metadata"]["uid"]]))
+    assert wipe_lines(agent, opted_ns, "st") == [f"{rev} release={uids}: removed"], agent.wipes(opted_ns, "st")
 
 
 # --- the informer relists after a real 410 Gone -----------------------------------------

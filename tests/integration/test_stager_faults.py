@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -93,23 +92,6 @@ def test_credentials_revoked_mid_run_fail_cleanly(s3_server: S3Server, bucket: s
     assert all(want[p] == d for p, d in seen.items())
     assert not os.path.exists(contract.complete_path(str(cache), rev))
     assert os.listdir(contract.tmp_dir(str(cache), rev)) == []
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A size- and inode-limited tmpfs, like a nearly full NVMe."""
-
-    def mount(size: str, inodes: int = 10_000) -> Path:
-        mnt = tmp_path / f"disk-{size}-{inodes}"
-        mnt.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(mnt)], check=True)
-        mounts.append(mnt)
-        return mnt
-
-    mounts: list[Path] = []
-    yield mount
-    for m in mounts:
-        subprocess.run(["umount", str(m)], check=False)
 
 
 def test_not_enough_space_fails_fast_naming_both_numbers(s3_server: S3Server, bucket: str, small_disk, tmp_path: Path):
