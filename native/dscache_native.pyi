@@ -8,9 +8,9 @@ Credential = tuple[str, str, str | None, float]
 Item = tuple[str, str, str, str | None]
 #: (index in the batch, bytes written, ETag the GET answered with, unquoted)
 Done = tuple[int, int, str]
-#: (kind, errno, message); kind is one of gone, precondition, permission,
+#: (kind, errno, message, key); kind is one of gone, precondition, permission,
 #: unauthenticated, generic, os, cancelled
-Failure = tuple[str, int, str]
+Failure = tuple[str, int, str, str]
 
 class Copier:
     def __init__(

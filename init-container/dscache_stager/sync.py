@@ -27,6 +27,8 @@ from obstore.store import S3Store
 
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary
 
+from . import native
+from .cpus import available_cpus
 from .errors import (
     DestinationError,
     HostileKeysError,
@@ -128,7 +130,15 @@ class _Run:
             zero_copy=(self.source.endpoint_url or "").startswith("http://"),
         )
         queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
-        workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
+        self.native: native.NativeFetcher | None = None
+        if module := native.load():
+            # Small objects: GET, write and rename in native code on one thread
+            # per CPU the container may use, a batch at a time (native.py).
+            self.native = native.NativeFetcher(module, self.source, self.opts.concurrency, available_cpus(), rev.tmp)
+            self.progress.note(f"native data plane: {self.native.workers} threads, batches of {self.native.batch_size}")
+            workers = [self._native_worker(queue) for _ in range(self.native.batches)]
+        else:
+            workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 
         async def feed() -> None:
             await self._produce(known, queue)
@@ -172,6 +182,8 @@ class _Run:
         finally:
             ticker.cancel()
             self.fetcher.close()
+            if self.native:
+                self.native.close()
             # A failed run leaves no half manifest in tmp/ (a sealed one was moved out).
             for leftover in (self.manifest_tmp, os.path.join(rev.tmp, "manifest.merged")):
                 try:
@@ -181,6 +193,8 @@ class _Run:
             self.progress.report()
 
     def _drop_revision(self) -> None:
+        if self.native:
+            self.native.close()  # no native thread may place a file while the revision is removed
         try:
             self.journal.close()
         except Exception:
@@ -319,6 +333,52 @@ class _Run:
             self.fetched_bytes += got.size
             self.progress.fetched_objects += 1
 
+    async def _native_worker(self, queue: asyncio.Queue[Work]) -> None:
+        """A batch at a time: small objects to the native copier, the others to fetch.py."""
+        assert self.native is not None
+        nat, tree = self.native, self.tree
+        while True:
+            batch, end = await _take(queue, nat.batch_size)
+            small: list[tuple[RemoteObject, str]] = []
+            items: list[native.Item] = []
+            jobs = []
+            for obj, rel in batch:
+                if not native.handles(obj.size):
+                    jobs.append(self._fetch_one(obj, rel))
+                    continue
+                # Directories are made here, in listing order, as LocalTree
+                # records them for the seal; the native side only renames into them.
+                tree.ensure_parent(rel)
+                small.append((obj, rel))
+                items.append((obj.key, tree.path(rel), obj.etag, obj.version_id))
+            if items:
+                jobs.append(self._fetch_native(small, items))
+            await asyncio.gather(*jobs)
+            if end:
+                return
+
+    async def _fetch_native(self, small: list[tuple[RemoteObject, str]], items: list[native.Item]) -> None:
+        assert self.native is not None
+        placed, failure = await self.native.fetch(items)
+        # Journal what was placed even when the batch failed: a resumed run skips it.
+        fetched = 0
+        for i, got in placed:
+            obj, rel = small[i]
+            self.journal.write(Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id).to_json() + "\n")
+            fetched += got.size
+        self.fetched_bytes += fetched
+        self.progress.fetched_objects += len(placed)
+        self.progress.add_bytes(fetched)
+        if failure is not None:
+            raise failure
+
+    async def _fetch_one(self, obj: RemoteObject, rel: str) -> None:
+        got = await self.fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
+        entry = Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
+        self.journal.write(entry.to_json() + "\n")
+        self.fetched_bytes += got.size
+        self.progress.fetched_objects += 1
+
     def _list_entry(self, entry: Entry) -> None:
         self.manifest.write(entry.to_json() + "\n")
         self.objects += 1
@@ -396,6 +456,21 @@ def _revision_advice() -> str:
 
 def _first_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).split("\n")[0]
+
+
+async def _take(queue: asyncio.Queue[Work], most: int) -> tuple[list[tuple[RemoteObject, str]], bool]:
+    """Up to ``most`` queued items without waiting for more than the first; and whether the end was reached."""
+    batch: list[tuple[RemoteObject, str]] = []
+    item = await queue.get()
+    while item is not None:
+        batch.append(item)
+        if len(batch) >= most:
+            return batch, False
+        try:
+            item = queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return batch, False
+    return batch, True
 
 
 async def _gather_or_cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -42,11 +42,11 @@ pub enum Failure {
 }
 
 impl Failure {
-    pub fn into_tuple(self) -> (String, i32, String) {
+    pub fn into_tuple(self, key: String) -> (String, i32, String, String) {
         match self {
-            Failure::Store { kind, message } => (kind.to_string(), 0, message),
-            Failure::Os { errno, message } => ("os".to_string(), errno, message),
-            Failure::Cancelled => ("cancelled".to_string(), 0, "cancelled".to_string()),
+            Failure::Store { kind, message } => (kind.to_string(), 0, message, key),
+            Failure::Os { errno, message } => ("os".to_string(), errno, message, key),
+            Failure::Cancelled => ("cancelled".to_string(), 0, "cancelled".to_string(), key),
         }
     }
 
@@ -81,9 +81,14 @@ fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
 
 /// Copy every item; the first failure stops the rest of this batch only (the
 /// caller fails the run and cancels the others through Shared.stop).
-pub async fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>) -> (Vec<(usize, u64, String)>, Option<Failure>) {
+pub async fn batch(
+    shared: Arc<Shared>,
+    tmp_dir: String,
+    items: Vec<Item>,
+) -> (Vec<(usize, u64, String)>, Option<(Failure, String)>) {
     let stop = shared.stop.child_token();
     let tmp_dir = Arc::new(tmp_dir);
+    let keys: Vec<String> = items.iter().map(|i| i.0.clone()).collect();
     let mut tasks = JoinSet::new();
     for (index, item) in items.into_iter().enumerate() {
         let (shared, stop, tmp_dir) = (shared.clone(), stop.clone(), tmp_dir.clone());
@@ -97,20 +102,25 @@ pub async fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>) -> (V
         });
     }
     let mut done = Vec::new();
-    let mut failure: Option<Failure> = None;
+    let mut failure: Option<(Failure, String)> = None;
     while let Some(joined) = tasks.join_next().await {
         match joined {
             Ok((index, Ok((size, etag)))) => done.push((index, size, etag)),
-            Ok((_, Err(f))) => {
+            Ok((index, Err(f))) => {
                 stop.cancel();
                 // The first real failure wins over the cancellations it causes.
-                if failure.is_none() || matches!(failure, Some(Failure::Cancelled)) && !matches!(f, Failure::Cancelled) {
-                    failure = Some(f);
+                let first = match &failure {
+                    None => true,
+                    Some((prev, _)) => matches!(prev, Failure::Cancelled) && !matches!(f, Failure::Cancelled),
+                };
+                if first {
+                    failure = Some((f, keys[index].clone()));
                 }
             }
             Err(e) => {
                 stop.cancel();
-                failure.get_or_insert(Failure::Store { kind: "generic", message: format!("native task failed: {e}") });
+                let f = Failure::Store { kind: "generic", message: format!("native task failed: {e}") };
+                failure.get_or_insert((f, String::new()));
             }
         }
     }

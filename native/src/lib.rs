@@ -26,7 +26,7 @@ use pyo3::prelude::*;
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
-use copy::{Failure, Item, Shared};
+use copy::{Item, Shared};
 
 
 /// A copier for one bucket: its own runtime (``workers`` threads), connection
@@ -105,10 +105,10 @@ impl Copier {
         py: Python<'_>,
         tmp_dir: String,
         items: Vec<Item>,
-    ) -> PyResult<(Vec<(usize, u64, String)>, Option<(String, i32, String)>)> {
+    ) -> PyResult<(Vec<(usize, u64, String)>, Option<(String, i32, String, String)>)> {
         let shared = self.shared.clone();
         let (done, failure) = py.allow_threads(|| self.runtime.block_on(copy::batch(shared, tmp_dir, items)));
-        Ok((done, failure.map(Failure::into_tuple)))
+        Ok((done, failure.map(|(f, key)| f.into_tuple(key))))
     }
 
     /// Stop every batch of this copier: queued objects are not started, and

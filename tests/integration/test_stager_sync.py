@@ -400,3 +400,19 @@ def test_manifest_is_streamed_in_path_order_with_empty_files_merged(s3_server: S
     assert data_tree(data_dir(cache, rev)) == want
     assert json.loads(r.stdout.strip().splitlines()[-1])["objects"] == len(want)
     assert not os.path.exists(contract.tmp_dir(str(cache), rev))
+
+
+def test_the_chosen_data_plane_copies_the_small_objects(
+    s3_server: S3Server, bucket: str, tmp_path: Path, data_plane: str
+):
+    """The native plane really runs when chosen (and the python plane when it is off):
+    the stager names it in its log, and either copies the same bytes."""
+    files = sample(n=200, seed=7)
+    s3_server.put_tree(bucket, files)
+    uri, cache = f"s3://{bucket}/data/", tmp_path / "c"
+    rev = boto3_revision(s3_server, uri)
+    r = stage(s3_server, uri, cache, rev)
+    assert r.code == 0, r.stderr
+    assert ("native data plane:" in r.stderr) == (data_plane == "native"), r.stderr
+    assert data_tree(data_dir(cache, rev)) == expected_tree(files, "data/")
+    assert r.summary["fetched_objects"] == len(files) - 1
