@@ -47,6 +47,15 @@ def load() -> ModuleType | None:
     return dscache_native
 
 
+def threads(cpus: int) -> int:
+    """Native threads: one per CPU the container may use (cpus.available_cpus), unless
+    DSCACHE_NATIVE_WORKERS says otherwise (bench/stager.py's --workers sweep)."""
+    try:
+        return max(1, int(os.environ["DSCACHE_NATIVE_WORKERS"]))
+    except (KeyError, ValueError):
+        return cpus
+
+
 def handles(size: int) -> bool:
     """Objects the native path copies: whole GETs held in memory, as fetch.py's small ones.
     Larger ones keep fetch.py's ranged parts (and splice on plain HTTP)."""

@@ -134,7 +134,9 @@ class _Run:
         if module := native.load():
             # Small objects: GET, write and rename in native code on one thread
             # per CPU the container may use, a batch at a time (native.py).
-            self.native = native.NativeFetcher(module, self.source, self.opts.concurrency, available_cpus(), rev.tmp)
+            self.native = native.NativeFetcher(
+                module, self.source, self.opts.concurrency, native.threads(available_cpus()), rev.tmp
+            )
             self.progress.note(f"native data plane: {self.native.workers} threads, batches of {self.native.batch_size}")
             workers = [self._native_worker(queue) for _ in range(self.native.batches)]
         else:
