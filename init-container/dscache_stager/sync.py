@@ -355,7 +355,7 @@ class _Run:
                 items.append((obj.key, tree.path(rel), obj.etag, obj.version_id))
             if items:
                 jobs.append(self._fetch_native(small, items))
-            await asyncio.gather(*jobs)
+            await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
             if end:
                 return
 

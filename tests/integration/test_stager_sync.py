@@ -416,3 +416,30 @@ def test_the_chosen_data_plane_copies_the_small_objects(
     assert ("native data plane:" in r.stderr) == (data_plane == "native"), r.stderr
     assert data_tree(data_dir(cache, rev)) == expected_tree(files, "data/")
     assert r.summary["fetched_objects"] == len(files) - 1
+
+
+def test_credentials_from_the_boto3_chain_sign_every_request(
+    s3_server: S3Server, bucket: str, tmp_path: Path, data_plane: str
+):
+    """No keys in the environment: the stager takes them from boto3's chain (here a shared
+    credentials file; IRSA and instance roles take the same path). The native plane asks
+    Python for them from its own threads (dscache_native's credential_provider)."""
+    files = sample(n=40, seed=11)
+    s3_server.put_tree(bucket, files)
+    uri, cache = f"s3://{bucket}/data/", tmp_path / "c"
+    rev = boto3_revision(s3_server, uri)
+    creds = tmp_path / "credentials"
+    creds.write_text(
+        f"[default]\naws_access_key_id = {s3_server.env['AWS_ACCESS_KEY_ID']}\n"
+        f"aws_secret_access_key = {s3_server.env['AWS_SECRET_ACCESS_KEY']}\n"
+    )
+    env = {k: v for k, v in stage_env(s3_server).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env["AWS_SHARED_CREDENTIALS_FILE"] = str(creds)
+    env["AWS_CONFIG_FILE"] = str(tmp_path / "no-config")
+    r = stage(s3_server, uri, cache, rev, env=env)
+    assert r.code == 0, r.stderr
+    assert data_tree(data_dir(cache, rev)) == expected_tree(files, "data/")
+    # And a wrong secret from the same chain is refused as access denied (exit 3), on either plane.
+    creds.write_text(creds.read_text().replace(s3_server.env["AWS_SECRET_ACCESS_KEY"], "not-the-secret"))
+    r = stage(s3_server, uri, tmp_path / "c2", rev, env=env)
+    assert r.code == 3 and "access denied" in r.stderr, r.stderr
