@@ -31,7 +31,13 @@ $(VENV)/.installed: pyproject.toml uv.lock
 # the build fails, the stager runs its pure-Python data plane (DSCACHE_NATIVE
 # in dscache_stager/native.py). The stager image always installs the wheel.
 MATURIN_VERSION := 1.15.0
+# Compiled crates are kept outside the clone, so a fresh clone (CI) builds only
+# this crate, not its ~150 dependencies (a cold build: see init-container/README.md).
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/dscache/native-target
 WHEELS := build/wheels
+# Fixed zip timestamps: the same sources make the same wheel, so the stager
+# image's input key (e2e/tools/images.sh) changes only when native/ does.
+WHEEL_EPOCH := 1700000000
 NATIVE_SRC := $(wildcard native/Cargo.toml native/Cargo.lock native/pyproject.toml native/*.pyi native/src/*.rs)
 
 build/wheels.stamp: $(NATIVE_SRC) | $(VENV)/.installed
@@ -39,7 +45,7 @@ build/wheels.stamp: $(NATIVE_SRC) | $(VENV)/.installed
 	@[ -x $(VENV)/bin/maturin ] || $(PY) -m pip install -q "maturin==$(MATURIN_VERSION)"
 	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
 	@# abi3 (CPython >= 3.11) and this machine's glibc: the image's base is the same Debian.
-	t=$$(date +%s); cd native && ../$(VENV)/bin/maturin build --release --locked --quiet \
+	t=$$(date +%s); cd native && SOURCE_DATE_EPOCH=$(WHEEL_EPOCH) ../$(VENV)/bin/maturin build --release --locked --quiet \
 	  --interpreter ../$(PY) --compatibility linux --out ../$(WHEELS) \
 	  && echo "make wheels: built in $$(( $$(date +%s) - t ))s: $$(ls ../$(WHEELS))"
 	touch $@
