@@ -243,6 +243,7 @@ class Run:
     server_cpu_s: float = 0.0  # user + sys the S3 server spent meanwhile (small_profile)
     proxy_cpu_s: float = 0.0  # user + sys the wan profile's latency proxy spent meanwhile
     connections: int = 0  # connections the tool opened through that proxy
+    err: str = ""  # the tail of stderr (dscache's control-plane CPU line)
 
 
 def proc_cpu_s(pid: int, tid: int | None = None) -> float:
@@ -283,7 +284,15 @@ def run_child(cmd: list[str], env: dict[str, str]) -> Run:
     finally:
         os.unlink(report)
     lines = stdout.strip().splitlines()
-    return Run(dt, ru.ru_utime + ru.ru_stime, maxrss_kib / 1024, lines[-1] if lines else "")
+    return Run(dt, ru.ru_utime + ru.ru_stime, maxrss_kib / 1024, lines[-1] if lines else "", err=stderr[-2000:])
+
+
+def control_cpu_s(run: Run) -> float | None:
+    """The CPU dscache's event-loop thread used (its "control plane: N s CPU" line), if it said."""
+    for line in reversed(run.err.splitlines()):
+        if "control plane: " in line:
+            return float(line.split("control plane: ", 1)[1].split()[0])
+    return None
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
@@ -558,7 +567,9 @@ def workers_sweep(tools, env, work, args, count: int, revision: str, digests) ->
             verify_dscache(dest, revision, "small", digests, json.loads(run.out), warm=False)
             runs.append(run)
         secs, cpu = med(runs), med(runs, "cpu_s")
+        control = statistics.median(c for r in runs if (c := control_cpu_s(r)) is not None)
         sweep[str(n)] = {
+            "control_cpu_ms_per_1k_small": round(control / count * 1e6, 1),
             "seconds": round(secs, 3),
             "objects_per_s": round(count / secs),
             "client_cpu_s": round(cpu, 3),
@@ -567,14 +578,26 @@ def workers_sweep(tools, env, work, args, count: int, revision: str, digests) ->
         }
         log(f"workers {n}: {sweep[str(n)]}")
     shutil.rmtree(work / "dest", ignore_errors=True)
-    # A 64-core node: the client's CPU per object is what bounds it once the
-    # server is remote (not on these cores), so 64 cores copy at most
-    # 64 x objects per client CPU-second, taken at the widest sweep point
-    # (it includes the threads' contention at that width). An upper bound: the
-    # NIC, S3's request rate per prefix (5,500 GET/s) and the disk may bind first.
+    # A 64-core node: once the server is remote (not on these cores), the
+    # client's CPU per object is what a core pays, so 64 cores copy at most
+    # 64 x objects per client CPU-second, taken at the widest sweep point (it
+    # includes the threads' contention at that width). But the control plane
+    # (listing, hash, journal) runs on one thread whatever the cores: it caps
+    # the rate at 1 / its CPU per object. The lower of the two is the bound;
+    # the NIC, S3's request rate per prefix and the disk may bind first.
     widest = sweep[max(sweep, key=int)]
-    implied = {"cores": 64, "objects_per_s": 64 * widest["objects_per_client_cpu_s"]}
-    log(f"workers sweep implies for a 64-core node (client CPU bound): {implied['objects_per_s']} objects/s")
+    cores_bound = 64 * widest["objects_per_client_cpu_s"]
+    control_bound = round(1e6 / widest["control_cpu_ms_per_1k_small"])
+    implied = {
+        "cores": 64,
+        "objects_per_s": min(cores_bound, control_bound),
+        "client_cpu_bound_objects_per_s": cores_bound,
+        "control_plane_bound_objects_per_s": control_bound,
+    }
+    log(
+        f"workers sweep implies for a 64-core node: {implied['objects_per_s']} objects/s "
+        f"(client CPU over 64 cores: {cores_bound}; one control-plane thread: {control_bound})"
+    )
     return {"runs": sweep, "implied_64_cores": implied}
 
 

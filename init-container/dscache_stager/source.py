@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -164,7 +165,12 @@ def source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
     """An obstore failure as the stager reports it: access (3), or S3 kept failing (7)."""
     text = (str(e) or type(e).__name__).split("\n")[0]
     where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
-    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "AccessDenied" in str(e) or "403" in text:
+    # "403" as a word: the message holds the endpoint's URL, whose port may be 41403.
+    if (
+        isinstance(e, (PermissionDeniedError, UnauthenticatedError))
+        or "AccessDenied" in str(e)
+        or re.search(r"\b403\b", text)
+    ):
         return SourceError(
             f"access denied to {where} with this pod's credentials: check the credentials "
             f"Secret (or the pod's IAM role) and that the bucket policy allows ListBucket and "
