@@ -288,7 +288,7 @@ def run_child(cmd: list[str], env: dict[str, str]) -> Run:
 
 
 def control_cpu_s(run: Run) -> float | None:
-    """The CPU dscache's event-loop thread used (its "control plane: N s CPU" line), if it said."""
+    """The CPU dscache's event-loop thread used after start-up ("control plane: N s CPU ..."), if it said."""
     for line in reversed(run.err.splitlines()):
         if "control plane: " in line:
             return float(line.split("control plane: ", 1)[1].split()[0])
