@@ -159,29 +159,32 @@ def test_resume_after_sigkill_gives_byte_exact_tree(s3_server: S3Server, bucket:
     r = Path(contract.revision_dir(str(cache), rev))
     journal, complete = Path(contract.journal_path(str(cache), rev)), Path(contract.complete_path(str(cache), rev))
     want = expected_tree(files, "k/")
-    # A slow link (one request at a time) so that every kill lands mid-copy.
-    cmd = stage_cmd(
-        *sync_argv(uri, cache, rev, concurrency=1, progress_interval=0.1), "--endpoint-url", s3_server.endpoint
-    )
-    kills = 0
-    for _ in range(3):
-        p = subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        before = journal.stat().st_size if journal.exists() else 0
-        deadline = time.monotonic() + 60
-        while (
-            time.monotonic() < deadline
-            and p.poll() is None
-            and (not journal.exists() or journal.stat().st_size <= before)
-        ):
-            time.sleep(0.02)
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        if p.returncode == -signal.SIGKILL and not complete.exists():
-            kills += 1
-        # Whatever is visible under a final name is whole and correct.
-        seen = data_tree(r / "data") if (r / "data").exists() else {}
-        assert all(want[path] == digest for path, digest in seen.items())
-        assert not complete.exists() or seen == want
+    # A slow link (one request at a time, 10 ms each way) so that every kill lands
+    # mid-copy, however fast the data plane (the native one copies these in a second).
+    proxy = FaultProxy((s3_server.host, s3_server.port), lambda n, line: "pass", rtt_ms=20).start()
+    cmd = stage_cmd(*sync_argv(uri, cache, rev, concurrency=1, progress_interval=0.1), "--endpoint-url", proxy.endpoint)
+    try:
+        kills = 0
+        for _ in range(3):
+            p = subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            before = journal.stat().st_size if journal.exists() else 0
+            deadline = time.monotonic() + 60
+            while (
+                time.monotonic() < deadline
+                and p.poll() is None
+                and (not journal.exists() or journal.stat().st_size <= before)
+            ):
+                time.sleep(0.02)
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            if p.returncode == -signal.SIGKILL and not complete.exists():
+                kills += 1
+            # Whatever is visible under a final name is whole and correct.
+            seen = data_tree(r / "data") if (r / "data").exists() else {}
+            assert all(want[path] == digest for path, digest in seen.items())
+            assert not complete.exists() or seen == want
+    finally:
+        proxy.stop()
     assert kills == 3, "every kill must land before the copy completed"
     assert 0 < len(data_tree(r / "data")) < len(want)
 
