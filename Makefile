@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install lock lint chart-docs release-check tools test test-unit bench bench-quick demo e2e kind-down clean
+.PHONY: help install wheels lock lint chart-docs release-check tools test test-unit bench bench-quick demo e2e kind-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -26,7 +26,38 @@ $(VENV)/.installed: pyproject.toml uv.lock
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-install: $(VENV)/.installed ## Python virtualenv with every extra, as locked in uv.lock (.venv)
+# The stager's native data plane (native/, Rust + PyO3, built by maturin from
+# crates.io: no prebuilt binary). Optional for the venv: without cargo, or when
+# the build fails, the stager runs its pure-Python data plane (DSCACHE_NATIVE
+# in dscache_stager/native.py). The stager image always installs the wheel.
+MATURIN_VERSION := 1.15.0
+# Compiled crates are kept outside the clone, so a fresh clone (CI) builds only
+# this crate, not its ~150 dependencies (a cold build: see init-container/README.md).
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/dscache/native-target
+WHEELS := build/wheels
+# Fixed zip timestamps: the same sources make the same wheel, so the stager
+# image's input key (e2e/tools/images.sh) changes only when native/ does.
+WHEEL_EPOCH := 1700000000
+NATIVE_SRC := $(wildcard native/Cargo.toml native/Cargo.lock native/pyproject.toml native/*.pyi native/src/*.rs)
+
+build/wheels.stamp: $(NATIVE_SRC) | $(VENV)/.installed
+	@command -v cargo >/dev/null || { echo "make wheels: cargo not found (rustup, or Debian's cargo)" >&2; exit 1; }
+	@[ -x $(VENV)/bin/maturin ] || $(PY) -m pip install -q "maturin==$(MATURIN_VERSION)"
+	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
+	@# abi3 (CPython >= 3.11) and this machine's glibc: the image's base is the same Debian.
+	t=$$(date +%s); cd native && SOURCE_DATE_EPOCH=$(WHEEL_EPOCH) ../$(VENV)/bin/maturin build --release --locked --quiet \
+	  --interpreter ../$(PY) --compatibility linux --out ../$(WHEELS) \
+	  && echo "make wheels: built in $$(( $$(date +%s) - t ))s: $$(ls ../$(WHEELS))"
+	touch $@
+
+wheels: build/wheels.stamp ## The native data plane's wheel (Rust, maturin) into build/wheels/
+
+install: $(VENV)/.installed ## Python virtualenv with every extra, as locked in uv.lock (.venv), plus the native wheel if it builds
+	@if $(MAKE) --no-print-directory wheels; then \
+	  $(PY) -m pip install -q --no-deps --force-reinstall $(WHEELS)/*.whl; \
+	else \
+	  echo "make install: the native wheel did not build; the stager uses its pure-Python data plane" >&2; \
+	fi
 
 lock: ## Re-resolve uv.lock from pyproject.toml and export the images' requirements
 	@[ -x $(UV) ] || $(PY) -m pip install -q "uv==$(UV_VERSION)"

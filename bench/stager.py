@@ -63,6 +63,28 @@ from tests.support.s3server import S3Server  # noqa: E402
 from tests.support.tools import tool_bin  # noqa: E402
 
 BUCKET = "bench"
+# dscache's two data planes (issue 18): "dscache" is what ships (the native
+# plane, dscache_native, when installed), "dscache_python" the pure-Python
+# fallback (DSCACHE_NATIVE=0), measured in the same run.
+DSCACHE_TOOLS = ("dscache", "dscache_python")
+
+
+def native_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("dscache_native") is not None
+
+
+def tool_env(tool: str, env: dict[str, str], workers: int | None = None) -> dict[str, str]:
+    """The environment a tool runs with: dscache's plane, and the native threads for the --workers sweep."""
+    if tool == "dscache_python":
+        return {**env, "DSCACHE_NATIVE": "0"}
+    if tool in ("dscache", "warm"):
+        out = {**env, "DSCACHE_NATIVE": "1"}
+        if workers:
+            out["DSCACHE_NATIVE_WORKERS"] = str(workers)
+        return out
+    return env
 
 
 def log(msg: str) -> None:
@@ -159,7 +181,7 @@ class Tools:
     ) -> list[str]:
         uri = f"s3://{BUCKET}/{prefix}"
         ep = endpoint or self.ep
-        if tool in ("dscache", "warm"):
+        if tool in ("dscache", "dscache_python", "warm"):
             return [
                 self.stage,
                 "sync",
@@ -221,6 +243,7 @@ class Run:
     server_cpu_s: float = 0.0  # user + sys the S3 server spent meanwhile (small_profile)
     proxy_cpu_s: float = 0.0  # user + sys the wan profile's latency proxy spent meanwhile
     connections: int = 0  # connections the tool opened through that proxy
+    err: str = ""  # the tail of stderr (dscache's control-plane CPU line)
 
 
 def proc_cpu_s(pid: int, tid: int | None = None) -> float:
@@ -261,7 +284,15 @@ def run_child(cmd: list[str], env: dict[str, str]) -> Run:
     finally:
         os.unlink(report)
     lines = stdout.strip().splitlines()
-    return Run(dt, ru.ru_utime + ru.ru_stime, maxrss_kib / 1024, lines[-1] if lines else "")
+    return Run(dt, ru.ru_utime + ru.ru_stime, maxrss_kib / 1024, lines[-1] if lines else "", err=stderr[-2000:])
+
+
+def control_cpu_s(run: Run) -> float | None:
+    """The CPU dscache's event-loop thread used after start-up ("control plane: N s CPU ..."), if it said."""
+    for line in reversed(run.err.splitlines()):
+        if "control plane: " in line:
+            return float(line.split("control plane: ", 1)[1].split()[0])
+    return None
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
@@ -336,7 +367,7 @@ def small_profile(
     """Every tool copies ``prefix`` ``runs`` times, rotating the order; dscache is verified, then re-run warm.
     With ``server_pid``, each run also records the CPU the S3 server spent serving it; with ``proxy``,
     the CPU of the proxy's thread and the connections the tool opened through it."""
-    small: dict[str, list[Run]] = {t: [] for t in ["dscache", *peers]}
+    small: dict[str, list[Run]] = {t: [] for t in [*dscache_tools(), *peers]}
     warm: list[Run] = []
     for r in range(runs):
         order = list(small)[r % len(small) :] + list(small)[: r % len(small)]
@@ -347,7 +378,7 @@ def small_profile(
             before = proc_cpu_s(server_pid) if server_pid else 0.0
             proxy_before = proc_cpu_s(os.getpid(), proxy.thread_id) if proxy else 0.0
             conns_before = proxy.counts.get("connections", 0) if proxy else 0
-            run = run_child(cmd, env)
+            run = run_child(cmd, tool_env(tool, env))
             if server_pid:
                 run = dataclasses.replace(run, server_cpu_s=proc_cpu_s(server_pid) - before)
             if proxy:
@@ -356,7 +387,7 @@ def small_profile(
                     proxy_cpu_s=proc_cpu_s(os.getpid(), proxy.thread_id) - proxy_before,
                     connections=proxy.counts.get("connections", 0) - conns_before,
                 )
-            n, b = tree_bytes(dest / "revs" / revision / "data" if tool == "dscache" else dest)
+            n, b = tree_bytes(dest / "revs" / revision / "data" if tool in DSCACHE_TOOLS else dest)
             if (n, b) != (count, count * size):
                 raise RuntimeError(f"{tool} copied {n} files / {b} B, expected {count} / {count * size}")
             small[tool].append(run)
@@ -364,14 +395,16 @@ def small_profile(
                 f"{prefix} run {r + 1} {tool}: {run.seconds:.2f}s ({count / run.seconds:.0f} obj/s), "
                 f"cpu {run.cpu_s:.2f}s ({run.cpu_s / count * 1e6:.0f} ms/1k), rss {run.peak_rss_mib:.0f} MiB"
             )
-            if tool == "dscache":
+            if tool in DSCACHE_TOOLS:
                 verify_dscache(dest, revision, prefix, digests, json.loads(run.out), warm=False)
-                if with_warm:
-                    # A second pod of the same revision on the same node.
-                    w = run_child(tools.command("warm", prefix, dest, revision=revision, pod=f"warm-{r}"), env)
-                    verify_dscache(dest, revision, prefix, digests, json.loads(w.out), warm=True)
-                    warm.append(w)
-                    log(f"{prefix} run {r + 1} dscache warm: {w.seconds:.3f}s (verified: no listing, same bytes)")
+            if tool == "dscache" and with_warm:
+                # A second pod of the same revision on the same node.
+                w = run_child(
+                    tools.command("warm", prefix, dest, revision=revision, pod=f"warm-{r}"), tool_env("warm", env)
+                )
+                verify_dscache(dest, revision, prefix, digests, json.loads(w.out), warm=True)
+                warm.append(w)
+                log(f"{prefix} run {r + 1} dscache warm: {w.seconds:.3f}s (verified: no listing, same bytes)")
         shutil.rmtree(work / "dest")
     return small, warm
 
@@ -393,6 +426,9 @@ def main() -> int:
     ap.add_argument("--scale-count", type=int, default=1_000_000)
     ap.add_argument("--scale-size", type=int, default=1024)
     ap.add_argument("--scale-peers", default="s5cmd", help="peer tools at scale (empty: none)")
+    ap.add_argument(
+        "--workers", default="1,2,4", help="native threads to sweep on the small set (comma list; empty: no sweep)"
+    )
     ap.add_argument("--workdir", type=Path, help="default: a temp dir under build/ (use /var/tmp for --scale)")
     args = ap.parse_args()
     profiles = [p for p in args.profiles.split(",") if p]
@@ -408,7 +444,9 @@ def main() -> int:
     env = {**os.environ, **server.env}
     # The endpoint is plain http; rclone's AWS SDK refuses to start with a CA bundle set.
     env.pop("AWS_CA_BUNDLE", None)
-    result: dict = {}
+    result: dict = {"native": native_installed()}
+    if not result["native"]:
+        log("dscache_native is not installed (make wheels): dscache runs its pure-Python plane only")
     digests: dict[str, str] = {}
     load: dict[str, list[float]] = {"start": loadavg()}
     try:
@@ -506,6 +544,63 @@ def log_wan_bounds(wan: dict, per_1k: dict[str, dict[str, float]], count: int) -
         )
 
 
+def dscache_tools() -> list[str]:
+    """dscache's planes in this run: both when the native one is installed, else the Python one as "dscache"."""
+    return list(DSCACHE_TOOLS) if native_installed() else ["dscache"]
+
+
+def workers_sweep(tools, env, work, args, count: int, revision: str, digests) -> dict:
+    """The native plane's small-object copy with 1, 2, 4... threads: objects/s, and objects per client
+    CPU-second (what a core buys). On this machine the S3 server shares the cores, so speed stops
+    growing early; the CPU per object is what carries over to a bigger node."""
+    if not native_installed():
+        log("workers sweep: dscache_native is not installed; skipped")
+        return {}
+    sweep: dict[str, dict] = {}
+    for n in [int(w) for w in args.workers.split(",") if w]:
+        runs = []
+        for r in range(args.runs):
+            dest = work / "dest" / f"workers-{n}"
+            fresh(dest)
+            cmd = tools.command("dscache", "small", dest, revision=revision, pod=f"workers-{n}-{r}")
+            run = run_child(cmd, tool_env("dscache", env, workers=n))
+            verify_dscache(dest, revision, "small", digests, json.loads(run.out), warm=False)
+            runs.append(run)
+        secs, cpu = med(runs), med(runs, "cpu_s")
+        control = statistics.median(c for r in runs if (c := control_cpu_s(r)) is not None)
+        sweep[str(n)] = {
+            "control_cpu_ms_per_1k_small": round(control / count * 1e6, 1),
+            "seconds": round(secs, 3),
+            "objects_per_s": round(count / secs),
+            "client_cpu_s": round(cpu, 3),
+            "objects_per_client_cpu_s": round(count / cpu),
+            "cpu_ms_per_1k_small": round(cpu / count * 1e6, 1),
+        }
+        log(f"workers {n}: {sweep[str(n)]}")
+    shutil.rmtree(work / "dest", ignore_errors=True)
+    # A 64-core node: once the server is remote (not on these cores), the
+    # client's CPU per object is what a core pays, so 64 cores copy at most
+    # 64 x objects per client CPU-second, taken at the widest sweep point (it
+    # includes the threads' contention at that width). But the control plane
+    # (listing, hash, journal) runs on one thread whatever the cores: it caps
+    # the rate at 1 / its CPU per object. The lower of the two is the bound;
+    # the NIC, S3's request rate per prefix and the disk may bind first.
+    widest = sweep[max(sweep, key=int)]
+    cores_bound = 64 * widest["objects_per_client_cpu_s"]
+    control_bound = round(1e6 / widest["control_cpu_ms_per_1k_small"])
+    implied = {
+        "cores": 64,
+        "objects_per_s": min(cores_bound, control_bound),
+        "client_cpu_bound_objects_per_s": cores_bound,
+        "control_plane_bound_objects_per_s": control_bound,
+    }
+    log(
+        f"workers sweep implies for a 64-core node: {implied['objects_per_s']} objects/s "
+        f"(client CPU over 64 cores: {cores_bound}; one control-plane thread: {control_bound})"
+    )
+    return {"runs": sweep, "implied_64_cores": implied}
+
+
 def loopback_profile(tools, env, work, args, small_count, large_size, peers, digests) -> dict:
     revs = {p: tools.revision(p) for p in ("small", "large")}
     log(f"revisions (as the operator pins them): {revs}")
@@ -522,15 +617,16 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         digests,
         server_pid=tools.server.proc.pid if tools.server.proc else None,
     )
-    large: dict[str, list[Run]] = {"dscache": [], "s5cmd": [], "dd": [], "dd-fdatasync": []}
+    large: dict[str, list[Run]] = {t: [] for t in [*dscache_tools(), "s5cmd", "dd", "dd-fdatasync"]}
     for r in range(args.runs):
         for tool in list(large)[r % len(large) :] + list(large)[: r % len(large)]:
             dest = work / "dest" / f"large-{tool}"
             fresh(dest)
             run = run_child(
-                tools.command(tool, "large", dest, large_size, args.large_count, revision=revs["large"]), env
+                tools.command(tool, "large", dest, large_size, args.large_count, revision=revs["large"]),
+                tool_env(tool, env),
             )
-            if tool == "dscache":
+            if tool in DSCACHE_TOOLS:
                 verify_dscache(dest, revs["large"], "large", digests, json.loads(run.out), warm=False)
             large[tool].append(run)
             log(
@@ -547,13 +643,13 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         "small_bytes": small_count * args.small_size,
         "small_s": smed,
         "large_bytes": args.large_count * large_size,
-        "large_s": {"dscache": lmed["dscache"], "s5cmd": lmed["s5cmd"]},
+        "large_s": {k: lmed[k] for k in (*dscache_tools(), "s5cmd")},
         "dd_s": lmed["dd"],
         "warm_s": round(med(warm), 3),
         "cold_s": smed["dscache"],
         "warm_runs_s": [round(w.seconds, 3) for w in warm],
         "cpu_ms_per_1k_small": {k: round(med(v, "cpu_s") / small_count * 1e6, 1) for k, v in small.items()},
-        "cpu_s_per_gib": {k: round(med(large[k], "cpu_s") / gib, 2) for k in ("dscache", "s5cmd")},
+        "cpu_s_per_gib": {k: round(med(large[k], "cpu_s") / gib, 2) for k in (*dscache_tools(), "s5cmd")},
         "peak_rss_mib": {k: round(max(r.peak_rss_mib for r in v), 1) for k, v in small.items()},
         # What bounds loopback speed: client and server share the machine's cores,
         # so a copy takes at least (client + server CPU per object) / cores.
@@ -562,6 +658,17 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         },
     }
     result["warm_speedup"] = round(smed["dscache"] / result["warm_s"], 1)
+    if "dscache_python" in smed:
+        # The native plane against the pure-Python one, same run, same data.
+        cpu = result["cpu_ms_per_1k_small"]
+        result["native_vs_python"] = {
+            "small_speedup": round(smed["dscache_python"] / smed["dscache"], 2),
+            "small_cpu_ratio": round(cpu["dscache"] / cpu["dscache_python"], 2),
+            "large_speedup": round(lmed["dscache_python"] / lmed["dscache"], 2),
+        }
+        log(f"native vs python plane: {result['native_vs_python']}")
+    if args.workers:
+        result["workers_sweep"] = workers_sweep(tools, env, work, args, small_count, revs["small"], digests)
     both = {k: round(result["cpu_ms_per_1k_small"][k] + result["server_cpu_ms_per_1k_small"][k]) for k in small}
     log(f"small, client + server CPU per 1k objects (2 shared cores bound the speed): {both} ms")
     log(
@@ -663,7 +770,7 @@ def scale_profile(tools: Tools, env: dict[str, str], work: Path, args, server: S
 
     dest = work / "dest" / "scale-dscache"
     fresh(dest)
-    cold = run_child(tools.command("dscache", "scale", dest, revision=rev, pod="scale-cold"), env)
+    cold = run_child(tools.command("dscache", "scale", dest, revision=rev, pod="scale-cold"), tool_env("dscache", env))
     summary = json.loads(cold.out)
     if (summary.get("objects"), summary.get("revision"), summary.get("warm")) != (count, rev, False):
         raise RuntimeError(f"dscache at scale: unexpected summary {summary}")
@@ -679,7 +786,7 @@ def scale_profile(tools: Tools, env: dict[str, str], work: Path, args, server: S
     if lines != count:
         raise RuntimeError(f"dscache at scale: the manifest has {lines} lines, expected {count}")
     log(f"scale: dscache cold {cold.seconds:.1f}s, cpu {cold.cpu_s:.1f}s, peak rss {cold.peak_rss_mib:.0f} MiB")
-    warm = run_child(tools.command("warm", "scale", dest, revision=rev, pod="scale-warm"), env)
+    warm = run_child(tools.command("warm", "scale", dest, revision=rev, pod="scale-warm"), tool_env("warm", env))
     if not json.loads(warm.out).get("warm"):
         raise RuntimeError(f"dscache at scale: the re-run was not warm: {warm.out}")
     log(f"scale: dscache warm {warm.seconds:.2f}s, peak rss {warm.peak_rss_mib:.0f} MiB")

@@ -43,6 +43,11 @@ but tokio's part runs on this one asyncio thread: about 0.5-0.7 ms per object,
 so roughly 1,500-2,000 objects/s whatever the cores or the requests in flight.
 Past that, the next step is the native GET + write above, or one such loop
 per core (the listing sharded over processes).
+
+That native step is built now (issue 18; native.py and native/): small
+objects go through dscache_native when it is installed and DSCACHE_NATIVE is
+not 0. This module stays the reference path and the fallback, and still
+copies every object larger than SMALL_LIMIT on both paths.
 """
 
 from __future__ import annotations

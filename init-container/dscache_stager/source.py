@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +23,14 @@ if TYPE_CHECKING:
 AddressingStyle = Literal["path", "virtual"]
 # obstore's own per-request retry budget; see open_store.
 DEFAULT_RETRY_TIMEOUT = 120.0
+# The client's timeouts and backoff, one set for obstore and the native data
+# plane (native.py), so both paths talk to S3 alike.
+CONNECT_TIMEOUT_S = 5
+TIMEOUT_S = 300
+MAX_RETRIES = 10
+INIT_BACKOFF_MS = 100
+MAX_BACKOFF_S = 10
+BACKOFF_BASE = 2
 
 
 @dataclass(frozen=True)
@@ -79,15 +88,19 @@ class S3Source:
         style = resolve_addressing_style(self.endpoint_url, self.addressing_style)
         config["virtual_hosted_style_request"] = style == "virtual"
         client_options: ClientConfig = {
-            "allow_http": bool(self.endpoint_url and self.endpoint_url.startswith("http://")),
-            "connect_timeout": "5s",
-            "timeout": "300s",
+            "allow_http": self.allow_http,
+            "connect_timeout": f"{CONNECT_TIMEOUT_S}s",
+            "timeout": f"{TIMEOUT_S}s",
             "pool_max_idle_per_host": str(max(concurrency, 16)),
         }
         retry: RetryConfig = {
-            "max_retries": 10,
+            "max_retries": MAX_RETRIES,
             "retry_timeout": timedelta(seconds=self.retry_timeout),
-            "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10), "base": 2},
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=INIT_BACKOFF_MS),
+                "max_backoff": timedelta(seconds=MAX_BACKOFF_S),
+                "base": BACKOFF_BASE,
+            },
         }
         return S3Store(
             self.bucket,
@@ -96,6 +109,31 @@ class S3Source:
             retry_config=retry,
             **credentials_for_store(),
         )
+
+    @property
+    def allow_http(self) -> bool:
+        return bool(self.endpoint_url and self.endpoint_url.startswith("http://"))
+
+    def store_settings(self, concurrency: int) -> dict[str, str]:
+        """open_store's settings as the native data plane takes them (native/src/settings.rs)."""
+        settings = {
+            "region": resolve_region(self.region),
+            "virtual_hosted_style_request": str(
+                resolve_addressing_style(self.endpoint_url, self.addressing_style) == "virtual"
+            ).lower(),
+            "allow_http": str(self.allow_http).lower(),
+            "connect_timeout_ms": str(CONNECT_TIMEOUT_S * 1000),
+            "timeout_ms": str(TIMEOUT_S * 1000),
+            "pool_max_idle_per_host": str(max(concurrency, 16)),
+            "max_retries": str(MAX_RETRIES),
+            "retry_timeout_ms": str(round(self.retry_timeout * 1000)),
+            "init_backoff_ms": str(INIT_BACKOFF_MS),
+            "max_backoff_ms": str(MAX_BACKOFF_S * 1000),
+            "backoff_base": str(BACKOFF_BASE),
+        }
+        if self.endpoint_url:
+            settings["endpoint"] = self.endpoint_url
+        return settings
 
 
 def credentials_for_store() -> dict[str, Any]:
@@ -127,7 +165,12 @@ def source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
     """An obstore failure as the stager reports it: access (3), or S3 kept failing (7)."""
     text = (str(e) or type(e).__name__).split("\n")[0]
     where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
-    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or "AccessDenied" in str(e) or "403" in text:
+    # "403" as a word: the message holds the endpoint's URL, whose port may be 41403.
+    if (
+        isinstance(e, (PermissionDeniedError, UnauthenticatedError))
+        or "AccessDenied" in str(e)
+        or re.search(r"\b403\b", text)
+    ):
         return SourceError(
             f"access denied to {where} with this pod's credentials: check the credentials "
             f"Secret (or the pod's IAM role) and that the bucket policy allows ListBucket and "

@@ -27,6 +27,8 @@ from obstore.store import S3Store
 
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary
 
+from . import native
+from .cpus import available_cpus
 from .errors import (
     DestinationError,
     HostileKeysError,
@@ -55,8 +57,9 @@ BLOCK = 4096
 MAX_KEYS_SHOWN = 20
 
 
-# One object for a copier: (object, path under data/), or None: no more work.
-Work = tuple[RemoteObject, str] | None
+# One object for a copier: (object, path under data/, its manifest line), or None: no more work.
+Work = tuple[RemoteObject, str, str] | None
+Task = tuple[RemoteObject, str, str]
 
 # Kept as the stager's name for the contract's success line.
 Summary = StageSummary
@@ -107,6 +110,7 @@ class _Run:
         self.placed_empties: dict[str, Entry] = {}
         self.fetched_bytes = 0
         self.started = time.monotonic()
+        self.thread_started = time.thread_time()
 
     async def run(self) -> StageSummary:
         rev = self.rev
@@ -128,7 +132,17 @@ class _Run:
             zero_copy=(self.source.endpoint_url or "").startswith("http://"),
         )
         queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
-        workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
+        self.native: native.NativeFetcher | None = None
+        if module := native.load():
+            # Small objects: GET, write and rename in native code on one thread
+            # per CPU the container may use, a batch at a time (native.py).
+            self.native = native.NativeFetcher(
+                module, self.source, self.opts.concurrency, native.threads(available_cpus()), rev.tmp
+            )
+            self.progress.note(f"native data plane: {self.native.workers} threads, batches of {self.native.batch_size}")
+            workers = [self._native_worker(queue) for _ in range(self.native.batches)]
+        else:
+            workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
 
         async def feed() -> None:
             await self._produce(known, queue)
@@ -172,6 +186,8 @@ class _Run:
         finally:
             ticker.cancel()
             self.fetcher.close()
+            if self.native:
+                self.native.close()
             # A failed run leaves no half manifest in tmp/ (a sealed one was moved out).
             for leftover in (self.manifest_tmp, os.path.join(rev.tmp, "manifest.merged")):
                 try:
@@ -179,8 +195,17 @@ class _Run:
                 except FileNotFoundError:
                     pass
             self.progress.report()
+            # The control plane runs on this one thread whatever the data plane's
+            # threads: its CPU per object bounds objects/s on a big node
+            # (bench/stager.py reads this line). Start-up is counted apart.
+            self.progress.note(
+                f"control plane: {time.thread_time() - self.thread_started:.3f} s CPU on the event-loop thread "
+                f"(+{self.thread_started:.3f} s to start)"
+            )
 
     def _drop_revision(self) -> None:
+        if self.native:
+            self.native.close()  # no native thread may place a file while the revision is removed
         try:
             self.journal.close()
         except Exception:
@@ -205,7 +230,7 @@ class _Run:
         listing = list_versions(self.source, as_of) if as_of else list_objects(self.store, self.source.prefix)
         try:
             async for batch in listing:
-                fetch: list[tuple[RemoteObject, str]] = []
+                fetch: list[Task] = []
                 for obj in batch:
                     rel = relative(obj.key)
                     if rel is None:
@@ -234,11 +259,11 @@ class _Run:
                     # Listed now, fetched later: the run fails unless every
                     # GET succeeds (If-Match: these very bytes), so the line
                     # can be written before the file exists.
-                    self._list_entry(Entry(obj.key, rel, obj.size, obj.etag, obj.version_id))
-                    fetch.append((obj, rel))
+                    line = self._list_entry(Entry(obj.key, rel, obj.size, obj.etag, obj.version_id))
+                    fetch.append((obj, rel, line))
                 # Space is reserved a page at a time, so a short listing is
                 # judged on its exact total before any of it is fetched.
-                self._reserve([o for o, _ in fetch])
+                self._reserve([o for o, _, _ in fetch])
                 for item in fetch:
                     await queue.put(item)
         except UnrepresentableKeys as e:
@@ -312,17 +337,70 @@ class _Run:
     async def _worker(self, queue: asyncio.Queue[Work]) -> None:
         fetcher = self.fetcher
         while (item := await queue.get()) is not None:
-            obj, rel = item
+            obj, rel, _ = item
             got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
             entry = Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
             self.journal.write(entry.to_json() + "\n")
             self.fetched_bytes += got.size
             self.progress.fetched_objects += 1
 
-    def _list_entry(self, entry: Entry) -> None:
-        self.manifest.write(entry.to_json() + "\n")
+    async def _native_worker(self, queue: asyncio.Queue[Work]) -> None:
+        """A batch at a time: small objects to the native copier, the others to fetch.py."""
+        assert self.native is not None
+        nat, tree = self.native, self.tree
+        while True:
+            batch, end = await _take(queue, nat.batch_size)
+            small: list[Task] = []
+            items: list[native.Item] = []
+            jobs = []
+            for task in batch:
+                obj, rel, _ = task
+                if not native.handles(obj.size):
+                    jobs.append(self._fetch_one(obj, rel))
+                    continue
+                # Directories are made here, in listing order, as LocalTree
+                # records them for the seal; the native side only renames into them.
+                tree.ensure_parent(rel)
+                small.append(task)
+                items.append((obj.key, tree.path(rel), obj.etag, obj.version_id))
+            if items:
+                jobs.append(self._fetch_native(small, items))
+            await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
+            if end:
+                return
+
+    async def _fetch_native(self, small: list[Task], items: list[native.Item]) -> None:
+        assert self.native is not None
+        placed, failure = await self.native.fetch(items)
+        # Journal what was placed even when the batch failed: a resumed run skips it.
+        fetched = 0
+        write = self.journal.write
+        for i, got in placed:
+            obj, rel, line = small[i]
+            if got.size == obj.size and got.etag in ("", obj.etag):
+                write(line)  # the object as listed: its manifest line, already encoded
+            else:
+                write(Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id).to_json() + "\n")
+            fetched += got.size
+        self.fetched_bytes += fetched
+        self.progress.fetched_objects += len(placed)
+        self.progress.add_bytes(fetched)
+        if failure is not None:
+            raise failure
+
+    async def _fetch_one(self, obj: RemoteObject, rel: str) -> None:
+        got = await self.fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
+        entry = Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
+        self.journal.write(entry.to_json() + "\n")
+        self.fetched_bytes += got.size
+        self.progress.fetched_objects += 1
+
+    def _list_entry(self, entry: Entry) -> str:
+        line = entry.to_json() + "\n"
+        self.manifest.write(line)
         self.objects += 1
         self.bytes += entry.size
+        return line
 
     def _final_manifest(self) -> str:
         """The manifest's file: the listed lines, with the empty files merged in path order.
@@ -396,6 +474,21 @@ def _revision_advice() -> str:
 
 def _first_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).split("\n")[0]
+
+
+async def _take(queue: asyncio.Queue[Work], most: int) -> tuple[list[Task], bool]:
+    """Up to ``most`` queued items without waiting for more than the first; and whether the end was reached."""
+    batch: list[Task] = []
+    item = await queue.get()
+    while item is not None:
+        batch.append(item)
+        if len(batch) >= most:
+            return batch, False
+        try:
+            item = queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return batch, False
+    return batch, True
 
 
 async def _gather_or_cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from dscache_contract import Selection
 
+from .cpus import available_cpus
 from .keys import Filters
 from .source import S3Source
 
@@ -14,8 +14,8 @@ from .source import S3Source
 def default_concurrency() -> int:
     # Requests in flight. Small objects are latency-bound (real S3 answers in
     # tens of ms), so many more than cores; memory stays under this x 1 MiB.
-    # os.cpu_count() counts the node's CPUs, not the container's CPU limit.
-    return min(256, max(64, 32 * (os.cpu_count() or 2)))
+    # The CPUs are the container's (its cgroup quota), not the node's count.
+    return min(256, max(64, 32 * available_cpus()))
 
 
 @dataclass

@@ -32,18 +32,26 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
         "--scale",
         "--scale-count=200",
         "--scale-peers=s5cmd",
+        "--workers=1,2",
         f"--workdir={tmp_path}",
     ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    # Both of dscache's data planes when the native one is installed (issue 18).
+    tools = {"dscache", "dscache_python", "s5cmd"} if result["native"] else {"dscache", "s5cmd"}
     for key in ("small_s", "large_s", "cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "peak_rss_mib"):
-        assert set(result[key]) == {"dscache", "s5cmd"}, key
+        assert set(result[key]) == tools, key
     assert result["small_objects"] == 30 and result["dd_s"] > 0 and result["warm_s"] > 0
     wan = result["wan"]
-    assert set(wan["small_s"]) == {"dscache", "s5cmd"} and wan["objects"] == 30
+    assert set(wan["small_s"]) == tools and wan["objects"] == 30
     for key in ("cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "proxy_cpu_ms_per_1k_small", "connections"):
-        assert set(wan[key]) == {"dscache", "s5cmd"}, key
+        assert set(wan[key]) == tools, key
+    if result["native"]:
+        assert set(result["native_vs_python"]) == {"small_speedup", "small_cpu_ratio", "large_speedup"}
+        sweep = result["workers_sweep"]
+        assert set(sweep["runs"]) == {"1", "2"} and sweep["implied_64_cores"]["objects_per_s"] > 0
+        assert all(r["objects_per_client_cpu_s"] > 0 for r in sweep["runs"].values())
     scale = result["scale"]
     assert scale["objects"] == 200
     for key in ("dscache_s", "s5cmd_s", "dscache_peak_rss_mib", "warm_s", "sourcecheck_s", "sourcecheck_peak_rss_mib"):

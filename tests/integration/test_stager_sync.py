@@ -159,29 +159,32 @@ def test_resume_after_sigkill_gives_byte_exact_tree(s3_server: S3Server, bucket:
     r = Path(contract.revision_dir(str(cache), rev))
     journal, complete = Path(contract.journal_path(str(cache), rev)), Path(contract.complete_path(str(cache), rev))
     want = expected_tree(files, "k/")
-    # A slow link (one request at a time) so that every kill lands mid-copy.
-    cmd = stage_cmd(
-        *sync_argv(uri, cache, rev, concurrency=1, progress_interval=0.1), "--endpoint-url", s3_server.endpoint
-    )
-    kills = 0
-    for _ in range(3):
-        p = subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        before = journal.stat().st_size if journal.exists() else 0
-        deadline = time.monotonic() + 60
-        while (
-            time.monotonic() < deadline
-            and p.poll() is None
-            and (not journal.exists() or journal.stat().st_size <= before)
-        ):
-            time.sleep(0.02)
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        if p.returncode == -signal.SIGKILL and not complete.exists():
-            kills += 1
-        # Whatever is visible under a final name is whole and correct.
-        seen = data_tree(r / "data") if (r / "data").exists() else {}
-        assert all(want[path] == digest for path, digest in seen.items())
-        assert not complete.exists() or seen == want
+    # A slow link (one request at a time, 10 ms each way) so that every kill lands
+    # mid-copy, however fast the data plane (the native one copies these in a second).
+    proxy = FaultProxy((s3_server.host, s3_server.port), lambda n, line: "pass", rtt_ms=20).start()
+    cmd = stage_cmd(*sync_argv(uri, cache, rev, concurrency=1, progress_interval=0.1), "--endpoint-url", proxy.endpoint)
+    try:
+        kills = 0
+        for _ in range(3):
+            p = subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            before = journal.stat().st_size if journal.exists() else 0
+            deadline = time.monotonic() + 60
+            while (
+                time.monotonic() < deadline
+                and p.poll() is None
+                and (not journal.exists() or journal.stat().st_size <= before)
+            ):
+                time.sleep(0.02)
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            if p.returncode == -signal.SIGKILL and not complete.exists():
+                kills += 1
+            # Whatever is visible under a final name is whole and correct.
+            seen = data_tree(r / "data") if (r / "data").exists() else {}
+            assert all(want[path] == digest for path, digest in seen.items())
+            assert not complete.exists() or seen == want
+    finally:
+        proxy.stop()
     assert kills == 3, "every kill must land before the copy completed"
     assert 0 < len(data_tree(r / "data")) < len(want)
 
@@ -400,3 +403,46 @@ def test_manifest_is_streamed_in_path_order_with_empty_files_merged(s3_server: S
     assert data_tree(data_dir(cache, rev)) == want
     assert json.loads(r.stdout.strip().splitlines()[-1])["objects"] == len(want)
     assert not os.path.exists(contract.tmp_dir(str(cache), rev))
+
+
+def test_the_chosen_data_plane_copies_the_small_objects(
+    s3_server: S3Server, bucket: str, tmp_path: Path, data_plane: str
+):
+    """The native plane really runs when chosen (and the python plane when it is off):
+    the stager names it in its log, and either copies the same bytes."""
+    files = sample(n=200, seed=7)
+    s3_server.put_tree(bucket, files)
+    uri, cache = f"s3://{bucket}/data/", tmp_path / "c"
+    rev = boto3_revision(s3_server, uri)
+    r = stage(s3_server, uri, cache, rev)
+    assert r.code == 0, r.stderr
+    assert ("native data plane:" in r.stderr) == (data_plane == "native"), r.stderr
+    assert data_tree(data_dir(cache, rev)) == expected_tree(files, "data/")
+    assert r.summary["fetched_objects"] == len(files) - 1
+
+
+def test_credentials_from_the_boto3_chain_sign_every_request(
+    s3_server: S3Server, bucket: str, tmp_path: Path, data_plane: str
+):
+    """No keys in the environment: the stager takes them from boto3's chain (here a shared
+    credentials file; IRSA and instance roles take the same path). The native plane asks
+    Python for them from its own threads (dscache_native's credential_provider)."""
+    files = sample(n=40, seed=11)
+    s3_server.put_tree(bucket, files)
+    uri, cache = f"s3://{bucket}/data/", tmp_path / "c"
+    rev = boto3_revision(s3_server, uri)
+    creds = tmp_path / "credentials"
+    creds.write_text(
+        f"[default]\naws_access_key_id = {s3_server.env['AWS_ACCESS_KEY_ID']}\n"
+        f"aws_secret_access_key = {s3_server.env['AWS_SECRET_ACCESS_KEY']}\n"
+    )
+    env = {k: v for k, v in stage_env(s3_server).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env["AWS_SHARED_CREDENTIALS_FILE"] = str(creds)
+    env["AWS_CONFIG_FILE"] = str(tmp_path / "no-config")
+    r = stage(s3_server, uri, cache, rev, env=env)
+    assert r.code == 0, r.stderr
+    assert data_tree(data_dir(cache, rev)) == expected_tree(files, "data/")
+    # And a wrong secret from the same chain is refused as access denied (exit 3), on either plane.
+    creds.write_text(creds.read_text().replace(s3_server.env["AWS_SECRET_ACCESS_KEY"], "not-the-secret"))
+    r = stage(s3_server, uri, tmp_path / "c2", rev, env=env)
+    assert r.code == 3 and "access denied" in r.stderr, r.stderr

@@ -1,0 +1,140 @@
+"""The native data plane: small objects GET, written and renamed in dscache_native (native/).
+
+fetch.py measured the bound of the pure-Python path: every object crosses
+from obstore's tokio threads to the asyncio thread twice, and all per-object
+work but tokio's runs on that one thread (~0.5-0.7 ms per object, so about
+1,500-2,000 objects/s whatever the cores). dscache_native does GET (If-Match
+on the listed ETag, or the pinned versionId) -> temp file -> rename for a
+whole batch on native threads with the GIL released, and completes to Python
+once per batch. Python keeps the control plane (listing, revision hash,
+hostile keys, journal, progress) and the large objects (fetch.py: ranged
+parts, splice).
+
+The extension is optional: when it is not installed (a venv without cargo),
+or DSCACHE_NATIVE=0, the stager runs fetch.py's path, which stays the
+reference: the test suite runs against both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from types import ModuleType
+from typing import Any
+
+from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+
+from .fetch import OBJECT_ATTEMPTS, SMALL_LIMIT, Fetched, ObjectGone
+from .source import S3Source, credentials_for_store
+
+#: "0" turns the native data plane off (the pure-Python path runs); unset or "1": on when installed.
+ENV = "DSCACHE_NATIVE"
+
+#: (key, final path, ETag, versionId) as dscache_native.Copier.fetch takes them.
+Item = tuple[str, str, str, str | None]
+
+
+def load() -> ModuleType | None:
+    """dscache_native, unless it is absent or switched off."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        import dscache_native
+    except ImportError:
+        return None
+    return dscache_native
+
+
+def threads(cpus: int) -> int:
+    """Native threads: one per CPU the container may use (cpus.available_cpus), unless
+    DSCACHE_NATIVE_WORKERS says otherwise (bench/stager.py's --workers sweep)."""
+    try:
+        return max(1, int(os.environ["DSCACHE_NATIVE_WORKERS"]))
+    except (KeyError, ValueError):
+        return cpus
+
+
+def handles(size: int) -> bool:
+    """Objects the native path copies: whole GETs held in memory, as fetch.py's small ones.
+    Larger ones keep fetch.py's ranged parts (and splice on plain HTTP)."""
+    return 0 < size <= SMALL_LIMIT
+
+
+class NativeFetcher:
+    """A dscache_native.Copier for one run, and the threads that wait on its batches."""
+
+    def __init__(self, module: ModuleType, source: S3Source, concurrency: int, workers: int, tmp_dir: str) -> None:
+        self.tmp_dir = tmp_dir
+        # Batches small enough that a slow object holds back few others, many
+        # enough in flight that the requests limit (not the batching) bounds
+        # the GETs: about twice --concurrency objects are handed down at once.
+        self.batch_size = max(8, min(64, concurrency // 4))
+        self.batches = max(2, 2 * concurrency // self.batch_size)
+        self.copier: Any = module.Copier(
+            source.bucket,
+            source.store_settings(concurrency),
+            **_credentials(),
+            workers=workers,
+            concurrency=concurrency,
+            attempts=OBJECT_ATTEMPTS,
+        )
+        self.workers: int = self.copier.workers
+        # Each batch blocks one of these threads in native code, without the GIL.
+        self.pool = ThreadPoolExecutor(self.batches, thread_name_prefix="native-batch")
+        self.closed = False
+
+    async def fetch(self, items: list[Item]) -> tuple[list[tuple[int, Fetched]], BaseException | None]:
+        """Copy a batch; (index, Fetched) of each object placed, and the failure that stopped the rest."""
+        loop = asyncio.get_running_loop()
+        done, failure = await loop.run_in_executor(self.pool, self.copier.fetch, self.tmp_dir, items)
+        placed = [(i, Fetched(size, etag)) for i, size, etag in done]
+        return placed, (_exception(*failure) if failure is not None else None)
+
+    def close(self) -> None:
+        """Stop every batch and wait for their threads: after this nothing more is written or renamed."""
+        if self.closed:
+            return
+        self.closed = True
+        self.copier.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _exception(kind: str, errno: int, message: str, key: str) -> BaseException:
+    """A native failure as the exception fetch.py raises for it, so sync.py maps it to the same exit code."""
+    if kind == "gone":
+        return ObjectGone(key)
+    if kind == "os":
+        return OSError(errno, os.strerror(errno), message)
+    if kind == "cancelled":
+        return asyncio.CancelledError()
+    cls: type[BaseError] = {
+        "precondition": PreconditionError,
+        "permission": PermissionDeniedError,
+        "unauthenticated": UnauthenticatedError,
+    }.get(kind, GenericError)
+    return cls(message)
+
+
+def _credentials() -> dict[str, Any]:
+    """credentials_for_store()'s answer as dscache_native.Copier's keyword arguments."""
+    creds = credentials_for_store()
+    if creds.get("skip_signature"):
+        return {"skip_signature": True}
+    if "credential_provider" in creds:
+        provider = creds["credential_provider"]
+
+        def call() -> tuple[str, str, str | None, float]:
+            # obstore's Boto3CredentialProvider: a dict with an expiry; boto3 refreshes underneath.
+            c = provider()
+            expires = c.get("expires_at")
+            valid = (expires - datetime.now(UTC)).total_seconds() if expires else 3600.0
+            return c["access_key_id"], c["secret_access_key"], c.get("token"), valid
+
+        return {"credential_provider": call}
+    return {
+        "access_key_id": creds["access_key_id"],
+        "secret_access_key": creds["secret_access_key"],
+        "session_token": creds.get("session_token"),
+    }

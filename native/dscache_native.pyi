@@ -1,0 +1,35 @@
+"""Type stubs of the native data plane (native/src/lib.rs)."""
+
+from collections.abc import Callable, Mapping
+
+#: (access key id, secret access key, session token or None, seconds the three stay valid)
+Credential = tuple[str, str, str | None, float]
+#: (key, final path, ETag without quotes or "", versionId or None)
+Item = tuple[str, str, str, str | None]
+#: (index in the batch, bytes written, ETag the GET answered with, unquoted)
+Done = tuple[int, int, str]
+#: (kind, errno, message, key); kind is one of gone, precondition, permission,
+#: unauthenticated, generic, os, cancelled
+Failure = tuple[str, int, str, str]
+
+class Copier:
+    def __init__(
+        self,
+        bucket: str,
+        config: Mapping[str, str],
+        *,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        skip_signature: bool = False,
+        credential_provider: Callable[[], Credential] | None = None,
+        workers: int = 1,
+        concurrency: int = 64,
+        attempts: int = 5,
+    ) -> None: ...
+    @property
+    def workers(self) -> int: ...
+    def fetch(self, tmp_dir: str, items: list[Item]) -> tuple[list[Done], Failure | None]: ...
+    def cancel(self) -> None: ...
+
+def version() -> str: ...

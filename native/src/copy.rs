@@ -1,0 +1,210 @@
+//! One object: GET -> temp file -> rename, retried as fetch.Fetcher.fetch retries.
+
+use std::fs::{self, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use object_store::aws::AmazonS3;
+use object_store::path::Path;
+use object_store::{GetOptions, ObjectStore};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// (key, final path, ETag unquoted or "", versionId)
+pub type Item = (String, String, String, Option<String>);
+
+/// Files are born read-only, as fetch.FILE_MODE: a complete revision must not change.
+const FILE_MODE: u32 = 0o444;
+
+pub struct Shared {
+    pub store: AmazonS3,
+    /// Requests in flight (GET and body), as the Python path's semaphore.
+    pub requests: Semaphore,
+    pub attempts: u32,
+    pub seq: AtomicU64,
+    pub pid: u32,
+    /// Cancelled by Copier.cancel: the run failed elsewhere.
+    pub stop: CancellationToken,
+}
+
+/// Why an object failed, in the terms fetch.py's callers understand.
+#[derive(Debug)]
+pub enum Failure {
+    /// Mapped by the Python wrapper onto obstore's exception of the same kind.
+    Store { kind: &'static str, message: String },
+    /// Writing the destination failed: raised as OSError(errno).
+    Os { errno: i32, message: String },
+    Cancelled,
+}
+
+impl Failure {
+    pub fn into_tuple(self, key: String) -> (String, i32, String, String) {
+        match self {
+            Failure::Store { kind, message } => (kind.to_string(), 0, message, key),
+            Failure::Os { errno, message } => ("os".to_string(), errno, message, key),
+            Failure::Cancelled => ("cancelled".to_string(), 0, "cancelled".to_string(), key),
+        }
+    }
+
+    /// Not worth another try: fetch.FATAL (the object is gone or changed,
+    /// access is refused) and every local error (the Python path retries
+    /// only obstore's errors).
+    fn fatal(&self) -> bool {
+        match self {
+            Failure::Store { kind, .. } => *kind != "generic",
+            _ => true,
+        }
+    }
+}
+
+fn store_failure(e: object_store::Error) -> Failure {
+    use object_store::Error as E;
+    let kind = match &e {
+        E::NotFound { .. } => "gone",
+        E::Precondition { .. } => "precondition",
+        E::PermissionDenied { .. } => "permission",
+        E::Unauthenticated { .. } => "unauthenticated",
+        _ => "generic",
+    };
+    // As obstore words its exceptions: the message, then the error's chain,
+    // which source.source_error searches ("Connection refused", "403"...).
+    Failure::Store { kind, message: format!("{e}\n\nDebug source:\n{e:#?}") }
+}
+
+fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
+    Failure::Os { errno: e.raw_os_error().unwrap_or(libc::EIO), message: format!("{what} {path}: {e}") }
+}
+
+/// Copy every item; the first failure stops the rest of this batch only (the
+/// caller fails the run and cancels the others through Shared.stop).
+pub async fn batch(
+    shared: Arc<Shared>,
+    tmp_dir: String,
+    items: Vec<Item>,
+) -> (Vec<(usize, u64, String)>, Option<(Failure, String)>) {
+    let stop = shared.stop.child_token();
+    let tmp_dir = Arc::new(tmp_dir);
+    let keys: Vec<String> = items.iter().map(|i| i.0.clone()).collect();
+    let mut tasks = JoinSet::new();
+    for (index, item) in items.into_iter().enumerate() {
+        let (shared, stop, tmp_dir) = (shared.clone(), stop.clone(), tmp_dir.clone());
+        tasks.spawn(async move {
+            let result = tokio::select! {
+                biased;
+                _ = stop.cancelled() => Err(Failure::Cancelled),
+                r = object(&shared, &tmp_dir, &item) => r,
+            };
+            (index, result)
+        });
+    }
+    let mut done = Vec::new();
+    let mut failure: Option<(Failure, String)> = None;
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((index, Ok((size, etag)))) => done.push((index, size, etag)),
+            Ok((index, Err(f))) => {
+                stop.cancel();
+                // The first real failure wins over the cancellations it causes.
+                let first = match &failure {
+                    None => true,
+                    Some((prev, _)) => matches!(prev, Failure::Cancelled) && !matches!(f, Failure::Cancelled),
+                };
+                if first {
+                    failure = Some((f, keys[index].clone()));
+                }
+            }
+            Err(e) => {
+                stop.cancel();
+                let f = Failure::Store { kind: "generic", message: format!("native task failed: {e}") };
+                failure.get_or_insert((f, String::new()));
+            }
+        }
+    }
+    (done, failure)
+}
+
+async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, String), Failure> {
+    let (key, dest, etag, version) = item;
+    let path = Path::parse(key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
+    let mut attempt = 1;
+    loop {
+        match once(shared, tmp_dir, &path, dest, etag, version).await {
+            Ok(got) => return Ok(got),
+            Err(f) if f.fatal() || attempt >= shared.attempts => return Err(f),
+            Err(_) => {
+                // fetch.py's jittered backoff: uniform(0, 0.2 * 2**attempt) seconds.
+                let cap = 0.2 * f64::from(1u32 << attempt.min(16));
+                tokio::time::sleep(Duration::from_secs_f64(cap * jitter())).await;
+                attempt += 1;
+            }
+        }
+    }
+}
+
+async fn once(
+    shared: &Shared,
+    tmp_dir: &str,
+    path: &Path,
+    dest: &str,
+    etag: &str,
+    version: &Option<String>,
+) -> Result<(u64, String), Failure> {
+    let options = GetOptions {
+        // If-Match pins the bytes to the listed revision (fetch._pinned).
+        if_match: (!etag.is_empty()).then(|| format!("\"{etag}\"")),
+        version: version.clone(),
+        ..Default::default()
+    };
+    let (body, got_etag) = {
+        let _permit = shared.requests.acquire().await.expect("the request semaphore is never closed");
+        let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
+        let got_etag = result.meta.e_tag.clone().unwrap_or_default();
+        (result.bytes().await.map_err(store_failure)?, got_etag)
+    };
+    // From here on nothing awaits: a cancelled task is dropped either before
+    // its temp file exists or after its rename, never between.
+    let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
+    let tmp = format!("{tmp_dir}/{}-n{seq}", shared.pid);
+    if let Err(e) = write_new(&tmp, &body) {
+        let _ = fs::remove_file(&tmp);
+        return Err(os_failure(e, "writing", &tmp));
+    }
+    if let Err(e) = place(&tmp, dest) {
+        let _ = fs::remove_file(&tmp);
+        return Err(os_failure(e, "placing", dest));
+    }
+    Ok((body.len() as u64, got_etag.trim_matches('"').to_string()))
+}
+
+fn write_new(tmp: &str, body: &[u8]) -> io::Result<()> {
+    // O_EXCL: never write through a file (or symlink) someone left there.
+    let mut f = OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).open(tmp)?;
+    f.write_all(body)
+}
+
+/// tree.LocalTree.place: rename into place; a stale directory where the bucket
+/// now has a file is removed first (remove_dir_all never follows symlinks).
+fn place(tmp: &str, dest: &str) -> io::Result<()> {
+    match fs::rename(tmp, dest) {
+        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+            fs::remove_dir_all(dest)?;
+            fs::rename(tmp, dest)
+        }
+        other => other,
+    }
+}
+
+/// A number in [0, 1) for backoff jitter; no RNG crate needed for this.
+fn jitter() -> f64 {
+    static STATE: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+    let mut x = STATE.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed) ^ nanos;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}

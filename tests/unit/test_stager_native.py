@@ -1,0 +1,66 @@
+"""dscache_native's seam with the stager: settings, credentials and how its failures are raised.
+
+The copies themselves run against the real S3 server in tests/integration
+(every test_stager_* test runs on both data planes)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+
+import pytest
+from obstore.exceptions import GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+
+from dscache_stager import native
+from dscache_stager.errors import SourceError
+from dscache_stager.fetch import ObjectGone
+from dscache_stager.source import S3Source, source_error
+
+
+def test_failures_are_raised_as_the_python_path_raises_them():
+    e = native._exception("gone", 0, "Object at location k not found", "data/k")
+    assert isinstance(e, ObjectGone) and str(e) == "data/k"
+    assert isinstance(native._exception("precondition", 0, "412", "k"), PreconditionError)
+    assert isinstance(native._exception("permission", 0, "403", "k"), PermissionDeniedError)
+    assert isinstance(native._exception("unauthenticated", 0, "401", "k"), UnauthenticatedError)
+    assert isinstance(native._exception("generic", 0, "500", "k"), GenericError)
+    assert isinstance(native._exception("cancelled", 0, "", "k"), asyncio.CancelledError)
+    full = native._exception("os", errno.ENOSPC, "writing /c/tmp/1-n1", "k")
+    assert isinstance(full, OSError) and full.errno == errno.ENOSPC
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.load() is None
+    monkeypatch.setenv("DSCACHE_NATIVE_WORKERS", "3")
+    assert native.threads(8) == 3
+    monkeypatch.delenv("DSCACHE_NATIVE_WORKERS")
+    assert native.threads(8) == 8
+    assert native.handles(1) and native.handles(1 << 20) and not native.handles(0) and not native.handles((1 << 20) + 1)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_endpoint_reads_as_the_python_path_reports_it(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """A real Copier (store_settings as the stager builds them) against a closed port: the
+    failure carries object_store's error chain, which source_error reads ("connect")."""
+    module = pytest.importorskip("dscache_native")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.delenv(native.ENV, raising=False)
+    source = S3Source("b", "p/", endpoint_url=f"http://127.0.0.1:{closed_port()}", retry_timeout=0.5)
+    fetcher = native.NativeFetcher(module, source, concurrency=4, workers=2, tmp_dir=str(tmp_path))
+    try:
+        assert fetcher.workers == 2
+        placed, failure = asyncio.run(fetcher.fetch([("p/a", str(tmp_path / "a"), "e", None)]))
+    finally:
+        fetcher.close()
+    assert placed == [] and isinstance(failure, GenericError)
+    err = source_error(failure, source, 0)
+    assert isinstance(err, SourceError) and "cannot reach the S3 endpoint" in str(err)
+    assert list(tmp_path.iterdir()) == []  # nothing written
