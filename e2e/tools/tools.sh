@@ -13,6 +13,8 @@
 #            did not change that cache key; kind's node image needs it
 #   helm-docs   the chart README from values.yaml (github.com/norwoodj/helm-docs)
 #   actionlint  checks .github/workflows (github.com/rhysd/actionlint)
+#   toxiproxy   a latency proxy in Go whose cost does not depend on the client
+#               (github.com/Shopify/toxiproxy): bench/stager.py's wan profile
 #   jobset             the JobSet controller (sigs.k8s.io/jobset), for the kind path
 #   training-operator  Kubeflow's training-operator (PyTorchJob), for the kind path
 #   cni   Debian's containernetworking-plugins (bridge, host-local, portmap),
@@ -35,6 +37,7 @@ JOBSET_VERSION=v0.10.1
 TRAINING_OPERATOR_VERSION=v1.8.1
 HELM_DOCS_VERSION=v1.14.2
 ACTIONLINT_VERSION=v1.7.12
+TOXIPROXY_VERSION=v2.12.0
 KIND_VERSION=v0.30.0   # the last kind with cgroup v1 CI (see e2e/kind/README.md)
 PAUSE_VERSION=3.10.1   # build/pause/Makefile TAG in $K8S_VERSION
 # containerd 2.2's default `sandbox` image (pinned_images in its CRI config);
@@ -201,7 +204,8 @@ tool_version() {
     training-operator) echo "training-operator-$TRAINING_OPERATOR_VERSION" ;;
     helm-docs) echo "helm-docs-$HELM_DOCS_VERSION" ;;
     actionlint) echo "actionlint-$ACTIONLINT_VERSION" ;;
-    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator helm-docs actionlint)" >&2; exit 2 ;;
+    toxiproxy) echo "toxiproxy-$TOXIPROXY_VERSION" ;;
+    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator helm-docs actionlint toxiproxy)" >&2; exit 2 ;;
   esac
 }
 
@@ -250,6 +254,8 @@ build_tool() {
       github.com/norwoodj/helm-docs/cmd/helm-docs ;;
     actionlint) CGO_ENABLED=0 go_install "$out" github.com/rhysd/actionlint "$ACTIONLINT_VERSION" \
       github.com/rhysd/actionlint/cmd/actionlint ;;
+    toxiproxy) CGO_ENABLED=0 go_install "$out" github.com/Shopify/toxiproxy/v2 "$TOXIPROXY_VERSION" \
+      github.com/Shopify/toxiproxy/v2/cmd/server && mv "$out/server" "$out/toxiproxy-server" ;;
   esac
   echo "$((SECONDS - start))" >"$dir.tmp/build-seconds"
   touch "$dir.tmp/.done"
