@@ -542,8 +542,7 @@ def log_wan_bounds(wan: dict, per_1k: dict[str, dict[str, float]], count: int) -
         log(
             f"wan {tool}: {seconds:.2f}s; CPU per 1k client {per_1k['client'][tool]:.0f} + server "
             f"{per_1k['server'][tool]:.0f} + proxy {per_1k['proxy'][tool]:.0f} ms = floor "
-            f"{cpu_ms * count / 1e6 / cores:.2f}s on {cores} cores; {wan['connections'][tool]} connections "
-            f"(each new one waits a round trip)"
+            f"{cpu_ms * count / 1e6 / cores:.2f}s on {cores} cores; {wan['connections'][tool]} connections"
         )
 
 
