@@ -14,7 +14,7 @@ from pathlib import Path
 
 import boto3
 
-from .tools import tool_bin
+from .tools import stop_process, tool_bin
 
 ACCESS_KEY = "dscache-test"
 SECRET_KEY = "dscache-test-secret"
@@ -91,12 +91,7 @@ class S3Server:
         raise RuntimeError(f"versitygw did not listen on {self.endpoint} within 20 s")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
     def client(self):
         return boto3.client(

@@ -30,6 +30,18 @@ def tool_bin(tool: str) -> Path:
     return Path(out)
 
 
+def stop_process(proc: subprocess.Popen | None, timeout: float = 10) -> None:
+    """Terminate a server we started, kill it if it lingers, and reap it."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def kubectl() -> str:
     """kubectl built with the test apiserver (don't rely on the host having one)."""
     return str(tool_bin("kube-apiserver") / "kubectl")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .s3server import free_port
-from .tools import tool_bin
+from .tools import stop_process, tool_bin
 
 
 @dataclass
@@ -97,12 +97,6 @@ class ToxiProxy:
             return sum(1 for line in f if b'"Accepted client"' in line)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         if self.log_path:
             self.log_path.unlink(missing_ok=True)
