@@ -29,14 +29,16 @@ planning decides when it is worth trying and which leases to release.
 from __future__ import annotations
 
 import datetime
-import json
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from dscache_contract import RevisionRef
+from dscache_contract import STAGER_CONTAINER_NAME, RevisionRef, StageSummary
 
+from .clock import fmt_time, parse_time
 from .models import (
     CACHE_ANNOTATION,
+    MODE_ANNOTATION,
     NodeRevision,
     NodeState,
     NodeStatus,
@@ -46,10 +48,6 @@ from .models import (
     VolumeMode,
     parse_duration,
 )
-
-# Fixed names (dscache_contract), repeated here to keep this module import-light.
-INIT_NAME = "dscache-stage"
-MODE_ANNOTATION = "dscache.io/volume"
 
 #: Stray leases recorded per (node, revision) are capped: status must stay small.
 MAX_STRAY_LEASES = 200
@@ -90,10 +88,11 @@ class PodInfo(NamedTuple):
     mode: str  # HostPath | EmptyDir
     init: str | None  # None (not injected/seen), waiting, running, ok, failed
     started: str | None  # init container start (RFC 3339)
-    message: str | None  # init container termination message
+    message: str | None  # a failed stager's termination message (a successful one's is parsed into summary)
     uid: str = ""
     pinned: RevisionRef | None = None  # the revision it was admitted with (None: none, or unreadable)
     init_finished: str | None = None  # when the init container terminated (RFC 3339; metrics count runs by it)
+    summary: StageSummary | None = None  # a successful stager's summary, parsed once here
 
     @property
     def finished(self) -> bool:
@@ -119,7 +118,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
     status = body.get("status") or {}
     init = started = message = finished = None
     for cs in status.get("initContainerStatuses") or []:
-        if cs.get("name") != INIT_NAME:
+        if cs.get("name") != STAGER_CONTAINER_NAME:
             continue
         state = cs.get("state") or {}
         if "terminated" in state:
@@ -143,19 +142,25 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         # revision on its node (and, unscheduled, everywhere), the safe side for
         # wipes, and it gives its owner no pin.
         pinned = None
+    # 50,000 pods name a few dozen nodes, phases and modes: one string each, shared.
     return PodInfo(
         name=meta.get("name", ""),
-        node=spec.get("nodeName") or None,
-        phase=status.get("phase") or PodPhase.PENDING,
+        node=_intern(spec.get("nodeName")),
+        phase=sys.intern(status.get("phase") or PodPhase.PENDING),
         owner=controller_ref(meta),
-        mode=annotations.get(MODE_ANNOTATION, VolumeMode.HOST_PATH),
+        mode=sys.intern(annotations.get(MODE_ANNOTATION, VolumeMode.HOST_PATH)),
         init=init,
         started=started,
-        message=(message or "").strip() or None,
+        message=None if init == "ok" else (message or "").strip() or None,
         uid=meta.get("uid", ""),
         pinned=pinned,
         init_finished=finished,
+        summary=StageSummary.from_message(message) if init == "ok" else None,
     )
+
+
+def _intern(text: str | None) -> str | None:
+    return sys.intern(text) if text else None
 
 
 def pod_key(body: dict[str, Any]) -> tuple[str, str] | None:
@@ -163,7 +168,7 @@ def pod_key(body: dict[str, Any]) -> tuple[str, str] | None:
     cache = (meta.get("annotations") or {}).get(CACHE_ANNOTATION)
     if not cache:
         return None
-    return (meta.get("namespace", ""), cache)
+    return (sys.intern(meta.get("namespace", "")), sys.intern(cache))
 
 
 # --- owners: each kind's "finished" -------------------------------------------------------
@@ -264,31 +269,6 @@ def holds(pod: PodInfo, owners: OwnerLookup, deleting: bool = False) -> bool:
 # --- helpers -------------------------------------------------------------------------------
 
 
-def parse_time(text: str | None) -> datetime.datetime | None:
-    if not text:
-        return None
-    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
-def fmt_time(t: datetime.datetime) -> str:
-    return t.astimezone(datetime.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def termination_summary(message: str | None) -> dict[str, Any]:
-    """The stager's JSON summary, if the message is one."""
-    if not message:
-        return {}
-    for line in reversed(message.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                data = json.loads(line)
-                return data if isinstance(data, dict) else {}
-            except ValueError:
-                return {}
-    return {}
-
-
 # --- planning ------------------------------------------------------------------------------
 
 
@@ -374,15 +354,15 @@ def plan_node(
             entry.state, entry.message = NodeState.STAGING, None
         elif ok:
             best = max(ok, key=lambda p: p.started or "")
-            summary = termination_summary(best.message)
             entry.state, entry.message = NodeState.READY, None
-            for field in ("bytes", "objects", "seconds"):
-                if isinstance(summary.get(field), (int, float)):
-                    setattr(entry, field, summary[field])
+            if best.summary is not None:
+                s = best.summary
+                entry.bytes, entry.objects, entry.seconds = s.bytes, s.objects, s.seconds
+                entry.bucketBytes, entry.peerBytes = s.bucket_bytes, s.peer_bytes
         elif failed:
             last = max(failed, key=lambda p: p.started or "")
             entry.state = NodeState.FAILED
-            entry.message = (last.message or "the stager failed; see kubectl logs -c " + INIT_NAME)[:4096]
+            entry.message = (last.message or "the stager failed; see kubectl logs -c " + STAGER_CONTAINER_NAME)[:4096]
 
     if len(consumers) != entry.consumers or (prior is None and relevant):
         entry.lastUsed = fmt_time(now)

@@ -1,6 +1,6 @@
-"""The controller: kopf handlers and the level-based reconciliation of one DatasetCache.
+"""The controller: the level-based reconciliation of one DatasetCache, and its executor.
 
-Everything is level-based: one timer per DatasetCache recomputes the wanted
+Everything is level-based: each DatasetCache, in turn (schedule.py), recomputes the wanted
 status from read-only views of users' pods and Jobs (views.py) and from the
 API server, and acts on the difference. A restarted operator therefore
 converges: no node decision is made before the views have listed everything,
@@ -12,7 +12,9 @@ prestage.py.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import logging
 import time
 from typing import Any
 
@@ -21,15 +23,18 @@ import kopf
 import dscache_contract as contract
 from dscache_contract import RevisionRef
 
-from . import common, prestage, sourcecheck, wipe
+from . import clock, common, prestage, sourcecheck, wipe
 from . import status as st
+from .caches import CacheView, Key
+from .clock import fmt_time, parse_time
 from .common import Context, ctx_of
-from .consumers import MAX_STRAY_LEASES, NodePlan, PodInfo, Release, fmt_time, parse_time, plan_nodes
+from .consumers import MAX_STRAY_LEASES, NodePlan, PodInfo, Release, plan_nodes
+from .events import Event, Poster
 from .kube import ApiError
 from .models import (
+    FINALIZER,
     GROUP,
     PLURAL,
-    REFRESH_ANNOTATION,
     VERSION,
     DatasetCacheSpec,
     NodeState,
@@ -40,9 +45,13 @@ from .models import (
     VolumeMode,
 )
 from .nodes import NodeInfo
+from .schedule import Scheduler
 from .views import Views
 
-CACHES = (GROUP, VERSION, PLURAL)
+logger = logging.getLogger(__name__)
+
+#: Reconciliations at once: bounded API concurrency and memory.
+RECONCILE_WORKERS = 8
 #: A pre-stage pod that succeeded while its node is still not warm is replaced after this long.
 PRESTAGE_RETRY_S = 300.0
 #: A failed pre-stage pod is replaced after this long (its message is in status meanwhile).
@@ -51,51 +60,44 @@ PRESTAGE_FAILED_RETRY_S = 60.0
 AUTH_FAILURE_LIMIT = 300.0
 
 
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
+class Outbox:
+    """What one reconciliation has to say: Events (posted by the executor) and the status patch."""
+
+    def __init__(self, view: CacheView) -> None:
+        self.view = view
+        self.events: list[Event] = []
+        self.status: dict[str, Any] = {}
+
+    def event(self, type: str, reason: str, message: str) -> None:
+        self.events.append(Event(self.view.involved(), type, reason, message))
 
 
-def _events_for_transitions(body: kopf.Body, prior: dict[str, NodeStatus], entries: list[NodeStatus]) -> None:
+def _events_for_transitions(out: Outbox, prior: dict[str, NodeStatus], entries: list[NodeStatus]) -> None:
     for e in entries:
         old = prior.get(e.node)
         if old is not None and old.state == e.state:
             continue
         if e.state == NodeState.READY:
-            kopf.event(
-                body,
-                type="Normal",
-                reason="NodeReady",
-                message=f"node {e.node}: {e.objects} objects, {e.bytes} bytes staged in {e.seconds} s",
+            out.event(
+                "Normal", "NodeReady", f"node {e.node}: {e.objects} objects, {e.bytes} bytes staged in {e.seconds} s"
             )
         elif e.state == NodeState.FAILED:
-            kopf.event(body, type="Warning", reason="NodeFailed", message=f"node {e.node}: {e.message}")
+            out.event("Warning", "NodeFailed", f"node {e.node}: {e.message}")
 
 
-async def reconcile(
-    ctx: Context,
-    *,
-    body: kopf.Body,
-    meta: Any,
-    spec: Any,
-    status: Any,
-    namespace: str,
-    name: str,
-    patch: kopf.Patch,
-    memo: Any,
-    logger: Any,
-    deleting: bool = False,
-    **_: Any,
-) -> tuple[int, int] | None:
-    """Recompute and patch status; return (live consumers, copies not yet wiped),
-    or None while the pod/Job views are still filling (no node decision then).
+async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, int] | None:
+    """Recompute status into ``out.status`` (a merge patch); return (live consumers, copies
+    not yet wiped), or None while the pod/Job views are still filling (no node decision then).
 
     1. the source, when due (sourcecheck.py); 2. pre-staging (prestage.py);
     3. the node plan (consumers.py), its wipes carried out by the nodes' agents
     (wipe.py); 4. the Ready condition and the warm counts (status.py)."""
-    cache = DatasetCacheSpec.model_validate(dict(spec))
-    current: dict[str, Any] = dict(status)
-    now = _now()
-    wanted = await _check_source(ctx, body, meta, cache, namespace, current, memo, deleting, now)
+    cache = view.spec
+    assert cache is not None
+    namespace, name, deleting = view.namespace, view.name, view.deleting
+    current = view.status()
+    now = clock.now()
+    wanted = await _check_source(ctx, view, cache, current, out, now)
     if deleting:
         wanted["phase"] = Phase.DELETING
 
@@ -103,8 +105,7 @@ async def reconcile(
     # would look like "no consumers" and wipe in-use copies).
     views: Views | None = ctx.views
     if views is None or not views.ready():
-        for key, value in st.changed(current, wanted).items():
-            patch.status[key] = value
+        out.status.update(st.changed(current, wanted))
         return None
     prior = [NodeStatus.model_validate(n) for n in current.get("nodes") or []]
     pods = views.pods.get((namespace, name))
@@ -117,9 +118,7 @@ async def reconcile(
     chosen: list[NodeInfo] = []
     if cache.prestage is not None and revision is not None and not deleting:
         chosen = prestage.choose(cache.prestage, nodes.values(), namespace, name, revision.id)
-        wanted["prestage"] = await _prestage(
-            ctx, meta, cache, namespace, name, revision, rev_bytes, chosen, pods, now, logger
-        )
+        wanted["prestage"] = await _prestage(ctx, view, cache, revision, rev_bytes, chosen, pods, now)
     else:
         if current.get("prestage") is not None:
             wanted["prestage"] = None
@@ -128,8 +127,8 @@ async def reconcile(
     keep = {n.name: frozenset({revision.id}) for n in chosen} if revision is not None else {}
 
     plans = plan_nodes(prior, pods, owners, cache.retention, now, deleting=deleting, keep=keep)
-    entries, live, pending = await _carry_out(ctx, body, namespace, name, plans, nodes, now, logger)
-    _events_for_transitions(body, {p.node: p for p in prior}, entries)
+    entries, live, pending = await _carry_out(ctx, out, plans, nodes, now)
+    _events_for_transitions(out, {p.node: p for p in prior}, entries)
     wanted.update(st.nodes_fragment(entries))
     wanted["owners"] = st.owner_pins(pods, owners, current.get("owners") or [])
     wanted["warm"] = st.warm_fragment(namespace, name, revision, entries, nodes.values())
@@ -137,11 +136,10 @@ async def reconcile(
     conditions = wanted.get("conditions") or current.get("conditions") or []
     source = st.get_condition({"conditions": conditions}, st.SOURCE_READY)
     ready = st.ready_condition(source, revision, wanted.get("prestage", current.get("prestage")), deleting)
-    wanted["conditions"] = st.set_condition(conditions, **ready, generation=meta.get("generation"), now=now)
+    wanted["conditions"] = st.set_condition(conditions, **ready, generation=view.generation, now=now)
     wanted["reason"] = ready["reason"]
 
-    for key, value in st.changed(current, wanted).items():
-        patch.status[key] = value
+    out.status.update(st.changed(current, wanted))
     ctx.metrics.set_cache(
         namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING, [e.state for e in entries]
     )
@@ -149,34 +147,33 @@ async def reconcile(
 
 
 async def _check_source(
-    ctx: Context,
-    body: kopf.Body,
-    meta: Any,
-    cache: DatasetCacheSpec,
-    namespace: str,
-    current: dict[str, Any],
-    memo: Any,
-    deleting: bool,
-    now: datetime.datetime,
+    ctx: Context, view: CacheView, cache: DatasetCacheSpec, current: dict[str, Any], out: Outbox, now: datetime.datetime
 ) -> dict[str, Any]:
     """The status fields a source check changes, when one is due (on create, a spec or
     refresh change, the refresh interval, and retried while it is failing)."""
     wanted: dict[str, Any] = {}
+    last = ctx.checked_at.get(view.key, 0.0)
     why = (
         None
-        if deleting
+        if view.deleting
         else sourcecheck.source_due(
-            meta, current, memo, ctx.settings.source_retry_interval, cache.refresh.interval, now
+            view.generation,
+            view.refresh,
+            current,
+            last,
+            ctx.settings.source_retry_interval,
+            cache.refresh.interval,
+            now,
         )
     )
     if why is None:
         if not current.get("phase"):
             wanted["phase"] = Phase.PENDING
         return wanted
-    result = await sourcecheck.check_source(ctx.api(), namespace, cache, ctx.settings.namespace)
-    memo.last_check = time.monotonic()
+    result = await sourcecheck.check_source(ctx, view.namespace, cache)
+    ctx.checked_at[view.key] = time.monotonic()
     ctx.metrics.source_checked(result.reason)
-    generation = meta.get("generation")
+    generation = view.generation
     conditions = st.set_condition(
         current.get("conditions") or [],
         type=st.SOURCE_READY,
@@ -188,11 +185,10 @@ async def _check_source(
     )
     old = st.get_condition(current, st.SOURCE_READY)
     if not old or old.get("reason") != result.reason or old.get("observedGeneration") != generation:
-        kopf.event(
-            body,
-            type="Warning" if result.ok is False else "Normal",
-            reason="SourceChecked" if result.ok else result.reason,
-            message=result.message,
+        out.event(
+            "Warning" if result.ok is False else "Normal",
+            "SourceChecked" if result.ok else result.reason,
+            result.message,
         )
     wanted.update(
         conditions=conditions,
@@ -200,18 +196,16 @@ async def _check_source(
         phase=Phase.FAILED if result.ok is False else Phase.READY,
         **st.source_fragment(result.objects, result.bytes),
     )
-    token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
-    if token is not None:
-        wanted["observedRefresh"] = token
+    if view.refresh is not None:
+        wanted["observedRefresh"] = view.refresh
     if result.ok and result.revision is not None:
         old_rev = (current.get("revision") or {}).get("id")
         wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now)
         if old_rev != result.revision.id:
-            kopf.event(
-                body,
-                type="Normal",
-                reason="RevisionPinned",
-                message=f"revision {result.revision.id} ({result.objects} objects, {result.bytes} "
+            out.event(
+                "Normal",
+                "RevisionPinned",
+                f"revision {result.revision.id} ({result.objects} objects, {result.bytes} "
                 f"bytes) pinned ({why}); was {old_rev or 'none'}",
             )
     elif result.ok is None and current.get("revision"):
@@ -220,14 +214,7 @@ async def _check_source(
 
 
 async def _carry_out(
-    ctx: Context,
-    body: kopf.Body,
-    namespace: str,
-    name: str,
-    plans: dict[str, NodePlan],
-    nodes: dict[str, NodeInfo],
-    now: datetime.datetime,
-    logger: Any,
+    ctx: Context, out: Outbox, plans: dict[str, NodePlan], nodes: dict[str, NodeInfo], now: datetime.datetime
 ) -> tuple[list[NodeStatus], int, int]:
     """Send each planned wipe to its node's agent and record the outcomes in the node entries.
     Returns the entries to show, the live consumers, and the copies not wiped yet."""
@@ -238,18 +225,11 @@ async def _carry_out(
         entry = plan.entry
         if node in gone:
             # Its disk went with it: drop it from status, and never ask for a wipe there.
-            kopf.event(
-                body,
-                type="Normal",
-                reason="NodeGone",
-                message=f"node {node} no longer exists; dropped from status (no wipe needed)",
-            )
+            out.event("Normal", "NodeGone", f"node {node} no longer exists; dropped from status (no wipe needed)")
             continue
         live += entry.consumers
         for step in plan.wipes:
-            outcome, leases = await wipe.drive(
-                ctx.settings, ctx.metrics, body, namespace, name, entry, step, nodes.get(node), logger
-            )
+            outcome, leases = await wipe.drive(ctx.settings, ctx.metrics, out, entry, step, nodes.get(node))
             record_outcome(entry, step, outcome, leases, now)
             pending += outcome is not wipe.Outcome.REMOVED
         if plan.wipe and not entry.consumers and all(r.wipedAt for r in entry.revisions):
@@ -279,16 +259,13 @@ def record_outcome(
 
 async def _prestage(
     ctx: Context,
-    meta: Any,
+    view: CacheView,
     cache: DatasetCacheSpec,
-    namespace: str,
-    name: str,
     revision: RevisionRef,
     nbytes: int | None,
     chosen: list[NodeInfo],
     pods: list[PodInfo],
     now: datetime.datetime,
-    logger: Any,
 ) -> dict[str, Any]:
     """Make every chosen node hold ``revision``: one pre-stage pod per node that does not yet.
 
@@ -296,6 +273,7 @@ async def _prestage(
     not labelled it yet) is replaced after PRESTAGE_RETRY_S; a failed one after
     PRESTAGE_FAILED_RETRY_S, its message shown meanwhile."""
     kube = ctx.api()
+    namespace, name = view.key
     key = contract.warm_label(namespace, name, revision.id)
     mine = {p.name: p for p in pods if p.name.startswith(prestage.POD_PREFIX)}
     wanted_names = set()
@@ -308,12 +286,10 @@ async def _prestage(
             continue
         pod = mine.get(pod_name)
         if pod is None:
-            body = prestage.build_pod(
-                namespace, name, meta.get("uid", ""), node.name, cache, ctx.settings, revision, nbytes
-            )
+            body = prestage.build_pod(namespace, name, view.uid, node.name, cache, ctx.settings, revision, nbytes)
             try:
                 if await kube.create_pod(namespace, body) is not None:
-                    logger.info(f"pre-staging {revision.id} onto node {node.name} (pod {pod_name})")
+                    logger.info(f"{namespace}/{name}: pre-staging {revision.id} onto node {node.name} (pod {pod_name})")
             except ApiError as e:
                 problems.append(f"{node.name}: cannot create the pre-stage pod: {e}")
             continue
@@ -358,17 +334,83 @@ async def _gone_nodes(kube: Any, nodes: list[str]) -> set[str]:
     return gone
 
 
+# --- the executor: one reconciliation of one cache, its effects carried out ---------------------
+
+
+async def run_once(ctx: Context, key: Key) -> float | None:
+    """Reconcile the cache ``key`` and carry out what that decided: the status patch, its
+    Events, our finalizer. Returns when it is due again (None: it is gone)."""
+    views = ctx.views
+    view = views.cache(key) if views is not None else None
+    if view is None:  # deleted (its finalizer already removed), or not ours
+        ctx.forget(key)
+        return None
+    if view.spec is None:
+        logger.error(f"{view.namespace}/{view.name}: its spec does not validate against this operator's models")
+        return ctx.settings.reconcile_interval
+    if view.deleting and not view.finalized:
+        ctx.forget(key)
+        return None  # not ours to hold back
+    kube = ctx.api()
+    if not view.deleting and not view.finalized:
+        await kube.add_finalizer(cache_path(view), view.finalizers, FINALIZER)
+    out = Outbox(view)
+    result = await reconcile(ctx, view, out)
+    if out.status:
+        await kube.patch_status(cache_path(view), out.status)
+    for e in out.events:
+        ctx.poster.post(e)
+    if not view.deleting:
+        return ctx.settings.reconcile_interval
+    return await _finalize(ctx, view, result)
+
+
+async def _finalize(ctx: Context, view: CacheView, result: tuple[int, int] | None) -> float | None:
+    """Behind our finalizer: wait until no pod uses the cache and every node's copy is wiped."""
+    if result is None:
+        return 1.0  # the pod and Job views are still filling
+    live, pending = result
+    tries = ctx.deleting[view.key] = ctx.deleting.get(view.key, 0) + 1
+    # Back off while waiting.
+    delay = min(60.0, max(1.0, ctx.settings.reconcile_interval / 2) * tries)
+    if live:
+        if tries == 1:
+            ctx.poster.post(
+                Event(
+                    view.involved(),
+                    "Normal",
+                    "DeletionWaiting",
+                    f"{live} pod(s) still use this cache; its copies are wiped once they end",
+                )
+            )
+        return delay
+    if pending:
+        return delay
+    await ctx.api().remove_finalizer(cache_path(view), view.finalizers, FINALIZER)
+    ctx.forget(view.key)
+    return None
+
+
+def cache_path(view: CacheView) -> str:
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{view.namespace}/{PLURAL}/{view.name}"
+
+
 def make_registry(settings: Any) -> kopf.OperatorRegistry:
-    """The controller's handlers. Built at start-up (not import time), because the
-    timer's interval is a setting; the handlers find the Context in ``memo.ctx``."""
+    """The controller's process: kopf logs in, serves the probes and runs start-up and
+    clean-up; the caches are watched and reconciled by our own informer and scheduler
+    (schedule.py says why not kopf's timers)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         ctx = ctx_of(memo)
         common.configure_kopf(settings)
-        ctx.views = Views(ctx.ensure_kube(), ctx.settings.watch_namespaces)
+        kube = ctx.ensure_kube()
+        ctx.poster = Poster(kube)
+        ctx.scheduler = Scheduler(lambda key: run_once(ctx, key), workers=RECONCILE_WORKERS)  # type: ignore[arg-type]
+        ctx.views = Views(kube, ctx.settings.watch_namespaces, on_cache=ctx.on_cache)
         ctx.views.start()
+        ctx.background = [asyncio.create_task(ctx.poster.run()), asyncio.create_task(ctx.scheduler.run())]
         await common.start_metrics(ctx)
 
     @kopf.on.login(registry=registry)
@@ -388,38 +430,12 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
         ctx = ctx_of(memo)
+        for task in ctx.background:
+            task.cancel()
+        if ctx.scheduler is not None:
+            await ctx.scheduler.stop()
         if ctx.views is not None:
             await ctx.views.stop()
         await common.shutdown(ctx)
-
-    @kopf.timer(*CACHES, interval=settings.reconcile_interval, registry=registry)
-    async def reconcile_timer(memo: Any, **kwargs: Any) -> None:
-        ctx = ctx_of(memo)
-        async with ctx.reconcile_slots():
-            await reconcile(ctx, memo=memo, **kwargs)
-
-    @kopf.on.delete(*CACHES, registry=registry)
-    async def finalize(body: kopf.Body, name: str, namespace: str | None, retry: int, memo: Any, **kwargs: Any) -> None:
-        """Behind our finalizer: wait until no pod uses the cache, then wipe every node."""
-        assert namespace is not None  # DatasetCache is namespaced
-        ctx = ctx_of(memo)
-        result = await reconcile(ctx, body=body, name=name, namespace=namespace, memo=memo, deleting=True, **kwargs)
-        if result is None:
-            raise kopf.TemporaryError("waiting for the pod and Job views to fill", delay=1)
-        live, pending = result
-        # Back off while waiting: each retry is logged (and posted as an Event).
-        delay = min(60.0, max(1.0, ctx.settings.reconcile_interval / 2) * (1 + retry))
-        if live:
-            if retry == 0:
-                kopf.event(
-                    body,
-                    type="Normal",
-                    reason="DeletionWaiting",
-                    message=f"{live} pod(s) still use this cache; its copies are wiped once they end",
-                )
-            raise kopf.TemporaryError(f"{live} consumer pod(s) still alive", delay=delay)
-        if pending:
-            raise kopf.TemporaryError(f"{pending} node copies still being wiped", delay=delay)
-        ctx.metrics.forget_cache(namespace, name)
 
     return registry

@@ -34,6 +34,9 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dscache_contract import StageSummary
+
+from .clock import parse_time
 from .models import NodeState, Phase, VolumeMode
 from .version import package_version
 
@@ -51,15 +54,6 @@ WIPE_RESULTS = ("succeeded", "kept", "busy", "failed")
 STAGER_RESULTS = ("ok", "failed")
 #: The reasons sourcecheck.py gives; others still count, they just start from nothing.
 SOURCE_REASONS = ("Listed", "NoSuchBucket", "AccessDenied", "EndpointUnreachable", "SecretNotFound")
-
-
-def _parse_time(text: str | None) -> datetime.datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 class _Inventory(Collector):
@@ -155,6 +149,18 @@ class Metrics:
             per_cache,
             registry=ctl,
         )
+        self.bucket_bytes = Counter(
+            "dscache_bucket_bytes",
+            "Bytes successful stager runs fetched from the bucket itself (summary bucket_bytes), per cache.",
+            per_cache,
+            registry=ctl,
+        )
+        self.peer_bytes = Counter(
+            "dscache_peer_bytes",
+            "Bytes successful stager runs got from other nodes instead of the bucket (summary peer_bytes), per cache.",
+            per_cache,
+            registry=ctl,
+        )
         #: cache -> the nodes it has a dscache_prestaged_bytes series for
         self._prestaged_nodes: dict[tuple[str, str], set[str]] = {}
         #: cache -> the stager runs already counted: (pod uid, init container startedAt)
@@ -186,9 +192,12 @@ class Metrics:
             for result in STAGER_RESULTS:
                 self.stager_runs.labels(namespace, name, result)
             self.stage_seconds.labels(namespace, name)
-            self.staged_bytes.labels(namespace, name)
-            self.reused_bytes.labels(namespace, name)
+            for m in self._bytes_counters():
+                m.labels(namespace, name)
         self.inventory.caches[key] = (str(phase), [str(s) for s in states])
+
+    def _bytes_counters(self) -> tuple[Counter, ...]:
+        return (self.staged_bytes, self.reused_bytes, self.bucket_bytes, self.peer_bytes)
 
     def set_prestaged(self, namespace: str, name: str, nodes: dict[str, int]) -> None:
         """``nodes``: node -> bytes pre-staged there now; nodes no longer listed are dropped."""
@@ -208,8 +217,9 @@ class Metrics:
             _remove(self.wipes, namespace, name, result)
         for result in STAGER_RESULTS:
             _remove(self.stager_runs, namespace, name, result)
-        for m in (self.stage_seconds, self.staged_bytes, self.reused_bytes):
-            _remove(m, namespace, name)
+        _remove(self.stage_seconds, namespace, name)
+        for counter in self._bytes_counters():
+            _remove(counter, namespace, name)
 
     def observe_stagers(self, namespace: str, name: str, pods: Iterable[PodInfo]) -> int:
         """Count each finished stager run of the cache's pods once; return how many were new.
@@ -242,28 +252,23 @@ class Metrics:
             if run in counted:
                 continue
             counted.add(run)
-            finished = _parse_time(p.init_finished)
+            finished = parse_time(p.init_finished)
             if finished is None or finished < self.since.replace(microsecond=0):
                 continue
             new += 1
             self.stager_runs.labels(namespace, name, p.init).inc()
-            if p.init == "ok":
-                self._observe_summary(namespace, name, p.message)
+            if p.summary is not None:
+                self._observe_summary(namespace, name, p.summary)
         # Forget the runs of pods gone from the view: the set stays as small as the view.
         counted &= present
         return new
 
-    def _observe_summary(self, namespace: str, name: str, message: str | None) -> None:
-        from .consumers import termination_summary
-
-        summary = termination_summary(message)
-        total, fetched, seconds = summary.get("bytes"), summary.get("fetched_bytes"), summary.get("seconds")
-        if isinstance(seconds, (int, float)) and seconds >= 0:
-            self.stage_seconds.labels(namespace, name).observe(seconds)
-        if isinstance(fetched, int) and fetched >= 0:
-            self.staged_bytes.labels(namespace, name).inc(fetched)
-            if isinstance(total, int) and total > fetched:
-                self.reused_bytes.labels(namespace, name).inc(total - fetched)
+    def _observe_summary(self, namespace: str, name: str, summary: StageSummary) -> None:
+        self.stage_seconds.labels(namespace, name).observe(summary.seconds)
+        self.staged_bytes.labels(namespace, name).inc(summary.fetched_bytes)
+        self.reused_bytes.labels(namespace, name).inc(max(0, summary.bytes - summary.fetched_bytes))
+        self.bucket_bytes.labels(namespace, name).inc(summary.bucket_bytes)
+        self.peer_bytes.labels(namespace, name).inc(summary.peer_bytes)
 
     # --- webhook -------------------------------------------------------------------------
 
@@ -275,7 +280,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _remove(metric: Counter | Histogram, *labels: str) -> None:
+def _remove(metric: Counter | Histogram | Gauge, *labels: str) -> None:
     try:
         metric.remove(*labels)
     except KeyError:

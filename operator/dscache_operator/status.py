@@ -8,7 +8,7 @@ from typing import Any
 
 from dscache_contract import RevisionRef
 
-from .consumers import fmt_time
+from .clock import fmt_time
 from .models import NodeState, NodeStatus, human_bytes
 from .nodes import NodeInfo, warm_nodes
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 from typing import Any
 
 import aiohttp
-import kopf
 
 import dscache_contract as contract
 
@@ -25,6 +25,8 @@ from .metrics import Metrics
 from .models import NodeStatus
 from .nodes import NodeInfo
 from .settings import Settings
+
+logger = logging.getLogger(__name__)
 
 TIMEOUT_S = 60.0  # removing a large tree takes a while
 
@@ -98,17 +100,10 @@ def describe(step: Release) -> str:
 
 
 async def drive(
-    settings: Settings,
-    metrics: Metrics,
-    body: Any,
-    namespace: str,
-    name: str,
-    entry: NodeStatus,
-    step: Release,
-    node: NodeInfo | None,
-    logger: Any,
+    settings: Settings, metrics: Metrics, out: Any, entry: NodeStatus, step: Release, node: NodeInfo | None
 ) -> tuple[Outcome, list[str]]:
     """One wipe on one node. Returns the outcome and, when KEPT, the pod UIDs whose leases kept it."""
+    namespace, name = out.view.key
     what = describe(step)
     url = agent_url(node, settings) if node is not None else None
     if url is None:
@@ -117,7 +112,7 @@ async def drive(
             f"(check the chart's nodeAgent.nodeSelector and tolerations, and kubectl get pods -n "
             f"{settings.namespace} -l app.kubernetes.io/name=dscache-node)"
         )
-        _fail(body, metrics, namespace, name, entry, message, "failed")
+        _fail(out, metrics, entry, message)
         return Outcome.IN_PROGRESS, []
     try:
         summary = await call_agent(url, read_token(settings), request_for(namespace, name, step))
@@ -125,7 +120,7 @@ async def drive(
         if e.busy:  # a stager holds the cache's lock right now: simply try again
             metrics.wipe(namespace, name, "busy")
         else:
-            _fail(body, metrics, namespace, name, entry, f"wiping {what} on node {entry.node} failed: {e}", "failed")
+            _fail(out, metrics, entry, f"wiping {what} on node {entry.node} failed: {e}")
         return Outcome.IN_PROGRESS, []
     if summary.existed and not summary.removed:
         metrics.wipe(namespace, name, "kept")
@@ -142,16 +137,17 @@ async def drive(
         entry.message = f"{what} kept: {'; '.join(why) or 'no reason given'}"[:4096]
         return Outcome.KEPT, uids
     metrics.wipe(namespace, name, "succeeded")
-    logger.info(f"wiped {what} on node {entry.node}")
-    kopf.event(body, type="Normal", reason="Wiped", message=f"wiped {what} on node {entry.node}")
+    logger.info(f"{namespace}/{name}: wiped {what} on node {entry.node}")
+    out.event("Normal", "Wiped", f"wiped {what} on node {entry.node}")
     entry.message = None
     return Outcome.REMOVED, []
 
 
-def _fail(body: Any, metrics: Metrics, namespace: str, name: str, entry: NodeStatus, message: str, result: str) -> None:
-    metrics.wipe(namespace, name, result)
+def _fail(out: Any, metrics: Metrics, entry: NodeStatus, message: str) -> None:
+    namespace, name = out.view.key
+    metrics.wipe(namespace, name, "failed")
     if entry.message != message:  # one Event per new reason, not one per reconciliation
-        kopf.event(body, type="Warning", reason="WipeFailed", message=f"{message}; retrying")
+        out.event("Warning", "WipeFailed", f"{message}; retrying")
     entry.message = message[:4096]
 
 

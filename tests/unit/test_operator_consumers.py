@@ -14,7 +14,6 @@ from dscache_operator.consumers import (
     job_finished,
     plan_nodes,
     pod_info,
-    termination_summary,
 )
 from dscache_operator.models import NodeRevision, NodeStatus, Retention
 from dscache_operator.settings import Settings
@@ -92,7 +91,10 @@ def test_pod_info_reads_init_status_and_owner():
         "HostPath",
         REV,
     )
-    assert termination_summary(info.message)["bytes"] == 300
+    # Parsed once, typed; the raw message is kept only for failures.
+    assert info.summary is not None and (info.summary.bytes, info.summary.seconds) == (300, 1.5)
+    assert (info.summary.bucket_bytes, info.summary.peer_bytes) == (0, 0)  # an older stager's summary
+    assert info.message is None
 
 
 def test_job_finished():
