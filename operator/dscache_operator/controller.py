@@ -6,8 +6,8 @@ API server, and acts on the difference. A restarted operator therefore
 converges: no node decision is made before the views have listed everything,
 wipes are idempotent requests to the node's agent, and a node's copy is wiped
 only when no consumer is alive there. The source check lives in sourcecheck.py,
-the wipe request in wipe.py, the planning in consumers.py, pre-staging in
-prestage.py.
+the node plan and the wipes' bookkeeping in nodeplan.py, the request to a node's
+agent in agentclient.py, pre-staging in prestage.py.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import kopf
 import dscache_contract as contract
 from dscache_contract import RevisionRef
 
-from . import clock, common, prestage, sourcecheck, wipe
+from . import agentclient, clock, common, prestage, sourcecheck
 from . import status as st
 from .caches import CacheView, Key
-from .clock import fmt_time, parse_time
+from .clock import parse_time
 from .common import Context, ctx_of
-from .consumers import MAX_STRAY_LEASES, NodePlan, PodInfo, Release, plan_nodes
 from .events import Event, Poster
 from .kube import ApiError
 from .models import (
@@ -42,11 +41,12 @@ from .models import (
     Phase,
     PodPhase,
     PrestageStatus,
-    VolumeMode,
 )
+from .nodeplan import NodePlan, Outcome, judge_wipe, plan_nodes, record_wipe, request_for, settle
 from .nodes import NodeInfo
 from .schedule import Scheduler
 from .views import Views
+from .workloads import PodInfo
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,12 @@ def _events_for_transitions(out: Outbox, prior: dict[str, NodeStatus], entries: 
             continue
         if e.state == NodeState.READY:
             out.event(
-                "Normal", "NodeReady", f"node {e.node}: {e.objects} objects, {e.bytes} bytes staged in {e.seconds} s"
+                "Normal",
+                reason="NodeReady",
+                message=f"node {e.node}: {e.objects} objects, {e.bytes} bytes staged in {e.seconds} s",
             )
         elif e.state == NodeState.FAILED:
-            out.event("Warning", "NodeFailed", f"node {e.node}: {e.message}")
+            out.event("Warning", reason="NodeFailed", message=f"node {e.node}: {e.message}")
 
 
 async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, int] | None:
@@ -90,8 +92,8 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
     not yet wiped), or None while the pod/Job views are still filling (no node decision then).
 
     1. the source, when due (sourcecheck.py); 2. pre-staging (prestage.py);
-    3. the node plan (consumers.py), its wipes carried out by the nodes' agents
-    (wipe.py); 4. the Ready condition and the warm counts (status.py)."""
+    3. the node plan (nodeplan.py), its wipes carried out by the nodes' agents
+    (agentclient.py); 4. the Ready condition and the warm counts (status.py)."""
     cache = view.spec
     assert cache is not None
     namespace, name, deleting = view.namespace, view.name, view.deleting
@@ -204,8 +206,8 @@ async def _check_source(
         if old_rev != result.revision.id:
             out.event(
                 "Normal",
-                "RevisionPinned",
-                f"revision {result.revision.id} ({result.objects} objects, {result.bytes} "
+                reason="RevisionPinned",
+                message=f"revision {result.revision.id} ({result.objects} objects, {result.bytes} "
                 f"bytes) pinned ({why}); was {old_rev or 'none'}",
             )
     elif result.ok is None and current.get("revision"):
@@ -216,45 +218,35 @@ async def _check_source(
 async def _carry_out(
     ctx: Context, out: Outbox, plans: dict[str, NodePlan], nodes: dict[str, NodeInfo], now: datetime.datetime
 ) -> tuple[list[NodeStatus], int, int]:
-    """Send each planned wipe to its node's agent and record the outcomes in the node entries.
-    Returns the entries to show, the live consumers, and the copies not wiped yet."""
-    gone = await _gone_nodes(ctx.api(), [node for node, plan in plans.items() if plan.wipe])
+    """Send each planned wipe to its node's agent, and record what its answer means
+    (nodeplan.py decides all of it). Returns the entries to show, the live consumers,
+    and the copies not wiped yet."""
+    namespace, name = out.view.key
+    gone = await _gone_nodes(ctx.api(), [node for node, plan in plans.items() if plan.wipes])
     entries: list[NodeStatus] = []
     live = pending = 0
     for node, plan in plans.items():
         entry = plan.entry
         if node in gone:
             # Its disk went with it: drop it from status, and never ask for a wipe there.
-            out.event("Normal", "NodeGone", f"node {node} no longer exists; dropped from status (no wipe needed)")
+            out.event(
+                "Normal",
+                reason="NodeGone",
+                message=f"node {node} no longer exists; dropped from status (no wipe needed)",
+            )
             continue
         live += entry.consumers
         for step in plan.wipes:
-            outcome, leases = await wipe.drive(ctx.settings, ctx.metrics, out, entry, step, nodes.get(node))
-            record_outcome(entry, step, outcome, leases, now)
-            pending += outcome is not wipe.Outcome.REMOVED
-        if plan.wipe and not entry.consumers and all(r.wipedAt for r in entry.revisions):
-            if entry.state != NodeState.WIPED:
-                entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
-        elif not plan.wipe and entry.state != NodeState.WIPED and entry.volume == VolumeMode.HOST_PATH:
-            pending += 1
+            answer = await agentclient.wipe(nodes.get(node), ctx.settings, request_for(namespace, name, step))
+            result = judge_wipe(entry, step, answer, ctx.settings.namespace)
+            record_wipe(entry, step, result, now)
+            ctx.metrics.wipe(namespace, name, result.metric)
+            if result.event is not None:
+                out.event(*result.event)
+            pending += result.outcome is not Outcome.REMOVED
+        pending += settle(entry, plan, now)
         entries.append(entry)
     return entries, live, pending
-
-
-def record_outcome(
-    entry: NodeStatus, step: Release, outcome: wipe.Outcome, leases: list[str], now: datetime.datetime
-) -> None:
-    """What one wipe's outcome changes in its node's revisions."""
-    for r in entry.revisions:
-        if step.revision not in (None, r.id):
-            continue
-        if outcome is wipe.Outcome.REMOVED:
-            r.wipedAt, r.strayLeases, r.consumers, r.keptAt = fmt_time(now), [], 0, None
-        elif outcome is wipe.Outcome.KEPT:
-            # Leases of pods we did not release: looked at again next time (see
-            # consumers.plan_node for why an unknown one is then released, and
-            # why a revision kept by nothing releasable waits before the next try).
-            r.strayLeases, r.keptAt = sorted(set(leases))[:MAX_STRAY_LEASES], fmt_time(now)
 
 
 async def _prestage(
@@ -379,8 +371,8 @@ async def _finalize(ctx: Context, view: CacheView, result: tuple[int, int] | Non
                 Event(
                     view.involved(),
                     "Normal",
-                    "DeletionWaiting",
-                    f"{live} pod(s) still use this cache; its copies are wiped once they end",
+                    reason="DeletionWaiting",
+                    message=f"{live} pod(s) still use this cache; its copies are wiped once they end",
                 )
             )
         return delay

@@ -41,7 +41,7 @@ from .models import NodeState, Phase, VolumeMode
 from .version import package_version
 
 if TYPE_CHECKING:
-    from .consumers import PodInfo
+    from .workloads import PodInfo
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ ADMISSION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0
 #: A stage takes from well under a second (warm) to hours (a cold multi-TB copy).
 STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 ADMISSION_RESULTS = ("admitted", "refused", "error")
-#: Outcomes of one wipe request to a node agent (wipe.py).
+#: Outcomes of one wipe request to a node agent (agentclient.py, nodeplan.judge_wipe).
 WIPE_RESULTS = ("succeeded", "kept", "busy", "failed")
 STAGER_RESULTS = ("ok", "failed")
 #: The reasons sourcecheck.py gives; others still count, they just start from nothing.

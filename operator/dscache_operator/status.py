@@ -88,7 +88,7 @@ def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit:
     the revision its pods stage, so the webhook gives that owner's new pods the
     same revision (a PyTorchJob recreating a worker after a refresh). Pins of
     owners with no live pod left are dropped; the first revision seen wins."""
-    from .consumers import holds
+    from .workloads import holds
 
     old = {o.get("uid"): o for o in prior}
     pins: dict[str, dict[str, Any]] = {}

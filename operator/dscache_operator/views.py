@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .caches import CacheView, Key, cache_extract
-from .consumers import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, owner_info, pod_info, pod_key
 from .informer import MultiInformer, Notify
 from .kube import Kube
 from .models import CONSUMER_LABEL, GROUP, PLURAL, VERSION
 from .nodes import ALL, NodeInfo, node_extract
+from .workloads import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, owner_info, pod_info, pod_key
 
 
 def _pod_extract(body: dict[str, Any]) -> tuple[tuple[str, str], PodInfo] | None:
