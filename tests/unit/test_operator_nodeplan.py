@@ -6,7 +6,9 @@ import datetime
 
 from dscache_contract import RevisionRef, StageSummary
 from dscache_operator import nodeplan as wipe
+from dscache_operator.models import NodeRevision, NodeStatus, Retention
 from dscache_operator.nodeplan import LEGACY, plan_nodes
+from dscache_operator.settings import Settings
 from dscache_operator.workloads import (
     OwnerInfo,
     OwnerRef,
@@ -14,8 +16,6 @@ from dscache_operator.workloads import (
     job_finished,
     pod_info,
 )
-from dscache_operator.models import NodeRevision, NodeStatus, Retention
-from dscache_operator.settings import Settings
 
 NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
 WIPE = Retention()

@@ -23,8 +23,8 @@ from dscache_node.server import make_server
 from dscache_node.settings import AgentSettings
 from dscache_operator import agentclient
 from dscache_operator import nodeplan as wipe
-from dscache_operator.nodeplan import LEGACY, Release
 from dscache_operator.models import NodeState, NodeStatus
+from dscache_operator.nodeplan import LEGACY, Release
 from dscache_operator.nodes import NodeInfo
 from dscache_operator.settings import Settings
 from tests.support.s3server import free_port
