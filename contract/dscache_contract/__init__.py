@@ -52,7 +52,7 @@ from .node import (
 from .revision import RevisionHasher, normalize_etag
 from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
 from .selection import Selection, normalize_key, parse_source, selected
-from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary
+from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary, human_bytes
 from .versions import (
     ObjectVersion,
     Pin,
@@ -100,6 +100,7 @@ __all__ = [
     "data_dir",
     "data_subpath",
     "format_as_of",
+    "human_bytes",
     "journal_path",
     "lease_dir",
     "lease_path",

@@ -48,6 +48,15 @@ EXIT_CODE_HELP: dict[ExitCode, str] = {
 }
 
 
+def human_bytes(n: float) -> str:
+    """A byte count as people read it (1.5 KiB, 3.0 GiB), in the stager's logs and the operator's status."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 _T = TypeVar("_T")
 
 #: The longest WipeSummary line (json.dumps escapes non-ASCII, so chars = bytes);

@@ -504,17 +504,6 @@ PRINTER_COLUMNS = [
 ]
 
 
-def human_bytes(n: int | None) -> str | None:
-    if n is None:
-        return None
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return None  # unreachable
-
-
 def parse_duration(text: str) -> float:
     """'1h30m' -> 5400.0 (units s, m, h, d)."""
     import re
