@@ -11,7 +11,7 @@ whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).
 """
 
 from .args import ArgsError, StageArgs, WipeArgs, build_parser
-from .layout import (
+from .paths import (
     TOP_NAMES,
     cache_dir,
     complete_path,

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from .layout import validate_pod_uid, validate_revision
+from .paths import validate_pod_uid, validate_revision
 from .names import STAGE_MOUNT_PATH
 from .selection import parse_source
 from .summary import EXIT_CODE_HELP

@@ -1,6 +1,6 @@
 """One cache dir C on the node: its lock, its leases, and its revisions.
 
-The paths are the contract's (dscache_contract.layout); this module does the
+The paths are the contract's (dscache_contract.paths); this module does the
 I/O on them:
 
     C/lock                        flock target: stagers and wipes
