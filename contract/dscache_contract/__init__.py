@@ -11,6 +11,24 @@ whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).
 """
 
 from .args import ArgsError, StageArgs, WipeArgs, build_parser
+from .names import *  # noqa: F403 - the names are the API
+from .node import (
+    AGENT_LABEL,
+    AGENT_PORT,
+    ENV_NODE_IP,
+    INVENTORY_ANNOTATION,
+    RESERVE_PATH,
+    WARM_LABEL_PREFIX,
+    WIPE_PATH,
+    HeldRevision,
+    Inventory,
+    ReserveAnswer,
+    ReserveRequest,
+    WipeRequest,
+    cache_digest,
+    parse_warm_label,
+    warm_label,
+)
 from .paths import (
     TOP_NAMES,
     cache_dir,
@@ -30,24 +48,6 @@ from .paths import (
     tmp_dir,
     validate_pod_uid,
     validate_revision,
-)
-from .names import *  # noqa: F403 - the names are the API
-from .node import (
-    AGENT_LABEL,
-    AGENT_PORT,
-    ENV_NODE_IP,
-    INVENTORY_ANNOTATION,
-    RESERVE_PATH,
-    WARM_LABEL_PREFIX,
-    WIPE_PATH,
-    HeldRevision,
-    Inventory,
-    ReserveAnswer,
-    ReserveRequest,
-    WipeRequest,
-    cache_digest,
-    parse_warm_label,
-    warm_label,
 )
 from .revision import RevisionHasher, normalize_etag
 from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region

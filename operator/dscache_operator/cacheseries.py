@@ -19,12 +19,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from .models import NodeState, Phase
+from .workloads import InitState
 
 #: A stage takes from well under a second (warm) to hours (a cold multi-TB copy).
 STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 #: Outcomes of one wipe request to a node agent (nodeplan.judge_wipe).
 WIPE_RESULTS = ("succeeded", "kept", "busy", "failed")
-STAGER_RESULTS = ("ok", "failed")
+STAGER_RESULTS = (InitState.OK.value, InitState.FAILED.value)  # a finished stager's
 #: The byte counters, each (name, help).
 BYTES = (
     ("staged", "Bytes successful stager runs copied from the bucket (summary fetched_bytes), per cache."),

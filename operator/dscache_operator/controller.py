@@ -46,7 +46,7 @@ from .nodeplan import NodePlan, Outcome, judge_wipe, plan_nodes, record_wipe, re
 from .nodes import NodeInfo
 from .schedule import Scheduler
 from .views import Views
-from .workloads import PodInfo
+from .workloads import InitState, PodInfo
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ async def _prestage(
             continue
         finished = parse_time(pod.init_finished)
         age = (now - finished).total_seconds() if finished else 0.0
-        if pod.phase == PodPhase.FAILED or pod.init == "failed":
+        if pod.phase == PodPhase.FAILED or pod.init == InitState.FAILED:
             problems.append(f"{node.name}: {pod.message or 'the pre-stage pod failed'}")
             if age > PRESTAGE_FAILED_RETRY_S:
                 await kube.delete_pod(namespace, pod_name)

@@ -27,7 +27,7 @@ from dscache_contract import STAGER_CONTAINER_NAME
 
 from .clock import fmt_time, parse_time
 from .models import NodeRevision, NodeState, NodeStatus, Retention, RetentionPolicy, VolumeMode, parse_duration
-from .workloads import OwnerLookup, PodInfo, holds
+from .workloads import InitState, OwnerLookup, PodInfo, holds
 
 #: Stray leases recorded per (node, revision) are capped: status must stay small.
 MAX_STRAY_LEASES = 200
@@ -150,10 +150,10 @@ def _set_state(entry: NodeStatus, consumers: list[PodInfo], relevant: list[PodIn
     # Ready means: what the live consumers hold is on disk. So while any
     # consumer's stager has not finished (it may be re-staging a revision a
     # wipe just removed), the node is Staging, even if older pods were Ready.
-    pending = [p for p in consumers if p.init in (None, "waiting", "running")]
+    pending = [p for p in consumers if p.init in (None, InitState.WAITING, InitState.RUNNING)]
     basis = consumers if consumers else relevant
-    ok = [p for p in basis if p.init == "ok"]
-    failed = [p for p in basis if p.init == "failed"]
+    ok = [p for p in basis if p.init == InitState.OK]
+    failed = [p for p in basis if p.init == InitState.FAILED]
     if pending:
         entry.state, entry.message = NodeState.STAGING, None
     elif ok:

@@ -21,6 +21,7 @@ When a pod still holds a revision (``holds``: "lifecycle by owner, not by pod ph
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -50,13 +51,22 @@ class OwnerInfo(NamedTuple):
     owner: OwnerRef | None
 
 
+class InitState(enum.StrEnum):
+    """What a pod's stager (its dscache-stage init container) is doing, as its status says."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    OK = "ok"
+    FAILED = "failed"
+
+
 class PodInfo(NamedTuple):
     name: str
     node: str | None
     phase: str
     owner: OwnerRef | None  # the controller ownerReference, if any
     mode: str  # HostPath | EmptyDir
-    init: str | None  # None (not injected/seen), waiting, running, ok, failed
+    init: InitState | None  # None: not injected, or not seen yet
     started: str | None  # init container start (RFC 3339)
     message: str | None  # a failed stager's termination message (a successful one's is parsed into summary)
     uid: str = ""
@@ -93,15 +103,15 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         state = cs.get("state") or {}
         if "terminated" in state:
             t = state["terminated"]
-            init = "ok" if t.get("exitCode") == 0 else "failed"
+            init = InitState.OK if t.get("exitCode") == 0 else InitState.FAILED
             started, message, finished = t.get("startedAt"), t.get("message"), t.get("finishedAt")
         elif "running" in state:
-            init, started = "running", state["running"].get("startedAt")
+            init, started = InitState.RUNNING, state["running"].get("startedAt")
         else:
-            init = "waiting"
+            init = InitState.WAITING
             last = (cs.get("lastState") or {}).get("terminated")
             if last:  # restarting after a failure (restartPolicy OnFailure)
-                init, started, message = "failed", last.get("startedAt"), last.get("message")
+                init, started, message = InitState.FAILED, last.get("startedAt"), last.get("message")
                 finished = last.get("finishedAt")
     annotations = meta.get("annotations") or {}
     try:
@@ -121,11 +131,11 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         mode=sys.intern(annotations.get(MODE_ANNOTATION, VolumeMode.HOST_PATH.value)),
         init=init,
         started=started,
-        message=None if init == "ok" else (message or "").strip() or None,
+        message=None if init == InitState.OK else (message or "").strip() or None,
         uid=meta.get("uid", ""),
         pinned=pinned,
         init_finished=finished,
-        summary=StageSummary.from_message(message) if init == "ok" else None,
+        summary=StageSummary.from_message(message) if init == InitState.OK else None,
     )
 
 
