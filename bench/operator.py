@@ -407,7 +407,10 @@ def main() -> int:
             import signal
 
             os.kill(proc.pid, signal.SIGUSR2)  # top allocations into the controller log
-            time.sleep(5)
+            # A snapshot of a few hundred MiB takes a while: wait for the dump, not a fixed time.
+            until = time.monotonic() + 120
+            while time.monotonic() < until and op.log("controller").count("dscache.memory") < 16:
+                time.sleep(1)
             print(
                 "\n".join(
                     ln for ln in op.log("controller").splitlines() if "dscache.memory" in ln or ln.startswith("  ")
