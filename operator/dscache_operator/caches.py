@@ -94,13 +94,14 @@ def cache_extract(body: dict[str, Any]) -> tuple[Key, CacheView]:
 
 
 def wants_reconcile(old: CacheView | None, new: CacheView | None) -> bool:
-    """Whether an event is news to act on now, not only our own status write coming back."""
+    """Whether an event is news to act on now: not our own writes (status, our finalizer)
+    coming back, which would only run the cache again on a view that may not show the
+    status it just wrote yet (and list its bucket a second time)."""
     if old is None or new is None:
         return True
-    return (old.generation, old.deleting, old.finalizers, old.refresh, old.spec) != (
+    return (old.generation, old.deleting, old.refresh, old.spec) != (
         new.generation,
         new.deleting,
-        new.finalizers,
         new.refresh,
         new.spec,
     )

@@ -105,6 +105,7 @@ def test_only_news_makes_a_cache_due_now():
     status_only = body("a")
     status_only["status"]["phase"] = "Failed"  # our own status write coming back
     assert not wants_reconcile(old, cache_view(status_only))
+    assert not wants_reconcile(old, cache_view(body("a", finalizers=["dscache.io/wipe"])))  # ours, added
     assert wants_reconcile(old, cache_view(body("a", generation=2)))
     assert wants_reconcile(old, cache_view(body("a", annotations={"dscache.io/refresh": "now"})))
     assert wants_reconcile(old, cache_view(body("a", deletionTimestamp="2026-01-01T00:00:00Z")))
