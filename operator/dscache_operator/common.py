@@ -20,6 +20,7 @@ from .kube import Kube, connection_info, kopf_session
 from .metrics import Metrics
 from .models import FINALIZER, GROUP
 from .settings import Settings
+from .sourcecheck import SecretReads
 
 
 @dataclasses.dataclass
@@ -40,6 +41,8 @@ class Context:
     #: Per cache: when its source was last checked (monotonic), and how often its deletion has waited.
     checked_at: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     deleting: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    #: Secrets read for source checks in the last few seconds (sourcecheck.SecretReads).
+    secrets: SecretReads = dataclasses.field(default_factory=SecretReads)
     #: The source checks' threads (listings are I/O-bound; each thread costs memory: see __main__).
     source_executor: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sourcecheck")

@@ -51,7 +51,7 @@ from .workloads import InitState, PodInfo
 logger = logging.getLogger(__name__)
 
 #: Reconciliations at once: bounded API concurrency and memory.
-RECONCILE_WORKERS = 16
+RECONCILE_WORKERS = 32
 #: A pre-stage pod that succeeded while its node is still not warm is replaced after this long.
 PRESTAGE_RETRY_S = 300.0
 #: A failed pre-stage pod is replaced after this long (its message is in status meanwhile).

@@ -37,7 +37,7 @@ class Kube:
     request from a token re-read from its file (at most every TOKEN_MAX_AGE seconds,
     and at once on a 401, then the request is retried once)."""
 
-    def __init__(self, info: kopf.ConnectionInfo, pool: int = 16, token_file: str | None = None) -> None:
+    def __init__(self, info: kopf.ConnectionInfo, pool: int = 32, token_file: str | None = None) -> None:
         self._pool = pool
         self._session: aiohttp.ClientSession | None = None
         self._watch_session: aiohttp.ClientSession | None = None

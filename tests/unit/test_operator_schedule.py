@@ -148,3 +148,23 @@ def test_the_stage_summary_is_parsed_once_typed():
     assert wrong is not None and (wrong.bytes, wrong.peer_bytes, wrong.seconds) == (0, 0, 0.0)
     assert StageSummary.from_message("error: access denied") is None
     assert StageSummary.from_message('{"bytes": 3') is None and StageSummary.from_message(None) is None
+
+
+def test_a_burst_of_source_checks_reads_each_secret_once():
+    from dscache_operator.sourcecheck import SecretReads
+
+    class Kube:
+        calls = 0
+
+        async def get_secret(self, namespace: str, name: str):
+            Kube.calls += 1
+            return {"data": {}} if name == "there" else None
+
+    reads, kube = SecretReads(ttl=60.0, most=2), Kube()
+
+    async def burst() -> list:
+        return [await reads.get(kube, "ml", name) for name in ["there"] * 5 + ["gone"] * 3 + ["third", "third"]]  # type: ignore[arg-type]
+
+    got = asyncio.run(burst())
+    assert got[:5] == [{"data": {}}] * 5 and got[5:8] == [None] * 3
+    assert Kube.calls == 4  # there, gone, and third twice: beyond `most` entries nothing more is kept
