@@ -20,13 +20,9 @@ from typing import Any
 
 import kopf
 
-import dscache_contract as contract
-from dscache_contract import RevisionRef
-
 from . import agentclient, clock, common, prestage, sourcecheck
 from . import status as st
 from .caches import CacheView, Key
-from .clock import parse_time
 from .common import Context, ctx_of
 from .events import Event, Poster
 from .kube import ApiError
@@ -39,23 +35,16 @@ from .models import (
     NodeState,
     NodeStatus,
     Phase,
-    PodPhase,
-    PrestageStatus,
 )
 from .nodeplan import NodePlan, Outcome, judge_wipe, plan_nodes, record_wipe, request_for, settle
 from .nodes import NodeInfo
 from .schedule import Scheduler
 from .views import Views
-from .workloads import InitState, PodInfo
 
 logger = logging.getLogger(__name__)
 
 #: Reconciliations at once: bounded API concurrency and memory.
 RECONCILE_WORKERS = 32
-#: A pre-stage pod that succeeded while its node is still not warm is replaced after this long.
-PRESTAGE_RETRY_S = 300.0
-#: A failed pre-stage pod is replaced after this long (its message is in status meanwhile).
-PRESTAGE_FAILED_RETRY_S = 60.0
 #: The liveness probe fails once the API server has refused our credentials this long.
 AUTH_FAILURE_LIMIT = 300.0
 
@@ -120,12 +109,12 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
     chosen: list[NodeInfo] = []
     if cache.prestage is not None and revision is not None and not deleting:
         chosen = prestage.choose(cache.prestage, nodes.values(), namespace, name, revision.id)
-        wanted["prestage"] = await _prestage(ctx, view, cache, revision, rev_bytes, chosen, pods, now)
+        wanted["prestage"] = await prestage.keep(ctx, view, cache, revision, rev_bytes, chosen, pods, now)
     else:
         if current.get("prestage") is not None:
             wanted["prestage"] = None
         ctx.metrics.set_prestaged(namespace, name, {})
-        await _drop_prestage_pods(ctx, namespace, pods, keep=set())
+        await prestage.drop_pods(ctx, namespace, pods, keep=set())
     keep = {n.name: frozenset({revision.id}) for n in chosen} if revision is not None else {}
 
     plans = plan_nodes(prior, pods, owners, cache.retention, now, deleting=deleting, keep=keep)
@@ -247,70 +236,6 @@ async def _carry_out(
         pending += settle(entry, plan, now)
         entries.append(entry)
     return entries, live, pending
-
-
-async def _prestage(
-    ctx: Context,
-    view: CacheView,
-    cache: DatasetCacheSpec,
-    revision: RevisionRef,
-    nbytes: int | None,
-    chosen: list[NodeInfo],
-    pods: list[PodInfo],
-    now: datetime.datetime,
-) -> dict[str, Any]:
-    """Make every chosen node hold ``revision``: one pre-stage pod per node that does not yet.
-
-    A succeeded pod whose node is still not warm (its copy was evicted, or the agent has
-    not labelled it yet) is replaced after PRESTAGE_RETRY_S; a failed one after
-    PRESTAGE_FAILED_RETRY_S, its message shown meanwhile."""
-    kube = ctx.api()
-    namespace, name = view.key
-    key = contract.warm_label(namespace, name, revision.id)
-    mine = {p.name: p for p in pods if p.name.startswith(prestage.POD_PREFIX)}
-    wanted_names = set()
-    ready, problems = 0, []
-    for node in chosen:
-        pod_name = prestage.pod_name(namespace, name, node.name, revision.id)
-        wanted_names.add(pod_name)
-        if key in node.warm:
-            ready += 1
-            continue
-        pod = mine.get(pod_name)
-        if pod is None:
-            body = prestage.build_pod(namespace, name, view.uid, node.name, cache, ctx.settings, revision, nbytes)
-            try:
-                if await kube.create_pod(namespace, body) is not None:
-                    logger.info(f"{namespace}/{name}: pre-staging {revision.id} onto node {node.name} (pod {pod_name})")
-            except ApiError as e:
-                problems.append(f"{node.name}: cannot create the pre-stage pod: {e}")
-            continue
-        finished = parse_time(pod.init_finished)
-        age = (now - finished).total_seconds() if finished else 0.0
-        if pod.phase == PodPhase.FAILED or pod.init == InitState.FAILED:
-            problems.append(f"{node.name}: {pod.message or 'the pre-stage pod failed'}")
-            if age > PRESTAGE_FAILED_RETRY_S:
-                await kube.delete_pod(namespace, pod_name)
-        elif pod.phase == PodPhase.SUCCEEDED and age > PRESTAGE_RETRY_S:
-            await kube.delete_pod(namespace, pod_name)  # staged, yet not warm: stage again
-    await _drop_prestage_pods(ctx, namespace, pods, keep=wanted_names)
-    ctx.metrics.set_prestaged(namespace, name, {n.name: nbytes or 0 for n in chosen if key in n.warm})
-    message = None
-    if not chosen:
-        message = "no ready node with a dscache-node agent matches spec.prestage (nodeSelector, tolerations)"
-    elif problems:
-        message = "; ".join(problems)[:4000]
-    return PrestageStatus(
-        wanted=len(chosen), ready=ready, nodes=sorted(n.name for n in chosen)[:256], message=message
-    ).model_dump(exclude_none=True)
-
-
-async def _drop_prestage_pods(ctx: Context, namespace: str, pods: list[PodInfo], keep: set[str]) -> None:
-    """Delete finished pre-stage pods that are no longer wanted (an older revision, a node
-    no longer chosen, prestage removed); running ones finish first."""
-    for p in pods:
-        if p.name.startswith(prestage.POD_PREFIX) and p.name not in keep and p.finished:
-            await ctx.api().delete_pod(namespace, p.name)
 
 
 async def _gone_nodes(kube: Any, nodes: list[str]) -> set[str]:
