@@ -380,8 +380,10 @@ def main() -> int:
         ready = with_nodes = 0
         # Listing 10,000 caches costs the API server (on the same cores) a second or so: look less often.
         poll = max(3.0, args.caches / 2000)
+        loads: list[float] = []  # the machine's load while the controller converges
         while time.monotonic() < deadline:
             time.sleep(poll)
+            loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
             peak = max(peak, rss_mib(proc.pid))
             ready, with_nodes = count_converged(k, True)
             log(
@@ -440,6 +442,7 @@ def main() -> int:
             "webhook_requests": stats["requests"],
             "webhook_timing": "open loop, from each request's scheduled start",
             "webhook_max_send_lag_ms": round(stats["max_send_lag_ms"], 2),
+            "loadavg_1m_during_converge": [min(loads, default=0.0), max(loads, default=0.0)],
             "loadavg_1m_at_end": float(Path("/proc/loadavg").read_text().split()[0]),
         }
         want = targets(args.caches)
