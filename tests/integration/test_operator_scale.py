@@ -114,7 +114,9 @@ def test_caches_whose_status_writes_were_refused_still_converge(
             return len(refused - {"probe"}) == CACHES
 
         k.wait_for(refused_each, timeout=60, interval=0.5, what="every cache's status write refused")
-        assert all(not s.get("phase") for s in status_of(k, ns)), "a status write got through the policy"
+        # (The probe may have got a status before the policy was in force; the others came after.)
+        written = [c["metadata"]["name"] for c in k.request("GET", DSC.format(ns=ns))["items"] if c.get("status")]
+        assert set(written) <= {"probe"}, f"status writes got through the policy: {written}"
     finally:
         k.delete(f"{VAPB}/{policy}")
         k.delete(f"{VAP}/{policy}")
