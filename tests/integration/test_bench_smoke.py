@@ -57,3 +57,32 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
     for key in ("dscache_s", "s5cmd_s", "dscache_peak_rss_mib", "warm_s", "sourcecheck_s", "sourcecheck_peak_rss_mib"):
         assert scale[key] > 0, key
     assert set(result["loadavg"]) >= {"start", "loopback", "wan", "scale", "end"}
+
+
+def test_fanout_bench_runs_both_phases_and_reports_its_fields(tmp_path):
+    """bench/fanout.py at a few MiB, its link wide open (1 gbit): 3 node agents, the S3
+    server in its own netns, both phases, every copy verified by the bench itself."""
+    argv = [
+        sys.executable,
+        str(REPO / "bench" / "fanout.py"),
+        "--large-count=3",
+        f"--large-size={1 << 20}",
+        "--small-count=40",
+        f"--small-size={16 << 10}",
+        "--bucket-mbit=1000",
+        f"--workdir={tmp_path}",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fanout = json.loads(out.stdout.strip().splitlines()[-1])["fanout"]
+    assert fanout["nodes"] == 3 and fanout["dataset_bytes"] == 3 * (1 << 20) + 40 * (16 << 10)
+    assert fanout["bucket_mbit"] == 1000 and fanout["tbf_burst_bytes"] > 0 and fanout["tbf_latency_ms"] > 0
+    for key in ("bucket_bytes", "all_ready_s", "independent_all_ready_s", "independent_bucket_bytes", "speedup"):
+        assert fanout[key] > 0, key
+    assert fanout["bucket_ratio"] == round(fanout["bucket_bytes"] / fanout["dataset_bytes"], 3)
+    # The counter saw three whole copies when nobody shared (the bench fails otherwise).
+    assert fanout["independent_bucket_bytes"] >= 3 * fanout["dataset_bytes"]
+    assert fanout["peer_bytes"] >= 0 and fanout["stager_bucket_bytes"] > 0
+    assert set(fanout["per_node_s"]) == {"fanout-node-0", "fanout-node-1", "fanout-node-2"}
+    assert [r["phase"] for r in fanout["runs"]] == ["independent", "fanout"]
+    assert set(fanout["loadavg"]) >= {"start", "end"}
