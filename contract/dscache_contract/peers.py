@@ -31,12 +31,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import re
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
 
-from .layout import validate_revision
+from .layout import tmp_dir, validate_revision
 from .node import cache_digest
 
 #: ``<prefix><cache digest>.<revision>`` on a Node while a stager copies that revision there;
@@ -62,6 +63,12 @@ PEER_TOKEN_FILE = f"{PEER_TOKEN_DIR}/{PEER_TOKEN_KEY}"
 PEER_VOLUME_NAME = "dscache-peer-token"
 #: Answer header of an object: the revision it comes from (the receiver checks it).
 REVISION_HEADER = "X-Dscache-Revision"
+#: ``C/revs/<rev>/tmp/claims``: the paths (one per line) a stager has started to read from the
+#: bucket, appended before each GET. A peer asking for one of them waits for it instead of reading
+#: the bucket too; the file goes with tmp/ when the revision is sealed.
+CLAIMS_NAME = "claims"
+#: ``?probe=1``: answer at once unless the object is claimed here (in flight); see owner_ranking.
+PROBE_PARAM = "probe"
 
 _STAGING_RE = re.compile(r"^staging\.dscache\.io/([0-9a-f]{12})\.(r-[0-9a-f]{20})$")
 
@@ -107,21 +114,45 @@ def check_peer_token(key: str, namespace: str, cache: str, token: str, now: floa
     return hmac.compare_digest(mac.encode(), _mac(key, namespace, cache, period).encode())
 
 
-def object_path(namespace: str, cache: str, revision: str, path: str, wait: float = 0.0) -> str:
-    quoted = "/".join(urllib.parse.quote(p, safe="") for p in (namespace, cache, revision, *path.split("/")))
-    return f"{OBJECTS_PATH}{quoted}" + (f"?wait={wait:g}" if wait > 0 else "")
+def claims_path(c: str, rev: str) -> str:
+    return os.path.join(tmp_dir(c, rev), CLAIMS_NAME)
 
 
-def parse_object_path(target: str) -> tuple[str, str, str, str, float]:
-    """(namespace, cache, revision, path under data/, wait) of a request target; ValueError if malformed."""
-    u = urllib.parse.urlsplit(target)
-    if not u.path.startswith(OBJECTS_PATH):
-        raise ValueError(f"not an object path: {u.path}")
-    parts = [urllib.parse.unquote(p) for p in u.path[len(OBJECTS_PATH) :].split("/")]
-    if len(parts) < 4 or not all(parts):
-        raise ValueError("an object path is /v1/objects/<namespace>/<cache>/<revision>/<path>")
-    wait = float(urllib.parse.parse_qs(u.query).get("wait", ["0"])[0])
-    return parts[0], parts[1], validate_revision(parts[2]), "/".join(parts[3:]), min(max(wait, 0.0), MAX_WAIT_S)
+@dataclass(frozen=True)
+class ObjectRequest:
+    """``GET /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>[&probe=1]``: ``wait``: how long
+    a peer still copying the revision holds the request for the object; ``probe``: only while the
+    object is claimed there (in flight), else answer at once."""
+
+    namespace: str
+    cache: str
+    revision: str
+    path: str
+    wait: float = 0.0
+    probe: bool = False
+
+    def target(self) -> str:
+        parts = (self.namespace, self.cache, self.revision, *self.path.split("/"))
+        query = {"wait": f"{self.wait:g}"} if self.wait > 0 else {}
+        if self.probe:
+            query[PROBE_PARAM] = "1"
+        quoted = "/".join(urllib.parse.quote(p, safe="") for p in parts)
+        return f"{OBJECTS_PATH}{quoted}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+
+    @classmethod
+    def parse(cls, target: str) -> ObjectRequest:
+        """ValueError if malformed."""
+        u = urllib.parse.urlsplit(target)
+        if not u.path.startswith(OBJECTS_PATH):
+            raise ValueError(f"not an object path: {u.path}")
+        parts = [urllib.parse.unquote(p) for p in u.path[len(OBJECTS_PATH) :].split("/")]
+        if len(parts) < 4 or not all(parts):
+            raise ValueError("an object path is /v1/objects/<namespace>/<cache>/<revision>/<path>")
+        q = urllib.parse.parse_qs(u.query)
+        wait = min(max(float(q.get("wait", ["0"])[0]), 0.0), MAX_WAIT_S)
+        return cls(
+            parts[0], parts[1], validate_revision(parts[2]), "/".join(parts[3:]), wait, q.get(PROBE_PARAM) == ["1"]
+        )
 
 
 @dataclass(frozen=True)

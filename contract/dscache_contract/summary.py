@@ -66,7 +66,9 @@ class StageSummary:
 
     warm: the revision was already complete on the node (no listing, no copy).
     The first seven fields are the summary's historic ones; consumers must
-    ignore fields they do not know.
+    ignore fields they do not know. fetched_bytes = bucket_bytes + peer_bytes:
+    what this run copied, from the bucket and from other nodes (fetch once per
+    cluster); absent (older stagers): 0.
     """
 
     objects: int = 0
@@ -79,6 +81,8 @@ class StageSummary:
     revision: str = ""
     warm: bool = False
     fetched_objects: int = 0
+    bucket_bytes: int = 0
+    peer_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -23,14 +23,15 @@ from enum import StrEnum
 from typing import Any
 
 import dscache_contract as contract
-from dscache_contract.peers import Peer, PeersAnswer, staging_label
+from dscache_contract.peers import Peer, PeersAnswer, claims_path, staging_label
 from dscache_stager.keys import unsafe_reason
 
 from .disk import valid_name
 from .kube import ApiError, Kube
 
-#: How long an answer about one revision is reused (the stagers ask about once a second each).
-ANSWER_TTL_S = 1.0
+#: How long an answer about one revision is reused (a stager asks ten times a second while the
+#: nodes that start together find each other, then once a second).
+ANSWER_TTL_S = 0.1
 #: How often a held request looks again for the object it waits for.
 POLL_S = 0.05
 
@@ -40,6 +41,7 @@ class State(StrEnum):
 
     COMPLETE = "complete"
     STAGING = "staging"  # a stager holds the cache's lock and the revision is not complete
+    UNCLAIMED = "unclaimed"  # staging, but nobody here has started to read that object (a probe's answer)
     ABSENT = "absent"
 
 
@@ -103,9 +105,43 @@ def open_object(c: str, rev: str, path: str) -> Opened:
     return Opened(file_fd, st.st_size)
 
 
-def wait_for_object(c: str, rev: str, path: str, wait: float, locked: Callable[[str], bool]) -> Opened:
+class Claims:
+    """The paths this node's stagers have started to read from the bucket (``tmp/claims``, one per
+    line, appended before each GET), read incrementally: only what was appended since the last look.
+    Held for copies in progress only: a claims file that is gone (sealed, removed) is forgotten."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # claims file -> (inode, bytes read, an unfinished last line, hashes of the claimed paths)
+        self._seen: dict[str, tuple[int, int, bytes, set[int]]] = {}
+
+    def claimed(self, c: str, rev: str, path: str) -> bool:
+        name = claims_path(c, rev)
+        with self._lock:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                self._seen.pop(name, None)
+                return False
+            try:
+                inode = os.fstat(fd).st_ino
+                seen = self._seen.get(name)
+                ino, offset, rest, paths = seen if seen and seen[0] == inode else (inode, 0, b"", set())
+                while chunk := os.pread(fd, 1 << 20, offset):
+                    offset += len(chunk)
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    paths.update(hash(line) for line in lines)
+                self._seen[name] = (ino, offset, rest, paths)
+            finally:
+                os.close(fd)
+            return hash(path.encode()) in paths
+
+
+def wait_for_object(
+    c: str, rev: str, path: str, wait: float, locked: Callable[[str], bool], claims: Claims, probe: bool = False
+) -> Opened:
     """The object once it is whole, waiting up to ``wait`` seconds while a stager here is still
-    copying the revision; NotHere otherwise."""
+    copying the revision (``probe``: only while the object is claimed here); NotHere otherwise."""
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -121,6 +157,8 @@ def wait_for_object(c: str, rev: str, path: str, wait: float, locked: Callable[[
                 raise NotHere(State.ABSENT, f"{path} is not in revision {rev} on this node") from None
         if state is State.ABSENT:
             raise NotHere(State.ABSENT, f"revision {rev} is not on this node and no stager is copying it here")
+        if probe and not claims.claimed(c, rev, path):
+            raise NotHere(State.UNCLAIMED, f"no stager here has started to read {path}")
         if time.monotonic() >= deadline:
             raise NotHere(State.STAGING, f"{path} is not copied here yet (revision {rev} is in progress)")
         time.sleep(POLL_S)
@@ -166,7 +204,8 @@ class Directory:
         """(agent address, label value) of the Nodes carrying ``label``."""
         selector = urllib.parse.quote(label, safe="")
         try:
-            listing = self.kube.get(f"/api/v1/nodes?labelSelector={selector}") or {}
+            # resourceVersion=0: from the API server's watch cache, not a quorum read of etcd.
+            listing = self.kube.get(f"/api/v1/nodes?labelSelector={selector}&resourceVersion=0") or {}
         except ApiError:
             return []
         out = []

@@ -27,15 +27,15 @@ from dscache_contract.peers import (
     OBJECTS_PATH,
     PEERS_PATH,
     REVISION_HEADER,
+    ObjectRequest,
     PeersRequest,
     check_peer_token,
-    parse_object_path,
 )
 from dscache_stager.errors import BusyError, UsageError
 
 from .agent import Agent, _locked
 from .kube import ApiError
-from .peers import NotHere, check_request, wait_for_object
+from .peers import Claims, NotHere, check_request, wait_for_object
 
 log = logging.getLogger("dscache-node")
 MAX_BODY = 1 << 20
@@ -44,6 +44,8 @@ MAX_BODY = 1 << 20
 def make_server(agent: Agent, token: Callable[[], str | None], port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
     """``token()``: the token wipes must carry, read afresh per request (a rotated Secret
     takes effect without a restart); also the key of every cache's peer token."""
+
+    claims = Claims()
 
     class Handler(BaseHTTPRequestHandler):
         # Keep-alive: a peer fetches many objects over one connection.
@@ -107,7 +109,8 @@ def make_server(agent: Agent, token: Callable[[], str | None], port: int, addr: 
         def _object(self) -> None:
             """One complete object for a peer's stager, streamed from the page cache (sendfile)."""
             try:
-                namespace, cache, revision, path, wait = parse_object_path(self.path)
+                req = ObjectRequest.parse(self.path)
+                namespace, cache, revision, path = req.namespace, req.cache, req.revision, req.path
                 check_request(namespace, cache, path)
             except (ValueError, ArgsError) as e:
                 return self._error(400, f"bad request: {e}")
@@ -117,7 +120,7 @@ def make_server(agent: Agent, token: Callable[[], str | None], port: int, addr: 
                 return self._error(401, f"objects of {namespace}/{cache} need that cache's peer token")
             c = agent.c(namespace, cache)
             try:
-                opened = wait_for_object(c, revision, path, wait, _locked)
+                opened = wait_for_object(c, revision, path, req.wait, _locked, claims, req.probe)
             except NotHere as e:
                 return self._send(404, json.dumps({"state": e.state.value, "error": str(e)}).encode())
             except OSError as e:

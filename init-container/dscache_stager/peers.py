@@ -1,0 +1,369 @@
+"""Fetch once per cluster, the stager's side: take objects from other nodes, verified.
+
+The node agent says who else stages or holds this revision (``PEERS_PATH``; asked
+again every second, so nodes that start together find each other within one).
+``dscache_contract.peers.owner_ranking`` orders, per object, the nodes to take it
+from; this node reads the bucket when its own turn comes, and only then. A peer's
+answer is trusted for nothing: the body must have the manifest's size and hash to
+the listed ETag (an MD5, or a multipart ETag rebuilt for the usual part sizes)
+before it is placed. Objects whose ETag says nothing about their bytes (SSE-KMS,
+an unknown part size) are never taken from peers.
+
+Failure costs a retry, never a wrong byte:
+- a peer that refuses the connection, stalls (no byte for ``READ_TIMEOUT_S``) or
+  drops it mid-body is skipped for the rest of the run; the next node of the
+  ranking is asked, and the bucket when this node's turn comes, so a dead peer's
+  objects are read from the bucket by one node each, not by every node;
+- a peer whose bytes do not match is never asked again, and the object is fetched
+  from the bucket at once.
+
+The requests are blocking http.client calls on a small thread pool (one keep-alive
+connection per peer and thread): the agents serve with sendfile, and a held request
+(``?wait=``) costs a thread, not the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from enum import Enum
+
+from dscache_contract.peers import (
+    COHORT_WINDOW_S,
+    MAX_WAIT_S,
+    PEERS_PATH,
+    REVISION_HEADER,
+    ObjectRequest,
+    PeersAnswer,
+    PeersRequest,
+    owner_ranking,
+)
+
+from .fetch import FILE_MODE
+
+log = logging.getLogger("dscache-stage")
+
+#: A peer that sends no byte for this long is taken for stalled.
+READ_TIMEOUT_S = 30.0
+#: The longest this node waits for a peer still copying one object, before its next choice.
+PATIENCE_S = 180.0
+#: How often the node agent is asked who the peers are: often while the cohort forms (nodes that
+#: start together must find each other before they read much), then once a second.
+FAST_REFRESH_S = 0.1
+REFRESH_S = 1.0
+#: How long after its start a node looks at earlier peers for its own objects (see early_peers).
+PROBE_S = 2.0
+#: The token file is read again this often (the kubelet updates a rotated Secret in place).
+TOKEN_TTL_S = 30.0
+CHUNK = 1 << 20
+
+_MD5 = re.compile(r"^[0-9a-f]{32}$")
+_MULTIPART = re.compile(r"^([0-9a-f]{32})-([0-9]+)$")
+MiB = 1 << 20
+#: Part sizes of the common uploaders (boto3 and the AWS CLI: 8 MiB; others 5-64 MiB and more).
+PART_SIZES = tuple(n * MiB for n in (8, 5, 16, 10, 15, 32, 64, 50, 100, 128, 256, 512))
+
+
+class Outcome(Enum):
+    PLACED = "placed"  # verified, in the temp file
+    NEXT = "next"  # not there (any more): ask the next in the ranking
+    BUCKET = "bucket"  # the bytes were wrong: fetch it from the bucket now
+
+
+class Digest:
+    """What a body must hash to, from its listed ETag (None: the ETag cannot check the bytes)."""
+
+    def __init__(self, etag: str, size: int) -> None:
+        etag = etag.strip('"').lower()
+        self.whole: hashlib._Hash | None = None
+        self.parts: list[tuple[int, list[bytes], hashlib._Hash, int]] = []  # (part size, digests, current, fill)
+        self.want = etag
+        if _MD5.match(etag):
+            self.whole = hashlib.md5(usedforsecurity=False)
+            return
+        m = _MULTIPART.match(etag)
+        if m:
+            n = int(m.group(2))
+            for p in PART_SIZES:
+                if n >= 1 and -(-size // p) == n:
+                    self.parts.append((p, [], hashlib.md5(usedforsecurity=False), 0))
+
+    @property
+    def usable(self) -> bool:
+        return self.whole is not None or bool(self.parts)
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        if self.whole is not None:
+            self.whole.update(chunk)
+            return
+        view = memoryview(chunk)
+        for i, (p, done, cur, fill) in enumerate(self.parts):
+            at = 0
+            while at < len(view):
+                take = min(p - fill, len(view) - at)
+                cur.update(view[at : at + take])
+                at, fill = at + take, fill + take
+                if fill == p:
+                    done.append(cur.digest())
+                    cur, fill = hashlib.md5(usedforsecurity=False), 0
+            self.parts[i] = (p, done, cur, fill)
+
+    def matches(self) -> bool:
+        if self.whole is not None:
+            return self.whole.hexdigest() == self.want
+        for _, done, cur, fill in self.parts:
+            digests = done + ([cur.digest()] if fill else [])
+            got = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest() + f"-{len(digests)}"
+            if got == self.want:
+                return True
+        return False
+
+
+def verifiable(etag: str, size: int) -> bool:
+    return size > 0 and Digest(etag, size).usable
+
+
+@dataclass
+class PeerStats:
+    bytes: int = 0
+    objects: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # peer -> why it is no longer asked
+
+
+class Peers:
+    """This node's view of the other nodes of its revision, and the client that asks them."""
+
+    def __init__(self, agent: str, cache: str, revision: str, token_file: str) -> None:
+        self.agent = urllib.parse.urlsplit(agent)
+        self.namespace, self.cache = cache.split("/", 1)
+        self.revision = revision
+        self.token_file = token_file
+        self.answer: PeersAnswer | None = None
+        self.stats = PeerStats()
+        self._token: tuple[float, str] = (0.0, "")
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[http.client.HTTPConnection] = []
+
+    # --- who -----------------------------------------------------------------------------
+
+    def token(self) -> str:
+        at, text = self._token
+        if time.monotonic() - at > TOKEN_TTL_S:
+            try:
+                with open(self.token_file) as f:
+                    text = f.read().strip()
+            except OSError:
+                text = ""
+            self._token = (time.monotonic(), text)
+        return text
+
+    def ask_agent(self) -> PeersAnswer | None:
+        """Ask the node's agent (this also publishes this node as staging the revision).
+        None: the agent did not answer (then this node reads the bucket for everything)."""
+        body = PeersRequest(self.namespace, self.cache, self.revision).to_json()
+        try:
+            conn = http.client.HTTPConnection(self.agent.hostname or "localhost", self.agent.port or 80, timeout=10)
+            try:
+                conn.request("POST", PEERS_PATH, body=body, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                text = resp.read().decode(errors="replace")
+            finally:
+                conn.close()
+            if resp.status != 200:
+                raise OSError(f"HTTP {resp.status}: {text[:200]}")
+            answer = PeersAnswer.from_json(text)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.debug(f"peers: the agent did not answer: {e}")
+            return None
+        if not answer.me:
+            return None  # the agent does not know its own address: no peer could reach us either
+        self.answer = answer
+        return answer
+
+    def others(self) -> list[str]:
+        a = self.answer
+        if a is None:
+            return []
+        return [p.addr for p in (*a.staging, *a.complete) if p.addr != a.me]
+
+    def ahead_of_me(self, key: str) -> list[str]:
+        """The live peers to ask for ``key`` before this node reads the bucket itself ([]: read it now)."""
+        a = self.answer
+        if a is None or not self.token():
+            return []
+        out = []
+        for addr in owner_ranking(key, a):
+            if addr == a.me:
+                break
+            if addr not in self.stats.failed:
+                out.append(addr)
+        return out
+
+    def early_peers(self) -> list[str]:
+        """Peers that started copying before this node and may not have seen it yet: they read
+        the bucket for objects now ranked to this node until they ask their agent again. For
+        ``PROBE_S`` after its start this node asks them first, and waits only if they have started
+        to read it (their claims), before it reads such an object from the bucket itself."""
+        a = self.answer
+        if a is None or not self.token():
+            return []
+        mine = next((p.since for p in a.staging if p.addr == a.me), 0.0)
+        if not mine or time.time() > mine + PROBE_S:
+            return []
+        return [p.addr for p in a.staging if p.since < mine and p.addr != a.me and p.addr not in self.stats.failed]
+
+    def refresh_pause(self) -> float:
+        """How long until the agent is asked again: often while the cohort forms, then every REFRESH_S."""
+        a = self.answer
+        first = min((p.since for p in a.staging), default=0.0) if a is not None else 0.0
+        return FAST_REFRESH_S if time.time() < first + COHORT_WINDOW_S + PROBE_S else REFRESH_S
+
+    def _fail(self, addr: str, why: str) -> None:
+        with self._lock:
+            if addr not in self.stats.failed:
+                self.stats.failed[addr] = why
+                log.warning(f"peer {addr}: {why}; not asked again (its objects come from the next node or the bucket)")
+
+    # --- taking an object ----------------------------------------------------------------
+
+    def take(self, addr: str, rel: str, size: int, etag: str, tmp: str, probe: bool = False) -> Outcome:
+        """Fetch ``rel`` from ``addr`` into ``tmp`` (created, FILE_MODE), verified; waits while the peer
+        is still copying it, up to PATIENCE_S (``probe``: only if it has it now). Blocking: run it on
+        a worker thread."""
+        deadline = time.monotonic() + PATIENCE_S
+        while True:
+            try:
+                status, state = self._get(
+                    addr,
+                    ObjectRequest(self.namespace, self.cache, self.revision, rel, MAX_WAIT_S, probe),
+                    size,
+                    etag,
+                    tmp,
+                )
+            except _Lied as e:
+                self._fail(addr, f"sent bytes that do not match the revision's manifest ({e})")
+                return Outcome.BUCKET
+            except _Local as e:
+                raise e.__cause__ or e from None
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                self._fail(addr, f"failed mid-request ({type(e).__name__}: {e})")
+                return Outcome.NEXT
+            if status == 200:
+                return Outcome.PLACED
+            if status == 404 and state == "unclaimed":
+                return Outcome.NEXT  # a probe: nobody there reads it: this node's own turn
+            if status == 404 and state == "staging" and time.monotonic() < deadline:
+                continue  # the peer is still copying it: ask again (the request was held MAX_WAIT_S)
+            if status == 401:
+                self._fail(addr, "refused this cache's peer token")
+            elif status == 404 and state == "staging":
+                self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
+            elif status == 404:
+                self._fail(addr, f"neither holds nor copies revision {self.revision} (any more)")
+            else:
+                self._fail(addr, f"answered HTTP {status}")
+            return Outcome.NEXT
+
+    def _conn(self, addr: str) -> http.client.HTTPConnection:
+        conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(addr)
+        if conn is None:
+            host, _, port = addr.rpartition(":")
+            conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=READ_TIMEOUT_S)
+            conns[addr] = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def close(self) -> None:
+        """End every request in flight (a failed run must not wait for held requests to time out)."""
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            if conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _get(self, addr: str, req: ObjectRequest, size: int, etag: str, tmp: str) -> tuple[int, str]:
+        conn = self._conn(addr)
+        path = req.target()
+        # A held request answers within MAX_WAIT_S; the socket timeout is per read.
+        conn.timeout = READ_TIMEOUT_S + MAX_WAIT_S
+        try:
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                text = resp.read(64 << 10).decode(errors="replace")
+                state = ""
+                if resp.status == 404 and '"state"' in text:
+                    state = str(json.loads(text).get("state", ""))
+                return resp.status, state
+            if resp.getheader(REVISION_HEADER) != self.revision:
+                raise _Lied(f"it answered for revision {resp.getheader(REVISION_HEADER)!r}")
+            length = int(resp.getheader("Content-Length") or -1)
+            if length != size:
+                resp.close()
+                raise _Lied(f"{length} bytes where the manifest says {size}")
+            self._receive(resp, size, etag, tmp)
+            return 200, ""
+        except BaseException:
+            conn.close()
+            self._local.conns.pop(addr, None)
+            raise
+
+    def _receive(self, resp: http.client.HTTPResponse, size: int, etag: str, tmp: str) -> None:
+        digest = Digest(etag, size)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        except OSError as e:
+            raise _Local() from e
+        try:
+            got = 0
+            with os.fdopen(fd, "wb", closefd=False) as out:
+                while got < size:
+                    chunk = resp.read(min(CHUNK, size - got))
+                    if not chunk:
+                        raise http.client.IncompleteRead(b"", size - got)
+                    digest.update(chunk)
+                    try:
+                        out.write(chunk)
+                    except OSError as e:
+                        raise _Local() from e
+                    got += len(chunk)
+            if not digest.matches():
+                raise _Lied(f"their hash is not the listed ETag {etag}")
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        with self._lock:
+            self.stats.bytes += size
+            self.stats.objects += 1
+
+
+class _Lied(Exception):
+    """The peer's answer contradicts the manifest."""
+
+
+class _Local(OSError):
+    """Writing our own temp file failed (ENOSPC...): the run's error, not the peer's."""
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
