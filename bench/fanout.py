@@ -347,6 +347,10 @@ class Phase:
             "stager_bucket_bytes": self.stager_bucket_bytes,
             "peer_bytes": self.stager_peer_bytes,
             "per_node_s": {k: round(v, 3) for k, v in self.per_node_s.items()},
+            "per_node": {
+                node: {"bucket_bytes": s.get("bucket_bytes", s.get("fetched_bytes")), "peer_bytes": s.get("peer_bytes")}
+                for node, s in sorted(self.summaries.items())
+            },
         }
 
 
