@@ -18,6 +18,7 @@ import kopf
 from .kube import Kube, connection_info, kopf_session
 from .metrics import Metrics
 from .models import FINALIZER, GROUP
+from .peertoken import Tokens
 from .settings import Settings
 
 
@@ -34,6 +35,8 @@ class Context:
     views: Any = None
     #: At most a few reconciliations at once: bounded API concurrency and memory.
     slots: asyncio.Semaphore | None = None
+    #: Which period each cache's peer token was written for (peertoken.py).
+    tokens: Tokens = dataclasses.field(default_factory=Tokens)
 
     def ensure_kube(self) -> Kube:
         """Our client, logging in by ourselves if kopf has not done so yet."""

@@ -98,6 +98,9 @@ async def reconcile(
     wanted = await _check_source(ctx, body, meta, cache, namespace, current, memo, deleting, now)
     if deleting:
         wanted["phase"] = Phase.DELETING
+    elif ctx.settings.peers:
+        key = wipe.read_token(ctx.settings)
+        await ctx.tokens.ensure(ctx.api(), key, namespace, name, meta.get("uid") or "", now.timestamp())
 
     # Node decisions only once the views of pods and Jobs are complete (a cold view
     # would look like "no consumers" and wipe in-use copies).
@@ -421,5 +424,6 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
         if pending:
             raise kopf.TemporaryError(f"{pending} node copies still being wiped", delay=delay)
         ctx.metrics.forget_cache(namespace, name)
+        ctx.tokens.forget(namespace, name)
 
     return registry
