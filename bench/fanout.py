@@ -323,6 +323,7 @@ def revision_of(server: S3Server, uri: str) -> dict[str, Any]:
 @dataclass
 class Phase:
     name: str
+    round: int
     cache: str
     all_ready_s: float
     bucket_bytes: int
@@ -341,6 +342,7 @@ class Phase:
     def to_dict(self) -> dict[str, Any]:
         return {
             "phase": self.name,
+            "round": self.round,
             "all_ready_s": round(self.all_ready_s, 3),
             "bucket_bytes": self.bucket_bytes,
             "host_rx_bytes": self.host_rx_bytes,
@@ -418,7 +420,7 @@ def run_phase(
         verify_copy(
             contract.cache_dir(str(agent.cache_root), NS, cache), revision, want, summaries[agent.node], agent.node
         )
-    phase = Phase(name, cache, all_ready, tx, rx, {n: e - t0 for n, e in ends.items()}, summaries)
+    phase = Phase(name, round_no, cache, all_ready, tx, rx, {n: e - t0 for n, e in ends.items()}, summaries)
     log(
         f"{name} round {round_no}: all ready in {all_ready:.2f}s; the bucket sent {tx / 1e6:.1f} MB "
         f"({tx / dataset_bytes:.2f}x the dataset); stagers say bucket {phase.stager_bucket_bytes / 1e6:.1f} MB, "
@@ -591,7 +593,7 @@ def main() -> int:
             f"independent {out['independent_bucket_ratio']:.2f}x); all ready in {out['all_ready_s']}s against "
             f"{out['independent_all_ready_s']}s: {out['speedup']}x (target >= {TARGET_SPEEDUP})"
         )
-    out["runs"] = [p.to_dict() for name in phases for p in runs[name]]
+    out["runs"] = [p.to_dict() for p in sorted((p for v in runs.values() for p in v), key=lambda p: p.round)]
     out["loadavg"] = load
     log(f"load averages (1, 5, 15 min): {load} (noise from other work on the machine)")
     print(json.dumps({"fanout": out}), flush=True)

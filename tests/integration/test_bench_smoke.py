@@ -84,5 +84,5 @@ def test_fanout_bench_runs_both_phases_and_reports_its_fields(tmp_path):
     assert fanout["independent_bucket_bytes"] >= 3 * fanout["dataset_bytes"]
     assert fanout["peer_bytes"] >= 0 and fanout["stager_bucket_bytes"] > 0
     assert set(fanout["per_node_s"]) == {"fanout-node-0", "fanout-node-1", "fanout-node-2"}
-    assert [r["phase"] for r in fanout["runs"]] == ["independent", "fanout"]
+    assert [(r["phase"], r["round"]) for r in fanout["runs"]] == [("independent", 0), ("fanout", 0)]
     assert set(fanout["loadavg"]) >= {"start", "end"}
