@@ -233,7 +233,7 @@ def make_dataset(large_count: int, large_size: int, small_count: int, small_size
 
 
 def upload(server: S3Server, files: dict[str, bytes]) -> None:
-    client = server.client()
+    client = server.client()  # type: ignore[no-untyped-call]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         for f in [pool.submit(client.put_object, Bucket=BUCKET, Key=k, Body=v) for k, v in files.items()]:
             f.result()
@@ -314,7 +314,8 @@ def revision_of(server: S3Server, uri: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
     ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    info: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return info
 
 
 # --- one phase -------------------------------------------------------------------------------------
