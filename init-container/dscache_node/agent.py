@@ -37,7 +37,7 @@ from dscache_contract import (
     cache_digest,
     warm_label,
 )
-from dscache_contract.peers import STAGING_LABEL_PREFIX, staging_label
+from dscache_contract.peers import STAGING_LABEL_PREFIX, parse_staging_label, staging_label
 from dscache_stager.errors import BusyError
 from dscache_stager.layout import cache_lock
 from dscache_stager.progress import human_bytes as _human
@@ -79,6 +79,7 @@ class Agent:
         # Published as staging labels while a stager holds the cache's lock; lost on restart, and
         # then asked for again by the stager within a second.
         self._staging: dict[tuple[str, str, str], float] = {}
+        self._adopted = False
         self.directory = Directory(kube, settings.node) if kube is not None else None
         self.evicted_bytes = 0
         self.last_refresh = 0.0
@@ -161,8 +162,27 @@ class Agent:
         self._patch_node(labels, text)
         self._published = (labels, text)
 
+    def _adopt_staging(self, node: dict[str, Any]) -> None:
+        """After a restart: keep the staging labels of copies still in progress, with their start
+        (a new start would move the node out of its cohort and reshuffle who reads what)."""
+        by_digest = {cache_digest(ns, cache): (ns, cache) for ns, cache in disk.caches(self.s.cache_root)}
+        for key, value in ((node.get("metadata") or {}).get("labels") or {}).items():
+            parsed = parse_staging_label(key)
+            if parsed is None or parsed[0] not in by_digest:
+                continue
+            ns, cache = by_digest[parsed[0]]
+            c = self.c(ns, cache)
+            if _locked(c) and not os.path.exists(contract.complete_path(c, parsed[1])):
+                self._staging.setdefault((ns, cache, parsed[1]), _float(value))
+
     def _staging_labels(self, revs: list[disk.OnDisk]) -> dict[str, str]:
         """Staging labels of the copies still in progress (a stager holds the lock, not complete yet)."""
+        if not self._adopted and self.kube is not None:
+            try:
+                self._adopt_staging(self.kube.get(f"/api/v1/nodes/{self.s.node}") or {})
+                self._adopted = True
+            except ApiError as e:
+                log.warning(f"could not read this node's staging labels: {e}")
         complete = {(r.namespace, r.cache, r.revision) for r in revs if r.complete}
         for key in list(self._staging):
             if key in complete or not _locked(self.c(key[0], key[1])):
@@ -437,6 +457,13 @@ def _locked(c: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return time.time()
 
 
 def _iso(t: float) -> str:
