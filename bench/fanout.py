@@ -21,6 +21,19 @@ Phases, in one run, through the same link, the same server and the same dataset:
  - ``fanout``: 3 stagers with ``--peer-token-file`` (the cache's peer token,
    ``dscache_contract.peers.peer_token`` of the agents' token), started together:
    they split the objects and take the rest from each other's agents.
+The lone node ("never slower for the lone node"): ``lone`` stages the dataset on ONE
+node, nobody else staging, through the same shaped link, once with
+``--peer-token-file`` (peers on: it asks its agent, publishes its staging label,
+claims each object, finds nobody and reads the bucket itself) and once without
+(today's path), alternating which goes first from round to round, over
+``--rounds``. Through the shaped link the link hides a small cost, so the pair is
+also run once more after the last round with the link opened (``--lone-mbit``,
+default 0: the tbf qdisc removed, so the bucket is as near as the veth allows and
+the stager and the server are CPU-bound): that shows the cost best, in wall time
+and in CPU. Each stager's CPU (user + sys) comes from its own rusage (os.wait4);
+its agent's CPU during the run from /proc (the agent answers the peers question
+and labels its Node: part of the cost of looking for peers).
+
 Each phase-round stages into a fresh cache name (so no copy, label or token of an
 earlier phase can serve it), with the page cache dropped before it; afterwards every
 byte of every node's copy is checked (sha256 against the generated source) and the
@@ -48,7 +61,15 @@ exit 0), ``independent_all_ready_s``, ``independent_bucket_bytes``,
 ``independent_bucket_ratio``, ``speedup`` (= independent_all_ready_s / all_ready_s;
 target >= 2 when the link is the bottleneck), the link (``bucket_mbit``,
 ``tbf_burst_bytes``, ``tbf_latency_ms``, ``mtu``), ``independent_link_mbit``,
-``per_node_s``, ``runs`` (every phase-round) and ``loadavg``. Needs root (netns, tc).
+``per_node_s``, ``runs`` (every phase-round, in the order they ran, with each
+stager's ``cpu_s`` and its agent's ``agent_cpu_s``) and ``loadavg``; from the lone
+phase: ``lone_s`` (median, without peers), ``lone_peers_s`` (median, with),
+``lone_ratio`` (= lone_peers_s / lone_s; target: no measurable difference),
+``lone_cpu_s`` and ``lone_peers_cpu_s`` (the stager's CPU seconds, medians),
+``lone_agent_cpu_s`` and ``lone_peers_agent_cpu_s`` (its agent's), and the opened
+link's pair: ``lone_open_mbit`` (0: unshaped), ``lone_open_s``,
+``lone_open_peers_s``, ``lone_open_ratio``, ``lone_open_cpu_s``,
+``lone_open_peers_cpu_s``. Needs root (netns, tc).
 """
 
 from __future__ import annotations
@@ -161,14 +182,21 @@ class Link:
         run(*ns, "link", "set", self.server_if, "mtu", str(self.mtu))
         run(*ns, "addr", "add", f"{self.server_ip}/30", "dev", self.server_if)
         run(*ns, "link", "set", self.server_if, "up")
-        run(
-            "ip", "netns", "exec", self.netns,
-            "tc", "qdisc", "add", "dev", self.server_if, "root", "tbf",
-            "rate", f"{self.mbit:g}mbit", "burst", str(self.burst), "latency", f"{self.latency_ms:g}ms",
-        )  # fmt: skip
-        qdisc = run("ip", "netns", "exec", self.netns, "tc", "qdisc", "show", "dev", self.server_if).strip()
-        log(f"bucket link: {self.server_if} in netns {self.netns} ({self.server_ip}) -> {self.host_if}: {qdisc}")
+        self.shape(self.mbit)
         return self
+
+    def shape(self, mbit: float) -> None:
+        """The server side's egress: tbf at ``mbit``, or no qdisc at all (``mbit`` <= 0: unshaped)."""
+        tc = ("ip", "netns", "exec", self.netns, "tc", "qdisc")
+        if mbit > 0:
+            run(
+                *tc, "replace", "dev", self.server_if, "root", "tbf",
+                "rate", f"{mbit:g}mbit", "burst", str(self.burst), "latency", f"{self.latency_ms:g}ms",
+            )  # fmt: skip
+        else:
+            run(*tc, "del", "dev", self.server_if, "root", check=False)
+        qdisc = run(*tc, "show", "dev", self.server_if).strip()
+        log(f"bucket link: {self.server_if} in netns {self.netns} ({self.server_ip}) -> {self.host_if}: {qdisc}")
 
     def tx_bytes(self) -> int:
         """Bytes the server's veth has sent (bucket -> clients), from its own namespace."""
@@ -331,6 +359,9 @@ class Phase:
     host_rx_bytes: int
     per_node_s: dict[str, float]
     summaries: dict[str, dict[str, Any]]
+    #: each stager's CPU seconds (user + sys, its rusage) and its agent's during the run (/proc)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    agent_cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def stager_bucket_bytes(self) -> int:
@@ -350,11 +381,26 @@ class Phase:
             "stager_bucket_bytes": self.stager_bucket_bytes,
             "peer_bytes": self.stager_peer_bytes,
             "per_node_s": {k: round(v, 3) for k, v in self.per_node_s.items()},
+            "cpu_s": {k: round(v, 3) for k, v in sorted(self.cpu_s.items())},
+            "agent_cpu_s": {k: round(v, 3) for k, v in sorted(self.agent_cpu_s.items())},
             "per_node": {
                 node: {"bucket_bytes": s.get("bucket_bytes", s.get("fetched_bytes")), "peer_bytes": s.get("peer_bytes")}
                 for node, s in sorted(self.summaries.items())
             },
         }
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + sys CPU seconds of a running process so far (/proc/<pid>/stat; 0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def agent_cpu(agent: NodeAgent) -> float:
+    return proc_cpu_s(agent.proc.pid) if agent.proc is not None else 0.0
 
 
 def run_phase(
@@ -390,7 +436,9 @@ def run_phase(
     env = stage_env(server)
     drop_page_cache()
     tx0, rx0 = link.tx_bytes(), link.host_rx_bytes()
+    agent_cpu0 = {agent.node: agent_cpu(agent) for agent in agents}
     ends: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     outs: dict[str, str] = {}
     procs: dict[str, subprocess.Popen[str]] = {}
     t0 = time.perf_counter()
@@ -401,8 +449,15 @@ def run_phase(
         err.close()
 
     def wait(node: str) -> None:
-        outs[node] = procs[node].communicate()[0]
+        # Its stdout to the end, then its own rusage (os.wait4 reaps it: Popen is told the status).
+        proc = procs[node]
+        assert proc.stdout is not None
+        outs[node] = proc.stdout.read()
+        proc.stdout.close()
+        _, status, ru = os.wait4(proc.pid, 0)
         ends[node] = time.perf_counter()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        cpu[node] = ru.ru_utime + ru.ru_stime
 
     threads = [threading.Thread(target=wait, args=(node,)) for node in procs]
     for t in threads:
@@ -410,6 +465,7 @@ def run_phase(
     for t in threads:
         t.join()
     all_ready = max(ends.values()) - t0
+    agents_cpu = {agent.node: agent_cpu(agent) - agent_cpu0[agent.node] for agent in agents}
     time.sleep(0.2)  # the last ACKed segments are counted by now
     tx, rx = link.tx_bytes() - tx0, link.host_rx_bytes() - rx0
     for node, proc in procs.items():
@@ -421,11 +477,14 @@ def run_phase(
         verify_copy(
             contract.cache_dir(str(agent.cache_root), NS, cache), revision, want, summaries[agent.node], agent.node
         )
-    phase = Phase(name, round_no, cache, all_ready, tx, rx, {n: e - t0 for n, e in ends.items()}, summaries)
+    phase = Phase(
+        name, round_no, cache, all_ready, tx, rx, {n: e - t0 for n, e in ends.items()}, summaries, cpu, agents_cpu
+    )
     log(
         f"{name} round {round_no}: all ready in {all_ready:.2f}s; the bucket sent {tx / 1e6:.1f} MB "
         f"({tx / dataset_bytes:.2f}x the dataset); stagers say bucket {phase.stager_bucket_bytes / 1e6:.1f} MB, "
-        f"peers {phase.stager_peer_bytes / 1e6:.1f} MB; every byte of {len(agents)} copies verified"
+        f"peers {phase.stager_peer_bytes / 1e6:.1f} MB; stager CPU {sum(cpu.values()):.2f}s; "
+        f"every byte of {len(agents)} copies verified"
     )
     for agent in agents:
         code, text = agent.wipe(contract.WipeRequest(NS, cache, all_revisions=True))
@@ -480,15 +539,20 @@ def main() -> int:
     ap.add_argument("--tbf-burst", type=int, default=256 << 10, help="tbf burst, bytes")
     ap.add_argument("--tbf-latency-ms", type=float, default=50.0, help="tbf latency (its queue), ms")
     ap.add_argument("--mtu", type=int, default=1500, help="the veth pair's MTU")
-    ap.add_argument("--phases", default="independent,fanout", help="comma list (fanout needs --peer-token-file)")
+    ap.add_argument(
+        "--phases", default="independent,fanout,lone", help="comma list (fanout and lone need --peer-token-file)"
+    )
+    ap.add_argument(
+        "--lone-mbit", type=float, default=0.0, help="the link for the lone pair's extra run (default 0: unshaped)"
+    )
     ap.add_argument("--workdir", type=Path, help="default: a temp dir under build/ (removed at the end)")
     args = ap.parse_args()
     phases = [p for p in args.phases.split(",") if p]
-    if not set(phases) <= {"independent", "fanout"} or not phases:
-        ap.error("--phases: independent and/or fanout")
+    if not set(phases) <= {"independent", "fanout", "lone"} or not phases:
+        ap.error("--phases: any of independent, fanout, lone")
     if os.geteuid() != 0:
         ap.error("needs root (a network namespace, a veth pair and tc)")
-    if "fanout" in phases and not has_peer_flag():
+    if {"fanout", "lone"} & set(phases) and not has_peer_flag():
         ap.error("this dscache-stage has no --peer-token-file yet: run --phases=independent")
     large_count = args.large_count if args.large_count is not None else (16 if args.quick else 64)
     small_count = args.small_count if args.small_count is not None else (200 if args.quick else 500)
@@ -500,7 +564,8 @@ def main() -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="fanout-", dir=REPO / "build"))
     work.mkdir(parents=True, exist_ok=True)
     load: dict[str, list[float]] = {"start": loadavg()}
-    runs: dict[str, list[Phase]] = {p: [] for p in phases}
+    runs: dict[str, list[Phase]] = {}  # by phase name: lone runs as "lone" and "lone-peers" (+ "-open")
+    ran: list[Phase] = []  # in the order they ran
     try:
         link = Link(args.bucket_mbit, args.tbf_burst, args.tbf_latency_ms, args.mtu)
         _links.append(link)
@@ -528,24 +593,36 @@ def main() -> int:
         _kube, agents, token_file = start_cluster(work)
         one_copy_s = dataset_bytes * 8 / (args.bucket_mbit * 1e6)
         log(f"revision {revision}; one copy through {args.bucket_mbit:g} mbit takes >= {one_copy_s:.1f}s")
+
+        def stage(name: str, r: int, with_peers: bool, nodes: list[NodeAgent]) -> None:
+            phase = run_phase(
+                name, r, with_peers, nodes, server, link, token_file, uri, revision, dataset_bytes, want, work
+            )
+            runs.setdefault(name, []).append(phase)
+            ran.append(phase)
+
+        def lone_pair(r: int, suffix: str = "") -> None:
+            # One node, nobody else staging: without and with the peer token, the first of the
+            # two alternating from round to round (neither always gets the other's leftovers).
+            pair = [(f"lone{suffix}", False), (f"lone-peers{suffix}", True)]
+            for name, with_peers in pair if r % 2 == 0 else pair[::-1]:
+                stage(name, r, with_peers, agents[:1])
+
         for r in range(args.rounds):
             for name in phases:
-                phase = run_phase(
-                    name,
-                    r,
-                    name == "fanout",
-                    agents,
-                    server,
-                    link,
-                    token_file,
-                    uri,
-                    revision,
-                    dataset_bytes,
-                    want,
-                    work,
-                )
-                runs[name].append(phase)
+                if name == "lone":
+                    lone_pair(r)
+                else:
+                    stage(name, r, name == "fanout", agents)
             load[f"round{r}"] = loadavg()
+        if "lone" in phases:
+            # Once more with the link opened: the shaped link hides a small cost in wall time.
+            link.shape(args.lone_mbit)
+            try:
+                lone_pair(args.rounds - 1, "-open")
+            finally:
+                link.shape(args.bucket_mbit)
+            load["lone-open"] = loadavg()
     finally:
         cleanup()
         if not args.workdir:
@@ -594,7 +671,29 @@ def main() -> int:
             f"independent {out['independent_bucket_ratio']:.2f}x); all ready in {out['all_ready_s']}s against "
             f"{out['independent_all_ready_s']}s: {out['speedup']}x (target >= {TARGET_SPEEDUP})"
         )
-    out["runs"] = [p.to_dict() for p in sorted((p for v in runs.values() for p in v), key=lambda p: p.round)]
+    if "lone" in runs:
+
+        def med(name: str, of: str) -> float:
+            ps = runs[name]
+            return round(median([p.all_ready_s if of == "s" else sum(getattr(p, of).values()) for p in ps]), 3)
+
+        for tag, suffix in (("lone", ""), ("lone_open", "-open")):
+            out[f"{tag}_s"] = med(f"lone{suffix}", "s")
+            out[f"{tag}_peers_s"] = med(f"lone-peers{suffix}", "s")
+            out[f"{tag}_ratio"] = round(out[f"{tag}_peers_s"] / out[f"{tag}_s"], 3)
+            out[f"{tag}_cpu_s"] = med(f"lone{suffix}", "cpu_s")
+            out[f"{tag}_peers_cpu_s"] = med(f"lone-peers{suffix}", "cpu_s")
+            if not suffix:
+                out["lone_agent_cpu_s"] = med("lone", "agent_cpu_s")
+                out["lone_peers_agent_cpu_s"] = med("lone-peers", "agent_cpu_s")
+        out["lone_open_mbit"] = args.lone_mbit
+        log(
+            f"lone node: {out['lone_s']}s without peers, {out['lone_peers_s']}s with ({out['lone_ratio']}x; "
+            f"stager CPU {out['lone_cpu_s']}s vs {out['lone_peers_cpu_s']}s); link opened "
+            f"({args.lone_mbit:g} mbit, 0: unshaped): {out['lone_open_s']}s vs {out['lone_open_peers_s']}s "
+            f"({out['lone_open_ratio']}x; CPU {out['lone_open_cpu_s']}s vs {out['lone_open_peers_cpu_s']}s)"
+        )
+    out["runs"] = [p.to_dict() for p in ran]
     out["loadavg"] = load
     log(f"load averages (1, 5, 15 min): {load} (noise from other work on the machine)")
     print(json.dumps({"fanout": out}), flush=True)
