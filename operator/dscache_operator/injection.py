@@ -183,7 +183,8 @@ def init_container(
 def peer_token_volume(name: str) -> dict[str, Any]:
     """The cache's peer token (peertoken.py), for the stager only. Optional: a pod admitted before
     the controller wrote it starts anyway, and its stager reads the bucket for everything."""
-    return {"name": PEER_VOLUME_NAME, "secret": {"secretName": peer_secret_name(name), "optional": True}}
+    secret = {"secretName": peer_secret_name(name), "optional": True, "defaultMode": 0o400}
+    return {"name": PEER_VOLUME_NAME, "secret": secret}
 
 
 def volume(namespace: str, name: str, settings: Settings, mode: Mode) -> dict[str, Any]:

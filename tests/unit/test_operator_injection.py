@@ -170,7 +170,10 @@ def test_init_container_args_credentials_and_privileges():
         {"name": "dscache-peer-token", "mountPath": "/var/run/dscache-peer", "readOnly": True},
     ]
     vol = next(v for v in pod_spec(obj)["volumes"] if v["name"] == "dscache-peer-token")
-    assert vol == {"name": "dscache-peer-token", "secret": {"secretName": "dscache-peer-imagenet", "optional": True}}
+    assert vol == {
+        "name": "dscache-peer-token",
+        "secret": {"secretName": "dscache-peer-imagenet", "optional": True, "defaultMode": 0o400},
+    }
 
 
 def test_emptydir_mode_runs_non_root():
