@@ -6,8 +6,9 @@ again every second, so nodes that start together find each other within one).
 from; this node reads the bucket when its own turn comes, and only then. A peer's
 answer is trusted for nothing: the body must have the manifest's size and hash to
 the listed ETag (an MD5, or a multipart ETag rebuilt for the usual part sizes)
-before it is placed. Objects whose ETag says nothing about their bytes (SSE-KMS,
-an unknown part size) are never taken from peers.
+before it is placed. Objects whose ETag cannot check their bytes (a multipart
+ETag of an unusual part size) are never taken from peers; see ``Digest`` for
+SSE-KMS.
 
 Failure costs a retry, never a wrong byte:
 - a peer that refuses the connection, stalls (no byte for ``READ_TIMEOUT_S``) or
@@ -79,27 +80,41 @@ class Outcome(Enum):
     BUCKET = "bucket"  # the bytes were wrong: fetch it from the bucket now
 
 
+def part_sizes(etag: str, size: int) -> tuple[int, ...] | None:
+    """How the listed ETag can check a body: () for a plain MD5, the candidate part sizes of a
+    multipart ETag (``md5(part md5s)-N``), None when it cannot (an unknown part size; SSE-C)."""
+    if size <= 0:
+        return None
+    etag = etag.strip('"').lower()
+    if _MD5.match(etag):
+        return ()
+    m = _MULTIPART.match(etag)
+    if m is None:
+        return None
+    n = int(m.group(2))
+    if n == 1:
+        return (size,)  # one part: any part size at least the object's gives the same digest
+    fits = tuple(p for p in PART_SIZES if -(-size // p) == n)
+    return fits or None
+
+
+def verifiable(etag: str, size: int) -> bool:
+    return part_sizes(etag, size) is not None
+
+
 class Digest:
-    """What a body must hash to, from its listed ETag (None: the ETag cannot check the bytes)."""
+    """Hashes a body the way its listed ETag was made, to check that the body is that object.
+
+    Objects encrypted with SSE-KMS have an ETag that looks like an MD5 but is not one: their
+    bodies never match, so they are taken from the bucket (and the peer that sent one is not
+    asked again): slower, never wrong."""
 
     def __init__(self, etag: str, size: int) -> None:
-        etag = etag.strip('"').lower()
-        self.whole: hashlib._Hash | None = None
-        self.parts: list[tuple[int, list[bytes], hashlib._Hash, int]] = []  # (part size, digests, current, fill)
-        self.want = etag
-        if _MD5.match(etag):
-            self.whole = hashlib.md5(usedforsecurity=False)
-            return
-        m = _MULTIPART.match(etag)
-        if m:
-            n = int(m.group(2))
-            for p in PART_SIZES:
-                if n >= 1 and -(-size // p) == n:
-                    self.parts.append((p, [], hashlib.md5(usedforsecurity=False), 0))
-
-    @property
-    def usable(self) -> bool:
-        return self.whole is not None or bool(self.parts)
+        self.want = etag.strip('"').lower()
+        sizes = part_sizes(etag, size) or ()
+        self.whole = hashlib.md5(usedforsecurity=False) if not sizes else None
+        # Per candidate part size: (part size, digests of the parts done, current part's hash, its length)
+        self.parts = [(p, list[bytes](), hashlib.md5(usedforsecurity=False), 0) for p in sizes]
 
     def update(self, chunk: bytes | memoryview) -> None:
         if self.whole is not None:
@@ -126,10 +141,6 @@ class Digest:
             if got == self.want:
                 return True
         return False
-
-
-def verifiable(etag: str, size: int) -> bool:
-    return size > 0 and Digest(etag, size).usable
 
 
 @dataclass
@@ -279,7 +290,9 @@ class Peers:
         conn = conns.get(addr)
         if conn is None:
             host, _, port = addr.rpartition(":")
-            conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=READ_TIMEOUT_S)
+            # A held request answers within MAX_WAIT_S; past that, and between two reads of a body,
+            # silence means a stalled peer.
+            conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=READ_TIMEOUT_S + MAX_WAIT_S)
             conns[addr] = conn
             with self._lock:
                 self._all.append(conn)
@@ -299,13 +312,11 @@ class Peers:
     def _get(self, addr: str, req: ObjectRequest, size: int, etag: str, tmp: str) -> tuple[int, str]:
         conn = self._conn(addr)
         path = req.target()
-        # A held request answers within MAX_WAIT_S; the socket timeout is per read.
-        conn.timeout = READ_TIMEOUT_S + MAX_WAIT_S
         try:
             conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
             resp = conn.getresponse()
             if resp.status != 200:
-                text = resp.read(64 << 10).decode(errors="replace")
+                text = resp.read().decode(errors="replace")  # whole: the connection is reused
                 state = ""
                 if resp.status == 404 and '"state"' in text:
                     state = str(json.loads(text).get("state", ""))
