@@ -354,7 +354,7 @@ def test_a_multipart_etag_of_one_part_is_verified():
 @pytest.mark.parametrize(
     ("etag", "size"),
     [
-        ('"' + "ab" * 20 + '"', 1000),  # 40 hex: not an MD5 (SSE-KMS/SSE-C style, other length)
+        ('"' + "ab" * 20 + '"', 1000),  # 40 hex digits: an opaque ETag, not an MD5
         ('"' + "0f" * 32 + '"', 1000),  # 64 hex
         ('"' + "a" * 32 + '-3"', 1000),  # 3 parts of 1000 bytes: no uploader's part size gives that
         ('"' + "a" * 32 + '-0"', 1000),
