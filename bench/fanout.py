@@ -562,7 +562,7 @@ def main() -> int:
     atexit.register(cleanup)
     remove_stale_links()
     (REPO / "build").mkdir(exist_ok=True)
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="fanout-", dir=REPO / "build"))
+    work = args.workdir.resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="fanout-", dir=REPO / "build"))
     work.mkdir(parents=True, exist_ok=True)
     load: dict[str, list[float]] = {"start": loadavg()}
     runs: dict[str, list[Phase]] = {}  # by phase name: lone runs as "lone" and "lone-peers" (+ "-open")
