@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import time
@@ -87,7 +88,8 @@ def peer_secret_name(cache: str) -> str:
     name = f"dscache-peer-{cache}"
     if len(name) <= 253:
         return name
-    return f"dscache-peer-{cache[:200]}-{hashlib.sha256(cache.encode()).hexdigest()[:16]}"
+    # Cut where a DNS-1123 name may go on: not after a '.' or '-'.
+    return f"dscache-peer-{cache[:200].rstrip('.-')}-{hashlib.sha256(cache.encode()).hexdigest()[:16]}"
 
 
 def _mac(key: str, namespace: str, cache: str, period: int) -> str:
@@ -106,7 +108,8 @@ def check_peer_token(key: str, namespace: str, cache: str, token: str, now: floa
     if not key:
         return False
     period_text, _, mac = token.partition(".")
-    if not period_text.isdigit() or not mac:
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    if not (period_text.isascii() and period_text.isdigit()) or not mac:
         return False
     period, current = int(period_text), int((time.time() if now is None else now) // TOKEN_PERIOD_S)
     if period not in (current, current - 1):
@@ -149,7 +152,8 @@ class ObjectRequest:
         if len(parts) < 4 or not all(parts):
             raise ValueError("an object path is /v1/objects/<namespace>/<cache>/<revision>/<path>")
         q = urllib.parse.parse_qs(u.query)
-        wait = min(max(float(q.get("wait", ["0"])[0]), 0.0), MAX_WAIT_S)
+        wait = float(q.get("wait", ["0"])[0])
+        wait = 0.0 if math.isnan(wait) else min(max(wait, 0.0), MAX_WAIT_S)  # NaN would pass min/max
         return cls(
             parts[0], parts[1], validate_revision(parts[2]), "/".join(parts[3:]), wait, q.get(PROBE_PARAM) == ["1"]
         )

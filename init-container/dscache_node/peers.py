@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 import dscache_contract as contract
-from dscache_contract.peers import Peer, PeersAnswer, claims_path, staging_label
+from dscache_contract.peers import CLAIMS_NAME, Peer, PeersAnswer, claims_path, staging_label
 from dscache_stager.keys import unsafe_reason
 
 from .disk import valid_name
@@ -60,9 +60,9 @@ class NotHere(Exception):
 
 
 def revision_state(c: str, rev: str, locked: bool) -> State:
-    if os.path.exists(contract.complete_path(c, rev)):
+    if _exists_beneath(c, [contract.REVS_DIR, rev, contract.META_DIR, contract.COMPLETE_NAME]):
         return State.COMPLETE
-    if locked and os.path.isdir(contract.data_dir(c, rev)):
+    if locked and _exists_beneath(c, [contract.REVS_DIR, rev, contract.DATA_DIR]):
         return State.STAGING
     return State.ABSENT
 
@@ -75,34 +75,45 @@ def check_request(namespace: str, cache: str, path: str) -> None:
         raise ValueError(f"path {path!r}: {reason}")
 
 
+def _open_beneath(c: str, parts: list[str], flags: int = os.O_RDONLY) -> int:
+    """Open ``C/<parts...>`` one component at a time, never following a symlink: everything under C
+    is writable by the stager's pod, so ``revs``, the revision and ``data`` may be symlinks planted
+    to point elsewhere. FileNotFoundError for anything that is not reached through real directories
+    (ELOOP, ENOTDIR, EACCES...). O_NONBLOCK: a FIFO planted there cannot hold the open."""
+    walk = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECTORY
+    try:
+        fd = os.open(c, walk)
+    except OSError as e:
+        raise FileNotFoundError(c) from e
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, walk, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+    except OSError as e:
+        raise FileNotFoundError("/".join(parts)) from e
+    finally:
+        os.close(fd)
+
+
+def _exists_beneath(c: str, parts: list[str]) -> bool:
+    try:
+        os.close(_open_beneath(c, parts))
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def open_object(c: str, rev: str, path: str) -> Opened:
     """Open ``data/<path>`` of revision ``rev`` under C read-only; FileNotFoundError if it is not
     a regular file reached through real directories only."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(contract.data_dir(c, rev), flags | os.O_DIRECTORY)
-    try:
-        parts = path.split("/")
-        for part in parts[:-1]:
-            nxt = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        try:
-            file_fd = os.open(parts[-1], flags, dir_fd=fd)
-        except OSError as e:
-            raise FileNotFoundError(path) from e
-    except NotADirectoryError as e:
-        raise FileNotFoundError(path) from e
-    except OSError as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise FileNotFoundError(path) from e  # ELOOP (a symlink), EACCES...: not served
-    finally:
-        os.close(fd)
-    st = os.fstat(file_fd)
+    fd = _open_beneath(c, [contract.REVS_DIR, rev, contract.DATA_DIR, *path.split("/")])
+    st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
-        os.close(file_fd)
+        os.close(fd)
         raise FileNotFoundError(path)
-    return Opened(file_fd, st.st_size)
+    return Opened(fd, st.st_size)
 
 
 class Claims:
@@ -119,12 +130,15 @@ class Claims:
         name = claims_path(c, rev)
         with self._lock:
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
+                fd = _open_beneath(c, [contract.REVS_DIR, rev, contract.TMP_DIR, CLAIMS_NAME])
+            except FileNotFoundError:
                 self._seen.pop(name, None)
                 return False
             try:
-                inode = os.fstat(fd).st_ino
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    return False
+                inode = st.st_ino
                 seen = self._seen.get(name)
                 ino, offset, rest, paths = seen if seen and seen[0] == inode else (inode, 0, b"", set())
                 while chunk := os.pread(fd, 1 << 20, offset):
