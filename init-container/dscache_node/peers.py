@@ -29,9 +29,8 @@ from dscache_stager.keys import unsafe_reason
 from .disk import valid_name
 from .kube import ApiError, Kube
 
-#: How long an answer about one revision is reused (a stager asks ten times a second while the
-#: nodes that start together find each other, then once a second).
-ANSWER_TTL_S = 0.1
+#: How long an answer about one revision is reused (each stager of it asks once a second).
+ANSWER_TTL_S = 0.2
 #: How often a held request looks again for the object it waits for.
 POLL_S = 0.05
 

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dscache_contract.peers import (
-    COHORT_WINDOW_S,
     MAX_WAIT_S,
     PEERS_PATH,
     REVISION_HEADER,
@@ -57,12 +56,11 @@ log = logging.getLogger("dscache-stage")
 READ_TIMEOUT_S = 30.0
 #: The longest this node waits for a peer still copying one object, before its next choice.
 PATIENCE_S = 180.0
-#: How often the node agent is asked who the peers are: often while the cohort forms (nodes that
-#: start together must find each other before they read much), then once a second.
-FAST_REFRESH_S = 0.1
+#: How often the node agent is asked again who the peers are. A node that started before this one
+#: learns of it within this long; until then it may read objects now ranked to this one, which is
+#: why this node first looks at such earlier peers' claims for ``PROBE_S`` (longer than this).
 REFRESH_S = 1.0
-#: How long after its start a node looks at earlier peers for its own objects (see early_peers).
-PROBE_S = 2.0
+PROBE_S = 2.5
 #: The token file is read again this often (the kubelet updates a rotated Secret in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
@@ -232,12 +230,6 @@ class Peers:
         if not mine or time.time() > mine + PROBE_S:
             return []
         return [p.addr for p in a.staging if p.since < mine and p.addr != a.me and p.addr not in self.stats.failed]
-
-    def refresh_pause(self) -> float:
-        """How long until the agent is asked again: often while the cohort forms, then every REFRESH_S."""
-        a = self.answer
-        first = min((p.since for p in a.staging), default=0.0) if a is not None else 0.0
-        return FAST_REFRESH_S if time.time() < first + COHORT_WINDOW_S + PROBE_S else REFRESH_S
 
     def _fail(self, addr: str, why: str) -> None:
         with self._lock:

@@ -50,7 +50,7 @@ from .listing import (
     list_objects,
     list_versions,
 )
-from .peers import Outcome, Peers, verifiable
+from .peers import REFRESH_S, Outcome, Peers, verifiable
 from .progress import Progress, human_bytes
 from .source import S3Source, source_error
 from .sync_options import SyncOptions
@@ -456,8 +456,9 @@ class _Run:
 
     async def _find_peers(self) -> None:
         """Ask the agent who the peers are: at once (the answer comes while the first listing page
-        does, so a lone node waits for nobody), then soon again, then every second: nodes that
-        start together find each other within the first tenths of a second."""
+        does, so a lone node waits for nobody), then every second. A node that starts later sees
+        this one at once; this one sees it within a second, and meanwhile the later one looks at
+        this one's claims before it reads the bucket (peers.early_peers)."""
         assert self.peers is not None
         peers = self.peers
         answer = await asyncio.to_thread(peers.ask_agent)
@@ -470,7 +471,7 @@ class _Run:
             else "peers: the node agent did not answer; every object comes from the bucket"
         )
         while True:
-            await asyncio.sleep(peers.refresh_pause())
+            await asyncio.sleep(REFRESH_S)
             await asyncio.to_thread(peers.ask_agent)
 
     def _claim(self, items: list[Task]) -> None:
