@@ -34,7 +34,6 @@ import re
 import socket
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -48,6 +47,7 @@ from dscache_contract.peers import (
     owner_ranking,
 )
 
+from . import agentcall
 from .fetch import FILE_MODE
 
 log = logging.getLogger("dscache-stage")
@@ -152,7 +152,7 @@ class Peers:
     """This node's view of the other nodes of its revision, and the client that asks them."""
 
     def __init__(self, agent: str, cache: str, revision: str, token_file: str) -> None:
-        self.agent = urllib.parse.urlsplit(agent)
+        self.agent = agent
         self.namespace, self.cache = cache.split("/", 1)
         self.revision = revision
         self.token_file = token_file
@@ -181,16 +181,7 @@ class Peers:
         None: the agent did not answer (then this node reads the bucket for everything)."""
         body = PeersRequest(self.namespace, self.cache, self.revision).to_json()
         try:
-            conn = http.client.HTTPConnection(self.agent.hostname or "localhost", self.agent.port or 80, timeout=10)
-            try:
-                conn.request("POST", PEERS_PATH, body=body, headers={"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                text = resp.read().decode(errors="replace")
-            finally:
-                conn.close()
-            if resp.status != 200:
-                raise OSError(f"HTTP {resp.status}: {text[:200]}")
-            answer = PeersAnswer.from_json(text)
+            answer = PeersAnswer.from_json(agentcall.post(self.agent, PEERS_PATH, body, 10))
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.debug(f"peers: the agent did not answer: {e}")
             return None
