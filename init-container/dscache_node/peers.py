@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
@@ -28,6 +29,8 @@ from dscache_stager.keys import unsafe_reason
 
 from .disk import valid_name
 from .kube import ApiError, Kube
+
+log = logging.getLogger("dscache-node")
 
 #: How long an answer about one revision is reused (each stager of it asks once a second).
 ANSWER_TTL_S = 0.2
@@ -219,7 +222,9 @@ class Directory:
         try:
             # resourceVersion=0: from the API server's watch cache, not a quorum read of etcd.
             listing = self.kube.get(f"/api/v1/nodes?labelSelector={selector}&resourceVersion=0") or {}
-        except ApiError:
+        except ApiError as e:
+            # Without peers every stager reads the bucket: slower, never wrong. Say why.
+            log.warning(f"cannot list the Nodes that stage or hold a revision (no peers): {e}")
             return []
         out = []
         for node in listing.get("items") or []:

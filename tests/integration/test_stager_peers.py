@@ -28,6 +28,7 @@ import pytest
 import dscache_contract as contract
 from dscache_contract.peers import ObjectRequest, peer_token
 from tests.support.faultproxy import FaultProxy
+from tests.support.kubeapi import OPERATOR_NS, ApiError
 from tests.support.nodeagent import NodeAgent
 from tests.support.s3server import S3Server
 from tests.support.stager import StageResult, boto3_revision, data_dir, data_tree, expected_tree, run_stage
@@ -68,6 +69,27 @@ def counted(s3_server: S3Server, bucket: str):
     proxy.stop()
 
 
+@pytest.fixture
+def node_sa(kube_api, dscache_operator, tmp_path: Path) -> Path:
+    """A token of the agents' own ServiceAccount (dscache-node, bound to the ClusterRole of
+    operator/deploy/rbac.yaml), so the agents run with exactly the permissions they ship with."""
+    try:
+        kube_api.create(
+            f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts",
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "dscache-node"}},
+        )
+    except ApiError as e:
+        if e.status != 409:
+            raise
+    token = kube_api.create(
+        f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts/dscache-node/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}},
+    )["status"]["token"]
+    path = tmp_path / "node-sa-token"
+    path.write_text(token)
+    return path
+
+
 def token_file(agent: NodeAgent, tmp_path: Path, ns: str = NS, cache: str = CACHE) -> Path:
     path = tmp_path / f"token-{agent.node}-{ns}-{cache}"
     path.write_text(peer_token(agent.token_file.read_text().strip(), ns, cache))
@@ -94,9 +116,12 @@ def assert_exact(agent: NodeAgent, rev: str) -> None:
     assert os.path.exists(contract.complete_path(str(c), rev))
 
 
-def test_two_nodes_at_once_read_each_object_from_the_bucket_once(s3_server: S3Server, counted, agents, tmp_path: Path):
+def test_two_nodes_at_once_read_each_object_from_the_bucket_once(
+    s3_server: S3Server, counted, agents, node_sa: Path, tmp_path: Path
+):
     uri, rev, proxy, counter = counted
-    a, b = agents.start("peers-a"), agents.start("peers-b")
+    # As the agents' own ServiceAccount: listing the Nodes of a revision is part of their role.
+    a, b = agents.start("peers-a", kube_token_file=node_sa), agents.start("peers-b", kube_token_file=node_sa)
     with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda ag: stage_on(s3_server, proxy, ag, uri, rev, token_file(ag, tmp_path)), (a, b)))
     for agent, r in zip((a, b), runs, strict=True):

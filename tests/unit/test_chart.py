@@ -928,7 +928,7 @@ def test_agent_token_is_kept_across_upgrades():
 def test_node_agent_rbac(default_docs):
     rules = _rules(one(default_docs, "ClusterRole", "dscache-node"))
     assert rules == [
-        (("",), ("nodes",), ("get", "patch")),
+        (("",), ("nodes",), ("get", "list", "patch")),
         (("",), ("pods",), ("list", "watch")),
         (("", "events.k8s.io"), ("events",), ("create", "patch")),
         (("dscache.io",), ("datasetcaches",), ("get", "list")),
