@@ -212,7 +212,14 @@ def test_fanout_peer_dies(cfg, kube, cache_factory, fan_dataset, nodes):
     )
     assert killed, "no agent was killed"
     by_node = summaries(pods)
-    report = {"killed": killed, "bucket_sent_bytes": sent, "dataset_bytes": fan_dataset.bytes, "nodes": by_node}
+    report = {
+        "killed": killed,
+        "dataset_bytes": fan_dataset.bytes,
+        "bucket_sent_bytes": sent,
+        "link_mbit": LINK_MBIT,
+        "nodes": {n: {k: s[k] for k in ("bucket_bytes", "peer_bytes", "seconds")} for n, s in by_node.items()},
+    }
+    (cfg.results / "fanout-e2e-peer-dies.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
     # Every node exact (each pod verified every byte above); the dead peer's share came from
     # the next node or the bucket, once each: well under three independent copies.
