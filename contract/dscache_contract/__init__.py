@@ -49,6 +49,7 @@ from .paths import (
     validate_pod_uid,
     validate_revision,
 )
+from .peers import PeersAnswer, PeersRequest
 from .revision import RevisionHasher, normalize_etag
 from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
 from .selection import Selection, normalize_key, parse_source, selected
@@ -81,6 +82,8 @@ __all__ = [
     "Inventory",
     "ManifestEntry",
     "ObjectVersion",
+    "PeersAnswer",
+    "PeersRequest",
     "Pin",
     "ReserveAnswer",
     "ReserveRequest",

@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the revision's total size (the operator's listing): what is asked of the agent",
     )
+    s.add_argument(
+        "--peer-token-file",
+        metavar="PATH",
+        help="the cache's peer token (needs --agent): objects other nodes hold or are copying are taken "
+        "from them, verified, and the bucket serves each object once per cluster; missing or empty file: "
+        "everything comes from the bucket",
+    )
 
     w = sub.add_parser(
         "wipe",
@@ -192,8 +199,11 @@ class StageArgs:
     agent: str | None = None
     cache: str | None = None
     bytes: int | None = None
+    peer_token_file: str | None = None
 
     def __post_init__(self) -> None:
+        if self.peer_token_file is not None and self.agent is None:
+            raise ArgsError("--peer-token-file needs --agent (peers are found through the node agent)")
         if self.agent is not None and (self.cache is None or self.cache.count("/") != 1):
             raise ArgsError(f"--agent needs --cache NAMESPACE/NAME, got {self.cache!r}")
         try:
@@ -233,6 +243,7 @@ class StageArgs:
         _opt(argv, "--agent", self.agent)
         _opt(argv, "--cache", self.cache)
         _opt(argv, "--bytes", self.bytes)
+        _opt(argv, "--peer-token-file", self.peer_token_file)
         return argv
 
     @classmethod
@@ -255,6 +266,7 @@ class StageArgs:
             agent=ns.agent,
             cache=ns.cache,
             bytes=ns.bytes,
+            peer_token_file=ns.peer_token_file,
         )
 
     @classmethod

@@ -74,10 +74,10 @@ class StageSummary:
     """The success line of ``dscache-stage sync``.
 
     warm: the revision was already complete on the node (no listing, no copy).
-    bucket_bytes / peer_bytes: of fetched_bytes, what this node got from the
-    bucket and from other nodes (0 from a stager that predates peers).
     The first seven fields are the summary's historic ones; consumers must
-    ignore fields they do not know.
+    ignore fields they do not know. fetched_bytes = bucket_bytes + peer_bytes:
+    what this run copied, from the bucket and from other nodes (fetch once per
+    cluster); absent (older stagers): 0.
     """
 
     objects: int = 0

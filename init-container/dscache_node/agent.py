@@ -27,6 +27,8 @@ from dscache_contract import (
     WARM_LABEL_PREFIX,
     HeldRevision,
     Inventory,
+    PeersAnswer,
+    PeersRequest,
     ReserveAnswer,
     ReserveRequest,
     WipeArgs,
@@ -35,6 +37,7 @@ from dscache_contract import (
     cache_digest,
     warm_label,
 )
+from dscache_contract.peers import STAGING_LABEL_PREFIX, parse_staging_label, staging_label
 from dscache_stager.errors import BusyError
 from dscache_stager.layout import cache_lock
 from dscache_stager.progress import human_bytes as _human
@@ -43,6 +46,7 @@ from dscache_stager.wipe import wipe as run_wipe
 from . import budget, disk
 from .kube import ApiError, Kube
 from .metrics import AgentMetrics
+from .peers import Directory
 from .settings import AgentSettings
 
 log = logging.getLogger("dscache-node")
@@ -70,7 +74,13 @@ class Agent:
         self.lock = threading.RLock()
         self._verified: dict[tuple[str, str, str], tuple[int, int]] = {}
         self._reserved: dict[tuple[str, str, str], tuple[int, float]] = {}
-        self._published: tuple[frozenset[str], str] | None = None
+        self._published: tuple[dict[str, str], str] | None = None
+        # Copies in progress that asked for peers: (namespace, cache, revision) -> start (epoch s).
+        # Published as staging labels while a stager holds the cache's lock; lost on restart, and
+        # then asked for again by the stager within a second.
+        self._staging: dict[tuple[str, str, str], float] = {}
+        self._adopted = False
+        self.directory = Directory(kube, settings.node) if kube is not None else None
         self.evicted_bytes = 0
         self.last_refresh = 0.0
 
@@ -118,7 +128,8 @@ class Agent:
 
     def _publish(self, revs: list[disk.OnDisk]) -> None:
         warm = self._warm(revs)
-        labels = frozenset(warm_label(r.namespace, r.cache, r.revision) for r in warm)
+        labels = {warm_label(r.namespace, r.cache, r.revision): "true" for r in warm}
+        labels.update(self._staging_labels(revs))
         size, free = disk.filesystem(self.s.cache_root)
         current = self._room(revs)
         # Free space moves with every write: published in steps of 1% of the filesystem,
@@ -151,13 +162,44 @@ class Agent:
         self._patch_node(labels, text)
         self._published = (labels, text)
 
-    def _patch_node(self, labels: frozenset[str], inventory: str) -> None:
+    def _adopt_staging(self, node: dict[str, Any]) -> None:
+        """After a restart: keep the staging labels of copies still in progress, with their start
+        (a new start would move the node out of its cohort and reshuffle who reads what)."""
+        by_digest = {cache_digest(ns, cache): (ns, cache) for ns, cache in disk.caches(self.s.cache_root)}
+        for key, value in ((node.get("metadata") or {}).get("labels") or {}).items():
+            parsed = parse_staging_label(key)
+            if parsed is None or parsed[0] not in by_digest:
+                continue
+            ns, cache = by_digest[parsed[0]]
+            c = self.c(ns, cache)
+            if _locked(c) and not os.path.exists(contract.complete_path(c, parsed[1])):
+                self._staging.setdefault((ns, cache, parsed[1]), _float(value))
+
+    def _staging_labels(self, revs: list[disk.OnDisk]) -> dict[str, str]:
+        """Staging labels of the copies still in progress (a stager holds the lock, not complete yet)."""
+        if not self._adopted and self.kube is not None:
+            try:
+                self._adopt_staging(self.kube.get(f"/api/v1/nodes/{self.s.node}") or {})
+                self._adopted = True
+            except ApiError as e:
+                log.warning(f"could not read this node's staging labels: {e}")
+        complete = {(r.namespace, r.cache, r.revision) for r in revs if r.complete}
+        for key in list(self._staging):
+            if key in complete or not _locked(self.c(key[0], key[1])):
+                del self._staging[key]
+        return {staging_label(*key): f"{since:.3f}" for key, since in self._staging.items()}
+
+    def _patch_node(self, labels: dict[str, str], inventory: str) -> None:
         if self.kube is None:
             return
         node = self.kube.get(f"/api/v1/nodes/{self.s.node}") or {}
-        have = {k for k in (node.get("metadata") or {}).get("labels") or {} if k.startswith(WARM_LABEL_PREFIX)}
-        patch: dict[str, Any] = {k: None for k in have - labels}
-        patch.update({k: "true" for k in labels - have})
+        have = {
+            k: v
+            for k, v in ((node.get("metadata") or {}).get("labels") or {}).items()
+            if k.startswith((WARM_LABEL_PREFIX, STAGING_LABEL_PREFIX))
+        }
+        patch: dict[str, Any] = {k: None for k in have.keys() - labels.keys()}
+        patch.update({k: v for k, v in labels.items() if have.get(k) != v})
         # The agent's label names its port, so the controller finds it at the node's IP.
         patch[contract.AGENT_LABEL] = str(self.s.port)
         self.kube.merge_patch(
@@ -319,6 +361,33 @@ class Agent:
             self._event(r.namespace, r.cache, reason="Evicted", message=message)
         return done
 
+    # --- fetch once per cluster -------------------------------------------------------------
+
+    def peers(self, req: PeersRequest) -> PeersAnswer | None:
+        """Publish that this node copies ``req.revision`` (a staging label, before answering, so
+        a peer that asks next sees it), then answer who else stages or holds it. None: no stager
+        holds the cache's lock here, so there is no copy in progress to share."""
+        c = self.c(req.namespace, req.cache)
+        if not _locked(c):
+            return None
+        key = (req.namespace, req.cache, req.revision)
+        with self.lock:
+            if key not in self._staging:
+                self._staging[key] = time.time()
+                if self.kube is not None:
+                    label = staging_label(*key)
+                    self.kube.merge_patch(
+                        f"/api/v1/nodes/{self.s.node}",
+                        {"metadata": {"labels": {label: f"{self._staging[key]:.3f}"}}},
+                    )
+                self._published = None
+                fresh = True
+            else:
+                fresh = False
+        if self.directory is None:
+            return PeersAnswer(me="")
+        return self.directory.answer(*key, fresh=fresh)
+
     # --- the controller's wipes -------------------------------------------------------------
 
     def wipe(self, req: WipeRequest) -> WipeSummary:
@@ -388,6 +457,13 @@ def _locked(c: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return time.time()
 
 
 def _iso(t: float) -> str:

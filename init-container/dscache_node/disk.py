@@ -42,6 +42,11 @@ class OnDisk:
         return (self.namespace, self.cache)
 
 
+def valid_name(name: str) -> bool:
+    """A namespace or DatasetCache name (DNS-1123), so it names one directory level under the root."""
+    return bool(_NAME.match(name))
+
+
 def _dirs(path: str) -> list[str]:
     """Names of the real (not symlinked) directories in ``path``; [] if it is none."""
     try:

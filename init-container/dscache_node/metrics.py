@@ -27,6 +27,15 @@ class AgentMetrics:
             "dscache_node_reservations_refused", "Copies refused because they would not fit", registry=r
         )
 
+        self.peer_served = Counter(
+            "dscache_node_peer_served_bytes", "Bytes of complete objects served to peer nodes' stagers", registry=r
+        )
+        self.peer_refused = Counter(
+            "dscache_node_peer_refused_requests",
+            "Object requests refused for a missing or wrong peer token",
+            registry=r,
+        )
+
     def observe(self, node: str, room: Room, revs: Iterable[OnDisk], evicted: int) -> None:
         revs = list(revs)
         self.budget.labels(node).set(room.budget)

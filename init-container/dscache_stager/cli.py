@@ -125,6 +125,7 @@ def _sync(ns: argparse.Namespace) -> StageSummary:
         agent=args.agent,
         cache=args.cache,
         bytes=args.bytes,
+        peer_token_file=args.peer_token_file,
     )
     return sync(opts, Progress())
 

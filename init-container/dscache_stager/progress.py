@@ -20,6 +20,8 @@ class Progress:
     fetched_objects: int = 0
     fetched_bytes: int = 0
     skipped: int = 0
+    #: Of fetched_bytes, those taken from other nodes (fetch once per cluster).
+    peer_bytes: int = 0
 
     def add_bytes(self, n: int) -> None:
         self.fetched_bytes += n
@@ -36,6 +38,8 @@ class Progress:
             f"{human_bytes(self.fetched_bytes)}/{human_bytes(self.to_fetch_bytes)}{more}, "
             f"{rate / 1e6:.1f} MB/s"
         )
+        if self.peer_bytes:
+            text += f", {human_bytes(self.peer_bytes)} from peers"
         if self.skipped:
             text += f", {self.skipped} already present"
         if self.listing_done and rate > 0:

@@ -9,11 +9,9 @@ check still runs, and the agent enforces its budget again when it is back.
 
 from __future__ import annotations
 
-import http.client
-import urllib.parse
-
 from dscache_contract import RESERVE_PATH, ReserveAnswer, ReserveRequest
 
+from . import agentcall
 from .errors import NoSpaceError
 from .progress import Progress, human_bytes
 
@@ -24,19 +22,9 @@ def ask(agent: str, cache: str, revision: str, nbytes: int, progress: Progress) 
     """Reserve ``nbytes`` for ``revision`` of ``cache`` (NAMESPACE/NAME); raise NoSpaceError if it
     cannot fit even after eviction; None if the agent could not be asked."""
     namespace, name = cache.split("/", 1)
-    url = urllib.parse.urlsplit(agent)
     body = ReserveRequest(namespace, name, revision, nbytes).to_json()
     try:
-        conn = http.client.HTTPConnection(url.hostname or "localhost", url.port or 80, timeout=TIMEOUT_S)
-        try:
-            conn.request("POST", RESERVE_PATH, body=body, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            text = resp.read().decode(errors="replace")
-        finally:
-            conn.close()
-        if resp.status != 200:
-            raise OSError(f"HTTP {resp.status}: {text[:200]}")
-        answer = ReserveAnswer.from_json(text)
+        answer = ReserveAnswer.from_json(agentcall.post(agent, RESERVE_PATH, body, TIMEOUT_S))
     except (OSError, ValueError, TypeError) as e:
         progress.note(f"the node agent at {agent} did not answer ({e}); checking free space only")
         return None

@@ -20,12 +20,14 @@ import heapq
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
 
 from obstore.exceptions import BaseError, PreconditionError
 from obstore.store import S3Store
 
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary
+from dscache_contract.peers import claims_path
 
 from . import native
 from .cpus import available_cpus
@@ -48,6 +50,7 @@ from .listing import (
     list_objects,
     list_versions,
 )
+from .peers import REFRESH_S, Outcome, Peers, verifiable
 from .progress import Progress, human_bytes
 from .source import S3Source, source_error
 from .sync_options import SyncOptions
@@ -106,6 +109,16 @@ class _Run:
         self.empties: list[tuple[RemoteObject, str, str | None]] = []
         self.placed_empties: dict[str, Entry] = {}
         self.fetched_bytes = 0
+        self.peer_bytes = 0
+        # Fetch once per cluster (peers.py): with the agent and the cache's token, objects other
+        # nodes hold or copy are taken from them, and the bucket read only at this node's turn.
+        self.peers: Peers | None = None
+        if opts.agent and opts.cache and opts.peer_token_file:
+            self.peers = Peers(opts.agent, opts.cache, rev.rev, opts.peer_token_file)
+        self.peer_queue: asyncio.Queue[Work] | None = None
+        self.peers_known = asyncio.Event()
+        self.claims: IO[str] | None = None
+        self._peer_seq = 0
         self.started = time.monotonic()
         self.thread_started = time.thread_time()
 
@@ -140,14 +153,36 @@ class _Run:
             workers = [self._native_worker(queue) for _ in range(self.native.batches)]
         else:
             workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
+        bucket_workers = len(workers)
+        peer_pool: ThreadPoolExecutor | None = None
+        if self.peers is not None:
+            # Objects a peer ranks before this node for go from the bucket's workers to these;
+            # what no peer gives, they fetch from the bucket themselves (fetch.py), so nothing
+            # flows back and the two pools cannot wait on each other. Held requests wait on
+            # threads, not on the loop.
+            n = max(8, min(64, self.opts.concurrency))
+            peer_pool = ThreadPoolExecutor(n, thread_name_prefix="peer")
+            peer_queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=4 * n)
+            self.peer_queue = peer_queue
+            bucket = workers
+
+            async def bucket_then_peers() -> None:
+                await _gather_or_cancel([asyncio.create_task(w) for w in bucket])
+                for _ in range(n):
+                    await peer_queue.put(None)
+
+            workers = [bucket_then_peers(), *(self._peer_worker(peer_queue, peer_pool) for _ in range(n))]
 
         async def feed() -> None:
             await self._produce(known, queue)
             self._check_revision()
-            for _ in workers:
+            for _ in range(bucket_workers):
                 await queue.put(None)
 
+        if self.peers is not None:
+            self.claims = open(claims_path(rev.c, rev.rev), "a", buffering=1 << 16)  # noqa: SIM115 (closed in finally)
         ticker = asyncio.create_task(self._tick())
+        finder = asyncio.create_task(self._find_peers()) if self.peers is not None else None
         try:
             with rev.open_journal() as self.journal:
                 with open(self.manifest_tmp, "w", buffering=1 << 16) as self.manifest:
@@ -164,6 +199,10 @@ class _Run:
                 if stale:
                     self.tree.remove(stale)
                 summary = self._summary(len(stale))
+            if self.claims is not None:
+                # Every object is placed: nobody need wait on a claim any more, and tmp/ must be empty to seal.
+                self.claims.close()
+                os.unlink(self.claims.name)
             rev.seal(manifest, self.tree.dirs, summary.to_dict())
             return summary
         except RevisionGoneError:
@@ -182,6 +221,14 @@ class _Run:
             raise _source_error(e, self.source, self.progress.fetched_objects) from e
         finally:
             ticker.cancel()
+            if finder is not None:
+                finder.cancel()
+            if self.peers is not None:
+                self.peers.close()
+            if self.claims is not None:
+                self.claims.close()
+            if peer_pool is not None:
+                peer_pool.shutdown(wait=False, cancel_futures=True)
             self.fetcher.close()
             if self.native:
                 self.native.close()
@@ -334,6 +381,10 @@ class _Run:
     async def _worker(self, queue: asyncio.Queue[Work]) -> None:
         fetcher = self.fetcher
         while (item := await queue.get()) is not None:
+            if self.peers is not None:
+                if await self._to_peers(item):
+                    continue
+                self._claim([item])
             obj, rel, _ = item
             got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
             entry = Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
@@ -350,16 +401,22 @@ class _Run:
             small: list[Task] = []
             items: list[native.Item] = []
             jobs = []
+            claimed: list[Task] = []
             for task in batch:
+                if self.peers is not None and await self._to_peers(task):
+                    continue
                 obj, rel, _ = task
                 if not native.handles(obj.size):
                     jobs.append(self._fetch_one(obj, rel))
+                    claimed.append(task)
                     continue
                 # Directories are made here, in listing order, as LocalTree
                 # records them for the seal; the native side only renames into them.
                 tree.ensure_parent(rel)
                 small.append(task)
                 items.append((obj.key, tree.path(rel), obj.etag, obj.version_id))
+            if self.peers is not None:
+                self._claim(claimed + small)
             if items:
                 jobs.append(self._fetch_native(small, items))
             await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
@@ -391,6 +448,83 @@ class _Run:
         self.journal.write(entry.to_json() + "\n")
         self.fetched_bytes += got.size
         self.progress.fetched_objects += 1
+
+    # --- fetch once per cluster ----------------------------------------------
+
+    async def _find_peers(self) -> None:
+        """Ask the agent who the peers are: at once (the answer comes while the first listing page
+        does, so a lone node waits for nobody), then every second. A node that starts later sees
+        this one at once; this one sees it within a second, and meanwhile the later one looks at
+        this one's claims before it reads the bucket (peers.early_peers)."""
+        assert self.peers is not None
+        peers = self.peers
+        answer = await asyncio.to_thread(peers.ask_agent)
+        self.peers_known.set()
+        others = peers.others()
+        self.progress.note(
+            f"peers: {len(others)} other node(s) hold or copy revision {self.rev.rev}"
+            + (f" ({', '.join(others[:8])})" if others else "; this node reads the bucket")
+            if answer is not None
+            else "peers: the node agent did not answer; every object comes from the bucket"
+        )
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            await asyncio.to_thread(peers.ask_agent)
+
+    def _claim(self, items: list[Task]) -> None:
+        """Say, before the GETs, which objects this node reads from the bucket: a peer that asks
+        for one of them waits for this node's copy instead of reading the bucket too (one write)."""
+        if items and self.claims is not None:
+            self.claims.write("".join(f"{rel}\n" for _, rel, _ in items))
+            self.claims.flush()
+
+    async def _to_peers(self, item: Task) -> bool:
+        """Hand ``item`` to the peer workers if a node ranks before this one for it (decided when a
+        worker takes it, not when it was listed: the peers known then are the freshest)."""
+        assert self.peers is not None and self.peer_queue is not None
+        await self.peers_known.wait()
+        obj = item[0]
+        if verifiable(obj.etag, obj.size) and (self.peers.ahead_of_me(obj.key) or self.peers.early_peers()):
+            await self.peer_queue.put(item)
+            return True
+        return False
+
+    async def _peer_worker(self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor) -> None:
+        assert self.peers is not None
+        peers, loop = self.peers, asyncio.get_running_loop()
+        while (item := await peer_queue.get()) is not None:
+            obj, rel, line = item
+            self.tree.ensure_parent(rel)  # on the loop: LocalTree is not shared with threads
+            # Each failure takes that peer out of the ranking, so this ends; then the early peers
+            # are looked at once each (they may have read it before they knew of this node).
+            probed: set[str] = set()
+            while True:
+                probe = False
+                if ahead := peers.ahead_of_me(obj.key):
+                    addr = ahead[0]
+                elif early := [p for p in peers.early_peers() if p not in probed]:
+                    addr, probe = early[0], True
+                    probed.add(addr)
+                else:
+                    self._claim([item])
+                    await self._fetch_one(obj, rel)  # this node's turn: the bucket
+                    break
+                self._peer_seq += 1
+                tmp = os.path.join(self.rev.tmp, f"peer-{self._peer_seq}")
+                outcome = await loop.run_in_executor(pool, peers.take, addr, rel, obj.size, obj.etag, tmp, probe)
+                if outcome is Outcome.PLACED:
+                    self.tree.place(tmp, rel)
+                    self.journal.write(line)
+                    self.fetched_bytes += obj.size
+                    self.peer_bytes += obj.size
+                    self.progress.peer_bytes += obj.size
+                    self.progress.fetched_objects += 1
+                    self.progress.add_bytes(obj.size)
+                    break
+                if outcome is Outcome.BUCKET:
+                    self._claim([item])
+                    await self._fetch_one(obj, rel)
+                    break
 
     def _list_entry(self, entry: Entry) -> str:
         line = entry.to_json() + "\n"
@@ -438,6 +572,8 @@ class _Run:
             revision=self.rev.rev,
             warm=False,
             fetched_objects=self.progress.fetched_objects,
+            bucket_bytes=self.fetched_bytes - self.peer_bytes,
+            peer_bytes=self.peer_bytes,
         )
 
     def _hostile_message(self) -> str:

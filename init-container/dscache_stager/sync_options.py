@@ -33,6 +33,9 @@ class SyncOptions:
     agent: str | None = None
     cache: str | None = None
     bytes: int | None = None
+    #: The cache's peer token (a file: the kubelet refreshes a rotated Secret): with the agent,
+    #: objects come from other nodes where they can (peers.py).
+    peer_token_file: str | None = None
 
     @property
     def selection(self) -> Selection:

@@ -19,6 +19,7 @@ import kopf
 from .kube import Kube, connection_info, kopf_session
 from .metrics import Metrics
 from .models import FINALIZER, GROUP
+from .peertoken import Tokens
 from .settings import Settings
 from .sourcecheck import SecretReads
 
@@ -47,6 +48,8 @@ class Context:
     source_executor: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sourcecheck")
     )
+    #: Which period each cache's peer token was written for (peertoken.py).
+    tokens: Tokens = dataclasses.field(default_factory=Tokens)
 
     def ensure_kube(self) -> Kube:
         """Our client, logging in by ourselves if kopf has not done so yet."""
@@ -71,6 +74,7 @@ class Context:
         self.checked_at.pop(key, None)
         self.deleting.pop(key, None)
         self.metrics.forget_cache(*key)
+        self.tokens.forget(*key)
 
 
 def memo_for(ctx: Context) -> kopf.Memo:

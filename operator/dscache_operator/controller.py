@@ -91,6 +91,9 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
     wanted = await _check_source(ctx, view, cache, current, out, now)
     if deleting:
         wanted["phase"] = Phase.DELETING
+    elif ctx.settings.peers:
+        key = agentclient.read_token(ctx.settings)
+        await ctx.tokens.ensure(ctx.api(), key, namespace, name, view.uid, now.timestamp())
 
     # Node decisions only once the views of pods and Jobs are complete (a cold view
     # would look like "no consumers" and wipe in-use copies).

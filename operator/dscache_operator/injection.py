@@ -40,6 +40,7 @@ from dscache_contract import (
     VOLUME_NAME,
     RevisionRef,
 )
+from dscache_contract.peers import PEER_TOKEN_DIR, PEER_TOKEN_FILE, PEER_VOLUME_NAME, peer_secret_name
 
 from .models import CACHE_ANNOTATION, CONSUMER_LABEL, MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
 from .settings import Settings
@@ -91,6 +92,7 @@ def stage_args(
         agent=f"http://$({contract.ENV_NODE_IP}):{settings.agent_port}" if cache else None,
         cache=cache,
         bytes=nbytes if cache else None,
+        peer_token_file=PEER_TOKEN_FILE if cache and settings.peers else None,
     )
 
 
@@ -163,12 +165,24 @@ def init_container(
         "command": [STAGER_COMMAND],
         "args": stager_args(spec, settings, revision, f"{namespace}/{name}" if host_path else None, nbytes),
         "env": env,
-        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_DIR}],
+        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_DIR}]
+        + (
+            [{"name": PEER_VOLUME_NAME, "mountPath": PEER_TOKEN_DIR, "readOnly": True}]
+            if host_path and settings.peers
+            else []
+        ),
         "resources": resources,
         "securityContext": stager_security_context(mode),
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+
+
+def peer_token_volume(name: str) -> dict[str, Any]:
+    """The cache's peer token (peertoken.py), for the stager only. Optional: a pod admitted before
+    the controller wrote it starts anyway, and its stager reads the bucket for everything."""
+    secret = {"secretName": peer_secret_name(name), "optional": True, "defaultMode": 0o400}
+    return {"name": PEER_VOLUME_NAME, "secret": secret}
 
 
 def volume(namespace: str, name: str, settings: Settings, mode: Mode) -> dict[str, Any]:
@@ -257,6 +271,9 @@ def inject(
     volumes = pod_spec.setdefault("volumes", [])
     if not any(v.get("name") == VOLUME_NAME for v in volumes):
         volumes.append(volume(namespace, name, settings, mode))
+        changed = True
+    if mode == VolumeMode.HOST_PATH and settings.peers and not any(v.get("name") == PEER_VOLUME_NAME for v in volumes):
+        volumes.append(peer_token_volume(name))
         changed = True
 
     inits = pod_spec.setdefault("initContainers", [])

@@ -143,6 +143,12 @@ class Settings:
     """``DSCACHE_AGENT_TOKEN_FILE``: file holding the token the node agents require on wipe
     requests (a Secret of the chart, mounted in the controller and in every agent)."""
 
+    peers: bool = True
+    """``DSCACHE_PEERS``: fetch once per cluster: the controller writes each cache's peer token
+    (a Secret in its namespace) and the webhook mounts it into the stager, which then takes
+    objects other nodes hold or copy from their agents (hostPath mode). ``false``: every node
+    reads the bucket itself, and the controller writes no Secret."""
+
     placement_weight: int = 80
     """``DSCACHE_PLACEMENT_WEIGHT``: weight (1-100) of the preferred node affinity the webhook
     adds toward nodes that hold a pod's revision."""
@@ -187,6 +193,7 @@ class Settings:
             metrics_port=int(opt("DSCACHE_METRICS_PORT") or d.metrics_port),
             agent_port=int(opt("DSCACHE_AGENT_PORT") or d.agent_port),
             agent_token_file=opt("DSCACHE_AGENT_TOKEN_FILE"),
+            peers=(opt("DSCACHE_PEERS") or "true").lower() not in ("false", "0", "no"),
             placement_weight=_weight(opt("DSCACHE_PLACEMENT_WEIGHT") or str(d.placement_weight)),
             log_level=_choice("DSCACHE_LOG_LEVEL", (opt("DSCACHE_LOG_LEVEL") or d.log_level).upper(), LOG_LEVELS),
             log_format=_choice("DSCACHE_LOG_FORMAT", (opt("DSCACHE_LOG_FORMAT") or d.log_format).lower(), LOG_FORMATS),

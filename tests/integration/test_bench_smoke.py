@@ -57,3 +57,49 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
     for key in ("dscache_s", "s5cmd_s", "dscache_peak_rss_mib", "warm_s", "sourcecheck_s", "sourcecheck_peak_rss_mib"):
         assert scale[key] > 0, key
     assert set(result["loadavg"]) >= {"start", "loopback", "wan", "scale", "end"}
+
+
+def test_fanout_bench_runs_every_phase_and_reports_its_fields(tmp_path):
+    """bench/fanout.py at a few MiB, its link wide open (1 gbit): 3 node agents, the S3
+    server in its own netns, every phase (the lone node's too), every copy verified by
+    the bench itself."""
+    argv = [
+        sys.executable,
+        str(REPO / "bench" / "fanout.py"),
+        "--large-count=3",
+        f"--large-size={1 << 20}",
+        "--small-count=40",
+        f"--small-size={16 << 10}",
+        "--bucket-mbit=1000",
+        f"--workdir={tmp_path}",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fanout = json.loads(out.stdout.strip().splitlines()[-1])["fanout"]
+    assert fanout["nodes"] == 3 and fanout["dataset_bytes"] == 3 * (1 << 20) + 40 * (16 << 10)
+    assert fanout["bucket_mbit"] == 1000 and fanout["tbf_burst_bytes"] > 0 and fanout["tbf_latency_ms"] > 0
+    for key in ("bucket_bytes", "all_ready_s", "independent_all_ready_s", "independent_bucket_bytes", "speedup"):
+        assert fanout[key] > 0, key
+    assert fanout["bucket_ratio"] == round(fanout["bucket_bytes"] / fanout["dataset_bytes"], 3)
+    # The counter saw three whole copies when nobody shared (the bench fails otherwise).
+    assert fanout["independent_bucket_bytes"] >= 3 * fanout["dataset_bytes"]
+    assert fanout["peer_bytes"] >= 0 and fanout["stager_bucket_bytes"] > 0
+    assert set(fanout["per_node_s"]) == {"fanout-node-0", "fanout-node-1", "fanout-node-2"}
+    assert [(r["phase"], r["round"]) for r in fanout["runs"]] == [
+        ("independent", 0),
+        ("fanout", 0),
+        ("lone", 0),
+        ("lone-peers", 0),
+        ("lone-open", 0),
+        ("lone-peers-open", 0),
+    ]
+    # The lone node: one stager, with and without peers, through the link and with it opened.
+    for key in ("lone", "lone_peers", "lone_open", "lone_open_peers"):
+        assert fanout[f"{key}_s"] > 0 and fanout[f"{key}_cpu_s"] > 0, key
+    assert fanout["lone_ratio"] == round(fanout["lone_peers_s"] / fanout["lone_s"], 3)
+    assert fanout["lone_open_ratio"] == round(fanout["lone_open_peers_s"] / fanout["lone_open_s"], 3)
+    assert fanout["lone_agent_cpu_s"] >= 0 and fanout["lone_peers_agent_cpu_s"] >= 0
+    assert fanout["lone_open_mbit"] == 0
+    lone = [r for r in fanout["runs"] if r["phase"].startswith("lone")]
+    assert all(set(r["cpu_s"]) == set(r["per_node_s"]) == {"fanout-node-0"} for r in lone)
+    assert set(fanout["loadavg"]) >= {"start", "end"}

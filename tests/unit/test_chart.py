@@ -520,7 +520,9 @@ def test_rbac_least_privilege(helm: str):
             for rule in doc["rules"]:
                 assert "*" not in rule["verbs"] and "*" not in rule["resources"], (name, rule)
                 if "secrets" in rule["resources"]:
-                    assert rule["verbs"] == ["get"], (name, rule)
+                    # Reading by name; writing only the peer tokens (their own role).
+                    peer_tokens = doc["metadata"]["name"].endswith("-peer-tokens")
+                    assert rule["verbs"] == (["create", "get", "patch"] if peer_tokens else ["get"]), (name, rule)
         # Secrets cluster-wide only in the cluster-wide default (readSecrets, no
         # secretNamespaces): never when Secret reading is narrowed, off, or scoped.
         sc = values.get("sourceCheck", {})
@@ -529,6 +531,9 @@ def test_rbac_least_privilege(helm: str):
         )
         for crb in find(docs, "ClusterRoleBinding"):
             role = roles[("ClusterRole", crb["roleRef"]["name"])]
+            if crb["roleRef"]["name"].endswith("-peer-tokens"):
+                assert not values.get("watchNamespaces"), (name, crb)  # cluster-wide only when serving it all
+                continue
             if any("secrets" in r["resources"] for r in role["rules"]):
                 assert clusterwide_ok, (name, crb)
                 assert [(s["kind"], s["name"]) for s in crb["subjects"]] == [
@@ -923,7 +928,7 @@ def test_agent_token_is_kept_across_upgrades():
 def test_node_agent_rbac(default_docs):
     rules = _rules(one(default_docs, "ClusterRole", "dscache-node"))
     assert rules == [
-        (("",), ("nodes",), ("get", "patch")),
+        (("",), ("nodes",), ("get", "list", "patch")),
         (("",), ("pods",), ("list", "watch")),
         (("", "events.k8s.io"), ("events",), ("create", "patch")),
         (("dscache.io",), ("datasetcaches",), ("get", "list")),

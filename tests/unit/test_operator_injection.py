@@ -154,6 +154,7 @@ def test_init_container_args_credentials_and_privileges():
         termination_log="/dev/termination-log",
         agent="http://$(DSCACHE_NODE_IP):9477",
         cache="ml/imagenet",
+        peer_token_file="/var/run/dscache-peer/token",
     )
     uid_env = next(e for e in init["env"] if e["name"] == "DSCACHE_POD_UID")
     assert uid_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
@@ -163,7 +164,16 @@ def test_init_container_args_credentials_and_privileges():
     sc = init["securityContext"]
     assert sc["runAsUser"] == 0 and sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
-    assert init["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/dscache"}]
+    # The cache's peer token (fetch once per cluster), read-only, from an optional Secret volume.
+    assert init["volumeMounts"] == [
+        {"name": VOLUME_NAME, "mountPath": "/dscache"},
+        {"name": "dscache-peer-token", "mountPath": "/var/run/dscache-peer", "readOnly": True},
+    ]
+    vol = next(v for v in pod_spec(obj)["volumes"] if v["name"] == "dscache-peer-token")
+    assert vol == {
+        "name": "dscache-peer-token",
+        "secret": {"secretName": "dscache-peer-imagenet", "optional": True, "defaultMode": 0o400},
+    }
 
 
 def test_emptydir_mode_runs_non_root():
@@ -618,7 +628,8 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
                 assert m["readOnly"] is True, (c["name"], m)
                 assert m["subPath"].startswith(f"revs/{REV}/"), (c["name"], m)
     (stager,) = [c for c in ps["initContainers"] if c["name"] == INIT_NAME]
-    assert stager["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/dscache"}]
+    assert stager["volumeMounts"][0] == {"name": VOLUME_NAME, "mountPath": "/dscache"}
+    assert all(m.get("readOnly") for m in stager["volumeMounts"][1:]), stager["volumeMounts"]
     # The user's writable mount at /data became exactly ours.
     train = ps["containers"][0]
     assert {"name": VOLUME_NAME, "mountPath": "/data", "readOnly": True, "subPath": f"revs/{REV}/data"} in train[

@@ -1,0 +1,226 @@
+"""Fetch once per cluster: how stagers on several nodes share one revision.
+
+Four parties meet here:
+- the stager asks its node's agent who else holds or is staging its revision
+  (``PEERS_PATH``, a ``PeersRequest`` -> ``PeersAnswer``), and fetches objects
+  from those peers' agents (``object_path``) instead of the bucket;
+- the node agent publishes a *staging label* on its Node while a stager copies a
+  revision there (value: when it started), serves the complete objects of its
+  copies, and answers the peers question from Node labels;
+- the operator gives each DatasetCache a *peer token* (a Secret in the cache's
+  namespace, ``peer_secret_name``), which the webhook mounts into the stager;
+- every agent checks that token without any API call: it is an HMAC of the
+  namespace, the cache and a time period, keyed with the agent token the chart
+  already shares between the controller and the agents. A token for one cache
+  opens nothing of another, and none crosses namespaces; a token stops working
+  one to two periods after it was made, and the operator makes a fresh one every
+  period (rotation).
+
+Who fetches what from the bucket (``owner_ranking``): the stagers that started
+within ``COHORT_WINDOW_S`` of the first one are the *cohort*; each object is
+ranked over the cohort by rendezvous hashing (highest random weight), then over
+the later ones. The first node of an object's ranking fetches it from the bucket;
+every other node asks the nodes ranked above itself, in order, and falls back to
+the bucket only when its turn comes. So one node per object reads the bucket, and
+a dead node costs one more read of each of its objects, not one per node.
+Nodes that hold the revision complete are asked first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+
+from .node import cache_digest
+from .paths import tmp_dir, validate_revision
+
+#: ``<prefix><cache digest>.<revision>`` on a Node while a stager copies that revision there;
+#: the value is the copy's start (epoch seconds), which orders the cohort.
+STAGING_LABEL_PREFIX = "staging.dscache.io/"
+#: The stager asks its own agent who its peers are (no token: the agent checks that a stager
+#: holds the cache's lock, as for a reservation).
+PEERS_PATH = "/v1/peers"
+#: ``GET /v1/objects/<namespace>/<cache>/<revision>/<path under data/>?wait=<s>`` with the peer token.
+OBJECTS_PATH = "/v1/objects/"
+#: The longest a peer holds a request for an object it is still fetching (``?wait=``).
+MAX_WAIT_S = 20.0
+#: Stagers that start this close to the first one split the bucket's objects between them;
+#: later ones take from the cohort (the bucket is read once either way).
+COHORT_WINDOW_S = 3.0
+#: A peer token is valid for the period it was made in and the next one.
+TOKEN_PERIOD_S = 6 * 3600
+#: The key of the token in the per-cache Secret, and where the webhook mounts it in the stager.
+PEER_TOKEN_KEY = "token"
+PEER_TOKEN_DIR = "/var/run/dscache-peer"
+PEER_TOKEN_FILE = f"{PEER_TOKEN_DIR}/{PEER_TOKEN_KEY}"
+#: The stager's volume for the token (a Secret volume, optional: no Secret, no peers).
+PEER_VOLUME_NAME = "dscache-peer-token"
+#: Answer header of an object: the revision it comes from (the receiver checks it).
+REVISION_HEADER = "X-Dscache-Revision"
+#: ``C/revs/<rev>/tmp/claims``: the paths (one per line) a stager has started to read from the
+#: bucket, appended before each GET. A peer asking for one of them waits for it instead of reading
+#: the bucket too; the file goes with tmp/ when the revision is sealed.
+CLAIMS_NAME = "claims"
+#: ``?probe=1``: answer at once unless the object is claimed here (in flight); see owner_ranking.
+PROBE_PARAM = "probe"
+
+_STAGING_RE = re.compile(r"^staging\.dscache\.io/([0-9a-f]{12})\.(r-[0-9a-f]{20})$")
+
+
+def staging_label(namespace: str, cache: str, revision: str) -> str:
+    return f"{STAGING_LABEL_PREFIX}{cache_digest(namespace, cache)}.{validate_revision(revision)}"
+
+
+def parse_staging_label(key: str) -> tuple[str, str] | None:
+    m = _STAGING_RE.match(key)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def peer_secret_name(cache: str) -> str:
+    """The Secret holding ``cache``'s peer token, in the cache's namespace (at most 253 characters)."""
+    name = f"dscache-peer-{cache}"
+    if len(name) <= 253:
+        return name
+    # Cut where a DNS-1123 name may go on: not after a '.' or '-'.
+    return f"dscache-peer-{cache[:200].rstrip('.-')}-{hashlib.sha256(cache.encode()).hexdigest()[:16]}"
+
+
+def _mac(key: str, namespace: str, cache: str, period: int) -> str:
+    msg = f"dscache-peer\n{namespace}\n{cache}\n{period}".encode()
+    return hmac.new(key.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def peer_token(key: str, namespace: str, cache: str, now: float | None = None) -> str:
+    """The token of ``namespace/cache`` for the current period: ``<period>.<hmac>``."""
+    period = int((time.time() if now is None else now) // TOKEN_PERIOD_S)
+    return f"{period}.{_mac(key, namespace, cache, period)}"
+
+
+def check_peer_token(key: str, namespace: str, cache: str, token: str, now: float | None = None) -> bool:
+    """Whether ``token`` opens ``namespace/cache`` now (made this period or the one before)."""
+    if not key:
+        return False
+    period_text, _, mac = token.partition(".")
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    if not (period_text.isascii() and period_text.isdigit()) or not mac:
+        return False
+    period, current = int(period_text), int((time.time() if now is None else now) // TOKEN_PERIOD_S)
+    if period not in (current, current - 1):
+        return False
+    return hmac.compare_digest(mac.encode(), _mac(key, namespace, cache, period).encode())
+
+
+def claims_path(c: str, rev: str) -> str:
+    return os.path.join(tmp_dir(c, rev), CLAIMS_NAME)
+
+
+@dataclass(frozen=True)
+class ObjectRequest:
+    """``GET /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>[&probe=1]``: ``wait``: how long
+    a peer still copying the revision holds the request for the object; ``probe``: only while the
+    object is claimed there (in flight), else answer at once."""
+
+    namespace: str
+    cache: str
+    revision: str
+    path: str
+    wait: float = 0.0
+    probe: bool = False
+
+    def target(self) -> str:
+        parts = (self.namespace, self.cache, self.revision, *self.path.split("/"))
+        query = {"wait": f"{self.wait:g}"} if self.wait > 0 else {}
+        if self.probe:
+            query[PROBE_PARAM] = "1"
+        quoted = "/".join(urllib.parse.quote(p, safe="") for p in parts)
+        return f"{OBJECTS_PATH}{quoted}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+
+    @classmethod
+    def parse(cls, target: str) -> ObjectRequest:
+        """ValueError if malformed."""
+        u = urllib.parse.urlsplit(target)
+        if not u.path.startswith(OBJECTS_PATH):
+            raise ValueError(f"not an object path: {u.path}")
+        parts = [urllib.parse.unquote(p) for p in u.path[len(OBJECTS_PATH) :].split("/")]
+        if len(parts) < 4 or not all(parts):
+            raise ValueError("an object path is /v1/objects/<namespace>/<cache>/<revision>/<path>")
+        q = urllib.parse.parse_qs(u.query)
+        wait = float(q.get("wait", ["0"])[0])
+        wait = 0.0 if math.isnan(wait) else min(max(wait, 0.0), MAX_WAIT_S)  # NaN would pass min/max
+        return cls(
+            parts[0], parts[1], validate_revision(parts[2]), "/".join(parts[3:]), wait, q.get(PROBE_PARAM) == ["1"]
+        )
+
+
+@dataclass(frozen=True)
+class PeersRequest:
+    namespace: str
+    cache: str
+    revision: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PeersRequest:
+        data = json.loads(text)
+        return cls(str(data["namespace"]), str(data["cache"]), validate_revision(str(data["revision"])))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One node's agent, as ``host:port``; ``since``: when its copy started (0: complete)."""
+
+    addr: str
+    since: float = 0.0
+
+
+@dataclass
+class PeersAnswer:
+    """``me``: the asking node's own address as the others see it. ``staging``: nodes copying the
+    revision now (the asking one among them); ``complete``: nodes that hold it whole."""
+
+    me: str
+    staging: list[Peer] = field(default_factory=list)
+    complete: list[Peer] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PeersAnswer:
+        data = json.loads(text)
+        return cls(
+            me=str(data["me"]),
+            staging=[Peer(str(p["addr"]), float(p.get("since", 0))) for p in data.get("staging") or []],
+            complete=[Peer(str(p["addr"]), 0.0) for p in data.get("complete") or []],
+        )
+
+
+def _weight(addr: str, key: str) -> bytes:
+    return hashlib.sha256(f"{addr}\n{key}".encode()).digest()
+
+
+def owner_ranking(key: str, answer: PeersAnswer) -> list[str]:
+    """The nodes to take ``key`` from, in order (addresses; ``answer.me`` is where this node's
+    own turn to read the bucket comes): complete copies, then the cohort, then later stagers,
+    each group by rendezvous hashing. Every node computes the same order from the same answer."""
+
+    def by_weight(addrs: list[str]) -> list[str]:
+        return sorted(addrs, key=lambda a: _weight(a, key), reverse=True)
+
+    complete = [p.addr for p in answer.complete if p.addr != answer.me]
+    staging = [p for p in answer.staging if p.addr not in complete]
+    if not any(p.addr == answer.me for p in staging):
+        staging.append(Peer(answer.me, time.time()))
+    first = min(p.since for p in staging)
+    cohort = [p.addr for p in staging if p.since <= first + COHORT_WINDOW_S]
+    later = [p.addr for p in staging if p.since > first + COHORT_WINDOW_S]
+    return by_weight(complete) + by_weight(cohort) + by_weight(later)

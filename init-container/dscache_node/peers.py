@@ -1,0 +1,250 @@
+"""Fetch once per cluster, the agent's side: who holds a revision, and its objects for peers.
+
+- ``Directory.answer``: the nodes staging or holding a revision, from Node labels (one
+  list call per label, cached for a second: every stager of a revision asks about once
+  a second while it copies);
+- ``open_object``: a complete object of a revision on this node, for a peer that shows
+  the cache's token (dscache_contract.peers). Only files under ``revs/<rev>/data/`` are
+  served, opened one path component at a time without following any symlink, and a
+  file is there only once it is whole (the stager renames it into place), so a copy in
+  progress serves exactly the objects it has completed. Nothing is ever written here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import dscache_contract as contract
+from dscache_contract.peers import CLAIMS_NAME, Peer, PeersAnswer, claims_path, staging_label
+from dscache_stager.keys import unsafe_reason
+
+from .disk import valid_name
+from .kube import ApiError, Kube
+
+log = logging.getLogger("dscache-node")
+
+#: How long an answer about one revision is reused (each stager of it asks once a second).
+ANSWER_TTL_S = 0.2
+#: How often a held request looks again for the object it waits for.
+POLL_S = 0.05
+
+
+class State(StrEnum):
+    """A revision on this node, as a peer sees it."""
+
+    COMPLETE = "complete"
+    STAGING = "staging"  # a stager holds the cache's lock and the revision is not complete
+    UNCLAIMED = "unclaimed"  # staging, but nobody here has started to read that object (a probe's answer)
+    ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class Opened:
+    fd: int
+    size: int
+
+
+class NotHere(Exception):
+    """The object is not (yet) on this node; ``state`` says whether it may come."""
+
+    def __init__(self, state: State, message: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+def revision_state(c: str, rev: str, locked: bool) -> State:
+    if _exists_beneath(c, [contract.REVS_DIR, rev, contract.META_DIR, contract.COMPLETE_NAME]):
+        return State.COMPLETE
+    if locked and _exists_beneath(c, [contract.REVS_DIR, rev, contract.DATA_DIR]):
+        return State.STAGING
+    return State.ABSENT
+
+
+def check_request(namespace: str, cache: str, path: str) -> None:
+    """ValueError when a requested name could step outside the revision's data dir."""
+    if not (valid_name(namespace) and valid_name(cache)):
+        raise ValueError(f"{namespace!r}/{cache!r} is not a namespace/name")
+    if reason := unsafe_reason(path):
+        raise ValueError(f"path {path!r}: {reason}")
+
+
+def _open_beneath(c: str, parts: list[str], flags: int = os.O_RDONLY) -> int:
+    """Open ``C/<parts...>`` one component at a time, never following a symlink: everything under C
+    is writable by the stager's pod, so ``revs``, the revision and ``data`` may be symlinks planted
+    to point elsewhere. FileNotFoundError for anything that is not reached through real directories
+    (ELOOP, ENOTDIR, EACCES...). O_NONBLOCK: a FIFO planted there cannot hold the open."""
+    walk = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECTORY
+    try:
+        fd = os.open(c, walk)
+    except OSError as e:
+        raise FileNotFoundError(c) from e
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, walk, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+    except OSError as e:
+        raise FileNotFoundError("/".join(parts)) from e
+    finally:
+        os.close(fd)
+
+
+def _exists_beneath(c: str, parts: list[str]) -> bool:
+    try:
+        os.close(_open_beneath(c, parts))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def open_object(c: str, rev: str, path: str) -> Opened:
+    """Open ``data/<path>`` of revision ``rev`` under C read-only; FileNotFoundError if it is not
+    a regular file reached through real directories only."""
+    fd = _open_beneath(c, [contract.REVS_DIR, rev, contract.DATA_DIR, *path.split("/")])
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise FileNotFoundError(path)
+    return Opened(fd, st.st_size)
+
+
+class Claims:
+    """The paths this node's stagers have started to read from the bucket (``tmp/claims``, one per
+    line, appended before each GET), read incrementally: only what was appended since the last look.
+    Held for copies in progress only: a claims file that is gone (sealed, removed) is forgotten."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # claims file -> (inode, bytes read, an unfinished last line, hashes of the claimed paths)
+        self._seen: dict[str, tuple[int, int, bytes, set[int]]] = {}
+
+    def claimed(self, c: str, rev: str, path: str) -> bool:
+        name = claims_path(c, rev)
+        with self._lock:
+            try:
+                fd = _open_beneath(c, [contract.REVS_DIR, rev, contract.TMP_DIR, CLAIMS_NAME])
+            except FileNotFoundError:
+                self._seen.pop(name, None)
+                return False
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    return False
+                inode = st.st_ino
+                seen = self._seen.get(name)
+                ino, offset, rest, paths = seen if seen and seen[0] == inode else (inode, 0, b"", set())
+                while chunk := os.pread(fd, 1 << 20, offset):
+                    offset += len(chunk)
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    paths.update(hash(line) for line in lines)
+                self._seen[name] = (ino, offset, rest, paths)
+            finally:
+                os.close(fd)
+            return hash(path.encode()) in paths
+
+
+def wait_for_object(
+    c: str, rev: str, path: str, wait: float, locked: Callable[[str], bool], claims: Claims, probe: bool = False
+) -> Opened:
+    """The object once it is whole, waiting up to ``wait`` seconds while a stager here is still
+    copying the revision (``probe``: only while the object is claimed here); NotHere otherwise."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return open_object(c, rev, path)
+        except FileNotFoundError:
+            pass
+        state = revision_state(c, rev, locked(c))
+        if state is State.COMPLETE:
+            # Re-check: the last object may have been placed between the open and the marker.
+            try:
+                return open_object(c, rev, path)
+            except FileNotFoundError:
+                raise NotHere(State.ABSENT, f"{path} is not in revision {rev} on this node") from None
+        if state is State.ABSENT:
+            raise NotHere(State.ABSENT, f"revision {rev} is not on this node and no stager is copying it here")
+        if probe and not claims.claimed(c, rev, path):
+            raise NotHere(State.UNCLAIMED, f"no stager here has started to read {path}")
+        if time.monotonic() >= deadline:
+            raise NotHere(State.STAGING, f"{path} is not copied here yet (revision {rev} is in progress)")
+        time.sleep(POLL_S)
+
+
+class Directory:
+    """Which nodes stage or hold a revision, read from their labels (agent addresses: the Node's
+    InternalIP and the port its agent labelled it with)."""
+
+    def __init__(self, kube: Kube, node: str) -> None:
+        self.kube = kube
+        self.node = node
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, str, str], tuple[float, PeersAnswer]] = {}
+        self._me = ""
+
+    def answer(self, namespace: str, cache: str, revision: str, fresh: bool = False) -> PeersAnswer:
+        key = (namespace, cache, revision)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit and not fresh and now - hit[0] < ANSWER_TTL_S:
+                return hit[1]
+        staging = [Peer(addr, _since(value)) for addr, value in self._nodes(staging_label(namespace, cache, revision))]
+        complete = [Peer(addr) for addr, _ in self._nodes(contract.warm_label(namespace, cache, revision))]
+        me = self.me()
+        out = PeersAnswer(me=me, staging=staging, complete=complete)
+        with self._lock:
+            self._cache[key] = (now, out)
+            # Forget answers nobody asked for lately (a revision's copies end).
+            for k, (at, _) in list(self._cache.items()):
+                if now - at > 60:
+                    del self._cache[k]
+        return out
+
+    def me(self) -> str:
+        # The node's own address as the others compute it; it does not change while the agent runs.
+        if not self._me:
+            self._me = _address(self.kube.get(f"/api/v1/nodes/{self.node}") or {}) or ""
+        return self._me
+
+    def _nodes(self, label: str) -> list[tuple[str, str]]:
+        """(agent address, label value) of the Nodes carrying ``label``."""
+        selector = urllib.parse.quote(label, safe="")
+        try:
+            # resourceVersion=0: from the API server's watch cache, not a quorum read of etcd.
+            listing = self.kube.get(f"/api/v1/nodes?labelSelector={selector}&resourceVersion=0") or {}
+        except ApiError as e:
+            # Without peers every stager reads the bucket: slower, never wrong. Say why.
+            log.warning(f"cannot list the Nodes that stage or hold a revision (no peers): {e}")
+            return []
+        out = []
+        for node in listing.get("items") or []:
+            addr = _address(node)
+            if addr:
+                out.append((addr, ((node.get("metadata") or {}).get("labels") or {}).get(label, "")))
+        return out
+
+
+def _address(node: dict[str, Any]) -> str | None:
+    port = ((node.get("metadata") or {}).get("labels") or {}).get(contract.AGENT_LABEL)
+    for a in (node.get("status") or {}).get("addresses") or []:
+        if a.get("type") == "InternalIP" and port:
+            ip = str(a["address"])
+            return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    return None
+
+
+def _since(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0

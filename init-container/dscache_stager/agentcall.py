@@ -1,0 +1,22 @@
+"""One JSON request to this node's agent (dscache-node) on the node's IP: reservations, peers."""
+
+from __future__ import annotations
+
+import http.client
+import urllib.parse
+
+
+def post(agent: str, path: str, body: str, timeout: float) -> str:
+    """POST ``body`` to ``agent`` + ``path``; the answer's text. OSError when the agent does not
+    answer or answers anything but 200 (with the status and the start of its answer)."""
+    url = urllib.parse.urlsplit(agent)
+    conn = http.client.HTTPConnection(url.hostname or "localhost", url.port or 80, timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise OSError(f"HTTP {resp.status}: {text[:200]}")
+    return text

@@ -1,0 +1,86 @@
+"""Each DatasetCache's peer token: the Secret its stagers show to other nodes' agents.
+
+The token is an HMAC of the namespace, the cache and a period, keyed with the agent
+token the chart shares between the controller and the node agents
+(dscache_contract.peers); an agent checks it without any API call. The controller
+writes it into ``dscache-peer-<cache>`` in the cache's namespace, owned by the
+DatasetCache (garbage-collected with it), and writes it afresh each period
+(rotation): a token opens its cache's objects for one to two periods. The webhook
+mounts that Secret into the stager (optional: no Secret, no peers; the bucket
+serves everything).
+
+``peer_secret`` is a pure spec builder; ``ensure`` does at most one GET and one
+write per cache per period (``Tokens`` remembers which period each cache has).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any
+
+from dscache_contract.peers import PEER_TOKEN_KEY, TOKEN_PERIOD_S, peer_secret_name, peer_token
+
+from .kube import ApiError, Kube
+
+log = logging.getLogger("dscache.peers")
+
+#: Marks the Secrets the controller writes (and would overwrite).
+PEER_TOKEN_LABEL = "dscache.io/peer-token"
+
+
+def peer_secret(namespace: str, cache: str, cache_uid: str, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": peer_secret_name(cache),
+            "namespace": namespace,
+            "labels": {PEER_TOKEN_LABEL: "true", "app.kubernetes.io/managed-by": "dscache"},
+            "ownerReferences": [
+                {
+                    "apiVersion": "dscache.io/v1alpha1",
+                    "kind": "DatasetCache",
+                    "name": cache,
+                    "uid": cache_uid,
+                    "controller": True,
+                    "blockOwnerDeletion": False,
+                }
+            ],
+        },
+        "data": {PEER_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+class Tokens:
+    """The period each cache's Secret was last written for (one int per cache)."""
+
+    def __init__(self) -> None:
+        self._written: dict[tuple[str, str], int] = {}
+
+    async def ensure(self, kube: Kube, key: str | None, namespace: str, cache: str, uid: str, now: float) -> None:
+        """Write the cache's token for this period unless done already. No key (no agent token):
+        nothing; peers then refuse every request, and stagers read the bucket."""
+        period = int(now // TOKEN_PERIOD_S)
+        if not key or self._written.get((namespace, cache)) == period:
+            return
+        body = peer_secret(namespace, cache, uid, peer_token(key, namespace, cache, now))
+        path = f"/api/v1/namespaces/{namespace}/secrets"
+        name = body["metadata"]["name"]
+        try:
+            current = await kube.get(f"{path}/{name}")
+            if current is None:
+                await kube.request("POST", path, body)
+            elif (current.get("metadata") or {}).get("labels", {}).get(PEER_TOKEN_LABEL) != "true":
+                log.warning(f"{namespace}/{name} exists and is not a dscache peer token: left alone (no peers)")
+            elif (current.get("data") or {}).get(PEER_TOKEN_KEY) != body["data"][PEER_TOKEN_KEY]:
+                await kube.request("PATCH", f"{path}/{name}", {"data": body["data"]}, "application/merge-patch+json")
+        except ApiError as e:
+            # Without the Secret the stagers read the bucket: slower, never wrong. Tried again next pass.
+            log.warning(f"could not write the peer token of {namespace}/{cache}: {e}")
+            return
+        self._written[(namespace, cache)] = period
+
+    def forget(self, namespace: str, cache: str) -> None:
+        self._written.pop((namespace, cache), None)

@@ -1,0 +1,75 @@
+"""peertoken.py: the Secret's spec, and at most one write per cache per period (a fake API: a dict)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+from dscache_contract.peers import PEER_TOKEN_KEY, TOKEN_PERIOD_S, check_peer_token, peer_secret_name
+from dscache_operator.kube import ApiError
+from dscache_operator.peertoken import PEER_TOKEN_LABEL, Tokens, peer_secret
+
+KEY = "k" * 48
+
+
+class FakeKube:
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.calls: list[str] = []
+        self.refuse = False
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        self.calls.append(f"GET {path}")
+        return self.objects.get(path)
+
+    async def request(self, method: str, path: str, body: Any = None, content_type: str = "") -> dict[str, Any]:
+        self.calls.append(f"{method} {path}")
+        if self.refuse:
+            raise ApiError(403, "forbidden")
+        if method == "POST":
+            self.objects[f"{path}/{body['metadata']['name']}"] = body
+        else:
+            self.objects[path]["data"].update(body["data"])
+        return {}
+
+
+def token_in(kube: FakeKube, ns: str, cache: str) -> str:
+    secret = kube.objects[f"/api/v1/namespaces/{ns}/secrets/{peer_secret_name(cache)}"]
+    return base64.b64decode(secret["data"][PEER_TOKEN_KEY]).decode()
+
+
+def test_the_secret_is_owned_by_its_cache_and_labelled():
+    s = peer_secret("ml", "imagenet", "uid-1", "1.abc")
+    assert s["metadata"]["name"] == "dscache-peer-imagenet" and s["metadata"]["namespace"] == "ml"
+    assert s["metadata"]["labels"][PEER_TOKEN_LABEL] == "true"
+    assert s["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert base64.b64decode(s["data"][PEER_TOKEN_KEY]) == b"1.abc"
+
+
+def test_written_once_per_period_then_rotated():
+    kube, tokens, t0 = FakeKube(), Tokens(), 1000 * TOKEN_PERIOD_S + 5.0
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "imagenet", "uid-1", t0))
+    first = token_in(kube, "ml", "imagenet")
+    assert check_peer_token(KEY, "ml", "imagenet", first, now=t0)
+    calls = len(kube.calls)
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "imagenet", "uid-1", t0 + 60))
+    assert len(kube.calls) == calls, "a second write within the period"
+    # Next period: rewritten; the old token still opens (one period of overlap), not two periods on.
+    t1 = t0 + TOKEN_PERIOD_S
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "imagenet", "uid-1", t1))
+    second = token_in(kube, "ml", "imagenet")
+    assert second != first and kube.calls[-1].startswith("PATCH")
+    assert check_peer_token(KEY, "ml", "imagenet", first, now=t1)
+    assert not check_peer_token(KEY, "ml", "imagenet", first, now=t1 + TOKEN_PERIOD_S)
+
+
+def test_no_key_writes_nothing_and_a_refusal_is_retried():
+    kube, tokens = FakeKube(), Tokens()
+    asyncio.run(tokens.ensure(kube, None, "ml", "c", "uid", 0.0))
+    assert kube.calls == []
+    kube.refuse = True
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "c", "uid", 0.0))
+    kube.refuse = False
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "c", "uid", 1.0))
+    assert check_peer_token(KEY, "ml", "c", token_in(kube, "ml", "c"), now=1.0)

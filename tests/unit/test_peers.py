@@ -1,0 +1,565 @@
+"""Fetch once per cluster (issue 17), piece by piece: the contract (peer tokens, object
+requests, the rendezvous ranking, staging labels), the stager's check of a peer's body
+against the listed ETag, and the agent's side (which files it serves, how it waits for an
+object in flight) on a real cache tree in a temp dir, laid out by dscache_contract."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dscache_contract as contract
+from dscache_contract.peers import (
+    COHORT_WINDOW_S,
+    MAX_WAIT_S,
+    OBJECTS_PATH,
+    TOKEN_PERIOD_S,
+    ObjectRequest,
+    Peer,
+    PeersAnswer,
+    check_peer_token,
+    claims_path,
+    owner_ranking,
+    parse_staging_label,
+    peer_secret_name,
+    peer_token,
+    staging_label,
+)
+from dscache_node.agent import _locked
+from dscache_node.peers import Claims, NotHere, State, check_request, open_object, wait_for_object
+from dscache_stager.peers import Digest, verifiable
+
+REV = "r-" + "0123456789abcdef0123"
+KEY = "agent-token-0123456789"
+MiB = 1 << 20
+# A DNS-1123 subdomain, as Kubernetes checks a Secret's name.
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+# --- peer tokens -----------------------------------------------------------------------------------
+
+
+NOW = 1_000 * TOKEN_PERIOD_S + 1234.5  # somewhere inside a period
+
+
+def test_a_token_opens_its_cache_in_its_period_and_the_next():
+    token = peer_token(KEY, "team-a", "imagenet", now=NOW)
+    assert check_peer_token(KEY, "team-a", "imagenet", token, now=NOW)
+    assert check_peer_token(KEY, "team-a", "imagenet", token, now=NOW + TOKEN_PERIOD_S)  # the previous period's
+    assert not check_peer_token(KEY, "team-a", "imagenet", token, now=NOW + 2 * TOKEN_PERIOD_S)  # two periods ago
+    assert not check_peer_token(KEY, "team-a", "imagenet", token, now=NOW - TOKEN_PERIOD_S)  # not yet made
+
+
+def test_a_token_opens_nothing_of_another_cache_or_namespace_or_key():
+    token = peer_token(KEY, "team-a", "imagenet", now=NOW)
+    assert not check_peer_token(KEY, "team-b", "imagenet", token, now=NOW)
+    assert not check_peer_token(KEY, "team-a", "imagenet-2", token, now=NOW)
+    assert not check_peer_token(KEY + "x", "team-a", "imagenet", token, now=NOW)
+    # The namespace/cache boundary is part of the message, not a concatenation.
+    assert not check_peer_token(KEY, "team-a-imagenet", "", token, now=NOW)
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["", ".", "abc", "1000", "1000.", ".deadbeef", "x1000.deadbeef", "-1000.deadbeef", "1000.deadbeef", "1000 .x"],
+)
+def test_a_malformed_token_is_refused(token):
+    assert not check_peer_token(KEY, "team-a", "imagenet", token, now=NOW)
+
+
+def test_a_token_with_another_period_in_front_is_refused():
+    good = peer_token(KEY, "team-a", "imagenet", now=NOW)
+    _period, _, mac = good.partition(".")
+    assert not check_peer_token(KEY, "team-a", "imagenet", f"{1000 - 2}.{mac}", now=NOW)
+    assert not check_peer_token(KEY, "team-a", "imagenet", f"{good}x", now=NOW)
+
+
+def test_a_token_with_a_unicode_digit_period_is_refused_not_raised():
+    try:
+        accepted = check_peer_token(KEY, "team-a", "imagenet", "\u00b2.deadbeef", now=NOW)
+    except ValueError as e:
+        pytest.fail(f"check_peer_token raised {e!r} for a malformed token instead of returning False")
+    assert not accepted
+
+
+def test_an_empty_key_refuses_every_token():
+    for token in (peer_token("", "team-a", "imagenet", now=NOW), peer_token(KEY, "team-a", "imagenet", now=NOW)):
+        assert not check_peer_token("", "team-a", "imagenet", token, now=NOW)
+
+
+# --- object requests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "a.bin",
+        "train/shard-00001.tar",
+        "with space/and  two spaces .txt",
+        "ünïcödé/日本語/😀.bin",
+        "odd?#%&=+;,'\"!/~name[1]",
+        "percent%2Fslash/%25",
+    ],
+)
+@pytest.mark.parametrize(("wait", "probe"), [(0.0, False), (1.5, False), (MAX_WAIT_S, True), (0.25, True)])
+def test_an_object_request_round_trips(path, wait, probe):
+    req = ObjectRequest("team-a", "my.cache", REV, path, wait, probe)
+    target = req.target()
+    assert target.startswith(OBJECTS_PATH) and " " not in target
+    assert ObjectRequest.parse(target) == req
+
+
+@pytest.mark.parametrize("asked", [MAX_WAIT_S + 0.001, 60, 1e9, "inf"])
+def test_the_wait_is_capped(asked):
+    req = ObjectRequest.parse(f"{OBJECTS_PATH}ns/c/{REV}/a.bin?wait={asked}")
+    assert req.wait == MAX_WAIT_S
+    assert ObjectRequest.parse(f"{OBJECTS_PATH}ns/c/{REV}/a.bin?wait=-5").wait == 0.0
+    assert ObjectRequest.parse(f"{OBJECTS_PATH}ns/c/{REV}/a.bin").wait == 0.0
+
+
+def test_a_nan_wait_is_capped_too():
+    req = ObjectRequest.parse(f"{OBJECTS_PATH}ns/c/{REV}/a.bin?wait=nan")
+    assert 0.0 <= req.wait <= MAX_WAIT_S, f"wait={req.wait!r} is not within [0, MAX_WAIT_S]"
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/v1/other/ns/c/" + REV + "/a",
+        OBJECTS_PATH + "ns/c/" + REV,  # no path
+        OBJECTS_PATH + "ns/c/" + REV + "/",  # an empty path
+        OBJECTS_PATH + "ns//" + REV + "/a",  # no cache
+        OBJECTS_PATH + "ns/c/" + REV + "/a//b",  # an empty segment
+        OBJECTS_PATH + "ns/c/r-123/a",  # not a revision
+        OBJECTS_PATH + "ns/c/../a",
+        OBJECTS_PATH + "ns/c/" + REV + "/a?wait=soon",
+    ],
+)
+def test_a_malformed_object_path_raises_value_error(target):
+    with pytest.raises(ValueError):
+        ObjectRequest.parse(target)
+
+
+@pytest.mark.parametrize(
+    "path", ["..", "../x", "a/../../x", "a/./b", "/etc/passwd", "a//b", "a\x00b", "a\nb", "x/" + "n" * 300]
+)
+def test_check_request_refuses_a_path_that_could_step_outside(path):
+    with pytest.raises(ValueError):
+        check_request("ns", "c", path)
+
+
+def test_a_dot_dot_path_parses_and_check_request_stops_it():
+    req = ObjectRequest.parse(f"{OBJECTS_PATH}ns/c/{REV}/a/%2E%2E/%2e%2e/etc/passwd")
+    assert req.path == "a/../../etc/passwd"
+    with pytest.raises(ValueError, match=r"'\.\.' segment"):
+        check_request(req.namespace, req.cache, req.path)
+
+
+def test_check_request_refuses_names_that_are_not_namespace_and_cache():
+    check_request("team-a", "my.cache", "a/b.bin")
+    for ns, cache in (("Team", "c"), ("ns", "../c"), ("ns", "a/b"), ("", "c"), ("ns", "")):
+        with pytest.raises(ValueError):
+            check_request(ns, cache, "a.bin")
+
+
+# --- the ranking --------------------------------------------------------------------------------------
+
+T0 = 1_700_000_000.0
+COHORT = [Peer("10.0.0.1:7070", T0), Peer("10.0.0.2:7070", T0 + 0.5), Peer("10.0.0.3:7070", T0 + COHORT_WINDOW_S)]
+LATE = Peer("10.0.0.4:7070", T0 + COHORT_WINDOW_S + 5)
+DONE = Peer("10.0.0.9:7070")
+
+
+def answer_for(me: str, staging: list[Peer], complete: list[Peer] | None = None) -> PeersAnswer:
+    return PeersAnswer(me=me, staging=list(staging), complete=list(complete or []))
+
+
+def test_every_node_computes_the_same_ranking():
+    staging = [*COHORT, LATE]
+    for i in range(200):
+        key = f"train/shard-{i:05d}.tar"
+        orders = {tuple(owner_ranking(key, answer_for(p.addr, staging, [DONE]))) for p in staging}
+        assert len(orders) == 1, key
+        (order,) = orders
+        assert sorted(order) == sorted([p.addr for p in staging] + [DONE.addr])
+
+
+def test_complete_copies_then_the_cohort_then_later_stagers():
+    cohort = {p.addr for p in COHORT}
+    firsts = Counter()
+    for i in range(300):
+        order = owner_ranking(f"k{i}", answer_for(COHORT[1].addr, [*COHORT, LATE], [DONE]))
+        assert order[0] == DONE.addr
+        assert set(order[1:4]) == cohort and order[4] == LATE.addr
+        firsts[order[1]] += 1
+    assert set(firsts) == cohort  # each cohort member is first after the complete copy for some keys
+
+
+def test_a_stager_that_started_after_the_window_is_never_first():
+    staging = [*COHORT, LATE]
+    for i in range(500):
+        assert owner_ranking(f"k{i}", answer_for(LATE.addr, staging))[-1] == LATE.addr
+
+
+def test_each_cohort_member_is_first_for_about_a_third_of_the_keys():
+    n_keys = 6000
+    firsts = Counter(
+        owner_ranking(f"data/{i:06d}.bin", answer_for(COHORT[0].addr, [*COHORT, LATE]))[0] for i in range(n_keys)
+    )
+    assert set(firsts) == {p.addr for p in COHORT}
+    for addr, n in firsts.items():
+        # 1/3 each, within a few standard deviations (sd ~ 37 for 6000 keys)
+        assert abs(n - n_keys / 3) < 200, (addr, firsts)
+
+
+def test_the_asking_node_is_in_its_ranking_even_before_its_label_shows():
+    order = owner_ranking("a.bin", answer_for("10.0.0.7:7070", COHORT))
+    assert "10.0.0.7:7070" in order and len(order) == 4
+
+
+def test_a_node_that_holds_the_revision_complete_is_never_asked_of_itself():
+    me = DONE.addr
+    order = owner_ranking("a.bin", answer_for(me, [Peer(me, T0)], [DONE, Peer("10.0.0.8:7070")]))
+    assert order.count(me) == 1 and order[0] == "10.0.0.8:7070"
+
+
+# --- labels and names ---------------------------------------------------------------------------------
+
+
+def test_a_staging_label_round_trips():
+    key = staging_label("team-a", "imagenet", REV)
+    assert key.startswith("staging.dscache.io/")
+    assert len(key.partition("/")[2]) <= 63  # a label key's name part
+    assert parse_staging_label(key) == (contract.cache_digest("team-a", "imagenet"), REV)
+    assert staging_label("team-b", "imagenet", REV) != key
+    for other in (contract.warm_label("team-a", "imagenet", REV), key + "x", key.replace("staging", "warm"), ""):
+        assert parse_staging_label(other) is None
+    with pytest.raises(ValueError):
+        staging_label("team-a", "imagenet", "r-short")
+
+
+@pytest.mark.parametrize("length", [1, 100, 240, 241, 253])
+def test_a_peer_secret_name_is_at_most_253_characters(length):
+    cache = ("a" * length)[:length]
+    name = peer_secret_name(cache)
+    assert len(name) <= 253 and name.startswith("dscache-peer-")
+    assert DNS_SUBDOMAIN.match(name)
+    if len(f"dscache-peer-{cache}") <= 253:
+        assert name == f"dscache-peer-{cache}"
+
+
+def test_long_peer_secret_names_stay_distinct():
+    a, b = "x" * 250 + "a", "x" * 250 + "b"
+    assert peer_secret_name(a) != peer_secret_name(b)
+    assert max(len(peer_secret_name(a)), len(peer_secret_name(b))) <= 253
+
+
+def test_a_long_cache_name_cut_on_a_dot_still_gives_a_valid_secret_name():
+    cache = "a" * 199 + "." + "b" * 53
+    assert contract.paths._NAME_RE.match(cache) and len(cache) == 253
+    name = peer_secret_name(cache)
+    assert DNS_SUBDOMAIN.match(name), f"{name!r} is not a DNS-1123 subdomain"
+
+
+# --- the stager's check of a peer's body ----------------------------------------------------------------
+
+
+def body(size: int, seed: int = 1) -> bytes:
+    block = hashlib.sha256(str(seed).encode()).digest() * 64  # 2 KiB, not periodic at 1 MiB
+    return (block * (size // len(block) + 1))[:size]
+
+
+def multipart_etag(data: bytes, part: int) -> str:
+    """What S3 lists for a multipart upload: md5 of the parts' md5s, then '-<parts>'."""
+    digests = [hashlib.md5(data[i : i + part]).digest() for i in range(0, len(data), part)]
+    return f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{len(digests)}"'
+
+
+def feed(digest: Digest, data: bytes, chunks: Iterator[int]) -> Digest:
+    at = 0
+    while at < len(data):
+        n = next(chunks)
+        digest.update(memoryview(data)[at : at + n] if n % 2 else data[at : at + n])
+        at += n
+    return digest
+
+
+def odd_chunks() -> Iterator[int]:
+    sizes = [1, 7, 4093, MiB + 3, 65_537, 3 * MiB - 1, 999_983]
+    while True:
+        yield from sizes
+
+
+def test_a_plain_md5_etag_matches_the_right_bytes_only():
+    data = body(3 * MiB + 17)
+    etag = f'"{hashlib.md5(data).hexdigest()}"'
+    assert verifiable(etag, len(data))
+    assert feed(Digest(etag, len(data)), data, odd_chunks()).matches()
+    assert feed(Digest(etag.upper(), len(data)), data, odd_chunks()).matches()  # the case of the hex
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    assert not feed(Digest(etag, len(data)), bytes(flipped), odd_chunks()).matches()
+
+
+@pytest.mark.parametrize("part", [8 * MiB, 5 * MiB])
+@pytest.mark.parametrize("extra", [0, 1, 123_457])
+def test_a_multipart_etag_is_verified_from_odd_chunks(part, extra):
+    data = body(2 * part + extra, seed=part + extra)
+    etag = multipart_etag(data, part)
+    assert verifiable(etag, len(data))
+    assert feed(Digest(etag, len(data)), data, odd_chunks()).matches()
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x80
+    assert not feed(Digest(etag, len(data)), bytes(flipped), odd_chunks()).matches()
+    swapped = data[part:] + data[:part]  # the same parts in another order
+    if swapped != data:
+        assert not feed(Digest(etag, len(data)), swapped, odd_chunks()).matches()
+
+
+def test_a_multipart_etag_of_one_part_is_verified():
+    data = body(3 * MiB)
+    etag = multipart_etag(data, 8 * MiB)
+    assert etag.endswith('-1"') and feed(Digest(etag, len(data)), data, odd_chunks()).matches()
+
+
+@pytest.mark.parametrize(
+    ("etag", "size"),
+    [
+        ('"' + "ab" * 20 + '"', 1000),  # 40 hex digits: an opaque ETag, not an MD5
+        ('"' + "0f" * 32 + '"', 1000),  # 64 hex
+        ('"' + "a" * 32 + '-3"', 1000),  # 3 parts of 1000 bytes: no uploader's part size gives that
+        ('"' + "a" * 32 + '-0"', 1000),
+        ('"not-an-etag"', 1000),
+        ('""', 1000),
+        ('"' + "a" * 32 + '"', 0),  # an empty object: nothing to take from a peer
+        ('"d41d8cd98f00b204e9800998ecf8427e"', 0),  # MD5 of nothing, still size 0
+    ],
+)
+def test_an_etag_that_cannot_check_the_bytes_is_not_verifiable(etag, size):
+    assert not verifiable(etag, size)
+
+
+# --- the agent's side, on a real cache tree ---------------------------------------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> str:
+    """C with one revision in progress: data/ (two placed objects), tmp/, meta/, and C/lock."""
+    c = contract.cache_dir(str(tmp_path / "root"), "team-a", "imagenet")
+    for d in (contract.data_dir(c, REV), contract.tmp_dir(c, REV), contract.meta_dir(c, REV)):
+        os.makedirs(d)
+    Path(contract.lock_path(c)).touch()
+    os.makedirs(os.path.join(contract.data_dir(c, REV), "train"))
+    Path(contract.data_dir(c, REV), "a.bin").write_bytes(b"A" * 1000)
+    Path(contract.data_dir(c, REV), "train", "b.bin").write_bytes(b"B" * 10)
+    return c
+
+
+@pytest.fixture
+def stager_lock(cache: str) -> Iterator[None]:
+    """What a stager copying the revision holds: C's flock (from another open file description)."""
+    fd = os.open(contract.lock_path(cache), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+    os.close(fd)
+
+
+def read(opened) -> bytes:
+    try:
+        return os.pread(opened.fd, opened.size + 1, 0)
+    finally:
+        os.close(opened.fd)
+
+
+def test_a_regular_file_is_served(cache):
+    opened = open_object(cache, REV, "a.bin")
+    assert opened.size == 1000 and read(opened) == b"A" * 1000
+    assert read(open_object(cache, REV, "train/b.bin")) == b"B" * 10
+
+
+def test_a_served_file_is_open_read_only(cache):
+    opened = open_object(cache, REV, "a.bin")
+    try:
+        with pytest.raises(OSError):
+            os.write(opened.fd, b"x")
+    finally:
+        os.close(opened.fd)
+
+
+def test_a_symlinked_file_is_refused(cache, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("host secret")
+    os.symlink(secret, os.path.join(contract.data_dir(cache, REV), "link.bin"))
+    os.symlink("a.bin", os.path.join(contract.data_dir(cache, REV), "rel.bin"))
+    for name in ("link.bin", "rel.bin"):
+        with pytest.raises(FileNotFoundError):
+            open_object(cache, REV, name)
+
+
+def test_a_symlinked_directory_component_is_refused(cache, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "c.bin").write_text("host secret")
+    os.symlink(outside, os.path.join(contract.data_dir(cache, REV), "linked"))
+    os.symlink("train", os.path.join(contract.data_dir(cache, REV), "train2"))
+    for path in ("linked/c.bin", "train2/b.bin"):
+        with pytest.raises(FileNotFoundError):
+            open_object(cache, REV, path)
+
+
+def test_a_symlinked_data_dir_is_refused(cache, tmp_path):
+    data = contract.data_dir(cache, REV)
+    os.rename(data, data + ".real")
+    os.symlink(data + ".real", data)
+    with pytest.raises(OSError):
+        open_object(cache, REV, "a.bin")
+
+
+def test_a_symlinked_revision_dir_is_refused(cache, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "data").mkdir(parents=True)
+    (elsewhere / "data" / "secret.txt").write_text("another pod's data")
+    rev2 = "r-" + "f" * 20
+    os.symlink(elsewhere, contract.revision_dir(cache, rev2))
+    try:
+        opened = open_object(cache, rev2, "secret.txt")
+    except OSError:
+        return
+    content = read(opened)
+    pytest.fail(f"served {content!r} through the symlink {contract.revision_dir(cache, rev2)} -> {elsewhere}")
+
+
+def test_a_directory_or_a_missing_file_is_not_served(cache):
+    for path in ("train", "a.bin/x", "missing.bin", "train/missing.bin", "missing/b.bin"):
+        with pytest.raises(FileNotFoundError):
+            open_object(cache, REV, path)
+
+
+def test_a_fifo_is_refused_without_blocking(cache):
+    fifo = os.path.join(contract.data_dir(cache, REV), "fifo")
+    os.mkfifo(fifo)
+    outcome: list[BaseException | object] = []
+
+    def attempt() -> None:
+        try:
+            opened = open_object(cache, REV, "fifo")
+            os.close(opened.fd)
+            outcome.append(opened)
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(2.0)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer: the blocked open returns
+        t.join(5.0)
+        pytest.fail("open_object blocked on a FIFO under data/ (until the test opened it for writing)")
+    assert len(outcome) == 1 and isinstance(outcome[0], FileNotFoundError), outcome
+
+
+def test_staging_without_the_object_waits_then_says_staging(cache, stager_lock):
+    t = time.monotonic()
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, REV, "later.bin", 0.3, _locked, Claims())
+    assert e.value.state is State.STAGING
+    assert time.monotonic() - t >= 0.3
+
+
+def test_staging_returns_the_object_once_it_is_placed(cache, stager_lock):
+    data = contract.data_dir(cache, REV)
+
+    def place() -> None:
+        time.sleep(0.2)
+        tmp = os.path.join(contract.tmp_dir(cache, REV), "part")
+        Path(tmp).write_bytes(b"L" * 4096)
+        os.rename(tmp, os.path.join(data, "later.bin"))  # whole when it appears
+
+    placer = threading.Thread(target=place)
+    placer.start()
+    t = time.monotonic()
+    opened = wait_for_object(cache, REV, "later.bin", 5.0, _locked, Claims())
+    placer.join()
+    assert read(opened) == b"L" * 4096
+    assert 0.15 <= time.monotonic() - t < 4.0
+
+
+def test_a_probe_for_an_unclaimed_object_answers_at_once(cache, stager_lock):
+    t = time.monotonic()
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, REV, "later.bin", 5.0, _locked, Claims(), probe=True)
+    assert e.value.state is State.UNCLAIMED
+    assert time.monotonic() - t < 1.0
+    # A placed object is served to a probe whether claimed or not.
+    assert read(wait_for_object(cache, REV, "a.bin", 5.0, _locked, Claims(), probe=True)) == b"A" * 1000
+
+
+def test_a_probe_for_a_claimed_object_waits(cache, stager_lock):
+    seen = Claims()
+    name = claims_path(cache, REV)
+    with open(name, "a") as f:
+        f.write("other.bin\n")
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, REV, "dir/later bin ü", 5.0, _locked, seen, probe=True)
+    assert e.value.state is State.UNCLAIMED
+    with open(name, "a") as f:
+        f.write("dir/later bin ")  # half a line: not a claim yet
+    assert not seen.claimed(cache, REV, "dir/later bin ü")
+    with open(name, "a") as f:
+        f.write("ü\n")
+    t = time.monotonic()
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, REV, "dir/later bin ü", 0.3, _locked, seen, probe=True)
+    assert e.value.state is State.STAGING
+    assert time.monotonic() - t >= 0.3
+    assert seen.claimed(cache, REV, "other.bin") and not seen.claimed(cache, REV, "dir/later bin")
+
+
+def test_claims_are_forgotten_with_their_file(cache):
+    seen = Claims()
+    name = claims_path(cache, REV)
+    Path(name).write_text("a.bin\nb.bin\n")
+    assert seen.claimed(cache, REV, "b.bin")
+    os.unlink(name)
+    assert not seen.claimed(cache, REV, "b.bin")
+    Path(name).write_text("c.bin\n")  # a new file (a new run): read from its start
+    assert seen.claimed(cache, REV, "c.bin") and not seen.claimed(cache, REV, "b.bin")
+
+
+def test_a_claims_file_that_is_a_symlink_claims_nothing(cache, tmp_path):
+    elsewhere = tmp_path / "claims"
+    elsewhere.write_text("x.bin\n")
+    os.symlink(elsewhere, claims_path(cache, REV))
+    assert not Claims().claimed(cache, REV, "x.bin")
+
+
+def test_a_complete_revision_without_the_file_says_absent_at_once(cache):
+    Path(contract.complete_path(cache, REV)).write_text("{}")
+    t = time.monotonic()
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, REV, "missing.bin", 5.0, _locked, Claims())
+    assert e.value.state is State.ABSENT
+    assert time.monotonic() - t < 1.0
+    assert read(wait_for_object(cache, REV, "a.bin", 5.0, _locked, Claims())) == b"A" * 1000
+
+
+def test_a_revision_nobody_copies_says_absent_at_once(cache):
+    # Not complete, and no stager holds C's lock (the stager died): nothing will come.
+    t = time.monotonic()
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, REV, "later.bin", 5.0, _locked, Claims())
+    assert e.value.state is State.ABSENT and time.monotonic() - t < 1.0
+    # What it placed before it died is still whole, and served.
+    assert read(wait_for_object(cache, REV, "a.bin", 5.0, _locked, Claims())) == b"A" * 1000
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, "r-" + "e" * 20, "a.bin", 5.0, _locked, Claims())
+    assert e.value.state is State.ABSENT
