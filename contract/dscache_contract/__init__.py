@@ -11,7 +11,25 @@ whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).
 """
 
 from .args import ArgsError, StageArgs, WipeArgs, build_parser
-from .layout import (
+from .names import *  # noqa: F403 - the names are the API
+from .node import (
+    AGENT_LABEL,
+    AGENT_PORT,
+    ENV_NODE_IP,
+    INVENTORY_ANNOTATION,
+    RESERVE_PATH,
+    WARM_LABEL_PREFIX,
+    WIPE_PATH,
+    HeldRevision,
+    Inventory,
+    ReserveAnswer,
+    ReserveRequest,
+    WipeRequest,
+    cache_digest,
+    parse_warm_label,
+    warm_label,
+)
+from .paths import (
     TOP_NAMES,
     cache_dir,
     complete_path,
@@ -31,29 +49,11 @@ from .layout import (
     validate_pod_uid,
     validate_revision,
 )
-from .names import *  # noqa: F403 - the names are the API
-from .node import (
-    AGENT_LABEL,
-    AGENT_PORT,
-    ENV_NODE_IP,
-    INVENTORY_ANNOTATION,
-    RESERVE_PATH,
-    WARM_LABEL_PREFIX,
-    WIPE_PATH,
-    HeldRevision,
-    Inventory,
-    ReserveAnswer,
-    ReserveRequest,
-    WipeRequest,
-    cache_digest,
-    parse_warm_label,
-    warm_label,
-)
 from .peers import PeersAnswer, PeersRequest
 from .revision import RevisionHasher, normalize_etag
 from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
 from .selection import Selection, normalize_key, parse_source, selected
-from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary
+from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary, human_bytes
 from .versions import (
     ObjectVersion,
     Pin,
@@ -103,6 +103,7 @@ __all__ = [
     "data_dir",
     "data_subpath",
     "format_as_of",
+    "human_bytes",
     "journal_path",
     "lease_dir",
     "lease_path",

@@ -12,8 +12,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from .layout import validate_pod_uid, validate_revision
 from .names import STAGE_MOUNT_PATH
+from .paths import validate_pod_uid, validate_revision
 from .selection import parse_source
 from .summary import EXIT_CODE_HELP
 from .versions import parse_as_of

@@ -63,7 +63,7 @@ ANNOTATION_AS_OF = "dscache.io/revision-as-of"
 
 TERMINATION_LOG = "/dev/termination-log"
 
-# On-node layout, under C = <cacheRoot>/<namespace>/<cache> (see layout.py).
+# On-node layout, under C = <cacheRoot>/<namespace>/<cache> (see paths.py).
 LOCK_NAME = "lock"
 REVS_DIR = "revs"
 LEASES_DIR = "leases"

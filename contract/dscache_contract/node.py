@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .layout import validate_revision
+from .paths import validate_revision
 
 #: The prefix of every warm label on a Node (``<prefix><cache digest>.<revision>``).
 WARM_LABEL_PREFIX = "warm.dscache.io/"

@@ -38,8 +38,8 @@ import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
 
-from .layout import tmp_dir, validate_revision
 from .node import cache_digest
+from .paths import tmp_dir, validate_revision
 
 #: ``<prefix><cache digest>.<revision>`` on a Node while a stager copies that revision there;
 #: the value is the copy's start (epoch seconds), which orders the cohort.

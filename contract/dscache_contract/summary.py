@@ -48,6 +48,15 @@ EXIT_CODE_HELP: dict[ExitCode, str] = {
 }
 
 
+def human_bytes(n: float) -> str:
+    """A byte count as people read it (1.5 KiB, 3.0 GiB), in the stager's logs and the operator's status."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 _T = TypeVar("_T")
 
 #: The longest WipeSummary line (json.dumps escapes non-ASCII, so chars = bytes);
@@ -65,6 +74,8 @@ class StageSummary:
     """The success line of ``dscache-stage sync``.
 
     warm: the revision was already complete on the node (no listing, no copy).
+    bucket_bytes / peer_bytes: of fetched_bytes, what this node got from the
+    bucket and from other nodes (0 from a stager that predates peers).
     The first seven fields are the summary's historic ones; consumers must
     ignore fields they do not know. fetched_bytes = bucket_bytes + peer_bytes:
     what this run copied, from the bucket and from other nodes (fetch once per
@@ -96,6 +107,43 @@ class StageSummary:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StageSummary:
         return _from_dict(cls, d)
+
+    @classmethod
+    def from_message(cls, message: str | None) -> StageSummary | None:
+        """The summary in a stager's termination message (its last JSON line), typed.
+
+        None when there is none: a failure's ``error: ...`` line, a message cut
+        by the kubelet, or no message. Fields of the wrong type (a newer or a
+        broken stager) take their defaults, so a reader never sees a str where
+        an int belongs; unknown fields are ignored."""
+        data = _last_json_object(message)
+        if data is None:
+            return None
+        return cls(**{f.name: data[f.name] for f in fields(cls) if _fits(data.get(f.name), f.default)})
+
+
+def _last_json_object(message: str | None) -> dict[str, Any] | None:
+    for line in reversed((message or "").strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                return None
+            return data if isinstance(data, dict) else None
+    return None
+
+
+def _fits(value: Any, default: Any) -> bool:
+    """Whether ``value`` may stand where ``default`` is: same type, an int for a
+    float, never a bool for a number (bool is an int subclass), never negative."""
+    if value is None or isinstance(value, bool) != isinstance(default, bool):
+        return False
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and value >= 0
+    if isinstance(default, int) and not isinstance(default, bool):
+        return isinstance(value, int) and value >= 0
+    return isinstance(value, type(default))
 
 
 @dataclass

@@ -47,8 +47,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .layout import validate_revision
 from .names import ANNOTATION_AS_OF, ANNOTATION_REVISION
+from .paths import validate_revision
 from .revision import RevisionHasher
 from .selection import Selection
 

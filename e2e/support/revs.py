@@ -1,4 +1,4 @@
-"""The on-node revision layout, as the e2e tests check it (contract/dscache_contract/layout.py).
+"""The on-node revision layout, as the e2e tests check it (contract/dscache_contract/paths.py).
 
     C = <cacheRoot>/<ns>/<cache>          the hostPath source; removed only with the DatasetCache
     C/revs/<rev>/data/                    the revision's objects (DSCACHE_DIR in the pod)

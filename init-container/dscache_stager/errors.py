@@ -6,7 +6,7 @@ as one line on stderr and in the termination log.
 
 from __future__ import annotations
 
-from dscache_contract import EXIT_CODE_HELP, ExitCode
+from dscache_contract import ExitCode
 
 
 class StageError(Exception):
@@ -49,6 +49,3 @@ class RevisionGoneError(StageError):
 
 class CacheGoneError(StageError):
     exit_code = ExitCode.CACHE_GONE
-
-
-EXIT_CODES: dict[int, str] = {int(code): text for code, text in EXIT_CODE_HELP.items()}

@@ -1,6 +1,6 @@
 """One cache dir C on the node: its lock, its leases, and its revisions.
 
-The paths are the contract's (dscache_contract.layout); this module does the
+The paths are the contract's (dscache_contract.paths); this module does the
 I/O on them:
 
     C/lock                        flock target: stagers and wipes
@@ -12,7 +12,6 @@ I/O on them:
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -331,7 +330,3 @@ def write_atomic(path: str, text: str, tmp_dir: str, mode: int = 0o444) -> None:
         f.write(text)
     os.chmod(tmp, mode)
     os.rename(tmp, path)
-
-
-def is_enoent(e: OSError) -> bool:
-    return e.errno == errno.ENOENT

@@ -7,13 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from dscache_contract import human_bytes as human_bytes  # re-exported: the stager and its agent format sizes so
 
 
 @dataclass

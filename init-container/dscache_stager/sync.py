@@ -64,9 +64,6 @@ MAX_KEYS_SHOWN = 20
 Work = tuple[RemoteObject, str, str] | None
 Task = tuple[RemoteObject, str, str]
 
-# Kept as the stager's name for the contract's success line.
-Summary = StageSummary
-
 
 def cold(opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress) -> StageSummary:
     """Stage ``rev`` from the bucket (called by stage.sync with C's lock held)."""

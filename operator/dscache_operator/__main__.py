@@ -27,14 +27,17 @@ def debug_memory_on_signal() -> None:
     import signal
     import tracemalloc
 
-    tracemalloc.start(8)
+    tracemalloc.start(12)
 
     def dump(*_: object) -> None:
         snap = tracemalloc.take_snapshot()
+        log = logging.getLogger("dscache.memory")
+        log.warning(f"{sum(s.size for s in snap.statistics('filename')) / 2**20:.1f} MiB traced in all")
         for stat in snap.statistics("traceback")[:15]:
-            logging.getLogger("dscache.memory").warning(
-                f"{stat.size / 2**20:.1f} MiB in {stat.count} blocks:\n" + "\n".join(stat.traceback.format()[-6:])
-            )
+            # The frames that say whose memory it is: ours and the libraries', not json's or asyncio's own.
+            frames = [f for f in stat.traceback if "/json/" not in f.filename and "importlib" not in f.filename]
+            lines = [f"  {f.filename}:{f.lineno}" for f in frames[-6:]]
+            log.warning(f"{stat.size / 2**20:.1f} MiB in {stat.count} blocks:\n" + "\n".join(lines))
 
     signal.signal(signal.SIGUSR2, dump)
 

@@ -2,13 +2,14 @@
 
 ``Context`` is built once in ``__main__`` (settings read there, never at
 import time) and handed to kopf as ``memo.ctx``: kopf gives every handler the
-memo, and each object's memo is a shallow copy, so all handlers share the one
-context while per-object notes (``memo.last_check``) stay per object.
+memo, so all handlers share the one context; what the controller notes per
+cache lives in it too, keyed by (namespace, name), and is dropped with the cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 from typing import Any
@@ -20,6 +21,7 @@ from .metrics import Metrics
 from .models import FINALIZER, GROUP
 from .peertoken import Tokens
 from .settings import Settings
+from .sourcecheck import SecretReads
 
 
 @dataclasses.dataclass
@@ -31,10 +33,21 @@ class Context:
     #: This process's metrics, on a registry of their own (not prometheus_client's global one).
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     metrics_runner: Any = None
-    #: The controller's read-only views of users' workloads (controller.Views); None in the webhook.
+    #: The controller's read-only views of caches and users' workloads (views.Views); None in the webhook.
     views: Any = None
-    #: At most a few reconciliations at once: bounded API concurrency and memory.
-    slots: asyncio.Semaphore | None = None
+    #: The controller's queue of caches to reconcile (schedule.Scheduler) and its Event poster (events.Poster).
+    scheduler: Any = None
+    poster: Any = None
+    background: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
+    #: Per cache: when its source was last checked (monotonic), and how often its deletion has waited.
+    checked_at: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    deleting: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    #: Secrets read for source checks in the last few seconds (sourcecheck.SecretReads).
+    secrets: SecretReads = dataclasses.field(default_factory=SecretReads)
+    #: The source checks' threads (listings are I/O-bound; each thread costs memory: see __main__).
+    source_executor: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sourcecheck")
+    )
     #: Which period each cache's peer token was written for (peertoken.py).
     tokens: Tokens = dataclasses.field(default_factory=Tokens)
 
@@ -49,10 +62,19 @@ class Context:
             raise kopf.TemporaryError("not logged in yet", delay=1)
         return self.kube
 
-    def reconcile_slots(self) -> asyncio.Semaphore:
-        if self.slots is None:
-            self.slots = asyncio.Semaphore(8)
-        return self.slots
+    def on_cache(self, key: Any, old: Any, new: Any) -> None:
+        """The caches' informer saw a change: reconcile now what is news (caches.wants_reconcile)."""
+        from .caches import wants_reconcile
+
+        if self.scheduler is not None and wants_reconcile(old, new):
+            self.scheduler.touch(key)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        """A cache is gone: drop what we kept about it."""
+        self.checked_at.pop(key, None)
+        self.deleting.pop(key, None)
+        self.metrics.forget_cache(*key)
+        self.tokens.forget(*key)
 
 
 def memo_for(ctx: Context) -> kopf.Memo:

@@ -28,6 +28,8 @@ from .kube import ApiError, Kube
 logger = logging.getLogger(__name__)
 
 Extract = Callable[[dict[str, Any]], "tuple[Hashable, Any] | None"]
+#: Told of every change of one object: (key, its value before, after); None for absent.
+Notify = Callable[[Hashable, Any, Any], None]
 
 
 class Gone(Exception):
@@ -44,8 +46,10 @@ class Informer:
         page_size: int = 500,
         watch_timeout: int = 300,
         optional: bool = False,
+        notify: Notify | None = None,
     ) -> None:
         self.kube = kube
+        self.notify = notify
         #: optional: a kind whose CRD may not be installed (or that RBAC does not
         #: grant): 404/403 on the list make an empty, ready view that retries later.
         self.optional = optional
@@ -75,22 +79,33 @@ class Informer:
         uid = (body.get("metadata") or {}).get("uid")
         if not uid:
             return
-        self._remove(uid)
+        old_key, old = self._pop(uid)
         got = self.extract(body)
-        if got is None:
-            return
-        key, value = got
-        self._by_uid[uid] = key
-        self._by_key.setdefault(key, {})[uid] = value
+        if got is not None:
+            key, value = got
+            self._by_uid[uid] = key
+            self._by_key.setdefault(key, {})[uid] = value
+        if self.notify is not None:
+            if old_key is not None and (got is None or got[0] != old_key):
+                self.notify(old_key, old, None)
+            if got is not None:
+                self.notify(got[0], old if old_key == got[0] else None, got[1])
 
     def _remove(self, uid: str) -> None:
+        key, old = self._pop(uid)
+        if key is not None and self.notify is not None:
+            self.notify(key, old, None)
+
+    def _pop(self, uid: str) -> tuple[Hashable | None, Any]:
         key = self._by_uid.pop(uid, None)
+        old = None
         if key is not None:
             bucket = self._by_key.get(key)
             if bucket is not None:
-                bucket.pop(uid, None)
+                old = bucket.pop(uid, None)
                 if not bucket:
                     del self._by_key[key]
+        return key, old
 
     # --- list + watch -----------------------------------------------------------------
 
@@ -109,6 +124,10 @@ class Informer:
                 meta = data.get("metadata") or {}
                 cont = meta.get("continue")
                 if not cont:
+                    if self.notify is not None:  # deleted while we were not watching
+                        for uid, key in by_uid.items():
+                            if uid not in self._by_uid:
+                                self.notify(key, by_key.get(key, {}).get(uid), None)
                     return str(meta.get("resourceVersion", ""))
         except BaseException:
             self._by_uid, self._by_key = by_uid, by_key  # keep the last good state
@@ -219,17 +238,27 @@ class MultiInformer:
         label_selector: str,
         extract: Extract,
         optional: bool = False,
+        notify: Notify | None = None,
     ) -> None:
         #: namespace (None: cluster-wide) -> its informer
         self.informers: dict[str | None, Informer]
         if namespaces:
             self.informers = {
-                ns: Informer(kube, f"{group_path}/namespaces/{ns}/{plural}", label_selector, extract, optional=optional)
+                ns: Informer(
+                    kube,
+                    f"{group_path}/namespaces/{ns}/{plural}",
+                    label_selector,
+                    extract,
+                    optional=optional,
+                    notify=notify,
+                )
                 for ns in namespaces
             }
         else:
             self.informers = {
-                None: Informer(kube, f"{group_path}/{plural}", label_selector, extract, optional=optional)
+                None: Informer(
+                    kube, f"{group_path}/{plural}", label_selector, extract, optional=optional, notify=notify
+                )
             }
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -42,14 +42,12 @@ from dscache_contract import (
 )
 from dscache_contract.peers import PEER_TOKEN_DIR, PEER_TOKEN_FILE, PEER_VOLUME_NAME, peer_secret_name
 
-from .models import CACHE_ANNOTATION, CONSUMER_LABEL, DatasetCacheSpec, VolumeMode
+from .models import CACHE_ANNOTATION, CONSUMER_LABEL, MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
 from .settings import Settings
 
 INIT_NAME = STAGER_CONTAINER_NAME
 #: Where the init container sees the volume (never visible to training code).
 STAGE_DIR = STAGE_MOUNT_PATH
-#: Annotation recording the volume mode on the pod (for the controller).
-MODE_ANNOTATION = "dscache.io/volume"
 NONROOT_UID = 65532
 
 Mode = VolumeMode

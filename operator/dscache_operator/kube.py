@@ -1,8 +1,8 @@
 """A deliberately small async Kubernetes client (aiohttp, already kopf's dependency).
 
-kopf does our watching, patching and Events; this covers the few direct calls
-we need (GET a DatasetCache on a cold index, read one Secret, create/delete
-pre-stage pods) without pulling a full client library into memory.
+The controller's watches (informer.py), status patches, finalizers, Events,
+Secret reads and pre-stage pods all go through it, without pulling a full
+client library into memory; kopf logs in and serves the probes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Kube:
     request from a token re-read from its file (at most every TOKEN_MAX_AGE seconds,
     and at once on a 401, then the request is retried once)."""
 
-    def __init__(self, info: kopf.ConnectionInfo, pool: int = 8, token_file: str | None = None) -> None:
+    def __init__(self, info: kopf.ConnectionInfo, pool: int = 32, token_file: str | None = None) -> None:
         self._pool = pool
         self._session: aiohttp.ClientSession | None = None
         self._watch_session: aiohttp.ClientSession | None = None
@@ -144,6 +144,35 @@ class Kube:
             if e.status == 409:
                 return None
             raise
+
+    async def patch_status(self, path: str, status: dict[str, Any]) -> None:
+        """Merge-patch an object's status subresource (None values delete); a gone object is no error."""
+        try:
+            await self.request("PATCH", path + "/status", {"status": status}, "application/merge-patch+json")
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
+    async def add_finalizer(self, path: str, present: tuple[str, ...], finalizer: str) -> None:
+        """Append ``finalizer`` (JSON patch: the others' finalizers are left as they are)."""
+        if present:
+            ops: list[dict[str, Any]] = [{"op": "add", "path": "/metadata/finalizers/-", "value": finalizer}]
+        else:
+            ops = [{"op": "add", "path": "/metadata/finalizers", "value": [finalizer]}]
+        await self.request("PATCH", path, ops, "application/json-patch+json")
+
+    async def remove_finalizer(self, path: str, present: tuple[str, ...], finalizer: str) -> None:
+        """Remove exactly ``finalizer``: the test fails (422) if the list changed meanwhile; the next run retries."""
+        i = present.index(finalizer)
+        ops = [
+            {"op": "test", "path": f"/metadata/finalizers/{i}", "value": finalizer},
+            {"op": "remove", "path": f"/metadata/finalizers/{i}"},
+        ]
+        try:
+            await self.request("PATCH", path, ops, "application/json-patch+json")
+        except ApiError as e:
+            if e.status != 404:
+                raise
 
     async def delete_pod(self, namespace: str, name: str) -> None:
         try:

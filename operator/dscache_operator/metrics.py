@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import platform
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -31,59 +31,21 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from .models import NodeState, Phase, VolumeMode
+from .cacheseries import STAGER_RESULTS, CacheSeries
+from .clock import parse_time
+from .models import VolumeMode
 from .version import package_version
 
 if TYPE_CHECKING:
-    from .consumers import PodInfo
+    from .workloads import PodInfo
 
 logger = logging.getLogger(__name__)
 
 ADMISSION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-#: A stage takes from well under a second (warm) to hours (a cold multi-TB copy).
-STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 ADMISSION_RESULTS = ("admitted", "refused", "error")
-#: Outcomes of one wipe request to a node agent (wipe.py).
-WIPE_RESULTS = ("succeeded", "kept", "busy", "failed")
-STAGER_RESULTS = ("ok", "failed")
 #: The reasons sourcecheck.py gives; others still count, they just start from nothing.
 SOURCE_REASONS = ("Listed", "NoSuchBucket", "AccessDenied", "EndpointUnreachable", "SecretNotFound")
-
-
-def _parse_time(text: str | None) -> datetime.datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
-class _Inventory(Collector):
-    """Gauges computed at scrape time from what the controller last saw (every phase and state present, at 0 if none)."""
-
-    def __init__(self) -> None:
-        #: cache (namespace, name) -> (phase, node states)
-        self.caches: dict[tuple[str, str], tuple[str, list[str]]] = {}
-
-    def collect(self) -> Iterator[Metric]:
-        phases = GaugeMetricFamily("dscache_datasetcaches", "DatasetCaches by phase.", labels=["phase"])
-        copies = GaugeMetricFamily("dscache_node_copies", "Node copies by state.", labels=["state"])
-        by_phase = dict.fromkeys((p.value for p in Phase), 0)
-        by_state = dict.fromkeys((s.value for s in NodeState), 0)
-        for phase, states in self.caches.values():
-            by_phase[phase] = by_phase.get(phase, 0) + 1
-            for s in states:
-                by_state[s] = by_state.get(s, 0) + 1
-        for p, n in sorted(by_phase.items()):
-            phases.add_metric([p], n)
-        for s, n in sorted(by_state.items()):
-            copies.add_metric([s], n)
-        yield phases
-        yield copies
 
 
 class Metrics:
@@ -112,47 +74,17 @@ class Metrics:
         )
         self.build_info.labels(version or package_version(), platform.python_version()).set(1)
 
-        self.inventory = _Inventory()
+        #: The per-cache series and the inventory gauges (cacheseries.py: why not prometheus_client's children).
+        self.caches = CacheSeries()
         if ctl is not None:
-            r.register(self.inventory)
+            r.register(self.caches)
         self.source_checks = Counter("dscache_source_checks", "Source checks by reason.", ["reason"], registry=ctl)
         for reason in SOURCE_REASONS:
             self.source_checks.labels(reason)
-
-        per_cache = ["namespace", "cache"]
-        self.wipes = Counter(
-            "dscache_wipes", "Wipe requests to node agents by outcome, per cache.", [*per_cache, "result"], registry=ctl
-        )
         self.prestaged = Gauge(
             "dscache_prestaged_bytes",
             "Bytes of the current revision pre-staged on each node that holds it (spec.prestage), per cache.",
-            [*per_cache, "node"],
-            registry=ctl,
-        )
-        self.stager_runs = Counter(
-            "dscache_stager_runs",
-            "Stager (init container) runs by result, per cache; each run counted once.",
-            [*per_cache, "result"],
-            registry=ctl,
-        )
-        self.stage_seconds = Histogram(
-            "dscache_stage_seconds",
-            "Seconds one successful stager run took (its summary's seconds), per cache.",
-            per_cache,
-            buckets=STAGE_BUCKETS,
-            registry=ctl,
-        )
-        self.staged_bytes = Counter(
-            "dscache_staged_bytes",
-            "Bytes successful stager runs copied from the bucket (summary fetched_bytes), per cache.",
-            per_cache,
-            registry=ctl,
-        )
-        self.reused_bytes = Counter(
-            "dscache_reused_bytes",
-            "Bytes successful stager runs found already on the node and did not copy "
-            "(warm starts and resumed copies: summary bytes - fetched_bytes), per cache.",
-            per_cache,
+            ["namespace", "cache", "node"],
             registry=ctl,
         )
         #: cache -> the nodes it has a dscache_prestaged_bytes series for
@@ -176,19 +108,10 @@ class Metrics:
         self.source_checks.labels(reason).inc()
 
     def wipe(self, namespace: str, name: str, result: str) -> None:
-        self.wipes.labels(namespace, name, result).inc()
+        self.caches.wipe((namespace, name), result)
 
     def set_cache(self, namespace: str, name: str, phase: str, states: Iterable[str]) -> None:
-        key = (namespace, name)
-        if key not in self.inventory.caches:
-            for result in WIPE_RESULTS:
-                self.wipes.labels(namespace, name, result)
-            for result in STAGER_RESULTS:
-                self.stager_runs.labels(namespace, name, result)
-            self.stage_seconds.labels(namespace, name)
-            self.staged_bytes.labels(namespace, name)
-            self.reused_bytes.labels(namespace, name)
-        self.inventory.caches[key] = (str(phase), [str(s) for s in states])
+        self.caches.set((namespace, name), phase, states)
 
     def set_prestaged(self, namespace: str, name: str, nodes: dict[str, int]) -> None:
         """``nodes``: node -> bytes pre-staged there now; nodes no longer listed are dropped."""
@@ -202,14 +125,8 @@ class Metrics:
     def forget_cache(self, namespace: str, name: str) -> None:
         key = (namespace, name)
         self.set_prestaged(namespace, name, {})
-        self.inventory.caches.pop(key, None)
+        self.caches.forget(key)
         self._counted.pop(key, None)
-        for result in WIPE_RESULTS:
-            _remove(self.wipes, namespace, name, result)
-        for result in STAGER_RESULTS:
-            _remove(self.stager_runs, namespace, name, result)
-        for m in (self.stage_seconds, self.staged_bytes, self.reused_bytes):
-            _remove(m, namespace, name)
 
     def observe_stagers(self, namespace: str, name: str, pods: Iterable[PodInfo]) -> int:
         """Count each finished stager run of the cache's pods once; return how many were new.
@@ -242,28 +159,18 @@ class Metrics:
             if run in counted:
                 continue
             counted.add(run)
-            finished = _parse_time(p.init_finished)
+            finished = parse_time(p.init_finished)
             if finished is None or finished < self.since.replace(microsecond=0):
                 continue
             new += 1
-            self.stager_runs.labels(namespace, name, p.init).inc()
-            if p.init == "ok":
-                self._observe_summary(namespace, name, p.message)
+            self.caches.stager_run(key, p.init)
+            if p.summary is not None:
+                s = p.summary
+                reused = max(0, s.bytes - s.fetched_bytes)
+                self.caches.staged(key, s.seconds, s.fetched_bytes, reused, s.bucket_bytes, s.peer_bytes)
         # Forget the runs of pods gone from the view: the set stays as small as the view.
         counted &= present
         return new
-
-    def _observe_summary(self, namespace: str, name: str, message: str | None) -> None:
-        from .consumers import termination_summary
-
-        summary = termination_summary(message)
-        total, fetched, seconds = summary.get("bytes"), summary.get("fetched_bytes"), summary.get("seconds")
-        if isinstance(seconds, (int, float)) and seconds >= 0:
-            self.stage_seconds.labels(namespace, name).observe(seconds)
-        if isinstance(fetched, int) and fetched >= 0:
-            self.staged_bytes.labels(namespace, name).inc(fetched)
-            if isinstance(total, int) and total > fetched:
-                self.reused_bytes.labels(namespace, name).inc(total - fetched)
 
     # --- webhook -------------------------------------------------------------------------
 
@@ -273,13 +180,6 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _remove(metric: Counter | Histogram, *labels: str) -> None:
-    try:
-        metric.remove(*labels)
-    except KeyError:
-        pass
 
 
 async def serve(port: int, metrics: Metrics) -> web.AppRunner | None:

@@ -21,6 +21,8 @@ SHORT_NAMES = ["dsc"]
 
 #: Annotation on a Job or a pod template (or a bare Pod) that asks for a cache.
 CACHE_ANNOTATION = f"{GROUP}/cache"
+#: On what the webhook injects: where the pods' copy lives (a VolumeMode value).
+MODE_ANNOTATION = f"{GROUP}/volume"
 #: Namespace label that opts a namespace into injection.
 INJECTION_LABEL = f"{GROUP}/injection"
 #: Label the webhook puts on what it injects (Jobs and pods), so that the
@@ -366,6 +368,12 @@ class NodeStatus(_Model):
     bytes: int | None = Field(default=None, ge=0, description="Bytes of the dataset on the node.")
     objects: int | None = Field(default=None, ge=0, description="Objects of the dataset on the node.")
     seconds: float | None = Field(default=None, ge=0, description="Seconds the last copy took.")
+    bucketBytes: int | None = Field(
+        default=None, ge=0, description="Of the bytes the last copy fetched, those it fetched from the bucket."
+    )
+    peerBytes: int | None = Field(
+        default=None, ge=0, description="Of the bytes the last copy fetched, those it got from other nodes."
+    )
     consumers: int = Field(default=0, ge=0, description="Live pods on the node that use this cache.")
     lastUsed: Timestamp | None = Field(default=None, description="When the set of consumers on the node last changed.")
     wipedAt: Timestamp | None = Field(default=None, description="When the node's copy was last wiped.")
@@ -494,17 +502,6 @@ PRINTER_COLUMNS = [
     {"name": "Prestaged", "type": "integer", "jsonPath": ".status.prestage.ready", "priority": 1},
     {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
 ]
-
-
-def human_bytes(n: int | None) -> str | None:
-    if n is None:
-        return None
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return None  # unreachable
 
 
 def parse_duration(text: str) -> float:

@@ -24,9 +24,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dscache_contract import ANNOTATION_PLACEMENT, INVENTORY_ANNOTATION, VOLUME_NAME, WARM_LABEL_PREFIX, Inventory
+from dscache_contract import (
+    ANNOTATION_PLACEMENT,
+    INVENTORY_ANNOTATION,
+    VOLUME_NAME,
+    WARM_LABEL_PREFIX,
+    Inventory,
+    human_bytes,
+)
 
-from .models import PlacementMode, human_bytes
+from .models import PlacementMode
 
 #: The node index key under which each Node's budget (bytes) is stored; a tuple,
 #: so it can never clash with a label key (a string).

@@ -6,26 +6,52 @@ namespace, pinned to its node (nodeName), injected exactly as a Job's pod is
 ServiceAccount identity: the tenant's Secret never leaves its namespace). It
 takes no lease (a lease means "a pod reads this"): its copy is kept by the
 controller's plan (``keep``) while prestage names the node, and may be evicted
-by the node's byte budget like any unused copy.
+by the node's byte budget like any unused copy. ``keep`` (run by each
+reconciliation) creates and replaces those pods and says how far it got.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
+import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dscache_contract as contract
 from dscache_contract import RevisionRef
 
+from .caches import CacheView
+from .clock import parse_time
 from .injection import inject_object, stager_security_context
-from .models import CONSUMER_LABEL, GROUP, KIND, VERSION, DatasetCacheSpec, Prestage, VolumeMode
+from .kube import ApiError
+from .models import (
+    CONSUMER_LABEL,
+    GROUP,
+    KIND,
+    VERSION,
+    DatasetCacheSpec,
+    PodPhase,
+    Prestage,
+    PrestageStatus,
+    VolumeMode,
+)
 from .nodes import NodeInfo, schedulable_for
 from .settings import Settings
+from .workloads import InitState, PodInfo
+
+if TYPE_CHECKING:
+    from .common import Context
 
 PRESTAGE_LABEL = f"{GROUP}/prestage"
 POD_PREFIX = "dscache-prestage-"
+#: A pre-stage pod that succeeded while its node is still not warm is replaced after this long.
+PRESTAGE_RETRY_S = 300.0
+#: A failed pre-stage pod is replaced after this long (its message is in status meanwhile).
+PRESTAGE_FAILED_RETRY_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 def pod_name(namespace: str, cache: str, node: str, revision: str) -> str:
@@ -104,3 +130,70 @@ def build_pod(
     args = contract.StageArgs.from_argv(init["args"])
     init["args"] = dataclasses.replace(args, pod_uid=None).to_argv()
     return pod
+
+
+# --- keeping the chosen nodes pre-staged (the controller runs this in each reconciliation) ---
+
+
+async def keep(
+    ctx: Context,
+    view: CacheView,
+    cache: DatasetCacheSpec,
+    revision: RevisionRef,
+    nbytes: int | None,
+    chosen: list[NodeInfo],
+    pods: list[PodInfo],
+    now: datetime.datetime,
+) -> dict[str, Any]:
+    """Make every chosen node hold ``revision``: one pre-stage pod per node that does not yet.
+
+    A succeeded pod whose node is still not warm (its copy was evicted, or the agent has
+    not labelled it yet) is replaced after PRESTAGE_RETRY_S; a failed one after
+    PRESTAGE_FAILED_RETRY_S, its message shown meanwhile."""
+    kube = ctx.api()
+    namespace, name = view.key
+    key = contract.warm_label(namespace, name, revision.id)
+    mine = {p.name: p for p in pods if p.name.startswith(POD_PREFIX)}
+    wanted_names = set()
+    ready, problems = 0, []
+    for node in chosen:
+        wanted = pod_name(namespace, name, node.name, revision.id)
+        wanted_names.add(wanted)
+        if key in node.warm:
+            ready += 1
+            continue
+        pod = mine.get(wanted)
+        if pod is None:
+            body = build_pod(namespace, name, view.uid, node.name, cache, ctx.settings, revision, nbytes)
+            try:
+                if await kube.create_pod(namespace, body) is not None:
+                    logger.info(f"{namespace}/{name}: pre-staging {revision.id} onto node {node.name} (pod {wanted})")
+            except ApiError as e:
+                problems.append(f"{node.name}: cannot create the pre-stage pod: {e}")
+            continue
+        finished = parse_time(pod.init_finished)
+        age = (now - finished).total_seconds() if finished else 0.0
+        if pod.phase == PodPhase.FAILED or pod.init == InitState.FAILED:
+            problems.append(f"{node.name}: {pod.message or 'the pre-stage pod failed'}")
+            if age > PRESTAGE_FAILED_RETRY_S:
+                await kube.delete_pod(namespace, wanted)
+        elif pod.phase == PodPhase.SUCCEEDED and age > PRESTAGE_RETRY_S:
+            await kube.delete_pod(namespace, wanted)  # staged, yet not warm: stage again
+    await drop_pods(ctx, namespace, pods, keep=wanted_names)
+    ctx.metrics.set_prestaged(namespace, name, {n.name: nbytes or 0 for n in chosen if key in n.warm})
+    message = None
+    if not chosen:
+        message = "no ready node with a dscache-node agent matches spec.prestage (nodeSelector, tolerations)"
+    elif problems:
+        message = "; ".join(problems)[:4000]
+    return PrestageStatus(
+        wanted=len(chosen), ready=ready, nodes=sorted(n.name for n in chosen)[:256], message=message
+    ).model_dump(exclude_none=True)
+
+
+async def drop_pods(ctx: Context, namespace: str, pods: list[PodInfo], keep: set[str]) -> None:
+    """Delete finished pre-stage pods that are no longer wanted (an older revision, a node
+    no longer chosen, prestage removed); running ones finish first."""
+    for p in pods:
+        if p.name.startswith(POD_PREFIX) and p.name not in keep and p.finished:
+            await ctx.api().delete_pod(namespace, p.name)

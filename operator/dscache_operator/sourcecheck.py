@@ -20,14 +20,16 @@ import datetime
 import hashlib
 import threading
 import time
-from typing import Any
-
-import kopf
+from typing import TYPE_CHECKING, Any
 
 import dscache_contract as contract
 
+from .clock import parse_time
 from .kube import ApiError, Kube
-from .models import REFRESH_ANNOTATION, DatasetCacheSpec, Phase, Source, parse_duration
+from .models import DatasetCacheSpec, Phase, Source, parse_duration
+
+if TYPE_CHECKING:
+    from .common import Context
 
 KEY_ID = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -217,61 +219,85 @@ def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> 
     )
 
 
-# Few threads: listings are I/O-bound, and each thread costs memory (see __main__).
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-async def check(source: Source, creds: dict[str, str] | None, timeout: float = 20.0) -> CheckResult:
-    global _executor
-    if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sourcecheck")
+async def check(
+    executor: concurrent.futures.Executor, source: Source, creds: dict[str, str] | None, timeout: float = 20.0
+) -> CheckResult:
+    """List the source in one of ``executor``'s threads (boto3 blocks)."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_executor, _list_sync, source, creds, timeout)
+    return await loop.run_in_executor(executor, _list_sync, source, creds, timeout)
 
 
 # --- the controller's glue: credentials from the spec's Secret, and when to check -------------
 
 
-async def check_source(kube: Kube, namespace: str, spec: DatasetCacheSpec, operator_namespace: str) -> CheckResult:
+class SecretReads:
+    """The Secrets read in the last few seconds. A fleet of caches names a few Secrets:
+    10,000 first source checks in a burst read each Secret once, not 10,000 times."""
+
+    def __init__(self, ttl: float = 10.0, most: int = 256) -> None:
+        self.ttl, self.most = ttl, most
+        self._got: dict[tuple[str, str], tuple[float, dict[str, Any] | None]] = {}
+
+    async def get(self, kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+        now = time.monotonic()
+        hit = self._got.get((namespace, name))
+        if hit is not None and now - hit[0] < self.ttl:
+            return hit[1]
+        secret = await kube.get_secret(namespace, name)
+        if len(self._got) >= self.most:
+            self._got = {k: v for k, v in self._got.items() if now - v[0] < self.ttl}
+        if len(self._got) < self.most:
+            self._got[(namespace, name)] = (now, secret)
+        return secret
+
+
+async def check_source(ctx: Context, namespace: str, spec: DatasetCacheSpec) -> CheckResult:
     """Read the spec's Secret (if any) with the operator's client, then list the source.
-    ``operator_namespace`` is the chart's release namespace, named in the SecretForbidden fix."""
+    Another failure reading the Secret is raised: the scheduler retries the cache after a backoff."""
     creds = None
     secret_name = spec.source.secret_name
     if secret_name:
         try:
-            secret = await kube.get_secret(namespace, secret_name)
+            secret = await ctx.secrets.get(ctx.api(), namespace, secret_name)
         except ApiError as e:
             if e.status == 403:
-                return secret_forbidden(namespace, secret_name, operator_namespace)
-            raise kopf.TemporaryError(f"reading Secret {namespace}/{secret_name}: {e}", delay=5) from e
+                return secret_forbidden(namespace, secret_name, ctx.settings.namespace)
+            raise
         got = credentials_from_secret(secret, namespace, secret_name)
         if isinstance(got, CheckResult):
             return got
         creds = got
-    return await check(spec.source, creds)
+    return await check(ctx.source_executor, spec.source, creds)
 
 
 def source_due(
-    meta: Any, status: dict[str, Any], memo: Any, retry_interval: float, refresh_interval: str, now: datetime.datetime
+    generation: int | None,
+    refresh: str | None,
+    status: dict[str, Any],
+    last_check: float,
+    retry_interval: float,
+    refresh_interval: str,
+    now: datetime.datetime,
 ) -> str | None:
     """Why the source must be listed now (None: it need not be).
 
-    On create and spec change; again every retry_interval while it fails; when
-    the annotation dscache.io/refresh has a value not acted on yet; and when the
+    On create and spec change; again every retry_interval while it fails
+    (``last_check``: monotonic time of the last check, 0 for none); when the
+    annotation dscache.io/refresh has a value not acted on yet; and when the
     pinned revision is older than spec.refresh.interval. Judged from the object
     alone (status.revision.listedAt), so a restarted operator agrees.
     """
-    if status.get("observedGeneration") != meta.get("generation"):
+    if status.get("observedGeneration") != generation:
         return "spec"
-    token = (meta.get("annotations") or {}).get(REFRESH_ANNOTATION)
-    if token is not None and token != status.get("observedRefresh"):
+    if refresh is not None and refresh != status.get("observedRefresh"):
         return "annotation"
     if status.get("phase") == Phase.FAILED:
-        last = getattr(memo, "last_check", 0.0)
-        return "retry" if time.monotonic() - last >= retry_interval else None
-    revision = status.get("revision") or {}
-    if refresh_interval != "Never" and revision.get("listedAt"):
-        listed = datetime.datetime.fromisoformat(revision["listedAt"].replace("Z", "+00:00"))
-        if (now - listed).total_seconds() >= parse_duration(refresh_interval):
-            return "interval"
+        return "retry" if time.monotonic() - last_check >= retry_interval else None
+    listed = parse_time((status.get("revision") or {}).get("listedAt"))
+    if (
+        refresh_interval != "Never"
+        and listed is not None
+        and (now - listed).total_seconds() >= parse_duration(refresh_interval)
+    ):
+        return "interval"
     return None

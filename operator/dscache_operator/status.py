@@ -6,10 +6,10 @@ import datetime
 from collections.abc import Iterable
 from typing import Any
 
-from dscache_contract import RevisionRef
+from dscache_contract import RevisionRef, human_bytes
 
-from .consumers import fmt_time
-from .models import NodeState, NodeStatus, human_bytes
+from .clock import fmt_time
+from .models import NodeState, NodeStatus
 from .nodes import NodeInfo, warm_nodes
 
 SOURCE_READY = "SourceReady"
@@ -48,7 +48,7 @@ def nodes_fragment(entries: list[NodeStatus]) -> dict[str, Any]:
 
 
 def source_fragment(objects: int | None, nbytes: int | None) -> dict[str, Any]:
-    return {"objects": objects, "bytes": nbytes, "size": human_bytes(nbytes)}
+    return {"objects": objects, "bytes": nbytes, "size": human_bytes(nbytes) if nbytes is not None else None}
 
 
 def changed(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +88,7 @@ def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit:
     the revision its pods stage, so the webhook gives that owner's new pods the
     same revision (a PyTorchJob recreating a worker after a refresh). Pins of
     owners with no live pod left are dropped; the first revision seen wins."""
-    from .consumers import holds
+    from .workloads import holds
 
     old = {o.get("uid"): o for o in prior}
     pins: dict[str, dict[str, Any]] = {}

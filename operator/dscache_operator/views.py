@@ -1,5 +1,6 @@
-"""The controller's read-only views of users' workloads (see informer.py).
+"""The controller's read-only views of DatasetCaches and users' workloads (see informer.py).
 
+- DatasetCaches -> CacheView by (namespace, name) (caches.py);
 - consumer pods (labelled ``dscache.io/consumer=true`` by the webhook) -> PodInfo by (namespace, cache);
 - owners, by (namespace, uid) -> OwnerInfo: the Jobs the webhook labelled, and
   every JobSet, PyTorchJob, TrainJob, RayJob, RayCluster and Volcano Job in the
@@ -15,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .consumers import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, owner_info, pod_info, pod_key
-from .informer import MultiInformer
+from .caches import CacheView, Key, cache_extract
+from .informer import MultiInformer, Notify
 from .kube import Kube
-from .models import CONSUMER_LABEL
+from .models import CONSUMER_LABEL, GROUP, PLURAL, VERSION
 from .nodes import ALL, NodeInfo, node_extract
+from .workloads import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, owner_info, pod_info, pod_key
 
 
 def _pod_extract(body: dict[str, Any]) -> tuple[tuple[str, str], PodInfo] | None:
@@ -35,13 +37,13 @@ def _owner_extract(kind: OwnerKind) -> Callable[[dict[str, Any]], tuple[tuple[An
     return extract
 
 
-def _job_extract(body: dict[str, Any]) -> tuple[tuple[Any, Any], OwnerInfo]:
-    return _owner_extract(OWNER_KINDS[0])(body)
-
-
 class Views:
-    def __init__(self, kube: Kube, namespaces: tuple[str, ...]) -> None:
+    def __init__(self, kube: Kube, namespaces: tuple[str, ...], on_cache: Notify | None = None) -> None:
         selector = f"{CONSUMER_LABEL}=true"
+        # The DatasetCaches themselves (caches.py: what is kept of each), telling the scheduler of changes.
+        self.caches = MultiInformer(
+            kube, f"/apis/{GROUP}/{VERSION}", PLURAL, namespaces, "", cache_extract, notify=on_cache
+        )
         self.pods = MultiInformer(kube, "/api/v1", "pods", namespaces, selector, _pod_extract)
         # Nodes: their agents' warm labels and addresses (optional: without RBAC on
         # nodes, no node is known to hold anything and no wipe can be sent).
@@ -64,7 +66,7 @@ class Views:
         return self.owners["Job"]
 
     def _all(self) -> list[MultiInformer]:
-        return [self.pods, self.nodes, *self.owners.values()]
+        return [self.caches, self.pods, self.nodes, *self.owners.values()]
 
     def start(self) -> None:
         for m in self._all():
@@ -80,6 +82,10 @@ class Views:
 
     def auth_failing_for(self) -> float:
         return max(m.auth_failing_for() for m in self._all())
+
+    def cache(self, key: Key) -> CacheView | None:
+        got = self.caches.get(key)
+        return got[0] if got else None
 
     def all_nodes(self) -> list[NodeInfo]:
         return self.nodes.get(ALL)

@@ -120,7 +120,7 @@ async def lookup(
         if _settled(indexed):
             # The index learns of a deletion a moment after the API server. A pod
             # admitted in between is an unfinished consumer like any other: the
-            # wipe waits for it (consumers.py), so the window is late, never unsafe.
+            # wipe waits for it (nodeplan.py), so the window is late, never unsafe.
             return indexed
         # Not checked yet (as far as the index knows): ask the API server, whose
         # answer may already say Ready or Failed.

@@ -8,6 +8,7 @@ import pydantic
 import pytest
 import yaml
 
+from dscache_contract import human_bytes
 from dscache_operator import crdgen, models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,9 +116,10 @@ def test_durations_and_sizes():
     assert models.parse_duration("2d") == 172800
     with pytest.raises(ValueError):
         models.parse_duration("1x")
-    assert models.human_bytes(0) == "0 B"
-    assert models.human_bytes(1536) == "1.5 KiB"
-    assert models.human_bytes(3 * 1024**3) == "3.0 GiB"
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(3 * 1024**3) == "3.0 GiB"
+    assert human_bytes(5 * 1024**4) == "5.0 TiB"
 
 
 def test_crd_is_not_in_the_all_category():

@@ -82,7 +82,7 @@ def test_empty_informers_count_as_ready():
     with zero Jobs in the cluster nothing was ever planned or wiped."""
     views = views_mod.Views(FakeKube([]), ())
     assert not views.ready()
-    for m in (views.pods, views.nodes, *views.owners.values()):
+    for m in (views.caches, views.pods, views.nodes, *views.owners.values()):
         for i in m.informers.values():
             i.ready.set()
     assert len(views.pods) == 0 and views.ready()

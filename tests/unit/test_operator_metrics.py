@@ -7,10 +7,10 @@ import json
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dscache_contract import RevisionRef
-from dscache_operator.consumers import PodInfo, pod_info
+from dscache_contract import RevisionRef, StageSummary
 from dscache_operator.metrics import Metrics
 from dscache_operator.version import package_version
+from dscache_operator.workloads import PodInfo, pod_info
 
 START = datetime.datetime(2026, 11, 22, 12, 0, 0, tzinfo=datetime.UTC)
 REV = RevisionRef("r-" + "1" * 20)
@@ -22,9 +22,20 @@ def value(m: Metrics, name: str, **labels: str) -> float | None:
 
 
 def pod(uid: str, init: str, finished: str, started: str = "2026-11-22T12:00:01Z", summary=SUMMARY) -> PodInfo:
-    message = json.dumps(summary) if init == "ok" else "error: access denied"
+    ok = init == "ok"
     return PodInfo(
-        "p-" + uid, "n1", "Running", None, "HostPath", init, started, message, uid, REV, init_finished=finished
+        "p-" + uid,
+        "n1",
+        "Running",
+        None,
+        "HostPath",
+        init,
+        started,
+        None if ok else "error: access denied",
+        uid,
+        REV,
+        init_finished=finished,
+        summary=StageSummary.from_message(json.dumps(summary)) if ok else None,
     )
 
 

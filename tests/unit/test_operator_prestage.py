@@ -7,8 +7,8 @@ import datetime
 import dscache_contract as contract
 from dscache_contract import RevisionRef, StageArgs
 from dscache_operator import prestage
-from dscache_operator.consumers import plan_nodes
 from dscache_operator.models import DatasetCacheSpec, NodeRevision, NodeState, NodeStatus, Retention, Toleration
+from dscache_operator.nodeplan import plan_nodes
 from dscache_operator.nodes import NodeInfo, node_info, schedulable_for
 from dscache_operator.settings import Settings
 from dscache_operator.status import ready_condition

@@ -78,12 +78,9 @@ import datetime as _dt  # noqa: E402
 _NOW = _dt.datetime(2026, 11, 21, 12, 0, 0, tzinfo=_dt.UTC)
 
 
-class _Memo:
-    last_check = 0.0
-
-
 def _due(meta, status, interval="1h"):
-    return sourcecheck.source_due(meta, status, _Memo(), 60.0, interval, _NOW)
+    refresh = (meta.get("annotations") or {}).get("dscache.io/refresh")
+    return sourcecheck.source_due(meta.get("generation"), refresh, status, 0.0, 60.0, interval, _NOW)
 
 
 def test_revision_refresh_triggers():

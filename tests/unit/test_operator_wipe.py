@@ -1,4 +1,5 @@
-"""The controller's wipe request, end to end against a real node agent on loopback.
+"""The controller's wipe, end to end against a real node agent on loopback: the request
+(agentclient), what its answer means (nodeplan.judge_wipe) and what it records (nodeplan.record_wipe).
 
 The agent runs in-process (no API server: it labels nothing), on a real
 cacheRoot in a temp dir; the wipe itself is the stager's, under the flock.
@@ -7,13 +8,12 @@ cacheRoot in a temp dir; the wipe itself is the stager's, under the flock.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import fcntl
 import json
-import logging
 import os
 import threading
 
-import kopf
 import pytest
 
 import dscache_contract as contract
@@ -21,10 +21,10 @@ from dscache_node.agent import Agent
 from dscache_node.metrics import AgentMetrics
 from dscache_node.server import make_server
 from dscache_node.settings import AgentSettings
-from dscache_operator import wipe
-from dscache_operator.consumers import LEGACY, Release
-from dscache_operator.metrics import Metrics
+from dscache_operator import agentclient
+from dscache_operator import nodeplan as wipe
 from dscache_operator.models import NodeState, NodeStatus
+from dscache_operator.nodeplan import LEGACY, Release
 from dscache_operator.nodes import NodeInfo
 from dscache_operator.settings import Settings
 from tests.support.s3server import free_port
@@ -33,11 +33,15 @@ REV = "r-0123456789abcdef0123"
 TOKEN = "t0ken-for-tests"
 
 
+NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
+_events: list[dict[str, str]] = []
+
+
 @pytest.fixture
-def events(monkeypatch):
-    got = []
-    monkeypatch.setattr(kopf, "event", lambda body, **kw: got.append(kw))
-    return got
+def events():
+    """The Events the wipes' results asked for, as the executor would post them."""
+    _events.clear()
+    return _events
 
 
 @pytest.fixture
@@ -78,8 +82,12 @@ def staged(agent: Agent, leases: tuple[str, ...] = ()) -> str:
 
 def drive(s: Settings, info: NodeInfo | None, step: Release, entry: NodeStatus | None = None):
     entry = entry or NodeStatus(node="n1", state=NodeState.READY)
-    outcome, kept = asyncio.run(wipe.drive(s, Metrics(), {}, "ml", "c", entry, step, info, logging.getLogger("t")))
-    return outcome, kept, entry
+    answer = asyncio.run(agentclient.wipe(info, s, wipe.request_for("ml", "c", step)))
+    result = wipe.judge_wipe(entry, step, answer, s.namespace)
+    wipe.record_wipe(entry, step, result, NOW)
+    if result.event is not None:
+        _events.append(dict(zip(("type", "reason", "message"), result.event, strict=True)))
+    return result.outcome, list(result.leases), entry
 
 
 def test_release_then_remove(agent, tmp_path, events):

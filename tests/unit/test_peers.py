@@ -265,7 +265,7 @@ def test_long_peer_secret_names_stay_distinct():
 
 def test_a_long_cache_name_cut_on_a_dot_still_gives_a_valid_secret_name():
     cache = "a" * 199 + "." + "b" * 53
-    assert contract.layout._NAME_RE.match(cache) and len(cache) == 253
+    assert contract.paths._NAME_RE.match(cache) and len(cache) == 253
     name = peer_secret_name(cache)
     assert DNS_SUBDOMAIN.match(name), f"{name!r} is not a DNS-1123 subdomain"
 

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import datetime
 
-from dscache_contract import RevisionRef
-from dscache_operator import wipe
-from dscache_operator.consumers import (
-    LEGACY,
+from dscache_contract import RevisionRef, StageSummary
+from dscache_operator import nodeplan as wipe
+from dscache_operator.models import NodeRevision, NodeStatus, Retention
+from dscache_operator.nodeplan import LEGACY, plan_nodes
+from dscache_operator.settings import Settings
+from dscache_operator.workloads import (
     OwnerInfo,
     OwnerRef,
     PodInfo,
     job_finished,
-    plan_nodes,
     pod_info,
-    termination_summary,
 )
-from dscache_operator.models import NodeRevision, NodeStatus, Retention
-from dscache_operator.settings import Settings
 
 NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
 WIPE = Retention()
@@ -44,7 +42,11 @@ def pod(
 ):
     owner = OwnerRef(kind, job, f"uid-{job}") if job else None
     pinned = RevisionRef(revision) if revision else None
-    return PodInfo(name, node, phase, owner, mode, init, started, message, uid or f"uid-{name}", pinned)
+    summary = StageSummary.from_message(message) if init == "ok" else None
+    message = None if init == "ok" else message
+    return PodInfo(
+        name, node, phase, owner, mode, init, started, message, uid or f"uid-{name}", pinned, summary=summary
+    )
 
 
 def jobs(**state):
@@ -92,7 +94,10 @@ def test_pod_info_reads_init_status_and_owner():
         "HostPath",
         REV,
     )
-    assert termination_summary(info.message)["bytes"] == 300
+    # Parsed once, typed; the raw message is kept only for failures.
+    assert info.summary is not None and (info.summary.bytes, info.summary.seconds) == (300, 1.5)
+    assert (info.summary.bucket_bytes, info.summary.peer_bytes) == (0, 0)  # an older stager's summary
+    assert info.message is None
 
 
 def test_job_finished():
@@ -106,7 +111,7 @@ def test_running_consumer_makes_ready_node_without_wipe():
     plans = plan_nodes([], [pod()], jobs(train=False), WIPE, NOW)
     p = plans["n1"]
     assert p.entry.state == "Ready" and p.entry.bytes == 300 and p.entry.seconds == 1.5
-    assert p.entry.consumers == 1 and not p.wipe
+    assert p.entry.consumers == 1 and not p.wipes
 
 
 def test_staging_and_failed_states():
@@ -122,26 +127,26 @@ def test_staging_and_failed_states():
 def test_completed_job_wipes_node():
     prior = [node(consumers=1)]
     p = plan_nodes(prior, [pod(phase="Succeeded")], jobs(train=True), WIPE, NOW)["n1"]
-    assert p.wipe and p.entry.consumers == 0
+    assert p.wipes and p.entry.consumers == 0
     (step,) = p.wipes
     assert step.revision == REV and step.release == ("uid-p",)
 
 
 def test_finished_pod_of_running_job_still_consumes():
     p = plan_nodes([], [pod(phase="Succeeded")], jobs(train=False), WIPE, NOW)["n1"]
-    assert not p.wipe and p.entry.consumers == 1
+    assert not p.wipes and p.entry.consumers == 1
 
 
 def test_other_live_consumer_on_node_prevents_wipe():
     pods = [pod(phase="Succeeded", job="a"), pod(name="q", job="b")]
     p = plan_nodes([], pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
-    assert not p.wipe and p.entry.consumers == 1
+    assert not p.wipes and p.entry.consumers == 1
 
 
 def test_each_node_decided_separately():
     pods = [pod(node="n1", phase="Succeeded", job="a"), pod(name="q", node="n2", job="b")]
     plans = plan_nodes([], pods, jobs(a=True, b=False), WIPE, NOW)
-    assert plans["n1"].wipe and not plans["n2"].wipe
+    assert plans["n1"].wipes and not plans["n2"].wipes
 
 
 def test_retain_while_used_waits_for_ttl():
@@ -151,29 +156,29 @@ def test_retain_while_used_waits_for_ttl():
             node="n1", state="Ready", consumers=0, revisions=[NodeRevision(id=REV, lastUsed="2026-11-21T11:30:00Z")]
         )
     ]
-    assert not plan_nodes(recent, [pod(phase="Succeeded")], jobs(train=True), keep, NOW)["n1"].wipe
+    assert not plan_nodes(recent, [pod(phase="Succeeded")], jobs(train=True), keep, NOW)["n1"].wipes
     old = [
         NodeStatus(
             node="n1", state="Ready", consumers=0, revisions=[NodeRevision(id=REV, lastUsed="2026-11-21T10:30:00Z")]
         )
     ]
-    assert plan_nodes(old, [pod(phase="Succeeded")], jobs(train=True), keep, NOW)["n1"].wipe
+    assert plan_nodes(old, [pod(phase="Succeeded")], jobs(train=True), keep, NOW)["n1"].wipes
 
 
 def test_wiped_node_stays_wiped_for_old_pods_and_restages_for_new_ones():
     prior = [NodeStatus(node="n1", state="Wiped", wipedAt="2026-11-21T11:30:00Z", bytes=300)]
     old = pod(phase="Succeeded", started="2026-11-21T11:00:00Z", revision=None)
     p = plan_nodes(prior, [old], jobs(train=True), WIPE, NOW)["n1"]
-    assert p.entry.state == "Wiped" and not p.wipe
+    assert p.entry.state == "Wiped" and not p.wipes
     new = pod(name="q", job="t2", init="running", message=None, started="2026-11-21T11:45:00Z")
     p = plan_nodes(prior, [old, new], jobs(train=True, t2=False), WIPE, NOW)["n1"]
-    assert p.entry.state == "Staging" and not p.wipe
+    assert p.entry.state == "Staging" and not p.wipes
 
 
 def test_emptydir_copies_need_no_helper():
     prior = [NodeStatus(node="n1", state="Ready", volume="EmptyDir", consumers=1)]
     p = plan_nodes(prior, [pod(phase="Succeeded", mode="EmptyDir")], jobs(train=True), WIPE, NOW)["n1"]
-    assert p.entry.state == "Wiped" and not p.wipe
+    assert p.entry.state == "Wiped" and not p.wipes
 
 
 def test_unscheduled_and_stale_pods_create_no_entries():
@@ -202,7 +207,7 @@ def test_long_wiped_nodes_without_pods_are_forgotten():
         NOW,
     )
     assert sorted(plans) == ["n1", "n3"]
-    assert not plans["n3"].wipe and plans["n3"].entry.state == "Wiped"
+    assert not plans["n3"].wipes and plans["n3"].entry.state == "Wiped"
 
 
 # --- issue 7: revisions, leases, owners -------------------------------------------------------
@@ -231,20 +236,20 @@ def test_unscheduled_pod_blocks_its_revision_on_every_node():
         pod("b-0", node=None, job="b", phase="Pending", init=None, started=None, message=None),
     ]
     plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
-    assert not plans["n1"].wipe and not plans["n2"].wipe
+    assert not plans["n1"].wipes and not plans["n2"].wipes
     # A pending pod of another revision blocks only that revision.
     pods[-1] = pods[-1]._replace(pinned=RevisionRef(REV2))
     plans = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)
-    assert plans["n1"].wipe and plans["n2"].wipe
+    assert plans["n1"].wipes and plans["n2"].wipes
 
 
 def test_pytorchjob_recreating_a_worker_does_not_trigger_a_wipe():
     pt = OwnerInfo("PyTorchJob", "pt", False, None)
     failed_worker = pod("pt-worker-0", job="pt", kind="PyTorchJob", phase="Failed", init="ok")
     plans = plan_nodes([node(consumers=1)], [failed_worker], owners(**{"uid-pt": pt}), WIPE, NOW)
-    assert not plans["n1"].wipe and plans["n1"].entry.consumers == 1
+    assert not plans["n1"].wipes and plans["n1"].entry.consumers == 1
     done = owners(**{"uid-pt": pt._replace(finished=True)})
-    assert plan_nodes([node(consumers=1)], [failed_worker], done, WIPE, NOW)["n1"].wipe
+    assert plan_nodes([node(consumers=1)], [failed_worker], done, WIPE, NOW)["n1"].wipes
 
 
 def test_jobset_pods_are_judged_by_the_jobset_not_their_job():
@@ -253,30 +258,30 @@ def test_jobset_pods_are_judged_by_the_jobset_not_their_job():
     js = OwnerInfo("JobSet", "js", False, None)
     p0 = pod("js-w-0-0", job="js-w-0", phase="Succeeded")
     view = owners(**{"uid-js-w-0": job_, "uid-js": js})
-    assert not plan_nodes([node(consumers=1)], [p0], view, WIPE, NOW)["n1"].wipe
+    assert not plan_nodes([node(consumers=1)], [p0], view, WIPE, NOW)["n1"].wipes
     view = owners(**{"uid-js-w-0": job_, "uid-js": js._replace(finished=True)})
-    assert plan_nodes([node(consumers=1)], [p0], view, WIPE, NOW)["n1"].wipe
+    assert plan_nodes([node(consumers=1)], [p0], view, WIPE, NOW)["n1"].wipes
 
 
 def test_unknown_owner_kinds_fall_back_to_pod_phase():
     rs_pod = pod("web-1", job="web", kind="ReplicaSet", phase="Running")
-    assert not plan_nodes([node(consumers=1)], [rs_pod], owners(), WIPE, NOW)["n1"].wipe
-    assert plan_nodes([node(consumers=1)], [rs_pod._replace(phase="Succeeded")], owners(), WIPE, NOW)["n1"].wipe
+    assert not plan_nodes([node(consumers=1)], [rs_pod], owners(), WIPE, NOW)["n1"].wipes
+    assert plan_nodes([node(consumers=1)], [rs_pod._replace(phase="Succeeded")], owners(), WIPE, NOW)["n1"].wipes
 
 
 def test_raycluster_holds_while_it_exists_and_rayjob_decides_above_it():
     rc = OwnerInfo("RayCluster", "rc", None, None)
     p0 = pod("rc-worker", job="rc", kind="RayCluster", phase="Succeeded")
-    assert not plan_nodes([node(consumers=1)], [p0], owners(**{"uid-rc": rc}), WIPE, NOW)["n1"].wipe
+    assert not plan_nodes([node(consumers=1)], [p0], owners(**{"uid-rc": rc}), WIPE, NOW)["n1"].wipes
     rc_owned = rc._replace(owner=OwnerRef("RayJob", "rj", "uid-rj"))
     rj_done = OwnerInfo("RayJob", "rj", True, None)
     assert plan_nodes([node(consumers=1)], [p0], owners(**{"uid-rc": rc_owned, "uid-rj": rj_done}), WIPE, NOW)[
         "n1"
-    ].wipe
+    ].wipes
 
 
 def test_owner_finished_conditions_per_kind():
-    from dscache_operator.consumers import OWNER_KINDS, owner_info
+    from dscache_operator.workloads import OWNER_KINDS, owner_info
 
     kinds = {k.kind: k for k in OWNER_KINDS}
 
@@ -293,25 +298,18 @@ def test_owner_finished_conditions_per_kind():
     assert owner_info(kinds["RayCluster"], {}).finished is None
 
 
-def test_a_node_that_is_gone_is_dropped_and_gets_no_helper():
-    prior = [node("n1", consumers=0), node("gone", consumers=0)]
-    pods = [pod("a", node="gone", phase="Succeeded")]
-    plans = plan_nodes(prior, pods, jobs(train=True), WIPE, NOW, gone_nodes=frozenset({"gone"}))
-    assert "gone" not in plans and plans["n1"].wipe
-
-
 def test_deletion_while_a_job_still_needs_pods_does_not_deadlock():
     """A running Job whose finished pod is on the node: normally that pod still
     holds the copy (the Job may start another pod). While the cache is being
     deleted the webhook refuses new pods, so it must not hold it any longer."""
     prior = [node(consumers=1)]
     pods = [pod("t-0", phase="Failed")]
-    assert not plan_nodes(prior, pods, jobs(train=False), WIPE, NOW)["n1"].wipe
+    assert not plan_nodes(prior, pods, jobs(train=False), WIPE, NOW)["n1"].wipes
     p = plan_nodes(prior, pods, jobs(train=False), WIPE, NOW, deleting=True)["n1"]
     assert p.entry.consumers == 0 and [(s.revision, s.release) for s in p.wipes] == [(None, ("uid-t-0",))]
     # A pod still running keeps deletion waiting (its mount source must stay).
     p = plan_nodes(prior, [pod("t-1")], jobs(train=False), WIPE, NOW, deleting=True)["n1"]
-    assert not p.wipe and p.entry.consumers == 1
+    assert not p.wipes and p.entry.consumers == 1
 
 
 def test_stray_leases_are_released_unless_a_live_pod_owns_them():
@@ -342,7 +340,7 @@ def test_a_revision_kept_by_nothing_releasable_waits_before_the_next_helper():
     """A wipe found REV held by an entry that is no lease (or by the lease of a pod that
     still holds REV elsewhere): a new helper would find the same, so none starts for
     KEPT_RETRY_S (it started one every reconciliation); then it tries again."""
-    from dscache_operator.consumers import KEPT_RETRY_S
+    from dscache_operator.nodeplan import KEPT_RETRY_S
 
     done = [pod(phase="Succeeded")]
     live_q = [*done, pod("q", node="n2", job="other")]  # q holds REV on n2
@@ -365,7 +363,7 @@ def test_a_new_consumer_clears_the_kept_mark():
 
 
 def test_a_kept_whole_cache_wipe_on_deletion_waits_too():
-    from dscache_operator.consumers import KEPT_RETRY_S
+    from dscache_operator.nodeplan import KEPT_RETRY_S
 
     done = [pod(phase="Succeeded")]
     assert not plan_nodes(_kept(60, []), done, jobs(train=True), WIPE, NOW, deleting=True)["n1"].wipes
@@ -389,7 +387,7 @@ def test_a_wiped_revision_is_not_wiped_again_for_finished_pods_but_comes_back_fo
         pod("b-0", job="b", revision=REV2),
     ]
     p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
-    assert not p.wipe and p.entry.state == "Ready"
+    assert not p.wipes and p.entry.state == "Ready"
     assert [(r.id, r.wipedAt is not None) for r in p.entry.revisions] == [(REV, True), (REV2, False)]
     # A new pod of REV starts staging there after the wipe: REV is live again.
     pods.append(pod("c-0", job="c", revision=REV, init="running", started="2026-11-21T11:55:00Z", message=None))
@@ -406,7 +404,7 @@ def test_node_is_not_ready_while_a_consumer_is_still_staging():
         pod("b-0", job="b", phase="Pending", init="waiting", started=None, message=None),
     ]
     p = plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"]
-    assert p.entry.state == "Staging" and not p.wipe
+    assert p.entry.state == "Staging" and not p.wipes
     pods[1] = pods[1]._replace(phase="Running", init="ok", started="2026-11-21T11:59:00Z", message=SUMMARY)
     assert plan_nodes(prior, pods, jobs(a=True, b=False), WIPE, NOW)["n1"].entry.state == "Ready"
 
@@ -507,12 +505,12 @@ def legacy_pod(name="v1", **kw):
 
 def test_a_version_1_copy_is_listed_and_kept_while_a_pod_without_revision_holds_it():
     p = plan_nodes([v1_node()], [legacy_pod(job="old")], jobs(old=False), WIPE, NOW)["n1"]
-    assert not p.wipe
+    assert not p.wipes
     (legacy,) = p.entry.revisions
     assert (legacy.id, legacy.consumers, legacy.wipedAt) == (LEGACY, 1, None)
     # Finished, but its Job still runs (it may recreate the pod): still kept.
     p = plan_nodes([v1_node()], [legacy_pod(job="old", phase="Succeeded")], jobs(old=False), WIPE, NOW)["n1"]
-    assert not p.wipe and p.entry.revisions[0].consumers == 1
+    assert not p.wipes and p.entry.revisions[0].consumers == 1
 
 
 def test_a_version_1_copy_is_wiped_once_no_legacy_holder_remains():
@@ -539,20 +537,20 @@ def test_any_legacy_holder_blocks_the_version_1_wipe_and_every_revision_wipe():
     """It mounts C itself: it would see any of them vanish."""
     prior = [NodeStatus(node="n1", state="Ready", revisions=[NodeRevision(id=LEGACY), NodeRevision(id=REV)])]
     pods = [legacy_pod(job="old"), pod("a-0", job="a", phase="Succeeded")]
-    assert not plan_nodes(prior, pods, jobs(old=False, a=True), WIPE, NOW)["n1"].wipe
+    assert not plan_nodes(prior, pods, jobs(old=False, a=True), WIPE, NOW)["n1"].wipes
     # Unscheduled (it may land here): blocks too, on every node.
     pods[0] = pods[0]._replace(node=None, phase="Pending", init=None, started=None)
-    assert not plan_nodes(prior, pods, jobs(old=False, a=True), WIPE, NOW)["n1"].wipe
+    assert not plan_nodes(prior, pods, jobs(old=False, a=True), WIPE, NOW)["n1"].wipes
     # On another node it blocks nothing here.
     pods[0] = pods[0]._replace(node="n2", phase="Running", init="ok", started="2026-11-21T11:00:00Z")
     plans = plan_nodes(prior, pods, jobs(old=False, a=True), WIPE, NOW)
-    assert sorted(s.revision for s in plans["n1"].wipes) == [LEGACY, REV] and not plans["n2"].wipe
+    assert sorted(s.revision for s in plans["n1"].wipes) == [LEGACY, REV] and not plans["n2"].wipes
 
 
 def test_a_version_1_copy_waits_for_retention():
     keep = Retention(policy="RetainWhileUsed", ttlAfterLastUse="1h")
     recent = v1_node(consumers=0, lastUsed="2026-11-21T11:30:00Z")
-    assert not plan_nodes([recent], [], jobs(), keep, NOW)["n1"].wipe
+    assert not plan_nodes([recent], [], jobs(), keep, NOW)["n1"].wipes
     old = v1_node(consumers=0, lastUsed="2026-11-21T10:30:00Z")
     assert [s.revision for s in plan_nodes([old], [], jobs(), keep, NOW)["n1"].wipes] == [LEGACY]
 
@@ -562,10 +560,10 @@ def test_a_wiped_version_1_copy_is_not_wiped_again_for_its_finished_pods():
     prior = [NodeStatus(node="n1", state="Ready", revisions=[wiped, NodeRevision(id=REV, consumers=1)], consumers=1)]
     pods = [legacy_pod(job="old", phase="Succeeded"), pod("new-0", job="new")]
     p = plan_nodes(prior, pods, jobs(old=True, new=False), WIPE, NOW)["n1"]
-    assert not p.wipe and p.entry.revisions[0].wipedAt == wiped.wipedAt
+    assert not p.wipes and p.entry.revisions[0].wipedAt == wiped.wipedAt
     # Nor is a wiped node (or a version 1 entry the kubelet's emptyDir removed) given one.
     assert not plan_nodes([v1_node(state="Wiped")], [], jobs(), WIPE, NOW)
-    assert not plan_nodes([v1_node(volume="EmptyDir", consumers=0)], [], jobs(), WIPE, NOW)["n1"].wipe
+    assert not plan_nodes([v1_node(volume="EmptyDir", consumers=0)], [], jobs(), WIPE, NOW)["n1"].wipes
 
 
 def test_deleting_a_cache_with_a_version_1_copy_removes_all_of_c_in_one_step():
