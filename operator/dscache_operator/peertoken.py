@@ -9,8 +9,9 @@ DatasetCache (garbage-collected with it), and writes it afresh each period
 mounts that Secret into the stager (optional: no Secret, no peers; the bucket
 serves everything).
 
-``peer_secret`` is a pure spec builder; ``ensure`` does at most one GET and one
-write per cache per period (``Tokens`` remembers which period each cache has).
+``peer_secret`` is a pure spec builder; ``ensure`` writes at most once per cache
+per period (``Tokens`` remembers which period each cache has): a create, or a
+patch guarded by our label (the controller may not read Secrets: no GET).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def peer_secret(namespace: str, cache: str, cache_uid: str, token: str) -> dict[
     }
 
 
+def _pointer(key: str) -> str:
+    """A JSON pointer's reference token (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
 class Tokens:
     """The period each cache's Secret was last written for (one int per cache)."""
 
@@ -68,18 +74,27 @@ class Tokens:
         body = peer_secret(namespace, cache, uid, peer_token(key, namespace, cache, now))
         path = f"/api/v1/namespaces/{namespace}/secrets"
         name = body["metadata"]["name"]
+        # No GET (the controller may not read Secrets it did not name): create, and when it exists,
+        # a JSON patch that first tests our label, so the API server changes nothing in a Secret
+        # of that name that is not ours. Rewriting the same token is a no-op for the API server.
+        patch = [
+            {"op": "test", "path": f"/metadata/labels/{_pointer(PEER_TOKEN_LABEL)}", "value": "true"},
+            {"op": "add", "path": f"/data/{_pointer(PEER_TOKEN_KEY)}", "value": body["data"][PEER_TOKEN_KEY]},
+        ]
         try:
-            current = await kube.get(f"{path}/{name}")
-            if current is None:
+            try:
                 await kube.request("POST", path, body)
-            elif (current.get("metadata") or {}).get("labels", {}).get(PEER_TOKEN_LABEL) != "true":
-                log.warning(f"{namespace}/{name} exists and is not a dscache peer token: left alone (no peers)")
-            elif (current.get("data") or {}).get(PEER_TOKEN_KEY) != body["data"][PEER_TOKEN_KEY]:
-                await kube.request("PATCH", f"{path}/{name}", {"data": body["data"]}, "application/merge-patch+json")
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+                await kube.request("PATCH", f"{path}/{name}", patch, "application/json-patch+json")
         except ApiError as e:
-            # Without the Secret the stagers read the bucket: slower, never wrong. Tried again next pass.
-            log.warning(f"could not write the peer token of {namespace}/{cache}: {e}")
-            return
+            if e.status in (409, 422) or (e.status == 500 and "test" in str(e)):
+                log.warning(f"{namespace}/{name} exists and is not a dscache peer token: left alone (no peers)")
+            else:
+                # Without the Secret the stagers read the bucket: slower, never wrong. Tried again next pass.
+                log.warning(f"could not write the peer token of {namespace}/{cache}: {e}")
+                return
         self._written[(namespace, cache)] = period
 
     def forget(self, namespace: str, cache: str) -> None:

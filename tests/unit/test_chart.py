@@ -522,7 +522,7 @@ def test_rbac_least_privilege(helm: str):
                 if "secrets" in rule["resources"]:
                     # Reading by name; writing only the peer tokens (their own role).
                     peer_tokens = doc["metadata"]["name"].endswith("-peer-tokens")
-                    assert rule["verbs"] == (["create", "get", "patch"] if peer_tokens else ["get"]), (name, rule)
+                    assert rule["verbs"] == (["create", "patch"] if peer_tokens else ["get"]), (name, rule)
         # Secrets cluster-wide only in the cluster-wide default (readSecrets, no
         # secretNamespaces): never when Secret reading is narrowed, off, or scoped.
         sc = values.get("sourceCheck", {})

@@ -19,19 +19,25 @@ class FakeKube:
         self.calls: list[str] = []
         self.refuse = False
 
-    async def get(self, path: str) -> dict[str, Any] | None:
-        self.calls.append(f"GET {path}")
-        return self.objects.get(path)
-
     async def request(self, method: str, path: str, body: Any = None, content_type: str = "") -> dict[str, Any]:
         self.calls.append(f"{method} {path}")
         if self.refuse:
             raise ApiError(403, "forbidden")
         if method == "POST":
-            self.objects[f"{path}/{body['metadata']['name']}"] = body
-        else:
-            self.objects[path]["data"].update(body["data"])
-        return {}
+            name = f"{path}/{body['metadata']['name']}"
+            if name in self.objects:
+                raise ApiError(409, "AlreadyExists")
+            self.objects[name] = body
+            return body
+        # A JSON patch: a test of the label, then the token (what the API server does with them).
+        assert method == "PATCH" and content_type == "application/json-patch+json", (method, content_type)
+        obj = self.objects[path]
+        test, add = body
+        label = test["path"].rsplit("/", 1)[1].replace("~1", "/").replace("~0", "~")
+        if (obj["metadata"].get("labels") or {}).get(label) != test["value"]:
+            raise ApiError(422, "the server rejected our request: test operation failed")
+        obj["data"][add["path"].rsplit("/", 1)[1]] = add["value"]
+        return obj
 
 
 def token_in(kube: FakeKube, ns: str, cache: str) -> str:
@@ -60,6 +66,7 @@ def test_written_once_per_period_then_rotated():
     asyncio.run(tokens.ensure(kube, KEY, "ml", "imagenet", "uid-1", t1))
     second = token_in(kube, "ml", "imagenet")
     assert second != first and kube.calls[-1].startswith("PATCH")
+    assert not any(c.startswith("GET") for c in kube.calls), "the controller may not read Secrets"
     assert check_peer_token(KEY, "ml", "imagenet", first, now=t1)
     assert not check_peer_token(KEY, "ml", "imagenet", first, now=t1 + TOKEN_PERIOD_S)
 
@@ -73,3 +80,11 @@ def test_no_key_writes_nothing_and_a_refusal_is_retried():
     kube.refuse = False
     asyncio.run(tokens.ensure(kube, KEY, "ml", "c", "uid", 1.0))
     assert check_peer_token(KEY, "ml", "c", token_in(kube, "ml", "c"), now=1.0)
+
+
+def test_a_secret_of_that_name_that_is_not_ours_is_not_changed():
+    kube, tokens = FakeKube(), Tokens()
+    name = f"/api/v1/namespaces/ml/secrets/{peer_secret_name('c')}"
+    kube.objects[name] = {"metadata": {"name": peer_secret_name("c")}, "data": {PEER_TOKEN_KEY: "theirs"}}
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "c", "uid", 0.0))
+    assert kube.objects[name]["data"][PEER_TOKEN_KEY] == "theirs"
