@@ -88,6 +88,22 @@ def tool_env(tool: str, env: dict[str, str], workers: int | None = None) -> dict
     return env
 
 
+def byte_compile() -> None:
+    """Compile the stager's Python sources once, untimed, as its image does (compileall).
+
+    Without it, a run with PYTHONDONTWRITEBYTECODE set (as here, and in the
+    image) compiles every module of the stager and the contract again: about
+    45 ms of CPU per run that the shipped stager never spends, billed to
+    both of dscache's planes.
+    """
+    import importlib.util
+
+    for name in ("dscache_stager", "dscache_contract"):
+        spec = importlib.util.find_spec(name)
+        for where in (spec.submodule_search_locations or []) if spec else []:
+            subprocess.run([sys.executable, "-m", "compileall", "-q", where], check=True)
+
+
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
@@ -450,6 +466,7 @@ def main() -> int:
         log("dscache_native is not installed (make wheels): dscache runs its pure-Python plane only")
     digests: dict[str, str] = {}
     load: dict[str, list[float]] = {"start": loadavg()}
+    byte_compile()
     try:
         tools = Tools(server, env)
         server.make_bucket(BUCKET)

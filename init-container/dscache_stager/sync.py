@@ -417,9 +417,12 @@ class _Run:
                 items.append((obj.key, tree.path(rel), obj.etag, obj.version_id))
             if self.peers is not None:
                 self._claim(claimed + small)
-            if items:
-                jobs.append(self._fetch_native(small, items))
-            await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
+            if jobs:
+                if items:
+                    jobs.append(self._fetch_native(small, items))
+                await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
+            elif items:
+                await self._fetch_native(small, items)  # the usual batch: no task nor gather of its own
             if end:
                 return
 

@@ -11,7 +11,6 @@ use object_store::aws::AmazonS3;
 use object_store::path::Path;
 use object_store::{GetOptions, ObjectStore};
 use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// (key, final path, ETag unquoted or "", versionId)
@@ -35,9 +34,15 @@ pub struct Shared {
 #[derive(Debug)]
 pub enum Failure {
     /// Mapped by the Python wrapper onto obstore's exception of the same kind.
-    Store { kind: &'static str, message: String },
+    Store {
+        kind: &'static str,
+        message: String,
+    },
     /// Writing the destination failed: raised as OSError(errno).
-    Os { errno: i32, message: String },
+    Os {
+        errno: i32,
+        message: String,
+    },
     Cancelled,
 }
 
@@ -79,57 +84,100 @@ fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
     Failure::Os { errno: e.raw_os_error().unwrap_or(libc::EIO), message: format!("{what} {path}: {e}") }
 }
 
+/// What a batch hands back: (index, size, etag) of each object placed, and the failure that stopped the rest.
+pub type Outcome = (Vec<(usize, u64, String)>, Option<(Failure, String)>);
+
+/// A batch's results, filled in by its objects' tasks as they end.
+struct Gather {
+    keys: Vec<String>,
+    done: Vec<(usize, u64, String)>,
+    failure: Option<(Failure, String)>,
+    left: usize,
+    reply: Option<tokio::sync::oneshot::Sender<Outcome>>,
+}
+
+/// One object's slot in its batch. Its Drop records the result, so a task
+/// that panics or is dropped (the runtime shutting down) still counts, and
+/// the batch's waiter is woken once, by the last object, not once per object
+/// (a JoinSet wakes the waiting thread for each task that ends).
+struct Slot {
+    gather: Arc<std::sync::Mutex<Gather>>,
+    stop: CancellationToken,
+    index: usize,
+    result: Option<Result<(u64, String), Failure>>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let result = self.result.take().unwrap_or_else(|| {
+            Err(Failure::Store { kind: "generic", message: "native task failed: it ended without a result".into() })
+        });
+        let mut g = self.gather.lock().unwrap_or_else(|e| e.into_inner());
+        match result {
+            Ok((size, etag)) => g.done.push((self.index, size, etag)),
+            Err(f) => {
+                self.stop.cancel();
+                // The first real failure wins over the cancellations it causes.
+                let first = match &g.failure {
+                    None => true,
+                    Some((prev, _)) => matches!(prev, Failure::Cancelled) && !matches!(f, Failure::Cancelled),
+                };
+                if first {
+                    let key = g.keys[self.index].clone();
+                    g.failure = Some((f, key));
+                }
+            }
+        }
+        g.left -= 1;
+        if g.left == 0 {
+            let out = (std::mem::take(&mut g.done), g.failure.take());
+            if let Some(reply) = g.reply.take() {
+                let _ = reply.send(out);
+            }
+        }
+    }
+}
+
 /// Copy every item; the first failure stops the rest of this batch only (the
-/// caller fails the run and cancels the others through Shared.stop).
-pub async fn batch(
-    shared: Arc<Shared>,
-    tmp_dir: String,
-    items: Vec<Item>,
-) -> (Vec<(usize, u64, String)>, Option<(Failure, String)>) {
+/// caller fails the run and cancels the others through Shared.stop). Called
+/// from a runtime worker, so the objects' tasks go to its local queue; the
+/// answer comes through ``reply`` once the last object has ended.
+pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: tokio::sync::oneshot::Sender<Outcome>) {
+    let n = items.len();
+    if n == 0 {
+        let _ = reply.send((Vec::new(), None));
+        return;
+    }
     let stop = shared.stop.child_token();
     let tmp_dir = Arc::new(tmp_dir);
     let keys: Vec<String> = items.iter().map(|i| i.0.clone()).collect();
-    let mut tasks = JoinSet::new();
+    let gather = Arc::new(std::sync::Mutex::new(Gather {
+        keys,
+        done: Vec::with_capacity(n),
+        failure: None,
+        left: n,
+        reply: Some(reply),
+    }));
     for (index, item) in items.into_iter().enumerate() {
-        let (shared, stop, tmp_dir) = (shared.clone(), stop.clone(), tmp_dir.clone());
-        tasks.spawn(async move {
+        let mut slot = Slot { gather: gather.clone(), stop: stop.clone(), index, result: None };
+        let (shared, tmp_dir) = (shared.clone(), tmp_dir.clone());
+        tokio::spawn(async move {
+            let stop = slot.stop.clone();
             let result = tokio::select! {
                 biased;
                 _ = stop.cancelled() => Err(Failure::Cancelled),
                 r = object(&shared, &tmp_dir, &item) => r,
             };
-            (index, result)
+            slot.result = Some(result);
+            drop(slot); // records the result (Slot's Drop)
         });
     }
-    let mut done = Vec::new();
-    let mut failure: Option<(Failure, String)> = None;
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok((index, Ok((size, etag)))) => done.push((index, size, etag)),
-            Ok((index, Err(f))) => {
-                stop.cancel();
-                // The first real failure wins over the cancellations it causes.
-                let first = match &failure {
-                    None => true,
-                    Some((prev, _)) => matches!(prev, Failure::Cancelled) && !matches!(f, Failure::Cancelled),
-                };
-                if first {
-                    failure = Some((f, keys[index].clone()));
-                }
-            }
-            Err(e) => {
-                stop.cancel();
-                let f = Failure::Store { kind: "generic", message: format!("native task failed: {e}") };
-                failure.get_or_insert((f, String::new()));
-            }
-        }
-    }
-    (done, failure)
 }
 
 async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, String), Failure> {
     let (key, dest, etag, version) = item;
-    let path = Path::parse(key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
+    let path =
+        Path::parse(key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
     let mut attempt = 1;
     loop {
         match once(shared, tmp_dir, &path, dest, etag, version).await {

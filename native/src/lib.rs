@@ -28,7 +28,6 @@ use tokio_util::sync::CancellationToken;
 
 use copy::{Item, Shared};
 
-
 /// A copier for one bucket: its own runtime (``workers`` threads), connection
 /// pool and request limit. One per staging run.
 #[pyclass(module = "dscache_native", frozen)]
@@ -70,9 +69,8 @@ impl Copier {
                 "dscache_native.Copier needs static keys, a credential_provider or skip_signature=True",
             ));
         }
-        let store: AmazonS3 = builder
-            .build()
-            .map_err(|e| PyValueError::new_err(format!("cannot configure the S3 client: {e}")))?;
+        let store: AmazonS3 =
+            builder.build().map_err(|e| PyValueError::new_err(format!("cannot configure the S3 client: {e}")))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(workers)
             .thread_name("dscache-native")
@@ -107,7 +105,16 @@ impl Copier {
         items: Vec<Item>,
     ) -> PyResult<(Vec<(usize, u64, String)>, Option<(String, i32, String, String)>)> {
         let shared = self.shared.clone();
-        let (done, failure) = py.allow_threads(|| self.runtime.block_on(copy::batch(shared, tmp_dir, items)));
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        // One task onto the runtime (one wake of a worker); it spawns the
+        // objects' tasks from inside, and the last of them answers (one wake
+        // of this thread per batch).
+        self.runtime.spawn(async move { copy::batch(shared, tmp_dir, items, reply) });
+        let outcome = py.allow_threads(|| answer.blocking_recv());
+        let (done, failure) = outcome.unwrap_or_else(|_| {
+            let f = copy::Failure::Store { kind: "generic", message: "native batch ended without an answer".into() };
+            (Vec::new(), Some((f, String::new())))
+        });
         Ok((done, failure.map(|(f, key)| f.into_tuple(key))))
     }
 
