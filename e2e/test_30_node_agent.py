@@ -371,7 +371,11 @@ def test_agent_restart(cfg, kube, s3, cache_factory, dataset):
     held_path = f"{host_copy(cfg, hns, hname)}/revs/{hrev}/meta/complete"
 
     # 1. Killed mid-pre-stage.
-    cache = cache_factory("restart", ds=ds, extra=prestage_on(node))
+    # A small CPU request: a pre-stage pod is bound to its node (nodeName), so the kubelet, not the
+    # scheduler, admits it, and on this 2-core cluster the pods of the tests before may still hold
+    # the default 500m there (CI saw the pod refused, OutOfcpu, and the copy never ran).
+    small = {"resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}}
+    cache = cache_factory("restart", ds=ds, extra={**prestage_on(node), **small})
     ns, name = cache["namespace"], cache["name"]
     rev = revision_of(kube, ns, name)
 
@@ -382,7 +386,13 @@ def test_agent_restart(cfg, kube, s3, cache_factory, dataset):
                     return True
         return False
 
-    wait_for("the pre-stage copy to be running", staging, timeout=120, interval=0.2)
+    wait_for(
+        "the pre-stage copy to be running",
+        staging,
+        timeout=120,
+        interval=0.2,
+        describe=lambda: describe_pods(kube, ns, "dscache.io/prestage=true"),
+    )
     before = _kill_agent(kube, node)
     wait_for(f"the agent on {node} to restart", lambda: _restarted(kube, node, before), timeout=120)
     wait_ready(kube, ns, name)
