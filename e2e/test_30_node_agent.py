@@ -42,6 +42,7 @@ from conftest import (
 from support import agent
 from support import workloads as w
 from support.kube import node_path_exists, node_sh, schedulable_nodes, wait_for
+from support.s3link import bucket_link
 from support.timeline import measure
 
 import dscache_contract as contract
@@ -371,14 +372,6 @@ def test_agent_restart(cfg, kube, s3, cache_factory, dataset):
     held_path = f"{host_copy(cfg, hns, hname)}/revs/{hrev}/meta/complete"
 
     # 1. Killed mid-pre-stage.
-    # A small CPU request: a pre-stage pod is bound to its node (nodeName), so the kubelet, not the
-    # scheduler, admits it, and on this 2-core cluster the pods of the tests before may still hold
-    # the default 500m there (CI saw the pod refused, OutOfcpu, and the copy never ran).
-    small = {"resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}}
-    cache = cache_factory("restart", ds=ds, extra={**prestage_on(node), **small})
-    ns, name = cache["namespace"], cache["name"]
-    rev = revision_of(kube, ns, name)
-
     def staging() -> bool:
         for p in kube.items("pods", namespace=ns, selector="dscache.io/prestage=true"):
             for cs in (p.get("status") or {}).get("initContainerStatuses") or []:
@@ -386,16 +379,22 @@ def test_agent_restart(cfg, kube, s3, cache_factory, dataset):
                     return True
         return False
 
-    wait_for(
-        "the pre-stage copy to be running",
-        staging,
-        timeout=120,
-        interval=0.2,
-        describe=lambda: describe_pods(kube, ns, "dscache.io/prestage=true"),
-    )
-    before = _kill_agent(kube, node)
-    wait_for(f"the agent on {node} to restart", lambda: _restarted(kube, node, before), timeout=120)
-    wait_ready(kube, ns, name)
+    # The bucket's link limited to 80 mbit: the 124 MB copy takes ~12 s, so it is surely running
+    # when the agent dies (unlimited, CI saw it done in 0.34 s, before any poll saw it running).
+    with bucket_link(80):
+        cache = cache_factory("restart", ds=ds, extra=prestage_on(node))
+        ns, name = cache["namespace"], cache["name"]
+        rev = revision_of(kube, ns, name)
+        wait_for(
+            "the pre-stage copy to be running",
+            staging,
+            timeout=120,
+            interval=0.2,
+            describe=lambda: describe_pods(kube, ns, "dscache.io/prestage=true"),
+        )
+        before = _kill_agent(kube, node)
+        wait_for(f"the agent on {node} to restart", lambda: _restarted(kube, node, before), timeout=120)
+        wait_ready(kube, ns, name)
     assert contract.warm_label(ns, name, rev) in agent.warm_labels(kube, node)
 
     # 2. A removal the agent did not finish (the state a kill mid-removal leaves: the revision

@@ -16,65 +16,29 @@ is read from its own interface counter: the bucket's side, not the stagers' word
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
-import os
 import random
-import subprocess
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from conftest import cache_status, describe_pods, init_summary, job_pods, send_go, wait_verified
 from support import workloads as w
 from support.kube import node_sh, schedulable_nodes, wait_for
+from support.s3link import bucket_link, s3_sent_bytes
 
 import dscache_contract as contract
 from dscache_contract.peers import ObjectRequest, peer_secret_name
 
 pytestmark = pytest.mark.multinode
 
-S3_CONTAINER = f"{os.environ.get('DSCACHE_KIND_CLUSTER', 'dscache-e2e')}-s3"
 #: The bucket's link while these tests run: 60 MiB take ~6 s through it, so three nodes
 #: reading it independently would take ~18 s.
 LINK_MBIT = 80
 MiB = 1 << 20
-
-
-def _s3_pid() -> int:
-    p = subprocess.run(
-        ["docker", "inspect", "-f", "{{.State.Pid}}", S3_CONTAINER], capture_output=True, text=True, check=True
-    )
-    return int(p.stdout.strip())
-
-
-def s3_sent_bytes() -> int:
-    """Bytes the S3 container has sent on its interface (its own network namespace's counter)."""
-    with open(f"/proc/{_s3_pid()}/net/dev") as f:
-        lines = f.read().splitlines()
-    for line in lines:
-        name, _, rest = line.partition(":")
-        if name.strip() == "eth0":
-            return int(rest.split()[8])
-    raise AssertionError(f"no eth0 in {S3_CONTAINER}'s network namespace")
-
-
-@contextlib.contextmanager
-def bucket_link(mbit: int) -> Iterator[None]:
-    """Limit what the S3 container sends (tc tbf on its eth0), for the duration."""
-    ns = ["nsenter", "-t", str(_s3_pid()), "-n", "tc", "qdisc"]
-    subprocess.run(
-        [*ns, "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb", "latency", "200ms"],
-        check=True,
-    )
-    try:
-        yield
-    finally:
-        subprocess.run([*ns, "del", "dev", "eth0", "root"], check=False)
 
 
 @pytest.fixture(scope="module")
