@@ -34,7 +34,6 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from enum import Enum
 
 from dscache_contract.peers import (
@@ -141,13 +140,6 @@ class Digest:
         return False
 
 
-@dataclass
-class PeerStats:
-    bytes: int = 0
-    objects: int = 0
-    failed: dict[str, str] = field(default_factory=dict)  # peer -> why it is no longer asked
-
-
 class Peers:
     """This node's view of the other nodes of its revision, and the client that asks them."""
 
@@ -157,7 +149,8 @@ class Peers:
         self.revision = revision
         self.token_file = token_file
         self.answer: PeersAnswer | None = None
-        self.stats = PeerStats()
+        # Peers no longer asked in this run, and why (each is logged once).
+        self.failed: dict[str, str] = {}
         self._token: tuple[float, str] = (0.0, "")
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -205,7 +198,7 @@ class Peers:
         for addr in owner_ranking(key, a):
             if addr == a.me:
                 break
-            if addr not in self.stats.failed:
+            if addr not in self.failed:
                 out.append(addr)
         return out
 
@@ -220,12 +213,12 @@ class Peers:
         mine = next((p.since for p in a.staging if p.addr == a.me), 0.0)
         if not mine or time.time() > mine + PROBE_S:
             return []
-        return [p.addr for p in a.staging if p.since < mine and p.addr != a.me and p.addr not in self.stats.failed]
+        return [p.addr for p in a.staging if p.since < mine and p.addr != a.me and p.addr not in self.failed]
 
     def _fail(self, addr: str, why: str) -> None:
         with self._lock:
-            if addr not in self.stats.failed:
-                self.stats.failed[addr] = why
+            if addr not in self.failed:
+                self.failed[addr] = why
                 log.warning(f"peer {addr}: {why}; not asked again (its objects come from the next node or the bucket)")
 
     # --- taking an object ----------------------------------------------------------------
@@ -343,9 +336,6 @@ class Peers:
             _unlink(tmp)
             raise
         os.close(fd)
-        with self._lock:
-            self.stats.bytes += size
-            self.stats.objects += 1
 
 
 class _Lied(Exception):
