@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import dscache_contract as contract
+from tests.support.faultproxy import FaultProxy
 from tests.support.stager import (
     boto3_revision,
     data_dir,
@@ -97,15 +98,23 @@ def test_copy_from_before_the_last_boot_is_refetched(s3_server, bucket, tmp_path
 
 def _killed_mid_copy(s3_server, uri: str, cache: Path, rev: str, journal: Path, complete: Path) -> list[str]:
     """One stager run SIGKILLed once its journal holds records; returns the paths it journalled."""
-    cmd = stage_cmd(
-        *sync_argv(uri, cache, rev, concurrency=1, progress_interval=0.1), "--endpoint-url", s3_server.endpoint
-    )
-    p = subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and p.poll() is None and (not journal.exists() or journal.stat().st_size == 0):
-        time.sleep(0.02)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    # A slow link (one request at a time, 10 ms each way) so that the kill lands mid-copy however
+    # fast the data plane is (CI saw the native one finish first on the open loopback).
+    proxy = FaultProxy((s3_server.host, s3_server.port), lambda n, line: "pass", rtt_ms=20).start()
+    try:
+        cmd = stage_cmd(
+            *sync_argv(uri, cache, rev, concurrency=1, progress_interval=0.1), "--endpoint-url", proxy.endpoint
+        )
+        p = subprocess.Popen(cmd, env=stage_env(s3_server), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while (
+            time.monotonic() < deadline and p.poll() is None and (not journal.exists() or journal.stat().st_size == 0)
+        ):
+            time.sleep(0.02)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    finally:
+        proxy.stop()
     assert p.returncode == -signal.SIGKILL and not complete.exists(), "the kill must land before the copy completed"
     paths = []
     for line in journal.read_text().splitlines():
