@@ -120,6 +120,20 @@ def summaries(pods: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def write_report(cfg, name: str, ds: w.Dataset, sent: int, by_node: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The run's figures, in build/<name> and on stdout."""
+    report = {
+        **extra,
+        "dataset_bytes": ds.bytes,
+        "bucket_sent_bytes": sent,
+        "link_mbit": LINK_MBIT,
+        "nodes": {n: {k: s[k] for k in ("bucket_bytes", "peer_bytes", "seconds")} for n, s in by_node.items()},
+    }
+    (cfg.results / name).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+    return report
+
+
 def test_fanout_single_egress(cfg, kube, cache_factory, fan_dataset, nodes):
     cache = cache_factory("fan", ds=fan_dataset, extra=_small_stager())
     ns, name = cache["namespace"], cache["name"]
@@ -131,14 +145,7 @@ def test_fanout_single_egress(cfg, kube, cache_factory, fan_dataset, nodes):
     )
     sent, pods = run_spread(cfg, kube, ns, name, fan_dataset)
     by_node = summaries(pods)
-    report = {
-        "dataset_bytes": fan_dataset.bytes,
-        "bucket_sent_bytes": sent,
-        "link_mbit": LINK_MBIT,
-        "nodes": {n: {k: s[k] for k in ("bucket_bytes", "peer_bytes", "seconds")} for n, s in by_node.items()},
-    }
-    (cfg.results / "fanout-e2e.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report))
+    report = write_report(cfg, "fanout-e2e.json", fan_dataset, sent, by_node)
     assert sum(s["peer_bytes"] for s in by_node.values()) > 0, report
     # The bucket's side: each object once, plus listings and headers.
     assert sent <= 1.1 * fan_dataset.bytes, report
@@ -176,15 +183,7 @@ def test_fanout_peer_dies(cfg, kube, cache_factory, fan_dataset, nodes):
     )
     assert killed, "no agent was killed"
     by_node = summaries(pods)
-    report = {
-        "killed": killed,
-        "dataset_bytes": fan_dataset.bytes,
-        "bucket_sent_bytes": sent,
-        "link_mbit": LINK_MBIT,
-        "nodes": {n: {k: s[k] for k in ("bucket_bytes", "peer_bytes", "seconds")} for n, s in by_node.items()},
-    }
-    (cfg.results / "fanout-e2e-peer-dies.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report))
+    report = write_report(cfg, "fanout-e2e-peer-dies.json", fan_dataset, sent, by_node, killed=killed)
     # Every node exact (each pod verified every byte above); the dead peer's share came from
     # the next node or the bucket, once each: well under three independent copies.
     assert sent <= 2.0 * fan_dataset.bytes, report

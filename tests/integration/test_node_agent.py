@@ -25,8 +25,17 @@ import pytest
 import dscache_contract as contract
 from tests.integration.test_operator_api import make_cache
 from tests.integration.test_operator_truth import metric
-from tests.support.kubeapi import OPERATOR_NS, ApiError, KubeAPI
-from tests.support.nodeagent import MiB, inventory, node_labels, revision_on_disk, stage_copy, warm_labels
+from tests.support.kubeapi import OPERATOR_NS, KubeAPI
+from tests.support.nodeagent import (
+    MiB,
+    create_ignoring_conflict,
+    inventory,
+    node_labels,
+    revision_on_disk,
+    service_account_token,
+    stage_copy,
+    warm_labels,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -127,33 +136,18 @@ def test_warm_label_only_for_a_copy_that_matches_its_manifest(kube_api, agents, 
 def agent_token(k: KubeAPI, path: Path) -> Path:
     """A ServiceAccount token for an agent (bound to cluster-admin: RBAC is not what is tested)."""
     sa = "dscache-node-test"
-    for path_, body in (
-        (
-            f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts",
-            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
-        ),
-        (
-            "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRoleBinding",
-                "metadata": {"name": sa},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-                "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": OPERATOR_NS}],
-            },
-        ),
-    ):
-        try:
-            k.create(path_, body)
-        except ApiError as e:
-            if e.status != 409:
-                raise
-    token = k.create(
-        f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts/{sa}/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}},
-    )["status"]["token"]
-    path.write_text(token)
-    return path
+    create_ignoring_conflict(
+        k,
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": sa},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": OPERATOR_NS}],
+        },
+    )
+    return service_account_token(k, sa, path)
 
 
 def test_a_wipe_takes_the_label_off_before_the_copy_goes(kube_api, agents, ns, tmp_path):

@@ -28,8 +28,7 @@ import pytest
 import dscache_contract as contract
 from dscache_contract.peers import ObjectRequest, peer_token
 from tests.support.faultproxy import FaultProxy
-from tests.support.kubeapi import OPERATOR_NS, ApiError
-from tests.support.nodeagent import NodeAgent
+from tests.support.nodeagent import NodeAgent, service_account_token
 from tests.support.s3server import S3Server
 from tests.support.stager import StageResult, boto3_revision, data_dir, data_tree, expected_tree, run_stage
 
@@ -73,21 +72,7 @@ def counted(s3_server: S3Server, bucket: str):
 def node_sa(kube_api, dscache_operator, tmp_path: Path) -> Path:
     """A token of the agents' own ServiceAccount (dscache-node, bound to the ClusterRole of
     operator/deploy/rbac.yaml), so the agents run with exactly the permissions they ship with."""
-    try:
-        kube_api.create(
-            f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts",
-            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "dscache-node"}},
-        )
-    except ApiError as e:
-        if e.status != 409:
-            raise
-    token = kube_api.create(
-        f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts/dscache-node/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}},
-    )["status"]["token"]
-    path = tmp_path / "node-sa-token"
-    path.write_text(token)
-    return path
+    return service_account_token(kube_api, "dscache-node", tmp_path / "node-sa-token")
 
 
 def token_file(agent: NodeAgent, tmp_path: Path, ns: str = NS, cache: str = CACHE) -> Path:

@@ -70,6 +70,30 @@ def register_node(k: KubeAPI, node: str, labels: dict[str, str] | None = None) -
     )
 
 
+def create_ignoring_conflict(k: KubeAPI, path: str, body: dict[str, Any]) -> None:
+    try:
+        k.create(path, body)
+    except ApiError as e:
+        if e.status != 409:
+            raise
+
+
+def service_account_token(k: KubeAPI, sa: str, path: Path) -> Path:
+    """A token of ServiceAccount ``sa`` in the operator's namespace (made if missing), in ``path``:
+    an agent started with it has exactly that account's permissions."""
+    create_ignoring_conflict(
+        k,
+        f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
+    )
+    token = k.create(
+        f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts/{sa}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}},
+    )["status"]["token"]
+    path.write_text(token)
+    return path
+
+
 def node_labels(k: KubeAPI, node: str) -> dict[str, str]:
     return ((k.get(f"/api/v1/nodes/{node}") or {}).get("metadata") or {}).get("labels") or {}
 
