@@ -4,8 +4,8 @@ from collections.abc import Callable, Mapping
 
 #: (access key id, secret access key, session token or None, seconds the three stay valid)
 Credential = tuple[str, str, str | None, float]
-#: (key, final path, ETag without quotes or "", versionId or None)
-Item = tuple[str, str, str, str | None]
+#: (key, final path, ETag without quotes or "", versionId or None, listed size: what it takes of buffer_bytes)
+Item = tuple[str, str, str, str | None, int]
 #: (index in the batch, bytes written, ETag the GET answered with, unquoted)
 Done = tuple[int, int, str]
 #: (kind, errno, message, key); kind is one of gone, precondition, permission,
@@ -25,6 +25,7 @@ class Copier:
         credential_provider: Callable[[], Credential] | None = None,
         workers: int = 1,
         concurrency: int = 64,
+        buffer_bytes: int = 64 << 20,
         attempts: int = 5,
     ) -> None: ...
     @property

@@ -46,7 +46,7 @@ from .errors import SourceError, StageError, TransientError
 from .source import S3Source
 
 if TYPE_CHECKING:
-    from obstore import ObjectMeta
+    from obstore import ListStream, ObjectMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +69,33 @@ def _objects(batch: Sequence[ObjectMeta]) -> list[RemoteObject]:
 
 
 LIST_ATTEMPTS = 8
+#: Objects per batch from obstore: one ListObjectsV2 page (S3 sends at most 1,000 keys a page).
+LIST_CHUNK = 1000
 
 
-async def _pages(store: S3Store, prefix: str | None) -> AsyncIterator[list[RemoteObject]]:
+@dataclass(slots=True)
+class Started:
+    """A listing already begun by stage.prove_access: its first batch, and its stream to go on
+    with (None: that batch was the whole listing). The access proof is one listing page, the
+    one the copy needs first; handing it on saves a round trip and the server listing it twice."""
+
+    first: Sequence[ObjectMeta]
+    rest: ListStream[Sequence[ObjectMeta]] | None
+
+
+async def _resumed(started: Started) -> AsyncIterator[Sequence[ObjectMeta]]:
+    yield started.first
+    if started.rest is not None:
+        # The same stream, polled async now: S3's continuation token carries it on, so no key
+        # is listed twice or missed (a start-after from the last key could not tell "a" from
+        # a marker "a/", which obstore lists alike).
+        async for batch in started.rest:
+            yield batch
+
+
+async def _pages(
+    store: S3Store, prefix: str | None, started: Started | None = None
+) -> AsyncIterator[list[RemoteObject]]:
     """One listing, resumed after the last key seen when a page fails mid-body.
 
     obstore retries failed requests, but not a connection dropped while a
@@ -85,7 +109,12 @@ async def _pages(store: S3Store, prefix: str | None) -> AsyncIterator[list[Remot
     failures = 0
     while True:
         try:
-            async for batch in obstore.list(store, prefix=prefix, offset=last, chunk_size=1000):
+            if started is not None:
+                batches: AsyncIterator[Sequence[ObjectMeta]] = _resumed(started)
+                started = None  # a failure resumes with a listing of its own, from the last key
+            else:
+                batches = obstore.list(store, prefix=prefix, offset=last, chunk_size=LIST_CHUNK)
+            async for batch in batches:
                 objs = _objects(batch)
                 if failures:
                     objs = [o for o in objs if o.key not in previous and o.key not in older]
@@ -107,9 +136,12 @@ async def _pages(store: S3Store, prefix: str | None) -> AsyncIterator[list[Remot
 PREFETCH_PAGES = 4
 
 
-async def list_objects(store: S3Store, prefix: str) -> AsyncIterator[list[RemoteObject]]:
-    """Yield batches of objects under ``prefix`` in listing order, each object exactly once."""
-    async for batch in _prefetched(_pages(store, prefix or None)):
+async def list_objects(
+    store: S3Store, prefix: str, started: Started | None = None
+) -> AsyncIterator[list[RemoteObject]]:
+    """Yield batches of objects under ``prefix`` in listing order, each object exactly once
+    (going on with ``started``, the access proof's listing, when there is one)."""
+    async for batch in _prefetched(_pages(store, prefix or None, started)):
         yield batch
 
 

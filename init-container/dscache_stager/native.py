@@ -28,12 +28,13 @@ from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, P
 
 from .fetch import OBJECT_ATTEMPTS, SMALL_LIMIT, Fetched, ObjectGone
 from .source import S3Source, credentials_for_store
+from .sync_options import BUFFER_BYTES
 
 #: "0" turns the native data plane off (the pure-Python path runs); unset or "1": on when installed.
 ENV = "DSCACHE_NATIVE"
 
-#: (key, final path, ETag, versionId) as dscache_native.Copier.fetch takes them.
-Item = tuple[str, str, str, str | None]
+#: (key, final path, ETag, versionId, listed size) as dscache_native.Copier.fetch takes them.
+Item = tuple[str, str, str, str | None, int]
 
 
 def load() -> ModuleType | None:
@@ -65,7 +66,15 @@ def handles(size: int) -> bool:
 class NativeFetcher:
     """A dscache_native.Copier for one run, and the threads that wait on its batches."""
 
-    def __init__(self, module: ModuleType, source: S3Source, concurrency: int, workers: int, tmp_dir: str) -> None:
+    def __init__(
+        self,
+        module: ModuleType,
+        source: S3Source,
+        concurrency: int,
+        workers: int,
+        tmp_dir: str,
+        buffer_bytes: int = BUFFER_BYTES,
+    ) -> None:
         self.tmp_dir = tmp_dir
         # Batches small enough that a slow object holds back few others, many
         # enough in flight that the requests limit (not the batching) bounds
@@ -78,6 +87,7 @@ class NativeFetcher:
             **_credentials(),
             workers=workers,
             concurrency=concurrency,
+            buffer_bytes=buffer_bytes,
             attempts=OBJECT_ATTEMPTS,
         )
         self.workers: int = self.copier.workers

@@ -16,8 +16,11 @@ more than the rest.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import obstore
@@ -31,11 +34,14 @@ from .progress import Progress, human_bytes
 from .source import S3Source, source_error
 
 if TYPE_CHECKING:
+    from obstore import ListStream, ObjectMeta
     from obstore.store import S3Store
 
     from .sync_options import SyncOptions
 
 LIST_ATTEMPTS = 8
+#: Objects per listing batch: one ListObjectsV2 page, as listing.LIST_CHUNK (not imported: asyncio).
+LIST_CHUNK = 1000
 
 
 def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
@@ -47,8 +53,12 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
     rev = Revision(c, opts.revision)
     # A complete revision never changes, so its manifest can be read unlocked.
     probe = rev.first_key() if rev.read_complete() else None
+    if probe is None:
+        # Most likely a cold run: import its modules (asyncio, the native plane: ~0.1 s of CPU)
+        # on a thread while this one waits on the network for the access proof and the lock.
+        threading.Thread(target=_import_cold_path, name="import-cold", daemon=True).start()
     store = opts.source.open_store(opts.concurrency)
-    prove_access(store, opts.source, probe)
+    begun = prove_access(store, opts.source, probe)
 
     def on_wait() -> None:
         progress.note(f"another stager or a wipe holds {contract.lock_path(c)}; waiting for it")
@@ -86,41 +96,56 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
             f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
             f"({opts.concurrency} requests in flight)"
         )
-        return cold(opts, rev, store, progress)
+        return cold(opts, rev, store, progress, begun if opts.as_of is None else None)
 
 
-def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> None:
+#: A listing begun by prove_access: its first batch, and the stream that goes on (None: no more).
+Begun = tuple["Sequence[ObjectMeta]", "ListStream[Sequence[ObjectMeta]] | None"]
+
+
+def _import_cold_path() -> None:
+    # An error here (none is expected) surfaces again where sync.py is imported for real.
+    with contextlib.suppress(Exception):
+        from . import sync  # noqa: F401
+
+
+def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> Begun | None:
     """One request with this process's credentials; raise SourceError if S3 refuses.
 
     A HEAD of an object we are about to serve proves GetObject on it; when it
     is gone (404) or there is no manifest yet, one listing page proves
-    ListBucket on the prefix, which a cold run needs anyway.
+    ListBucket on the prefix. A cold run needs that very page first, so it is
+    returned with the listing's stream, for the copy to go on from (sync.py):
+    the server lists it once, and the copy starts a round trip sooner.
     """
     source.check_reachable()
     try:
         if probe_key is not None:
             try:
                 obstore.head(store, probe_key)
-                return
+                return None
             except FileNotFoundError:
                 pass  # deleted since: the copy on the node is still whole; prove access by listing
-        _first_page(store, source.prefix)
+        return _first_page(store, source.prefix)
     except InvalidPathError:
-        return  # S3 answered with keys obstore cannot represent: access is proven; the listing names them
+        return None  # S3 answered with keys obstore cannot represent: access is proven; the listing names them
     except BaseError as e:
         raise source_error(e, source, 0) from e
 
 
-def _first_page(store: S3Store, prefix: str) -> None:
+def _first_page(store: S3Store, prefix: str) -> Begun:
     """One ListObjectsV2 page, retried when its body is cut short (obstore retries the rest itself)."""
     for attempt in range(1, LIST_ATTEMPTS + 1):
         try:
-            for _ in obstore.list(store, prefix=prefix or None, chunk_size=1):
-                break
-            return
+            stream = obstore.list(store, prefix=prefix or None, chunk_size=LIST_CHUNK)
+            try:
+                return next(stream), stream
+            except StopIteration:
+                return [], None  # nothing under the prefix
         except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
             raise
         except BaseError as e:
             if attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
                 raise
             time.sleep(random.uniform(0, 0.1 * 2**attempt))
+    raise AssertionError("unreachable")

@@ -19,9 +19,9 @@ import errno
 import heapq
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from obstore.exceptions import BaseError, PreconditionError
 from obstore.store import S3Store
@@ -38,11 +38,12 @@ from .errors import (
     RevisionGoneError,
     StageError,
 )
-from .fetch import Fetcher, ObjectGone, exists
+from .fetch import SMALL_LIMIT, Fetcher, ObjectGone, exists
 from .keys import TreeShape, unsafe_reason
 from .layout import Entry, Revision
 from .listing import (
     RemoteObject,
+    Started,
     UnrepresentableKeys,
     boto3_client,
     boto3_error,
@@ -53,8 +54,11 @@ from .listing import (
 from .peers import REFRESH_S, Outcome, Peers, verifiable
 from .progress import Progress, human_bytes
 from .source import S3Source, source_error
-from .sync_options import SyncOptions
+from .sync_options import BUFFER_BYTES, SyncOptions
 from .tree import LocalTree
+
+if TYPE_CHECKING:
+    from obstore import ListStream, ObjectMeta
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
@@ -65,9 +69,23 @@ Work = tuple[RemoteObject, str, str] | None
 Task = tuple[RemoteObject, str, str]
 
 
-def cold(opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress) -> StageSummary:
-    """Stage ``rev`` from the bucket (called by stage.sync with C's lock held)."""
-    return asyncio.run(_Run(opts, rev, store, progress).run())
+def cold(
+    opts: SyncOptions,
+    rev: Revision,
+    store: S3Store,
+    progress: Progress,
+    begun: tuple[Sequence[ObjectMeta], ListStream[Sequence[ObjectMeta]] | None] | None = None,
+) -> StageSummary:
+    """Stage ``rev`` from the bucket (called by stage.sync with C's lock held); ``begun``: the
+    listing stage.prove_access started (its first page and the rest of its stream), to go on from.
+
+    A page listed before the lock was taken is as good as one listed after it: the whole listing
+    must still hash to ``rev`` (else exit 9) and every GET still carries If-Match.
+    """
+    run = _Run(opts, rev, store, progress)
+    if begun is not None:
+        run.started_listing = Started(*begun)
+    return asyncio.run(run.run())
 
 
 def current_revision(source: S3Source, selection: Selection) -> dict[str, Any]:
@@ -119,6 +137,7 @@ class _Run:
         self.peers_known = asyncio.Event()
         self.claims: IO[str] | None = None
         self._peer_seq = 0
+        self.started_listing: Started | None = None
         self.started = time.monotonic()
         self.thread_started = time.thread_time()
 
@@ -132,7 +151,12 @@ class _Run:
             raise _destination_error(e, rev.dir) from e
         self.free = st.f_bavail * st.f_frsize
         self.needed = 0
-        self.requests = asyncio.Semaphore(self.opts.concurrency)
+        # Python's own requests (fetch.py: every object on the Python plane, the large ones'
+        # parts on the native plane, HEADs of empty objects) hold a body of up to 1 MiB, or a
+        # 1 MiB chunk of a part, each and have no byte budget: as many as BUFFER_BYTES holds.
+        # The native plane bounds its bodies by bytes itself, so it runs --concurrency.
+        requests = min(self.opts.concurrency, BUFFER_BYTES // SMALL_LIMIT)
+        self.requests = asyncio.Semaphore(requests)
         self.fetcher = Fetcher(
             self.store,
             self.tree,
@@ -152,7 +176,7 @@ class _Run:
             self.progress.note(f"native data plane: {self.native.workers} threads, batches of {self.native.batch_size}")
             workers = [self._native_worker(queue) for _ in range(self.native.batches)]
         else:
-            workers = [self._worker(queue) for _ in range(self.opts.concurrency)]
+            workers = [self._worker(queue) for _ in range(requests)]
         bucket_workers = len(workers)
         peer_pool: ThreadPoolExecutor | None = None
         if self.peers is not None:
@@ -271,7 +295,11 @@ class _Run:
     async def _produce(self, known: dict[str, Entry], queue: asyncio.Queue[Work]) -> None:
         relative, hasher, progress = self.selection.relative, self.hasher, self.progress
         as_of = self.opts.as_of
-        listing = list_versions(self.source, as_of) if as_of else list_objects(self.store, self.source.prefix)
+        listing = (
+            list_versions(self.source, as_of)
+            if as_of
+            else list_objects(self.store, self.source.prefix, self.started_listing)
+        )
         try:
             async for batch in listing:
                 fetch: list[Task] = []
@@ -414,7 +442,7 @@ class _Run:
                 # records them for the seal; the native side only renames into them.
                 tree.ensure_parent(rel)
                 small.append(task)
-                items.append((obj.key, tree.path(rel), obj.etag, obj.version_id))
+                items.append((obj.key, tree.path(rel), obj.etag, obj.version_id, obj.size))
             if self.peers is not None:
                 self._claim(claimed + small)
             if jobs:

@@ -13,8 +13,12 @@ use object_store::{GetOptions, ObjectStore};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-/// (key, final path, ETag unquoted or "", versionId)
-pub type Item = (String, String, String, Option<String>);
+/// (key, final path, ETag unquoted or "", versionId, listed size)
+pub type Item = (String, String, String, Option<String>, u64);
+
+/// The unit of Shared.buffers: a permit per KiB, so a budget of many MiB fits
+/// tokio's u32 permit counts.
+pub const BUFFER_UNIT: u64 = 1024;
 
 /// Files are born read-only, as fetch.FILE_MODE: a complete revision must not change.
 const FILE_MODE: u32 = 0o444;
@@ -23,6 +27,13 @@ pub struct Shared {
     pub store: AmazonS3,
     /// Requests in flight (GET and body), as the Python path's semaphore.
     pub requests: Semaphore,
+    /// Bodies held in memory, in BUFFER_UNITs: an object takes its listed
+    /// size from here before its GET and gives it back once written. Small
+    /// objects are latency-bound, so many requests fly; this, not the request
+    /// count, bounds the memory (256 x 1 MiB objects would be 256 MiB).
+    pub buffers: Semaphore,
+    /// The budget's size in BUFFER_UNITs: no object asks for more (one larger alone still runs).
+    pub buffer_units: u32,
     pub attempts: u32,
     pub seq: AtomicU64,
     pub pid: u32,
@@ -175,7 +186,10 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
 }
 
 async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, String), Failure> {
-    let (key, dest, etag, version) = item;
+    let (key, dest, etag, version, size) = item;
+    // Held until the body is written (also across retries): what bounds memory.
+    let units = size.div_ceil(BUFFER_UNIT).clamp(1, u64::from(shared.buffer_units)) as u32;
+    let _bytes = shared.buffers.acquire_many(units).await.expect("the buffer semaphore is never closed");
     let path =
         Path::parse(key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
     let mut attempt = 1;

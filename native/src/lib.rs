@@ -41,7 +41,8 @@ struct Copier {
 impl Copier {
     #[new]
     #[pyo3(signature = (bucket, config, *, access_key_id=None, secret_access_key=None, session_token=None,
-                        skip_signature=false, credential_provider=None, workers=1, concurrency=64, attempts=5))]
+                        skip_signature=false, credential_provider=None, workers=1, concurrency=64,
+                        buffer_bytes=64 << 20, attempts=5))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bucket: &str,
@@ -53,9 +54,12 @@ impl Copier {
         credential_provider: Option<PyObject>,
         workers: usize,
         concurrency: usize,
+        buffer_bytes: u64,
         attempts: u32,
     ) -> PyResult<Self> {
         let workers = workers.max(1);
+        let buffer_units = u32::try_from(buffer_bytes.div_ceil(copy::BUFFER_UNIT).max(1))
+            .map_err(|_| PyValueError::new_err(format!("buffer_bytes={buffer_bytes} is too large")))?;
         let mut builder: AmazonS3Builder = settings::builder(bucket, &config)?;
         if skip_signature {
             builder = builder.with_skip_signature(true);
@@ -80,6 +84,8 @@ impl Copier {
         let shared = Arc::new(Shared {
             store,
             requests: tokio::sync::Semaphore::new(concurrency.max(1)),
+            buffers: tokio::sync::Semaphore::new(buffer_units as usize),
+            buffer_units,
             attempts: attempts.max(1),
             seq: AtomicU64::new(0),
             pid: std::process::id(),

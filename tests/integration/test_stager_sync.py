@@ -149,6 +149,26 @@ def test_warm_start_lists_nothing_and_proves_access_with_one_request(s3_server: 
     assert sorted(os.listdir(contract.lease_dir(str(cache), rev))) == ["first", "second"]
 
 
+def test_cold_copy_goes_on_from_the_access_proofs_listing_page(s3_server: S3Server, bucket: str, tmp_path: Path):
+    """The access proof's listing page is the copy's first page: over three pages (2,100 keys),
+    three ListObjectsV2 requests in all, the later ones carried on by S3's continuation token."""
+    files = {f"p/{i:05d}.bin": i.to_bytes(4, "little") for i in range(2100)}
+    s3_server.put_tree(bucket, files)
+    uri, cache = f"s3://{bucket}/p/", tmp_path / "c"
+    rev = boto3_revision(s3_server, uri)
+    proxy, lines = recording_proxy(s3_server)
+    try:
+        r = stage(s3_server, uri, cache, rev, endpoint=proxy.endpoint)
+    finally:
+        proxy.stop()
+    assert r.code == 0, r.stderr
+    assert r.summary["objects"] == 2100 and r.summary["revision"] == rev
+    assert data_tree(data_dir(cache, rev)) == expected_tree(files, "p/")
+    lists = [ln for ln in lines if "list-type=2" in ln]
+    assert len(lists) == 3, lists
+    assert sum("continuation-token" in ln for ln in lists) == 2, lists
+
+
 def test_resume_after_sigkill_gives_byte_exact_tree(s3_server: S3Server, bucket: str, tmp_path: Path):
     rng = random.Random(7)
     files = {f"k/{i % 10}/{i}.bin": rng.randbytes(rng.randrange(1000, 300_000)) for i in range(300)}

@@ -57,7 +57,7 @@ def test_an_unreachable_endpoint_reads_as_the_python_path_reports_it(monkeypatch
     fetcher = native.NativeFetcher(module, source, concurrency=4, workers=2, tmp_dir=str(tmp_path))
     try:
         assert fetcher.workers == 2
-        placed, failure = asyncio.run(fetcher.fetch([("p/a", str(tmp_path / "a"), "e", None)]))
+        placed, failure = asyncio.run(fetcher.fetch([("p/a", str(tmp_path / "a"), "e", None, 1)]))
     finally:
         fetcher.close()
     assert placed == [] and isinstance(failure, GenericError)
