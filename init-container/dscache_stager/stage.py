@@ -106,7 +106,9 @@ Begun = tuple["Sequence[ObjectMeta]", "ListStream[Sequence[ObjectMeta]] | None"]
 def _import_cold_path() -> None:
     # An error here (none is expected) surfaces again where sync.py is imported for real.
     with contextlib.suppress(Exception):
-        from . import sync  # noqa: F401
+        from . import native, sync  # noqa: F401
+
+        native.load()  # the extension's shared object, loaded on first use otherwise
 
 
 def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> Begun | None:
