@@ -72,8 +72,9 @@ if TYPE_CHECKING:
 from . import rawhttp
 from .tree import LocalTree
 
-# Objects up to SMALL_LIMIT are one GET held in memory, so memory stays under
-# concurrency x SMALL_LIMIT (64 MiB by default). Larger ones stream in parts.
+# Objects up to SMALL_LIMIT are one GET held in memory; the requests this
+# module makes are at most sync_options.BUFFER_BYTES / SMALL_LIMIT (64), so
+# memory stays under 64 MiB of bodies. Larger ones stream in parts.
 SMALL_LIMIT = 1 << 20
 PART_SIZE = 16 << 20
 # obstore retries each request; a connection dropped mid-body surfaces to us,
