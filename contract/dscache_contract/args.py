@@ -104,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="UID",
         help="this pod's UID, for its lease on REV (default: $DSCACHE_POD_UID; none: no lease)",
     )
-    s.add_argument("--concurrency", type=int, metavar="N", help="requests in flight (default: 32 per CPU, 64-256)")
+    s.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="requests in flight (default: 256; small objects' bodies are held to 64 MiB)",
+    )
     s.add_argument(
         "--termination-log",
         metavar="PATH",
