@@ -307,11 +307,16 @@ def drive_webhook_vegeta(
         [str(vegeta), "encode", "-to", "csv", str(results)], check=True, stdout=subprocess.PIPE, text=True
     ).stdout
     rows = []
+    failures: dict[str, int] = {}
     # Columns: timestamp (ns), code, latency (ns), bytes out, bytes in, error, body (base64), attack, seq, ...
     for rec in csv.reader(encoded.splitlines()):
         ok = rec[1] == "200" and not rec[5] and review_ok(base64.b64decode(rec[6]), uid)
         rows.append((int(rec[8]), int(rec[0]), int(rec[2]), ok))
+        if not ok:
+            why = f"{rec[1]} {rec[5][-120:]}" if rec[5] or rec[1] != "200" else "200, a wrong answer"
+            failures[why] = failures.get(why, 0) + 1
     stats = open_loop_stats(rows, rate)
+    stats["error_samples"] = dict(sorted(failures.items(), key=lambda kv: -kv[1])[:3])
     stats["generator_cpu_s"] = usage.ru_utime + usage.ru_stime
     stats["warmup"] = WARMUP
     return stats
@@ -537,11 +542,11 @@ def main() -> int:
         hook_cpu = cpu_seconds(hook_pid) - hook_cpu0
         load_during = float(Path("/proc/loadavg").read_text().split()[0])
         log(
-            f"webhook: {json.dumps({k_: round(v, 2) for k_, v in stats.items()})}, "
+            f"webhook: {json.dumps({k_: round(v, 2) for k_, v in stats.items() if isinstance(v, int | float)})}, "
             f"cpu {hook_cpu:.1f}s, rss {rss_mib(hook_pid):.0f} MiB"
         )
-        if stats["errors"]:
-            raise RuntimeError(f"{stats['errors']} AdmissionReviews failed")
+        if stats["errors"]:  # in the JSON (and against the target), not an exception: overload is a result
+            log(f"{stats['errors']} AdmissionReviews failed or timed out: {stats.get('error_samples')}")
         hook = {
             "webhook_rps": round(stats["rps"], 1),
             "webhook_p50_ms": round(stats["p50_ms"], 2),
@@ -555,6 +560,7 @@ def main() -> int:
             "webhook_rate": args.rate,
             "webhook_seconds": seconds,
             "webhook_requests": stats["requests"],
+            "webhook_errors": stats["errors"],
             "webhook_timing": "open loop, from each request's scheduled start",
             "webhook_connections": {"idle": IDLE_CONNECTIONS, "max": MAX_CONNECTIONS},
             "webhook_max_send_lag_ms": round(stats["max_send_lag_ms"], 2),
@@ -563,7 +569,7 @@ def main() -> int:
         if "p99_from_send_ms" in stats:  # vegeta's own view: from when it sent each request
             hook["webhook_p99_from_send_ms"] = round(stats["p99_from_send_ms"], 2)
         if args.webhook_only:
-            met = hook["webhook_p99_ms"] <= TARGET_P99_MS and args.rate >= TARGET_RATE
+            met = hook["webhook_p99_ms"] <= TARGET_P99_MS and args.rate >= TARGET_RATE and not stats["errors"]
             result = {**hook, "targets": {"webhook_p99_ms": TARGET_P99_MS}, "targets_met": {"webhook_p99_ms": met}}
             raise WebhookOnly
 
@@ -637,7 +643,8 @@ def main() -> int:
         want = targets(args.caches)
         result["targets"] = want
         result["targets_met"] = {
-            k_: result[k_] <= v and (k_ != "webhook_p99_ms" or args.rate >= TARGET_RATE) for k_, v in want.items()
+            k_: result[k_] <= v and (k_ != "webhook_p99_ms" or (args.rate >= TARGET_RATE and not stats["errors"]))
+            for k_, v in want.items()
         }
     except WebhookOnly:
         pass
