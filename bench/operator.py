@@ -257,7 +257,7 @@ def open_loop_stats(rows: list[tuple[int, int, int, bool]], rate: float) -> dict
 
 def drive_webhook_vegeta(
     vegeta: Path,
-    url: str,
+    urls: list[str],
     cafile: Path,
     body: bytes,
     rate: float,
@@ -270,17 +270,21 @@ def drive_webhook_vegeta(
     (a goroutine per due request; none waits for another's answer), over TLS with kept-alive
     connections, at most ``max_connections`` open (a request waiting for one is on the
     clock). Every answer is checked (200, this review's uid, allowed, a patch). The
-    generator's CPU (its rusage) is returned as ``generator_cpu_s``."""
+    generator's CPU (its rusage) is returned as ``generator_cpu_s``. Several ``urls``
+    (replicas): vegeta takes them in turn, request by request, each with its own pool."""
     uid = json.loads(body)["request"]["uid"]
-    warm_up(url, cafile, body)
+    for url in urls:
+        warm_up(url, cafile, body)
     targets = work / "vegeta-targets.json"
-    target = {
-        "method": "POST",
-        "url": url,
-        "body": base64.b64encode(body).decode(),
-        "header": {"Content-Type": ["application/json"]},
-    }
-    targets.write_text(json.dumps(target) + "\n")
+    with targets.open("w") as f:
+        for url in urls:
+            target = {
+                "method": "POST",
+                "url": url,
+                "body": base64.b64encode(body).decode(),
+                "header": {"Content-Type": ["application/json"]},
+            }
+            f.write(json.dumps(target) + "\n")
     results = work / "vegeta-results.bin"
     cmd = [
         str(vegeta),
@@ -318,7 +322,7 @@ def drive_webhook_vegeta(
     stats = open_loop_stats(rows, rate)
     stats["error_samples"] = dict(sorted(failures.items(), key=lambda kv: -kv[1])[:3])
     stats["generator_cpu_s"] = usage.ru_utime + usage.ru_stime
-    stats["warmup"] = WARMUP
+    stats["warmup"] = WARMUP * len(urls)
     return stats
 
 
@@ -413,6 +417,30 @@ def populate(
     return names
 
 
+def start_webhook_replica(op: Operator, i: int) -> str:
+    """Another webhook process (as the chart's replicas), on its own ports; its URL."""
+    from tests.support.kubeapi import wait_port
+    from tests.support.s3server import free_port
+
+    port = free_port()
+    env = {
+        **op.env("webhook"),
+        "DSCACHE_WEBHOOK_PORT": str(port),
+        "DSCACHE_METRICS_PORT": str(free_port()),
+        "DSCACHE_HEALTH_PORT": str(free_port()),
+    }
+    log_file = open(op.workdir / f"webhook-{i}.log", "ab")  # noqa: SIM115 (the process keeps it open)
+    op.procs[f"webhook-{i}"] = subprocess.Popen(
+        [sys.executable, "-m", "dscache_operator", "webhook"],
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    wait_port("127.0.0.1", port)
+    return f"https://127.0.0.1:{port}/dscache-hostpath"
+
+
 class WebhookOnly(Exception):
     """--webhook-only: phase 1 is done, skip to the clean-up and the JSON."""
 
@@ -463,6 +491,12 @@ def main() -> int:
         "--webhook-only", action="store_true", help="phase 1 only (the webhook): no caches, pods or controller"
     )
     ap.add_argument(
+        "--webhook-replicas",
+        type=int,
+        default=1,
+        help="webhook processes (the chart runs 2), each its own port; vegeta takes them in turn",
+    )
+    ap.add_argument(
         "--generator",
         choices=("auto", "vegeta", "python"),
         default="auto",
@@ -481,6 +515,8 @@ def main() -> int:
     vegeta = vegeta_bin() if args.generator != "python" else None
     if args.generator == "vegeta" and vegeta is None:
         ap.error(f"vegeta is not built: make tools (or bash {TOOLS_SH.relative_to(REPO)} vegeta)")
+    if args.webhook_replicas > 1 and vegeta is None:
+        ap.error("--webhook-replicas needs vegeta (make tools)")
 
     work = Path(tempfile.mkdtemp(prefix="dscache-bench-operator-"))
     k = KubeAPI(workdir=work / "kube")
@@ -531,15 +567,17 @@ def main() -> int:
         if vegeta is None and args.generator == "auto":
             log("vegeta is not built (make tools): the Python generator shares the cores with the webhook")
         hook_pid = op.procs["webhook"].pid
+        urls = [url] + [start_webhook_replica(op, i) for i in range(1, args.webhook_replicas)]
+        hook_pids = [hook_pid] + [op.procs[f"webhook-{i}"].pid for i in range(1, args.webhook_replicas)]
         review = admission_review("bench-hook", "hot")
         load_before = float(Path("/proc/loadavg").read_text().split()[0])
-        hook_cpu0 = cpu_seconds(hook_pid)
+        hook_cpu0 = sum(cpu_seconds(pid) for pid in hook_pids)
         if vegeta is not None:
-            stats = drive_webhook_vegeta(vegeta, url, k.certs / "ca.crt", review, args.rate, seconds, work)
+            stats = drive_webhook_vegeta(vegeta, urls, k.certs / "ca.crt", review, args.rate, seconds, work)
         else:
             stats = asyncio.run(drive_webhook(url, k.certs / "ca.crt", review, args.rate, seconds))
         # Both warm up (sequential, checked reviews) inside this window: counted below.
-        hook_cpu = cpu_seconds(hook_pid) - hook_cpu0
+        hook_cpu = sum(cpu_seconds(pid) for pid in hook_pids) - hook_cpu0
         load_during = float(Path("/proc/loadavg").read_text().split()[0])
         log(
             f"webhook: {json.dumps({k_: round(v, 2) for k_, v in stats.items() if isinstance(v, int | float)})}, "
@@ -557,6 +595,7 @@ def main() -> int:
             "webhook_cpu_ms_per_review": round(hook_cpu * 1000 / (stats["requests"] + stats["warmup"]), 3),
             "webhook_generator": generator,
             "webhook_generator_cpu_ms_per_review": round(stats["generator_cpu_s"] * 1000 / stats["requests"], 3),
+            "webhook_replicas": args.webhook_replicas,
             "webhook_rate": args.rate,
             "webhook_seconds": seconds,
             "webhook_requests": stats["requests"],
