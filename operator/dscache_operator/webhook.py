@@ -25,6 +25,7 @@ hold the revision), and no capacity warning is given.
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import time
 from typing import Any, NamedTuple
@@ -386,6 +387,12 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
         await server.start()
         servers.append(server)
         await common.start_metrics(ctx)
+        # What start-up loaded (kopf, aiohttp, pydantic, our modules: ~60,000 objects) lives
+        # as long as the process; out of the collector's sight, a full collection no longer
+        # walks it. Serving, each review promotes some short-lived objects, so full
+        # collections come every few seconds at 1,000 reviews/s: each walked all of it
+        # (70-150 ms on 2 busy cores), and every review waiting behind one waited as long.
+        gc.freeze()
 
     @kopf.on.login(registry=registry)
     async def login(memo: Any, **kwargs: Any) -> kopf.AiohttpSession:
