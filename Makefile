@@ -72,7 +72,7 @@ lint: install ## ruff (lint + format check) and mypy over the shipped packages
 	$(VENV)/bin/mypy init-container/dscache_stager init-container/dscache_node operator/dscache_operator contract/dscache_contract
 
 tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
-	bash e2e/tools/tools.sh s3 s5cmd etcd kube-apiserver helm helm-docs actionlint toxiproxy
+	bash e2e/tools/tools.sh s3 s5cmd etcd kube-apiserver helm helm-docs actionlint toxiproxy vegeta
 
 # pytest exits 5 when it collects nothing; for us that is a broken suite, not a pass.
 define run_pytest

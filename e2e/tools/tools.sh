@@ -15,6 +15,8 @@
 #   actionlint  checks .github/workflows (github.com/rhysd/actionlint)
 #   toxiproxy   a latency proxy in Go whose cost does not depend on the client
 #               (github.com/Shopify/toxiproxy): bench/stager.py's wan profile
+#   vegeta      an open-loop, constant-rate HTTP load generator in Go
+#               (github.com/tsenart/vegeta): bench/operator.py's AdmissionReviews
 #   jobset             the JobSet controller (sigs.k8s.io/jobset), for the kind path
 #   training-operator  Kubeflow's training-operator (PyTorchJob), for the kind path
 #   cni   Debian's containernetworking-plugins (bridge, host-local, portmap),
@@ -38,6 +40,7 @@ TRAINING_OPERATOR_VERSION=v1.8.1
 HELM_DOCS_VERSION=v1.14.2
 ACTIONLINT_VERSION=v1.7.12
 TOXIPROXY_VERSION=v2.12.0
+VEGETA_VERSION=v12.13.0
 KIND_VERSION=v0.30.0   # the last kind with cgroup v1 CI (see e2e/kind/README.md)
 PAUSE_VERSION=3.10.1   # build/pause/Makefile TAG in $K8S_VERSION
 # containerd 2.2's default `sandbox` image (pinned_images in its CRI config);
@@ -205,7 +208,8 @@ tool_version() {
     helm-docs) echo "helm-docs-$HELM_DOCS_VERSION" ;;
     actionlint) echo "actionlint-$ACTIONLINT_VERSION" ;;
     toxiproxy) echo "toxiproxy-$TOXIPROXY_VERSION" ;;
-    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator helm-docs actionlint toxiproxy)" >&2; exit 2 ;;
+    vegeta) echo "vegeta-$VEGETA_VERSION" ;;
+    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator helm-docs actionlint toxiproxy vegeta)" >&2; exit 2 ;;
   esac
 }
 
@@ -256,6 +260,7 @@ build_tool() {
       github.com/rhysd/actionlint/cmd/actionlint ;;
     toxiproxy) CGO_ENABLED=0 go_install "$out" github.com/Shopify/toxiproxy/v2 "$TOXIPROXY_VERSION" \
       github.com/Shopify/toxiproxy/v2/cmd/server && mv "$out/server" "$out/toxiproxy-server" ;;
+    vegeta) CGO_ENABLED=0 go_install "$out" github.com/tsenart/vegeta/v12 "$VEGETA_VERSION" github.com/tsenart/vegeta/v12 ;;
   esac
   echo "$((SECONDS - start))" >"$dir.tmp/build-seconds"
   touch "$dir.tmp/.done"

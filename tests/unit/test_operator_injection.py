@@ -1,17 +1,19 @@
-"""Injection logic and the webhook handler, called directly (no servers)."""
+"""Injection logic and the webhook handler, called directly (no servers: admission.review)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
+import json
 
 import jsonpatch
 import kopf
 import pytest
 
 from dscache_contract import RevisionRef, StageArgs
-from dscache_operator import injection, webhook
-from dscache_operator.common import Context, memo_for
+from dscache_operator import admission, injection, webhook
+from dscache_operator.common import Context
 from dscache_operator.injection import INIT_NAME, VOLUME_NAME, InjectionError, inject_object
 from dscache_operator.models import DatasetCacheSpec
 from dscache_operator.settings import Settings
@@ -250,7 +252,7 @@ def test_pod_injection_and_requested_cache():
     assert [c["name"] for c in pod["spec"]["initContainers"]] == [INIT_NAME]
 
 
-# --- the kopf handler itself, with a real kopf.Patch --------------------------------
+# --- the handler itself, through the admission server's path ------------------------
 
 
 class FakeIndex(dict):
@@ -261,26 +263,41 @@ def view(phase="Ready", reason="Listed", message="", deleting=False, revision=PI
     return webhook.CacheView(spec(), phase, reason, message, deleting, None, revision, pins)
 
 
+def review_body(obj, kind="jobs") -> bytes:
+    """An AdmissionReview of CREATE ``obj`` in namespace ml, as the API server sends it."""
+    group = "batch" if kind == "jobs" else ""
+    gvr = {"group": group, "version": "v1", "resource": kind}
+    request = {
+        "uid": "u-review",
+        "kind": {"group": group, "version": "v1", "kind": "Job" if kind == "jobs" else "Pod"},
+        "resource": gvr,
+        "requestKind": {"group": group, "version": "v1", "kind": "Job" if kind == "jobs" else "Pod"},
+        "namespace": "ml",
+        "operation": "CREATE",
+        "userInfo": {"username": "alice"},
+        "object": obj,
+        "oldObject": None,
+        "dryRun": False,
+    }
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
 def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None, nodes=None, warnings=None, settings=SETTINGS):
-    """``nodes``: the node index (placement); ``warnings``: kopf's list for AdmissionReview warnings."""
-    body = kopf.Body(copy.deepcopy(obj))
-    patch = kopf.Patch(body=body)
-    resource = kopf.Resource("batch" if kind == "jobs" else "", "v1", kind)
-    memo = memo_for(Context(settings=settings, kube=kube))
-    asyncio.run(
-        webhook.mutate(
-            mode=webhook.VolumeMode(mode),
-            body=body,
-            patch=patch,
-            namespace="ml",
-            resource=resource,
-            memo=memo,
-            dscache_caches=index,
-            dscache_nodes=nodes,
-            warnings=warnings,
-        )
-    )
-    ops = patch.as_json_patch()
+    """One review answered as the server answers it (admission.review over webhook.mutate):
+    returns the JSON patch ops and ``obj`` with them applied; a refusal is raised again as
+    kopf.AdmissionError with the answer's message and code. ``nodes``: the node index
+    (placement); ``warnings``: receives the answer's warnings."""
+    ctx = Context(settings=settings, kube=kube)
+    decide = webhook.make_decider(ctx, index, nodes)
+    out = asyncio.run(admission.review(webhook.VolumeMode(mode), review_body(obj, kind), decide))
+    response = out["response"]
+    assert response["uid"] == "u-review" and out["kind"] == "AdmissionReview"
+    if not response["allowed"]:
+        raise kopf.AdmissionError(response["status"]["message"], code=response["status"]["code"])
+    if warnings is not None:
+        warnings.extend(response.get("warnings") or [])
+    ops = json.loads(base64.b64decode(response["patch"])) if "patch" in response else []
+    assert bool(ops) == ("patchType" in response)
     return ops, jsonpatch.apply_patch(copy.deepcopy(obj), ops)
 
 
@@ -651,13 +668,13 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
     assert again == obj
 
 
-def test_the_registered_index_is_the_one_mutate_reads():
-    """kopf passes an index to handlers under its handler id; a nested function's default
-    id is its qualname (make_registry.<locals>...), so mutate() would get None and every
-    admission would GET the cache from the API server."""
-    import inspect
-
-    ids = [h.id for h in webhook.make_registry()._indexing.get_all_handlers()]
-    assert ids == ["dscache_caches", "dscache_nodes"], ids
-    for index_id in ids:
-        assert index_id in inspect.signature(webhook.mutate).parameters
+def test_the_registered_indexes_are_the_ones_the_server_reads():
+    """kopf passes each index to every handler (startup ones too) under its handler id; the
+    startup handler that starts the admission server takes them by these names. A nested
+    function's default id is its qualname (make_registry.<locals>...): the start-up
+    would fail on the missing name."""
+    registry = webhook.make_registry()
+    ids = [h.id for h in registry._indexing.get_all_handlers()]
+    assert ids == [webhook.CACHES_INDEX, webhook.NODES_INDEX] == ["dscache_caches", "dscache_nodes"], ids
+    # No kopf admission handler is left: kopf would start its own webhook server for one.
+    assert registry._webhooks.get_all_handlers() == []
