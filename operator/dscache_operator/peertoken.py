@@ -65,6 +65,10 @@ class Tokens:
     def __init__(self) -> None:
         self._written: dict[tuple[str, str], int] = {}
 
+    def due(self, namespace: str, cache: str, now: float) -> bool:
+        """Whether this period's token of the cache is still to be written."""
+        return self._written.get((namespace, cache)) != int(now // TOKEN_PERIOD_S)
+
     async def ensure(self, kube: Kube, key: str | None, namespace: str, cache: str, uid: str, now: float) -> None:
         """Write the cache's token for this period unless done already. No key (no agent token):
         nothing; peers then refuse every request, and stagers read the bucket."""
