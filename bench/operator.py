@@ -404,7 +404,7 @@ def main() -> int:
         ready, with_nodes = count_listed(k)  # the watch's count, checked against a full list
         converged = ready >= args.caches and with_nodes >= min(args.caches, args.pods)
         requests = controller_requests(k.audit_log, CONTROLLER_USER, wall0, wall1)
-        sources = source_counts(op.metrics("controller"))
+        sources = source_counts(op.metrics_ports["controller"])
         log(
             f"converging: CPU seconds {json.dumps(cpu_used)}; controller requests {json.dumps(requests)}; "
             f"source checks {json.dumps(sources)}"

@@ -87,11 +87,11 @@ class Tokens:
         ]
         try:
             try:
-                await kube.request("POST", path, body)
+                await kube.request("POST", path, body, answer=False)
             except ApiError as e:
                 if e.status != 409:
                     raise
-                await kube.request("PATCH", f"{path}/{name}", patch, "application/json-patch+json")
+                await kube.request("PATCH", f"{path}/{name}", patch, "application/json-patch+json", answer=False)
         except ApiError as e:
             if e.status in (409, 422) or (e.status == 500 and "test" in str(e)):
                 log.warning(f"{namespace}/{name} exists and is not a dscache peer token: left alone (no peers)")
