@@ -57,7 +57,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "operator"))
 
-from tests.support.kubeapi import KubeAPI, Operator  # noqa: E402
+from bench.convergence import ConvergenceWatch, CpuMeter, controller_requests, count_listed, source_counts  # noqa: E402
+from tests.support.kubeapi import OPERATOR_NS, KubeAPI, Operator  # noqa: E402
 from tests.support.s3server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
 from tests.support.tools import TOOLS_SH, built_tool_bin  # noqa: E402
 
@@ -466,6 +467,7 @@ class WebhookOnly(Exception):
     """--webhook-only: phase 1 is done, skip to the clean-up and the JSON."""
 
 
+CONTROLLER_USER = f"system:serviceaccount:{OPERATOR_NS}:dscache-controller"
 TARGET_RATE = 1000.0
 TARGET_P99_MS = 10.0
 
@@ -478,19 +480,6 @@ def targets(caches: int) -> dict[str, float]:
     elif caches <= 1000:
         out["operator_rss_mib"] = 150.0
     return out
-
-
-def count_converged(k: KubeAPI, want_nodes: bool) -> tuple[int, int]:
-    # Only the populated caches: the webhook's "hot" cache (bench-hook, patched Ready by
-    # hand) must not count towards convergence.
-    items = [
-        c
-        for c in k.request("GET", "/apis/dscache.io/v1alpha1/datasetcaches")["items"]
-        if c["metadata"]["namespace"].startswith("bench-") and c["metadata"]["namespace"] != "bench-hook"
-    ]
-    ready = sum(1 for c in items if (c.get("status") or {}).get("phase") == "Ready")
-    with_nodes = sum(1 for c in items if (c.get("status") or {}).get("nodes"))
-    return ready, with_nodes
 
 
 def main() -> int:
@@ -523,6 +512,12 @@ def main() -> int:
         default="auto",
         help="AdmissionReview load: vegeta (Go; `make tools`), python (aiohttp, in this process; it shares "
         "the cores with the webhook), auto: vegeta if built, else python",
+    )
+    ap.add_argument(
+        "--list-poll",
+        type=float,
+        default=0.0,
+        help="also list every cache this often while converging (seconds; the old way of counting, to weigh its cost)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
     ap.add_argument(
@@ -648,27 +643,43 @@ def main() -> int:
         populate(k, s3, bucket, args.caches, args.pods, args.namespaces, args.nodes)
         if args.profile_memory:  # tracemalloc: slows the controller down a lot
             op.extra_env["DSCACHE_DEBUG_MEMORY"] = "1"
-        t0 = time.monotonic()
+        watch = ConvergenceWatch(k).start()  # before the controller: it sees every write
+        meter = CpuMeter(
+            {"kube-apiserver": k.procs[1].pid, "etcd": k.procs[0].pid, "s3": s3.proc.pid, "webhook": hook_pid}
+        )
+        t0, wall0 = time.monotonic(), time.time()
         proc = op.start("controller")
+        meter.pids["controller"] = proc.pid
         peak = 0.0
         deadline = time.monotonic() + args.converge_timeout
         ready = with_nodes = 0
-        # Listing 10,000 caches costs the API server (on the same cores) a second or so: look less often.
-        poll = max(3.0, args.caches / 2000)
         loads: list[float] = []  # the machine's load while the controller converges
+        last_log = last_list = 0.0
         while time.monotonic() < deadline:
-            time.sleep(poll)
-            loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+            if args.list_poll and time.monotonic() - last_list >= args.list_poll:
+                last_list = time.monotonic()
+                count_listed(k)
+            time.sleep(0.5)
             peak = max(peak, rss_mib(proc.pid))
-            ready, with_nodes = count_converged(k, True)
-            log(
-                f"controller: {ready}/{args.caches} Ready, {with_nodes} with node entries, "
-                f"rss {rss_mib(proc.pid):.0f} MiB, cpu {cpu_seconds(proc.pid):.0f}s"
-            )
+            ready, with_nodes = watch.counts()
             if ready >= args.caches and with_nodes >= min(args.caches, args.pods):
                 break
+            if time.monotonic() - last_log >= 5:
+                last_log = time.monotonic()
+                loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+                log(
+                    f"controller: {ready}/{args.caches} Ready, {with_nodes} with node entries, "
+                    f"rss {rss_mib(proc.pid):.0f} MiB, cpu {cpu_seconds(proc.pid):.0f}s"
+                )
         converge_s = time.monotonic() - t0
+        wall1 = time.time()
+        cpu_used = meter.used()
+        loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+        watch.stop()
+        ready, with_nodes = count_listed(k)  # the watch's count, checked against a full list
         converged = ready >= args.caches and with_nodes >= min(args.caches, args.pods)
+        requests = controller_requests(k.audit_log, CONTROLLER_USER, wall0, wall1)
+        log(f"converging: CPU seconds {json.dumps(cpu_used)}; controller requests {json.dumps(requests)}")
         if not converged:
             log(f"NOT CONVERGED after {converge_s:.0f}s: {ready}/{args.caches} Ready, {with_nodes} with node entries")
         # Steady state: a few reconcile rounds after convergence.
@@ -711,6 +722,11 @@ def main() -> int:
             "loadavg_1m_during_converge": [min(loads, default=0.0), max(loads, default=0.0)],
             "loadavg_1m_at_end": float(Path("/proc/loadavg").read_text().split()[0]),
         }
+        result["converge_cpu_s"] = cpu_used  # per process, while converging (2 cores: 2 s per second)
+        result["converge_requests_per_cache"] = {r: round(n / args.caches, 2) for r, n in requests.items()}
+        # Last: rendering /metrics at 10,000 caches takes the controller's memory up for a moment
+        # (its peak RSS above is read before it).
+        result["converge_source"] = source_counts(op.metrics_ports["controller"])
         want = targets(args.caches)
         result["targets"] = want
         result["targets_met"] = {

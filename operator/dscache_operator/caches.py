@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -38,6 +39,9 @@ class CacheView(NamedTuple):
     #: None: the spec does not validate (the CRD's schema makes that rare: a hand-edited older CRD).
     spec: DatasetCacheSpec | None
     status_json: str
+    #: time.monotonic() when the controller got this version of the object: a source
+    #: listing begun after it is fresh enough for a check this version asks for.
+    observed: float
 
     @property
     def key(self) -> Key:
@@ -85,6 +89,7 @@ def cache_view(body: dict[str, Any]) -> CacheView:
         refresh=(meta.get("annotations") or {}).get(REFRESH_ANNOTATION),
         spec=_spec(json.dumps(body.get("spec") or {}, sort_keys=True, separators=(",", ":"))),
         status_json=json.dumps(body.get("status") or {}, separators=(",", ":")),
+        observed=time.monotonic(),
     )
 
 

@@ -16,12 +16,13 @@ from typing import Any
 
 import kopf
 
+from .coalesce import Coalescer
 from .kube import Kube, connection_info, kopf_session
 from .metrics import Metrics
 from .models import FINALIZER, GROUP
 from .peertoken import Tokens
 from .settings import Settings
-from .sourcecheck import SecretReads
+from .sourcecheck import CheckResult, SecretReads
 
 
 @dataclasses.dataclass
@@ -48,6 +49,8 @@ class Context:
     source_executor: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sourcecheck")
     )
+    #: Equal source listings in flight share one S3 listing (coalesce.py, sourcecheck.check_source).
+    listings: Coalescer[CheckResult] = dataclasses.field(default_factory=Coalescer)
     #: Which period each cache's peer token was written for (peertoken.py).
     tokens: Tokens = dataclasses.field(default_factory=Tokens)
 

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Reconciliations at once: bounded API concurrency and memory.
 RECONCILE_WORKERS = 32
+#: At most this long the first reconciliations wait for every view to have listed.
+VIEWS_LIST_WAIT = 60.0
 #: The liveness probe fails once the API server has refused our credentials this long.
 AUTH_FAILURE_LIMIT = 300.0
 
@@ -91,7 +93,7 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
     wanted = await _check_source(ctx, view, cache, current, out, now)
     if deleting:
         wanted["phase"] = Phase.DELETING
-    elif ctx.settings.peers:
+    elif ctx.settings.peers and ctx.tokens.due(namespace, name, now.timestamp()):
         key = agentclient.read_token(ctx.settings)
         await ctx.tokens.ensure(ctx.api(), key, namespace, name, view.uid, now.timestamp())
 
@@ -164,7 +166,11 @@ async def _check_source(
         if not current.get("phase"):
             wanted["phase"] = Phase.PENDING
         return wanted
-    result = await sourcecheck.check_source(ctx, view.namespace, cache)
+    # How fresh the listing must be: begun after we saw the change that asks for it (a new
+    # cache, a spec edit, the refresh annotation: the user's uploads before it are in it),
+    # or, when it is due because time passed (a retry, the refresh interval), begun now.
+    not_before = view.observed if why in ("spec", "annotation") else time.monotonic()
+    result = await sourcecheck.check_source(ctx, view.namespace, cache, not_before)
     ctx.checked_at[view.key] = time.monotonic()
     ctx.metrics.source_checked(result.reason)
     generation = view.generation
@@ -195,7 +201,8 @@ async def _check_source(
     if result.ok and result.revision is not None:
         old_rev = (current.get("revision") or {}).get("id")
         wanted["revision"] = st.revision_fragment(result.revision, result.objects, result.bytes, now)
-        if old_rev != result.revision.id:
+        # A first pin is told by SourceChecked (its message names the revision): one Event, not two.
+        if old_rev is not None and old_rev != result.revision.id:
             out.event(
                 "Normal",
                 reason="RevisionPinned",
@@ -311,6 +318,15 @@ async def _finalize(ctx: Context, view: CacheView, result: tuple[int, int] | Non
     return None
 
 
+async def _reconcile_once_listed(ctx: Context) -> None:
+    """Start reconciling once the views have listed: a cache reconciled before its pods
+    are known gets its status written twice (without nodes, then with them), and at
+    10,000 caches the API server's time is what convergence waits on."""
+    assert ctx.views is not None and ctx.scheduler is not None
+    await ctx.views.listed(VIEWS_LIST_WAIT)
+    await ctx.scheduler.run()
+
+
 def cache_path(view: CacheView) -> str:
     return f"/apis/{GROUP}/{VERSION}/namespaces/{view.namespace}/{PLURAL}/{view.name}"
 
@@ -330,7 +346,7 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
         ctx.scheduler = Scheduler(lambda key: run_once(ctx, key), workers=RECONCILE_WORKERS)  # type: ignore[arg-type]
         ctx.views = Views(kube, ctx.settings.watch_namespaces, on_cache=ctx.on_cache)
         ctx.views.start()
-        ctx.background = [asyncio.create_task(ctx.poster.run()), asyncio.create_task(ctx.scheduler.run())]
+        ctx.background = [asyncio.create_task(ctx.poster.run()), asyncio.create_task(_reconcile_once_listed(ctx))]
         await common.start_metrics(ctx)
 
     @kopf.on.login(registry=registry)

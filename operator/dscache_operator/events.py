@@ -67,6 +67,6 @@ class Poster:
             namespace = e.involved["namespace"]
             try:
                 body = event_body(e, datetime.datetime.now(datetime.UTC))
-                await self._kube.request("POST", f"/api/v1/namespaces/{namespace}/events", body)
+                await self._kube.request("POST", f"/api/v1/namespaces/{namespace}/events", body, answer=False)
             except Exception as err:  # an Event is never worth stopping for
                 logger.warning(f"posting Event {e.reason} on {namespace}/{e.involved['name']} failed: {err}")

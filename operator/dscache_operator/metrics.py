@@ -81,6 +81,9 @@ class Metrics:
         self.source_checks = Counter("dscache_source_checks", "Source checks by reason.", ["reason"], registry=ctl)
         for reason in SOURCE_REASONS:
             self.source_checks.labels(reason)
+        self.source_listings = Counter(
+            "dscache_source_listings", "S3 listings made for source checks (equal checks share one).", registry=ctl
+        )
         self.prestaged = Gauge(
             "dscache_prestaged_bytes",
             "Bytes of the current revision pre-staged on each node that holds it (spec.prestage), per cache.",
@@ -106,6 +109,9 @@ class Metrics:
 
     def source_checked(self, reason: str) -> None:
         self.source_checks.labels(reason).inc()
+
+    def source_listed(self) -> None:
+        self.source_listings.inc()
 
     def wipe(self, namespace: str, name: str, result: str) -> None:
         self.caches.wipe((namespace, name), result)

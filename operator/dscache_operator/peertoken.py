@@ -65,6 +65,10 @@ class Tokens:
     def __init__(self) -> None:
         self._written: dict[tuple[str, str], int] = {}
 
+    def due(self, namespace: str, cache: str, now: float) -> bool:
+        """Whether this period's token of the cache is still to be written."""
+        return self._written.get((namespace, cache)) != int(now // TOKEN_PERIOD_S)
+
     async def ensure(self, kube: Kube, key: str | None, namespace: str, cache: str, uid: str, now: float) -> None:
         """Write the cache's token for this period unless done already. No key (no agent token):
         nothing; peers then refuse every request, and stagers read the bucket."""
@@ -83,11 +87,11 @@ class Tokens:
         ]
         try:
             try:
-                await kube.request("POST", path, body)
+                await kube.request("POST", path, body, answer=False)
             except ApiError as e:
                 if e.status != 409:
                     raise
-                await kube.request("PATCH", f"{path}/{name}", patch, "application/json-patch+json")
+                await kube.request("PATCH", f"{path}/{name}", patch, "application/json-patch+json", answer=False)
         except ApiError as e:
             if e.status in (409, 422) or (e.status == 500 and "test" in str(e)):
                 log.warning(f"{namespace}/{name} exists and is not a dscache peer token: left alone (no peers)")

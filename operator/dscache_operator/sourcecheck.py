@@ -18,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import hashlib
+import json
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -152,14 +153,19 @@ _clients_lock = threading.Lock()
 _MAX_CLIENTS = 32
 
 
+def _digest(creds: dict[str, str] | None) -> str:
+    """The credentials, as a key that does not keep the secret in memory."""
+    parts = [(creds or {}).get(k) for k in (KEY_ID, SECRET_KEY, TOKEN)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
 def _client(source: Source, creds: dict[str, str] | None, timeout: float) -> Any:
     """A boto3 S3 client per (endpoint, region, style, keys); creating one costs
     ~50 ms of CPU and a few MiB, so 1,000 caches over one store share one."""
     import boto3
     from botocore.config import Config
 
-    secret_digest = hashlib.sha256(f"{(creds or {}).get(SECRET_KEY)}|{(creds or {}).get(TOKEN)}".encode()).hexdigest()
-    key = (source.endpoint, source.region, source.addressingStyle, (creds or {}).get(KEY_ID), secret_digest, timeout)
+    key = (source.endpoint, source.region, source.addressingStyle, _digest(creds), timeout)
     with _clients_lock:
         client = _clients.get(key)
         if client is not None:
@@ -251,8 +257,9 @@ class SecretReads:
         return secret
 
 
-async def check_source(ctx: Context, namespace: str, spec: DatasetCacheSpec) -> CheckResult:
-    """Read the spec's Secret (if any) with the operator's client, then list the source.
+async def check_source(ctx: Context, namespace: str, spec: DatasetCacheSpec, not_before: float) -> CheckResult:
+    """Read the spec's Secret (if any) with the operator's client, then list the source, with
+    a listing begun at ``not_before`` (time.monotonic()) or later.
     Another failure reading the Secret is raised: the scheduler retries the cache after a backoff."""
     creds = None
     secret_name = spec.source.secret_name
@@ -267,7 +274,16 @@ async def check_source(ctx: Context, namespace: str, spec: DatasetCacheSpec) -> 
         if isinstance(got, CheckResult):
             return got
         creds = got
-    return await check(ctx.source_executor, spec.source, creds)
+    # Equal listings share one trip to S3 (coalesce.py: never one begun before not_before),
+    # but only with the same credentials, Secret and namespace: a cache must never see a
+    # listing made with keys it was not given.
+    key = (namespace, secret_name, _digest(creds), spec.source.model_dump_json())
+
+    async def listing() -> CheckResult:
+        ctx.metrics.source_listed()
+        return await check(ctx.source_executor, spec.source, creds)
+
+    return await ctx.listings.run(key, listing, not_before)
 
 
 def source_due(

@@ -13,6 +13,8 @@ The controller never writes users' objects; it only reads these views.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,8 @@ from .kube import Kube
 from .models import CONSUMER_LABEL, GROUP, PLURAL, VERSION
 from .nodes import ALL, NodeInfo, node_extract
 from .workloads import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, owner_info, pod_info, pod_key
+
+logger = logging.getLogger(__name__)
 
 
 def _pod_extract(body: dict[str, Any]) -> tuple[tuple[str, str], PodInfo] | None:
@@ -75,6 +79,15 @@ class Views:
     async def stop(self) -> None:
         for m in self._all():
             await m.stop()
+
+    async def listed(self, timeout: float) -> None:
+        """Wait until every view has listed once, or ``timeout`` seconds (a view that cannot
+        list, say without RBAC on pods, must not hold back the source checks for good)."""
+        waits = [i.ready.wait() for m in self._all() for i in m.informers.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        except TimeoutError:
+            logger.warning(f"not every view has listed after {timeout:.0f}s: reconciling without node decisions")
 
     def ready(self) -> bool:
         # Not bool(informer): an informer with no objects is falsy (len 0) yet ready.

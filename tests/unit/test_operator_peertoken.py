@@ -19,7 +19,9 @@ class FakeKube:
         self.calls: list[str] = []
         self.refuse = False
 
-    async def request(self, method: str, path: str, body: Any = None, content_type: str = "") -> dict[str, Any]:
+    async def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "", answer: bool = True
+    ) -> dict[str, Any]:
         self.calls.append(f"{method} {path}")
         if self.refuse:
             raise ApiError(403, "forbidden")
