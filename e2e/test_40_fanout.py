@@ -7,7 +7,7 @@ is read from its own interface counter: the bucket's side, not the stagers' word
 - test_fanout_single_egress: an Indexed Job of 3 pods, one per node, starting together: every
   node stages the revision and every pod verifies every byte, while the bucket serves at most
   1.1x the dataset (3x without peers);
-- test_fanout_peer_dies: the same, with one node's agent killed mid-transfer (the DaemonSet
+- test_fanout_peer_dies: the same, with the agent serving the other nodes killed mid-transfer (the DaemonSet
   restarts it): every node still ends exact, and the bucket serves well under 3x;
 - test_fanout_no_token: an agent serves a cache's objects only with that cache's token: not
   without one, not with another namespace's cache's token, not for another namespace's path.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import json
 import random
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -152,8 +151,20 @@ def test_fanout_single_egress(cfg, kube, cache_factory, fan_dataset, nodes):
     assert sum(s["bucket_bytes"] for s in by_node.values()) <= 1.1 * fan_dataset.bytes, report
 
 
-def _kill_agent_when_copying(kube, ns: str, job: str, killed: list[str]) -> None:
-    """Once every pod's stager runs and bytes flow between nodes, SIGKILL one node's agent."""
+def _served_bytes(kube, node: str) -> float:
+    """What this node's agent has served to other nodes' stagers so far (its own metric)."""
+    with urllib.request.urlopen(_agent_url(kube, node) + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dscache_node_peer_served_bytes_total")
+    )
+
+
+def _kill_agent_when_copying(kube, ns: str, job: str, killed: list[dict[str, Any]]) -> None:
+    """Once every pod's stager runs and bytes flow between nodes, SIGKILL the agent that is
+    serving them: a peer dying mid-transfer, not a receiver's agent that nobody asks."""
 
     def stagers_running() -> list[dict[str, Any]] | None:
         pods = kube.items("pods", namespace=ns, selector=f"job-name={job}")
@@ -166,18 +177,26 @@ def _kill_agent_when_copying(kube, ns: str, job: str, killed: list[str]) -> None
         return running if len(running) == 3 else None
 
     pods = wait_for("3 stagers running", stagers_running, timeout=120, describe=lambda: describe_pods(kube, ns))
-    time.sleep(2.0)  # a third of a copy through the link: each node has objects the others wait for
-    node = sorted(p["spec"]["nodeName"] for p in pods)[-1]
+    names = sorted(p["spec"]["nodeName"] for p in pods)
+    before = {n: _served_bytes(kube, n) for n in names}
+
+    def serving() -> tuple[str, float] | None:
+        # The agent metrics count every cache: the growth since this Job started is its own.
+        grown = {n: _served_bytes(kube, n) - before[n] for n in names}
+        node = max(grown, key=lambda n: grown[n])
+        return (node, grown[node]) if grown[node] > 0 else None
+
+    node, served = wait_for("an agent serving its peers", serving, timeout=60, interval=0.2)
     p = node_sh("pkill -9 -f 'python3 /opt/dscache/[b]in/dscache-node' && echo killed", node=node)
     assert "killed" in p.stdout, p.stderr
-    killed.append(node)
+    killed.append({"node": node, "served_before_kill": served})
 
 
 def test_fanout_peer_dies(cfg, kube, cache_factory, fan_dataset, nodes):
     cache = cache_factory("fandie", ds=fan_dataset, extra=_small_stager())
     ns, name = cache["namespace"], cache["name"]
     wait_for("the cache's peer token Secret", lambda: kube.get("secret", peer_secret_name(name), ns), timeout=60)
-    killed: list[str] = []
+    killed: list[dict[str, Any]] = []
     sent, pods = run_spread(
         cfg, kube, ns, name, fan_dataset, lambda job: _kill_agent_when_copying(kube, ns, job, killed)
     )
