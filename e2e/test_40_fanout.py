@@ -203,9 +203,13 @@ def test_fanout_peer_dies(cfg, kube, cache_factory, fan_dataset, nodes):
     assert killed, "no agent was killed"
     by_node = summaries(pods)
     report = write_report(cfg, "fanout-e2e-peer-dies.json", fan_dataset, sent, by_node, killed=killed)
-    # Every node exact (each pod verified every byte above); the dead peer's share came from
-    # the next node or the bucket, once each: well under three independent copies.
-    assert sent <= 2.0 * fan_dataset.bytes, report
+    # Every node exact (each pod verified every byte above). The dead node's own stager read
+    # the bucket for its share; what it had not yet served came from the bucket once more, by
+    # one surviving node each (the other takes it from that one): each object at most twice,
+    # never once per node. The stagers' own count is exact; the S3 side adds listings and
+    # HTTP/TCP headers (~2%, see test_fanout_single_egress).
+    assert sum(s["bucket_bytes"] for s in by_node.values()) <= 2 * fan_dataset.bytes, report
+    assert sent <= 2.1 * fan_dataset.bytes, report
 
 
 def _agent_url(kube, node: str) -> str:
