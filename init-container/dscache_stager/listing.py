@@ -44,9 +44,10 @@ from dscache_contract import VersionPicker, normalize_key, page_versions, parse_
 
 from .errors import SourceError, StageError, TransientError
 from .source import S3Source
+from .stage import LIST_CHUNK, Started
 
 if TYPE_CHECKING:
-    from obstore import ListStream, ObjectMeta
+    from obstore import ObjectMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,18 +70,6 @@ def _objects(batch: Sequence[ObjectMeta]) -> list[RemoteObject]:
 
 
 LIST_ATTEMPTS = 8
-#: Objects per batch from obstore: one ListObjectsV2 page (S3 sends at most 1,000 keys a page).
-LIST_CHUNK = 1000
-
-
-@dataclass(slots=True)
-class Started:
-    """A listing already begun by stage.prove_access: its first batch, and its stream to go on
-    with (None: that batch was the whole listing). The access proof is one listing page, the
-    one the copy needs first; handing it on saves a round trip and the server listing it twice."""
-
-    first: Sequence[ObjectMeta]
-    rest: ListStream[Sequence[ObjectMeta]] | None
 
 
 async def _resumed(started: Started) -> AsyncIterator[Sequence[ObjectMeta]]:

@@ -21,6 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import obstore
@@ -40,8 +41,19 @@ if TYPE_CHECKING:
     from .sync_options import SyncOptions
 
 LIST_ATTEMPTS = 8
-#: Objects per listing batch: one ListObjectsV2 page, as listing.LIST_CHUNK (not imported: asyncio).
+#: Objects per listing batch: one ListObjectsV2 page (S3 sends at most 1,000 keys a page).
 LIST_CHUNK = 1000
+
+
+@dataclass(slots=True)
+class Started:
+    """A listing already begun by prove_access: its first batch, and its stream to go on
+    with (None: that batch was the whole listing). The access proof is one listing page, the
+    one the copy needs first; handing it on (listing.list_objects) saves a round trip and the
+    server listing it twice."""
+
+    first: Sequence[ObjectMeta]
+    rest: ListStream[Sequence[ObjectMeta]] | None
 
 
 def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
@@ -58,7 +70,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
         # on a thread while this one waits on the network for the access proof and the lock.
         threading.Thread(target=_import_cold_path, name="import-cold", daemon=True).start()
     store = opts.source.open_store(opts.concurrency)
-    begun = prove_access(store, opts.source, probe)
+    listing = prove_access(store, opts.source, probe)
 
     def on_wait() -> None:
         progress.note(f"another stager or a wipe holds {contract.lock_path(c)}; waiting for it")
@@ -96,11 +108,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
             f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
             f"({opts.concurrency} requests in flight)"
         )
-        return cold(opts, rev, store, progress, begun if opts.as_of is None else None)
-
-
-#: A listing begun by prove_access: its first batch, and the stream that goes on (None: no more).
-Begun = tuple["Sequence[ObjectMeta]", "ListStream[Sequence[ObjectMeta]] | None"]
+        return cold(opts, rev, store, progress, listing if opts.as_of is None else None)
 
 
 def _import_cold_path() -> None:
@@ -111,7 +119,7 @@ def _import_cold_path() -> None:
         native.load()  # the extension's shared object, loaded on first use otherwise
 
 
-def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> Begun | None:
+def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> Started | None:
     """One request with this process's credentials; raise SourceError if S3 refuses.
 
     A HEAD of an object we are about to serve proves GetObject on it; when it
@@ -135,15 +143,15 @@ def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> Beg
         raise source_error(e, source, 0) from e
 
 
-def _first_page(store: S3Store, prefix: str) -> Begun:
+def _first_page(store: S3Store, prefix: str) -> Started:
     """One ListObjectsV2 page, retried when its body is cut short (obstore retries the rest itself)."""
     for attempt in range(1, LIST_ATTEMPTS + 1):
         try:
             stream = obstore.list(store, prefix=prefix or None, chunk_size=LIST_CHUNK)
             try:
-                return next(stream), stream
+                return Started(next(stream), stream)
             except StopIteration:
-                return [], None  # nothing under the prefix
+                return Started([], None)  # nothing under the prefix
         except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
             raise
         except BaseError as e:

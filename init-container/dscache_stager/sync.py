@@ -19,9 +19,9 @@ import errno
 import heapq
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from obstore.exceptions import BaseError, PreconditionError
 from obstore.store import S3Store
@@ -43,7 +43,6 @@ from .keys import TreeShape, unsafe_reason
 from .layout import Entry, Revision
 from .listing import (
     RemoteObject,
-    Started,
     UnrepresentableKeys,
     boto3_client,
     boto3_error,
@@ -54,11 +53,9 @@ from .listing import (
 from .peers import REFRESH_S, Outcome, Peers, verifiable
 from .progress import Progress, human_bytes
 from .source import S3Source, source_error
+from .stage import Started
 from .sync_options import BUFFER_BYTES, SyncOptions
 from .tree import LocalTree
-
-if TYPE_CHECKING:
-    from obstore import ListStream, ObjectMeta
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
@@ -74,18 +71,15 @@ def cold(
     rev: Revision,
     store: S3Store,
     progress: Progress,
-    begun: tuple[Sequence[ObjectMeta], ListStream[Sequence[ObjectMeta]] | None] | None = None,
+    started: Started | None = None,
 ) -> StageSummary:
-    """Stage ``rev`` from the bucket (called by stage.sync with C's lock held); ``begun``: the
-    listing stage.prove_access started (its first page and the rest of its stream), to go on from.
+    """Stage ``rev`` from the bucket (called by stage.sync with C's lock held); ``started``: the
+    listing stage.prove_access began (its first page and the rest of its stream), to go on from.
 
     A page listed before the lock was taken is as good as one listed after it: the whole listing
     must still hash to ``rev`` (else exit 9) and every GET still carries If-Match.
     """
-    run = _Run(opts, rev, store, progress)
-    if begun is not None:
-        run.started_listing = Started(*begun)
-    return asyncio.run(run.run())
+    return asyncio.run(_Run(opts, rev, store, progress, started).run())
 
 
 def current_revision(source: S3Source, selection: Selection) -> dict[str, Any]:
@@ -106,7 +100,9 @@ def current_revision(source: S3Source, selection: Selection) -> dict[str, Any]:
 
 
 class _Run:
-    def __init__(self, opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress) -> None:
+    def __init__(
+        self, opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress, started: Started | None = None
+    ) -> None:
         self.opts = opts
         self.source = opts.source
         self.selection = opts.selection
@@ -137,7 +133,7 @@ class _Run:
         self.peers_known = asyncio.Event()
         self.claims: IO[str] | None = None
         self._peer_seq = 0
-        self.started_listing: Started | None = None
+        self.started_listing = started
         self.started = time.monotonic()
         self.thread_started = time.thread_time()
 
