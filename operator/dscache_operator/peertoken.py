@@ -72,8 +72,7 @@ class Tokens:
     async def ensure(self, kube: Kube, key: str | None, namespace: str, cache: str, uid: str, now: float) -> None:
         """Write the cache's token for this period unless done already. No key (no agent token):
         nothing; peers then refuse every request, and stagers read the bucket."""
-        period = int(now // TOKEN_PERIOD_S)
-        if not key or self._written.get((namespace, cache)) == period:
+        if not key or not self.due(namespace, cache, now):
             return
         body = peer_secret(namespace, cache, uid, peer_token(key, namespace, cache, now))
         path = f"/api/v1/namespaces/{namespace}/secrets"
@@ -99,7 +98,7 @@ class Tokens:
                 # Without the Secret the stagers read the bucket: slower, never wrong. Tried again next pass.
                 log.warning(f"could not write the peer token of {namespace}/{cache}: {e}")
                 return
-        self._written[(namespace, cache)] = period
+        self._written[(namespace, cache)] = int(now // TOKEN_PERIOD_S)
 
     def forget(self, namespace: str, cache: str) -> None:
         self._written.pop((namespace, cache), None)
