@@ -22,7 +22,6 @@ from dscache_contract import (
 )
 
 from .errors import StageError, UsageError
-from .keys import Filters
 from .progress import Progress
 from .source import S3Source
 
@@ -119,7 +118,8 @@ def _sync(ns: argparse.Namespace) -> StageSummary:
         revision=args.revision,
         as_of=args.as_of,
         pod_uid=pod_uid,
-        filters=Filters(list(args.include), list(args.exclude)),
+        include=args.include,
+        exclude=args.exclude,
         concurrency=args.concurrency or default_concurrency(),
         progress_interval=args.progress_interval,
         agent=args.agent,

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import dscache_contract as contract
-from dscache_contract import ManifestEntry
+from dscache_contract import ManifestEntry, StageSummary
 
 from .errors import CacheGoneError, DestinationError
 
@@ -137,11 +137,11 @@ class Revision:
 
     # --- reading (safe without the lock: a complete revision never changes) --
 
-    def read_complete(self) -> dict[str, Any] | None:
+    def read_complete(self) -> StageSummary | None:
+        """The summary the completion marker holds; None: not complete (or not readable as one)."""
         try:
             with open(self.complete_path) as f:
-                marker = json.loads(f.read())
-            return marker if isinstance(marker, dict) else None
+                return StageSummary.from_message(f.read())
         except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
 
@@ -203,7 +203,7 @@ class Revision:
     def open_journal(self) -> IO[str]:
         return open(self.journal_path, "a", buffering=1 << 16)
 
-    def seal(self, manifest: str, dirs: Iterable[str], summary: dict[str, Any]) -> None:
+    def seal(self, manifest: str, dirs: Iterable[str], summary: StageSummary) -> None:
         """Seal the revision: manifest, read-only tree, then the marker, written last.
 
         ``manifest`` is a complete manifest file under tmp/, moved into place
@@ -220,7 +220,7 @@ class Revision:
             if rel:
                 os.chmod(os.path.join(self.data, rel), 0o555)
         os.chmod(self.data, 0o555)
-        write_atomic(self.complete_path, json.dumps(summary) + "\n", self.tmp)
+        write_atomic(self.complete_path, summary.to_json() + "\n", self.tmp)
         try:
             os.unlink(self.journal_path)
         except FileNotFoundError:

@@ -84,8 +84,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
                 "nothing was fsynced: staging it again"
             )
             rev.remove()
-        if (marker := rev.read_complete()) is not None:
-            done = StageSummary.from_dict(marker)
+        if (done := rev.read_complete()) is not None:
             progress.note(
                 f"revision {opts.revision} is already complete on this node: "
                 f"{done.objects} objects, {human_bytes(done.bytes)}; nothing to list or copy"

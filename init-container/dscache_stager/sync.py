@@ -223,7 +223,7 @@ class _Run:
                 # Every object is placed: nobody need wait on a claim any more, and tmp/ must be empty to seal.
                 self.claims.close()
                 os.unlink(self.claims.name)
-            rev.seal(manifest, self.tree.dirs, summary.to_dict())
+            rev.seal(manifest, self.tree.dirs, summary)
             return summary
         except RevisionGoneError:
             self._drop_revision()
