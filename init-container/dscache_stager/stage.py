@@ -28,10 +28,10 @@ import obstore
 from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
 
 import dscache_contract as contract
-from dscache_contract import StageSummary
+from dscache_contract import StageSummary, human_bytes
 
 from .layout import Revision, cache_lock, check_cache_dir, write_lease
-from .progress import Progress, human_bytes
+from .progress import Progress
 from .source import S3Source, source_error
 
 if TYPE_CHECKING:

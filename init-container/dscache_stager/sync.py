@@ -26,7 +26,7 @@ from typing import IO, Any
 from obstore.exceptions import BaseError, PreconditionError
 from obstore.store import S3Store
 
-from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary
+from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
 from dscache_contract.peers import claims_path
 
 from . import native
@@ -51,7 +51,7 @@ from .listing import (
     list_versions,
 )
 from .peers import REFRESH_S, Outcome, Peers, verifiable
-from .progress import Progress, human_bytes
+from .progress import Progress
 from .source import S3Source, source_error
 from .stage import Started
 from .sync_options import BUFFER_BYTES, SyncOptions

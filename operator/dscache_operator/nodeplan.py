@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import dscache_contract as contract
 from dscache_contract import STAGER_CONTAINER_NAME
+from dscache_contract.clock import fmt_time, parse_time
 
-from .clock import fmt_time, parse_time
 from .models import NodeRevision, NodeState, NodeStatus, Retention, RetentionPolicy, VolumeMode, parse_duration
 from .workloads import InitState, OwnerLookup, PodInfo, holds
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import dscache_contract as contract
 from dscache_contract import RevisionRef
+from dscache_contract.clock import parse_time
 
 from .caches import CacheView
-from .clock import parse_time
 from .injection import inject_object, stager_security_context
 from .kube import ApiError
 from .models import (
