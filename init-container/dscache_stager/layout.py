@@ -27,9 +27,6 @@ from dscache_contract import ManifestEntry, StageSummary
 
 from .errors import CacheGoneError, DestinationError
 
-# The manifest's record type is the contract's; the stager calls it Entry.
-Entry = ManifestEntry
-
 
 def cache_gone_message(c: str) -> str:
     return (
@@ -183,14 +180,14 @@ class Revision:
                 raise CacheGoneError(cache_gone_message(self.c)) from e
             raise
 
-    def known_entries(self) -> dict[str, Entry]:
+    def known_entries(self) -> dict[str, ManifestEntry]:
         """Objects an unfinished earlier run placed (its journal).
 
         Records written before the node last booted are ignored: their data
         may never have reached the disk (nothing is fsynced), so those files
         are fetched again.
         """
-        known: dict[str, Entry] = {}
+        known: dict[str, ManifestEntry] = {}
         try:
             if os.stat(self.journal_path).st_mtime < boot_time():
                 return known
@@ -313,7 +310,7 @@ def boot_time() -> float:
     return 0.0
 
 
-def read_entries(path: str) -> Iterator[Entry]:
+def read_entries(path: str) -> Iterator[ManifestEntry]:
     if not os.path.exists(path):
         return
     with open(path) as f:

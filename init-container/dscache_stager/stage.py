@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from .sync_options import SyncOptions
 
+#: Tries of one listing page that fails mid-body (obstore retries the rest itself); also the resumed listing's.
 LIST_ATTEMPTS = 8
 #: Objects per listing batch: one ListObjectsV2 page (S3 sends at most 1,000 keys a page).
 LIST_CHUNK = 1000

@@ -19,8 +19,6 @@ PLURAL = "datasetcaches"
 SINGULAR = "datasetcache"
 SHORT_NAMES = ["dsc"]
 
-#: Annotation on a Job or a pod template (or a bare Pod) that asks for a cache.
-CACHE_ANNOTATION = f"{GROUP}/cache"
 #: On what the webhook injects: where the pods' copy lives (a VolumeMode value).
 MODE_ANNOTATION = f"{GROUP}/volume"
 #: Namespace label that opts a namespace into injection.

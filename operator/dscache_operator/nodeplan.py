@@ -315,6 +315,15 @@ class Outcome(enum.Enum):
     KEPT = "kept"  # leases the controller did not release still hold it
 
 
+class WipeCount(enum.StrEnum):
+    """The dscache_wipes ``result`` a wipe's answer is counted under."""
+
+    SUCCEEDED = "succeeded"
+    KEPT = "kept"
+    BUSY = "busy"  # a stager held the cache's lock: asked again later
+    FAILED = "failed"
+
+
 class NoAgent(NamedTuple):
     """No agent could be asked: none runs on the node (or it has no address)."""
 
@@ -339,7 +348,7 @@ class Say(NamedTuple):
 
 class WipeResult(NamedTuple):
     outcome: Outcome
-    metric: str  # the dscache_wipes result: succeeded, kept, busy or failed
+    metric: WipeCount
     message: str | None  # the node entry's message from now on (None: none)
     event: Say | None = None
     leases: tuple[str, ...] = ()  # KEPT: the pod UIDs whose leases kept it
@@ -375,7 +384,7 @@ def judge_wipe(entry: NodeStatus, step: Release, answer: Answer, operator_namesp
         )
     if isinstance(answer, AgentFailed):
         if answer.busy:  # a stager holds the cache's lock right now: simply try again
-            return WipeResult(Outcome.IN_PROGRESS, "busy", entry.message)
+            return WipeResult(Outcome.IN_PROGRESS, WipeCount.BUSY, entry.message)
         return _failed(entry, f"wiping {what} on node {entry.node} failed: {answer.message}")
     if answer.existed and not answer.removed:
         uids = lease_uids(answer.leases)
@@ -389,16 +398,16 @@ def judge_wipe(entry: NodeStatus, step: Release, answer: Answer, operator_namesp
                 f"{', '.join(answer.stray[:5])}{' ...' if len(answer.stray) > 5 else ''} (remove them by hand)"
             )
         message = f"{what} kept: {'; '.join(why) or 'no reason given'}"[:4096]
-        return WipeResult(Outcome.KEPT, "kept", message, leases=tuple(uids))
+        return WipeResult(Outcome.KEPT, WipeCount.KEPT, message, leases=tuple(uids))
     done = f"wiped {what} on node {entry.node}"
-    return WipeResult(Outcome.REMOVED, "succeeded", None, Say("Normal", reason="Wiped", message=done))
+    return WipeResult(Outcome.REMOVED, WipeCount.SUCCEEDED, None, Say("Normal", reason="Wiped", message=done))
 
 
 def _failed(entry: NodeStatus, message: str) -> WipeResult:
     # One Event per new reason, not one per reconciliation.
     new = entry.message != message[:4096]
     event = Say("Warning", reason="WipeFailed", message=f"{message}; retrying") if new else None
-    return WipeResult(Outcome.IN_PROGRESS, "failed", message[:4096], event)
+    return WipeResult(Outcome.IN_PROGRESS, WipeCount.FAILED, message[:4096], event)
 
 
 def record_wipe(entry: NodeStatus, step: Release, result: WipeResult, now: datetime.datetime) -> None:
