@@ -32,6 +32,7 @@ from dscache_contract import (
     ENV_MANIFEST,
     ENV_POD_UID,
     ENV_REVISION,
+    LABEL_CONSUMER,
     META_MOUNT_PATH,
     POD_UID_ARG,
     STAGE_MOUNT_PATH,
@@ -43,7 +44,7 @@ from dscache_contract import (
 )
 from dscache_contract.peers import PEER_TOKEN_DIR, PEER_TOKEN_FILE, PEER_VOLUME_NAME, peer_secret_name
 
-from .models import CONSUMER_LABEL, MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
+from .models import MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
 from .settings import Settings
 
 NONROOT_UID = 65532
@@ -383,9 +384,9 @@ def inject_object(
 
 def _label(meta: dict[str, Any]) -> bool:
     labels = meta.get("labels") or {}
-    if labels.get(CONSUMER_LABEL) == "true":
+    if labels.get(LABEL_CONSUMER) == "true":
         return False
-    meta["labels"] = {**labels, CONSUMER_LABEL: "true"}
+    meta["labels"] = {**labels, LABEL_CONSUMER: "true"}
     return True
 
 

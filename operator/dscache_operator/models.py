@@ -23,9 +23,6 @@ SHORT_NAMES = ["dsc"]
 MODE_ANNOTATION = f"{GROUP}/volume"
 #: Namespace label that opts a namespace into injection.
 INJECTION_LABEL = f"{GROUP}/injection"
-#: Label the webhook puts on what it injects (Jobs and pods), so that the
-#: controller's watches are filtered by the API server.
-CONSUMER_LABEL = f"{GROUP}/consumer"
 #: Our finalizer on DatasetCaches (never on users' objects).
 FINALIZER = f"{GROUP}/wipe"
 #: On a DatasetCache: change its value (any string, e.g. a timestamp) to re-list
