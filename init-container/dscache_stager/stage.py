@@ -65,7 +65,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
     check_cache_dir(c)
     rev = Revision(c, opts.revision)
     # A complete revision never changes, so its manifest can be read unlocked.
-    probe = rev.first_key() if rev.read_complete() else None
+    probe = rev.first_key() if rev.read_complete() is not None else None
     if probe is None:
         # Most likely a cold run: import its modules (asyncio, the native plane: ~0.1 s of CPU)
         # on a thread while this one waits on the network for the access proof and the lock.
