@@ -35,8 +35,8 @@ import pydantic
 
 from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_CACHE, ANNOTATION_REVISION, RevisionRef, warm_label
 
-from . import admission, context, placement
-from .context import Context, ctx_of
+from . import admission, common, placement
+from .common import Context, ctx_of
 from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
 from .models import GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, PlacementMode, VolumeMode
@@ -368,7 +368,7 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: Any, **kwargs: Any) -> None:
         ctx = ctx_of(memo)
-        context.configure_kopf(settings)
+        common.configure_kopf(settings)
         # This process only indexes DatasetCaches and has no deletion handler; with
         # the controller's finalizer name, kopf would "clean up" that finalizer as
         # its own stale one. A name it never finds keeps it read-only.
@@ -386,7 +386,7 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
         )
         await server.start()
         servers.append(server)
-        await context.start_metrics(ctx)
+        await common.start_metrics(ctx)
         # What start-up loaded (kopf, aiohttp, pydantic, our modules: ~53,000 objects) lives
         # as long as the process; out of the collector's sight, a full collection no longer
         # walks it. Serving 1,000 reviews/s promotes enough short-lived objects for one
@@ -396,13 +396,13 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
 
     @kopf.on.login(registry=registry)
     async def login(memo: Any, **kwargs: Any) -> kopf.AiohttpSession:
-        return await context.login(ctx_of(memo), **kwargs)
+        return await common.login(ctx_of(memo), **kwargs)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
         for server in servers:
             await server.stop()
-        await context.shutdown(ctx_of(memo))
+        await common.shutdown(ctx_of(memo))
 
     @kopf.index(GROUP, VERSION, PLURAL, id=CACHES_INDEX, registry=registry)
     def dscache_caches(**kwargs: Any) -> dict[Any, Any]:
