@@ -1,10 +1,11 @@
 """The seam between the dscache operator and its stager, shipped in both images.
 
 Everything both sides must agree on lives here, and only here: the names
-(volume, container, env, annotation, mount points), the on-node layout, the
+(volume, container, env, annotations, labels, mount points), the on-node layout, the
 stager's command line (built by the operator, parsed by the stager, with one
 type), the JSON summary and exit codes, the include/exclude rule, the S3
-defaults, the revision digest, and how a revision is pinned (versions.py).
+defaults, the revision digest, how a revision is pinned (versions.py), the
+node agent's API and the peers' protocol, and the one timestamp format (clock.py).
 
 Standard library only: the stager imports this on every warm start, whose
 whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).

@@ -1,4 +1,4 @@
-"""Fixed names shared by the webhook (which writes them into pods) and the stager."""
+"""Fixed names shared by the webhook (which writes them into pods), the stager and the node agent."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ __all__ = [
     "ENV_POD_UID",
     "ENV_REVISION",
     "JOURNAL_NAME",
+    "LABEL_CONSUMER",
     "LEASES_DIR",
     "LOCK_NAME",
     "MANIFEST_NAME",
@@ -60,6 +61,9 @@ ANNOTATION_REVISION = "dscache.io/revision"
 ANNOTATION_PLACEMENT = "dscache.io/placement"
 # Versioned buckets: the revision's versions time (dscache_contract.versions), beside the revision.
 ANNOTATION_AS_OF = "dscache.io/revision-as-of"
+# Label (value "true") the webhook puts on what it injects, Jobs and pods: the controller's
+# and the node agents' watches ask the API server for consumer pods by it.
+LABEL_CONSUMER = "dscache.io/consumer"
 
 TERMINATION_LOG = "/dev/termination-log"
 

@@ -37,6 +37,7 @@ import re
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 from .node import cache_digest
 from .paths import tmp_dir, validate_revision
@@ -70,6 +71,16 @@ REVISION_HEADER = "X-Dscache-Revision"
 CLAIMS_NAME = "claims"
 #: ``?probe=1``: answer at once unless the object is claimed here (in flight); see owner_ranking.
 PROBE_PARAM = "probe"
+
+
+class RevisionState(StrEnum):
+    """A revision on an agent's node, as its 404 answer for an object says (``{"state": ...}``)."""
+
+    COMPLETE = "complete"
+    STAGING = "staging"  # a stager holds the cache's lock and the revision is not complete
+    UNCLAIMED = "unclaimed"  # staging, but nobody there has started to read that object (a probe's answer)
+    ABSENT = "absent"
+
 
 _STAGING_RE = re.compile(r"^staging\.dscache\.io/([0-9a-f]{12})\.(r-[0-9a-f]{20})$")
 

@@ -103,12 +103,9 @@ class StageSummary:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StageSummary:
-        return _from_dict(cls, d)
-
-    @classmethod
     def from_message(cls, message: str | None) -> StageSummary | None:
-        """The summary in a stager's termination message (its last JSON line), typed.
+        """The summary in a stager's termination message (its last JSON line), typed;
+        also what a revision's completion marker (meta/complete) holds.
 
         None when there is none: a failure's ``error: ...`` line, a message cut
         by the kubelet, or no message. Fields of the wrong type (a newer or a

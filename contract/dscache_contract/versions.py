@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .clock import RFC3339, fmt_epoch, parse_time
 from .names import ANNOTATION_AS_OF, ANNOTATION_REVISION
 from .paths import validate_revision
 from .revision import RevisionHasher
@@ -60,13 +61,13 @@ PIN_ATTEMPTS = 4
 
 def format_as_of(epoch: int) -> str:
     """Seconds since the epoch as the RFC 3339 UTC form the API and argv carry."""
-    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return fmt_epoch(epoch)
 
 
 def parse_as_of(text: str) -> int:
     """The inverse of :func:`format_as_of`; ValueError for anything else."""
     try:
-        when = datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ")
+        when = datetime.datetime.strptime(text, RFC3339)
     except (TypeError, ValueError):
         raise ValueError(f"as-of must be a UTC time like 2026-01-31T12:00:00Z, got {text!r}") from None
     return int(when.replace(tzinfo=datetime.UTC).timestamp())
@@ -88,7 +89,10 @@ class ObjectVersion:
 def _epoch(value: Any) -> int:
     if isinstance(value, datetime.datetime):
         return int(value.timestamp())
-    return int(datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp())
+    when = parse_time(str(value))
+    if when is None:
+        raise ValueError(f"LastModified is no timestamp: {value!r}")
+    return int(when.timestamp())
 
 
 def page_versions(page: dict[str, Any]) -> list[ObjectVersion]:

@@ -11,7 +11,7 @@ from typing import Any
 
 TRAIN_UID = 1000
 TRAIN_CONTAINER = "train"
-INIT_NAME = "dscache-stage"  # the injected init container (operator/dscache_operator/injection.py)
+INIT_NAME = "dscache-stage"  # the injected init container (dscache_contract.STAGER_CONTAINER_NAME)
 SIGNAL_DIR = "/signal"
 
 # The "training" program: the first thing it does is print when it started;

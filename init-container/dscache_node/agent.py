@@ -10,7 +10,6 @@ against its manifest, so a label never names a copy that is not whole.
 
 from __future__ import annotations
 
-import datetime
 import fcntl
 import functools
 import logging
@@ -35,12 +34,13 @@ from dscache_contract import (
     WipeRequest,
     WipeSummary,
     cache_digest,
+    clock,
+    human_bytes,
     warm_label,
 )
 from dscache_contract.peers import STAGING_LABEL_PREFIX, parse_staging_label, staging_label
 from dscache_stager.errors import BusyError
 from dscache_stager.layout import cache_lock
-from dscache_stager.progress import human_bytes as _human
 from dscache_stager.wipe import wipe as run_wipe
 
 from . import budget, disk
@@ -326,9 +326,9 @@ class Agent:
                     evicted,
                     message=(
                         f"revision {req.revision} of {req.namespace}/{req.cache} needs {req.bytes} bytes "
-                        f"({_human(req.bytes)}) but node {self.s.node} can give at most {current.available} "
-                        f"bytes ({_human(current.available)}) even after evicting every unused copy: its dscache "
-                        f"budget is {current.budget} bytes ({_human(current.budget)}), {held_by_leases} of them "
+                        f"({human_bytes(req.bytes)}) but node {self.s.node} can give at most {current.available} "
+                        f"bytes ({human_bytes(current.available)}) even after evicting every unused copy: its dscache "
+                        f"budget is {current.budget} bytes ({human_bytes(current.budget)}), {held_by_leases} of them "
                         f"held by copies pods are using. Raise the chart value nodeAgent.budget, free the "
                         f"node's cache disk, or narrow the cache with include/exclude"
                     ),
@@ -354,7 +354,7 @@ class Agent:
             self.metrics.evicted.inc(r.bytes)
             done.append(f"{r.namespace}/{r.cache}/{r.revision}")
             message = (
-                f"evicted revision {r.revision} ({_human(r.bytes)}) from node {self.s.node}: {why}; it was "
+                f"evicted revision {r.revision} ({human_bytes(r.bytes)}) from node {self.s.node}: {why}; it was "
                 f"unused since {_iso(r.released_at)} (least recently used first, never a copy in use)"
             )
             log.info(f"{r.namespace}/{r.cache}: {message}")
@@ -417,7 +417,7 @@ class Agent:
             dsc = self.kube.get(f"/apis/dscache.io/v1alpha1/namespaces/{namespace}/datasetcaches/{cache}")
             if dsc is None:
                 return
-            now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            now = clock.fmt_time(clock.now())
             self.kube.post(
                 f"/api/v1/namespaces/{namespace}/events",
                 {
@@ -467,4 +467,4 @@ def _float(text: str) -> float:
 
 
 def _iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if t else "never"
+    return clock.fmt_epoch(t) if t else "never"

@@ -10,7 +10,6 @@ could lose. Everything it publishes is recomputed from a scan.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -84,10 +83,11 @@ def read_revision(c: str, ns: str, cache: str, rev: str) -> OnDisk:
     try:
         st = os.stat(marker)
         with open(marker) as f:
-            summary = json.loads(f.read())
-        nbytes, complete = int(summary.get("bytes") or 0), True
-        sealed, sealed_at = (st.st_mtime_ns, st.st_ino), st.st_mtime
-    except (OSError, ValueError, AttributeError):
+            summary = contract.StageSummary.from_message(f.read())
+        if summary is not None:
+            nbytes, complete = summary.bytes, True
+            sealed, sealed_at = (st.st_mtime_ns, st.st_ino), st.st_mtime
+    except (OSError, ValueError):
         pass
     lease_dir = contract.lease_dir(c, rev)
     try:

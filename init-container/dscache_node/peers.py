@@ -20,11 +20,10 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import dscache_contract as contract
-from dscache_contract.peers import CLAIMS_NAME, Peer, PeersAnswer, claims_path, staging_label
+from dscache_contract.peers import CLAIMS_NAME, Peer, PeersAnswer, RevisionState, claims_path, staging_label
 from dscache_stager.keys import unsafe_reason
 
 from .disk import valid_name
@@ -38,15 +37,6 @@ ANSWER_TTL_S = 0.2
 POLL_S = 0.05
 
 
-class State(StrEnum):
-    """A revision on this node, as a peer sees it."""
-
-    COMPLETE = "complete"
-    STAGING = "staging"  # a stager holds the cache's lock and the revision is not complete
-    UNCLAIMED = "unclaimed"  # staging, but nobody here has started to read that object (a probe's answer)
-    ABSENT = "absent"
-
-
 @dataclass(frozen=True)
 class Opened:
     fd: int
@@ -56,17 +46,17 @@ class Opened:
 class NotHere(Exception):
     """The object is not (yet) on this node; ``state`` says whether it may come."""
 
-    def __init__(self, state: State, message: str) -> None:
+    def __init__(self, state: RevisionState, message: str) -> None:
         super().__init__(message)
         self.state = state
 
 
-def revision_state(c: str, rev: str, locked: bool) -> State:
+def revision_state(c: str, rev: str, locked: bool) -> RevisionState:
     if _exists_beneath(c, [contract.REVS_DIR, rev, contract.META_DIR, contract.COMPLETE_NAME]):
-        return State.COMPLETE
+        return RevisionState.COMPLETE
     if locked and _exists_beneath(c, [contract.REVS_DIR, rev, contract.DATA_DIR]):
-        return State.STAGING
-    return State.ABSENT
+        return RevisionState.STAGING
+    return RevisionState.ABSENT
 
 
 def check_request(namespace: str, cache: str, path: str) -> None:
@@ -165,18 +155,18 @@ def wait_for_object(
         except FileNotFoundError:
             pass
         state = revision_state(c, rev, locked(c))
-        if state is State.COMPLETE:
+        if state is RevisionState.COMPLETE:
             # Re-check: the last object may have been placed between the open and the marker.
             try:
                 return open_object(c, rev, path)
             except FileNotFoundError:
-                raise NotHere(State.ABSENT, f"{path} is not in revision {rev} on this node") from None
-        if state is State.ABSENT:
-            raise NotHere(State.ABSENT, f"revision {rev} is not on this node and no stager is copying it here")
+                raise NotHere(RevisionState.ABSENT, f"{path} is not in revision {rev} on this node") from None
+        if state is RevisionState.ABSENT:
+            raise NotHere(RevisionState.ABSENT, f"revision {rev} is not on this node and no stager is copying it here")
         if probe and not claims.claimed(c, rev, path):
-            raise NotHere(State.UNCLAIMED, f"no stager here has started to read {path}")
+            raise NotHere(RevisionState.UNCLAIMED, f"no stager here has started to read {path}")
         if time.monotonic() >= deadline:
-            raise NotHere(State.STAGING, f"{path} is not copied here yet (revision {rev} is in progress)")
+            raise NotHere(RevisionState.STAGING, f"{path} is not copied here yet (revision {rev} is in progress)")
         time.sleep(POLL_S)
 
 

@@ -7,12 +7,14 @@ import threading
 import time
 import urllib.parse
 
+from dscache_contract import LABEL_CONSUMER
+
 from .agent import PodView
 from .kube import Kube
 
 log = logging.getLogger("dscache-node")
 
-CONSUMER_SELECTOR = "dscache.io/consumer=true"
+CONSUMER_SELECTOR = f"{LABEL_CONSUMER}=true"
 FINISHED = ("Succeeded", "Failed")
 
 

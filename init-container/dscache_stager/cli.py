@@ -22,11 +22,9 @@ from dscache_contract import (
 )
 
 from .errors import StageError, UsageError
-from .keys import Filters
 from .progress import Progress
 from .source import S3Source
 
-DEFAULT_TERMINATION_LOG = TERMINATION_LOG
 T = TypeVar("T")
 
 
@@ -52,9 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         log = _log_from_argv(argv)
         _write_log(log, f"error: {e}")
         return ExitCode.USAGE
-    log = getattr(ns, "termination_log", None) or (
-        DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None
-    )
+    log = getattr(ns, "termination_log", None) or (TERMINATION_LOG if os.path.exists(TERMINATION_LOG) else None)
     try:
         if ns.command == "sync":
             line = _sync(ns).to_json()
@@ -119,7 +115,8 @@ def _sync(ns: argparse.Namespace) -> StageSummary:
         revision=args.revision,
         as_of=args.as_of,
         pod_uid=pod_uid,
-        filters=Filters(list(args.include), list(args.exclude)),
+        include=args.include,
+        exclude=args.exclude,
         concurrency=args.concurrency or default_concurrency(),
         progress_interval=args.progress_interval,
         agent=args.agent,
@@ -143,7 +140,7 @@ def _log_from_argv(argv: list[str]) -> str | None:
             return argv[i + 1]
         if a.startswith("--termination-log="):
             return a.split("=", 1)[1]
-    return DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None
+    return TERMINATION_LOG if os.path.exists(TERMINATION_LOG) else None
 
 
 def _fail(log: str | None, code: int, message: str) -> int:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-
-from dscache_contract import selected
 
 # Linux NAME_MAX: one path component may not exceed this many bytes.
 NAME_MAX = 255
@@ -32,17 +29,6 @@ def unsafe_reason(rel: str) -> str | None:
         if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX:
             return f"segment longer than {NAME_MAX} bytes"
     return None
-
-
-@dataclass
-class Filters:
-    """Include/exclude globs on the key relative to the prefix (the rule is dscache_contract.selected)."""
-
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
-
-    def accepts(self, rel: str) -> bool:
-        return selected(rel, self.include, self.exclude)
 
 
 class TreeShape:

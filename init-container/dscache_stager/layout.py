@@ -23,12 +23,9 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import dscache_contract as contract
-from dscache_contract import ManifestEntry
+from dscache_contract import ManifestEntry, StageSummary
 
 from .errors import CacheGoneError, DestinationError
-
-# The manifest's record type is the contract's; the stager calls it Entry.
-Entry = ManifestEntry
 
 
 def cache_gone_message(c: str) -> str:
@@ -137,11 +134,11 @@ class Revision:
 
     # --- reading (safe without the lock: a complete revision never changes) --
 
-    def read_complete(self) -> dict[str, Any] | None:
+    def read_complete(self) -> StageSummary | None:
+        """The summary the completion marker holds; None: not complete (or not readable as one)."""
         try:
             with open(self.complete_path) as f:
-                marker = json.loads(f.read())
-            return marker if isinstance(marker, dict) else None
+                return StageSummary.from_message(f.read())
         except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
 
@@ -183,14 +180,14 @@ class Revision:
                 raise CacheGoneError(cache_gone_message(self.c)) from e
             raise
 
-    def known_entries(self) -> dict[str, Entry]:
+    def known_entries(self) -> dict[str, ManifestEntry]:
         """Objects an unfinished earlier run placed (its journal).
 
         Records written before the node last booted are ignored: their data
         may never have reached the disk (nothing is fsynced), so those files
         are fetched again.
         """
-        known: dict[str, Entry] = {}
+        known: dict[str, ManifestEntry] = {}
         try:
             if os.stat(self.journal_path).st_mtime < boot_time():
                 return known
@@ -203,7 +200,7 @@ class Revision:
     def open_journal(self) -> IO[str]:
         return open(self.journal_path, "a", buffering=1 << 16)
 
-    def seal(self, manifest: str, dirs: Iterable[str], summary: dict[str, Any]) -> None:
+    def seal(self, manifest: str, dirs: Iterable[str], summary: StageSummary) -> None:
         """Seal the revision: manifest, read-only tree, then the marker, written last.
 
         ``manifest`` is a complete manifest file under tmp/, moved into place
@@ -220,7 +217,7 @@ class Revision:
             if rel:
                 os.chmod(os.path.join(self.data, rel), 0o555)
         os.chmod(self.data, 0o555)
-        write_atomic(self.complete_path, json.dumps(summary) + "\n", self.tmp)
+        write_atomic(self.complete_path, summary.to_json() + "\n", self.tmp)
         try:
             os.unlink(self.journal_path)
         except FileNotFoundError:
@@ -313,7 +310,7 @@ def boot_time() -> float:
     return 0.0
 
 
-def read_entries(path: str) -> Iterator[Entry]:
+def read_entries(path: str) -> Iterator[ManifestEntry]:
     if not os.path.exists(path):
         return
     with open(path) as f:

@@ -44,7 +44,7 @@ from dscache_contract import VersionPicker, normalize_key, page_versions, parse_
 
 from .errors import SourceError, StageError, TransientError
 from .source import S3Source
-from .stage import LIST_CHUNK, Started
+from .stage import LIST_ATTEMPTS, LIST_CHUNK, Started
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta
@@ -67,9 +67,6 @@ class UnrepresentableKeys(Exception):
 
 def _objects(batch: Sequence[ObjectMeta]) -> list[RemoteObject]:
     return [RemoteObject(o["path"], o["size"], (o.get("e_tag") or "").strip('"')) for o in batch]
-
-
-LIST_ATTEMPTS = 8
 
 
 async def _resumed(started: Started) -> AsyncIterator[Sequence[ObjectMeta]]:

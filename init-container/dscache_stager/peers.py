@@ -43,6 +43,7 @@ from dscache_contract.peers import (
     ObjectRequest,
     PeersAnswer,
     PeersRequest,
+    RevisionState,
     owner_ranking,
 )
 
@@ -247,13 +248,13 @@ class Peers:
                 return Outcome.NEXT
             if status == 200:
                 return Outcome.PLACED
-            if status == 404 and state == "unclaimed":
+            if status == 404 and state == RevisionState.UNCLAIMED:
                 return Outcome.NEXT  # a probe: nobody there reads it: this node's own turn
-            if status == 404 and state == "staging" and time.monotonic() < deadline:
+            if status == 404 and state == RevisionState.STAGING and time.monotonic() < deadline:
                 continue  # the peer is still copying it: ask again (the request was held MAX_WAIT_S)
             if status == 401:
                 self._fail(addr, "refused this cache's peer token")
-            elif status == 404 and state == "staging":
+            elif status == 404 and state == RevisionState.STAGING:
                 self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
             elif status == 404:
                 self._fail(addr, f"neither holds nor copies revision {self.revision} (any more)")

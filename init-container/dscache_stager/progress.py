@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from dscache_contract import human_bytes as human_bytes  # re-exported: the stager and its agent format sizes so
+from dscache_contract import human_bytes
 
 
 @dataclass

@@ -9,11 +9,11 @@ check still runs, and the agent enforces its budget again when it is back.
 
 from __future__ import annotations
 
-from dscache_contract import RESERVE_PATH, ReserveAnswer, ReserveRequest
+from dscache_contract import RESERVE_PATH, ReserveAnswer, ReserveRequest, human_bytes
 
 from . import agentcall
 from .errors import NoSpaceError
-from .progress import Progress, human_bytes
+from .progress import Progress
 
 TIMEOUT_S = 30.0  # evicting a large copy takes a while
 

@@ -28,10 +28,10 @@ import obstore
 from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
 
 import dscache_contract as contract
-from dscache_contract import StageSummary
+from dscache_contract import StageSummary, human_bytes
 
 from .layout import Revision, cache_lock, check_cache_dir, write_lease
-from .progress import Progress, human_bytes
+from .progress import Progress
 from .source import S3Source, source_error
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from .sync_options import SyncOptions
 
+#: Tries of one listing page that fails mid-body (obstore retries the rest itself); also the resumed listing's.
 LIST_ATTEMPTS = 8
 #: Objects per listing batch: one ListObjectsV2 page (S3 sends at most 1,000 keys a page).
 LIST_CHUNK = 1000
@@ -64,7 +65,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
     check_cache_dir(c)
     rev = Revision(c, opts.revision)
     # A complete revision never changes, so its manifest can be read unlocked.
-    probe = rev.first_key() if rev.read_complete() else None
+    probe = rev.first_key() if rev.read_complete() is not None else None
     if probe is None:
         # Most likely a cold run: import its modules (asyncio, the native plane: ~0.1 s of CPU)
         # on a thread while this one waits on the network for the access proof and the lock.
@@ -84,8 +85,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
                 "nothing was fsynced: staging it again"
             )
             rev.remove()
-        if (marker := rev.read_complete()) is not None:
-            done = StageSummary.from_dict(marker)
+        if (done := rev.read_complete()) is not None:
             progress.note(
                 f"revision {opts.revision} is already complete on this node: "
                 f"{done.objects} objects, {human_bytes(done.bytes)}; nothing to list or copy"

@@ -26,7 +26,7 @@ from typing import IO, Any
 from obstore.exceptions import BaseError, PreconditionError
 from obstore.store import S3Store
 
-from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary
+from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
 from dscache_contract.peers import claims_path
 
 from . import native
@@ -40,7 +40,7 @@ from .errors import (
 )
 from .fetch import SMALL_LIMIT, Fetcher, ObjectGone, exists
 from .keys import TreeShape, unsafe_reason
-from .layout import Entry, Revision
+from .layout import Revision
 from .listing import (
     RemoteObject,
     UnrepresentableKeys,
@@ -51,7 +51,7 @@ from .listing import (
     list_versions,
 )
 from .peers import REFRESH_S, Outcome, Peers, verifiable
-from .progress import Progress, human_bytes
+from .progress import Progress
 from .source import S3Source, source_error
 from .stage import Started
 from .sync_options import BUFFER_BYTES, SyncOptions
@@ -121,7 +121,7 @@ class _Run:
         self.manifest_tmp = os.path.join(rev.tmp, "manifest.listed")
         self.hostile: list[tuple[str, str]] = []
         self.empties: list[tuple[RemoteObject, str, str | None]] = []
-        self.placed_empties: dict[str, Entry] = {}
+        self.placed_empties: dict[str, ManifestEntry] = {}
         self.fetched_bytes = 0
         self.peer_bytes = 0
         # Fetch once per cluster (peers.py): with the agent and the cache's token, objects other
@@ -223,7 +223,7 @@ class _Run:
                 # Every object is placed: nobody need wait on a claim any more, and tmp/ must be empty to seal.
                 self.claims.close()
                 os.unlink(self.claims.name)
-            rev.seal(manifest, self.tree.dirs, summary.to_dict())
+            rev.seal(manifest, self.tree.dirs, summary)
             return summary
         except RevisionGoneError:
             self._drop_revision()
@@ -238,7 +238,7 @@ class _Run:
         except OSError as e:
             raise _destination_error(e, rev.dir) from e
         except BaseError as e:
-            raise _source_error(e, self.source, self.progress.fetched_objects) from e
+            raise source_error(e, self.source, self.progress.fetched_objects) from e
         finally:
             ticker.cancel()
             if finder is not None:
@@ -288,7 +288,7 @@ class _Run:
 
     # --- listing ------------------------------------------------------------
 
-    async def _produce(self, known: dict[str, Entry], queue: asyncio.Queue[Work]) -> None:
+    async def _produce(self, known: dict[str, ManifestEntry], queue: asyncio.Queue[Work]) -> None:
         relative, hasher, progress = self.selection.relative, self.hasher, self.progress
         as_of = self.opts.as_of
         listing = (
@@ -327,7 +327,7 @@ class _Run:
                     # Listed now, fetched later: the run fails unless every
                     # GET succeeds (If-Match: these very bytes), so the line
                     # can be written before the file exists.
-                    line = self._list_entry(Entry(obj.key, rel, obj.size, obj.etag, obj.version_id))
+                    line = self._list_entry(ManifestEntry(obj.key, rel, obj.size, obj.etag, obj.version_id))
                     fetch.append((obj, rel, line))
                 # Space is reserved a page at a time, so a short listing is
                 # judged on its exact total before any of it is fetched.
@@ -360,7 +360,7 @@ class _Run:
                 f"or use a larger disk"
             )
 
-    async def _settle_empties(self, known: dict[str, Entry]) -> None:
+    async def _settle_empties(self, known: dict[str, ManifestEntry]) -> None:
         """Empty objects: a real empty file, or a directory marker ``a/`` that obstore shows as ``a``.
 
         A marker with objects under it is recognised from the listing alone.
@@ -394,7 +394,7 @@ class _Run:
             tmp = os.path.join(self.rev.tmp, f"empty-{len(self.placed_empties)}-{id(obj)}")
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444))
             self.tree.place(tmp, rel)
-            entry = Entry(obj.key, rel, 0, obj.etag, obj.version_id)
+            entry = ManifestEntry(obj.key, rel, 0, obj.etag, obj.version_id)
             self.placed_empties[rel] = entry
             self.journal.write(entry.to_json() + "\n")
 
@@ -411,7 +411,7 @@ class _Run:
                 self._claim([item])
             obj, rel, _ = item
             got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
-            entry = Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
+            entry = ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
             self.journal.write(entry.to_json() + "\n")
             self.fetched_bytes += got.size
             self.progress.fetched_objects += 1
@@ -461,7 +461,7 @@ class _Run:
             if got.size == obj.size and got.etag in ("", obj.etag):
                 write(line)  # the object as listed: its manifest line, already encoded
             else:
-                write(Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id).to_json() + "\n")
+                write(ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id).to_json() + "\n")
             fetched += got.size
         self.fetched_bytes += fetched
         self.progress.fetched_objects += len(placed)
@@ -471,7 +471,7 @@ class _Run:
 
     async def _fetch_one(self, obj: RemoteObject, rel: str) -> None:
         got = await self.fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
-        entry = Entry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
+        entry = ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
         self.journal.write(entry.to_json() + "\n")
         self.fetched_bytes += got.size
         self.progress.fetched_objects += 1
@@ -553,7 +553,7 @@ class _Run:
                     await self._fetch_one(obj, rel)
                     break
 
-    def _list_entry(self, entry: Entry) -> str:
+    def _list_entry(self, entry: ManifestEntry) -> str:
         line = entry.to_json() + "\n"
         self.manifest.write(line)
         self.objects += 1
@@ -613,7 +613,7 @@ class _Run:
         )
 
 
-def _same(placed: Entry, listed: RemoteObject) -> bool:
+def _same(placed: ManifestEntry, listed: RemoteObject) -> bool:
     """A file a killed run placed is the listed object (same size, ETag and version)."""
     return (placed.size, placed.etag, placed.version_id) == (listed.size, listed.etag, listed.version_id)
 
@@ -668,6 +668,3 @@ def _destination_error(e: OSError, dest: str) -> StageError:
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return DestinationError(f"cannot write {dest}: {e.strerror}; the stager needs a writable cache volume")
     return DestinationError(f"writing {dest} failed: {e}")
-
-
-_source_error = source_error

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from dscache_contract import Selection
 
-from .keys import Filters
 from .source import S3Source
 
 #: Requests in flight by default, whatever the CPUs: s5cmd's default too.
@@ -34,7 +33,9 @@ class SyncOptions:
     #: Versioned bucket: the revision's versions time (dscache_contract.versions).
     as_of: str | None = None
     pod_uid: str | None = None
-    filters: Filters = field(default_factory=Filters)
+    #: --include/--exclude: globs on the key relative to the prefix (dscache_contract.Selection).
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
     concurrency: int = field(default_factory=default_concurrency)
     progress_interval: float = 3.0
     #: The node agent to ask for room, this copy's cache (NAMESPACE/NAME) and its revision's size.
@@ -47,4 +48,4 @@ class SyncOptions:
 
     @property
     def selection(self) -> Selection:
-        return Selection(self.source.prefix, tuple(self.filters.include), tuple(self.filters.exclude))
+        return Selection(self.source.prefix, self.include, self.exclude)

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from .models import FINALIZER, REFRESH_ANNOTATION, DatasetCacheSpec
+from .models import FINALIZER, GROUP, KIND, REFRESH_ANNOTATION, VERSION, DatasetCacheSpec
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -60,8 +60,8 @@ class CacheView(NamedTuple):
     def involved(self) -> dict[str, str]:
         """The Event's involvedObject."""
         return {
-            "apiVersion": "dscache.io/v1alpha1",
-            "kind": "DatasetCache",
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
             "namespace": self.namespace,
             "name": self.name,
             "uid": self.uid,

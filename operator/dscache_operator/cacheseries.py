@@ -19,12 +19,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from .models import NodeState, Phase
+from .nodeplan import WipeCount
 from .workloads import InitState
 
 #: A stage takes from well under a second (warm) to hours (a cold multi-TB copy).
 STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 #: Outcomes of one wipe request to a node agent (nodeplan.judge_wipe).
-WIPE_RESULTS = ("succeeded", "kept", "busy", "failed")
+WIPE_RESULTS = tuple(WipeCount)
 STAGER_RESULTS = (InitState.OK.value, InitState.FAILED.value)  # a finished stager's
 #: The byte counters, each (name, help).
 BYTES = (
@@ -126,8 +127,8 @@ class CacheSeries(Collector):
             for s in cache.states:
                 by_state[s] = by_state.get(s, 0) + 1
             v, labels = cache.values, [namespace, name]
-            for i, result in enumerate(WIPE_RESULTS):
-                wipes.add_metric([*labels, result], v[_WIPES + i])
+            for i, wiped in enumerate(WIPE_RESULTS):
+                wipes.add_metric([*labels, wiped], v[_WIPES + i])
             for i, result in enumerate(STAGER_RESULTS):
                 runs.add_metric([*labels, result], v[_RUNS + i])
             for i, family in enumerate(byte_counters):

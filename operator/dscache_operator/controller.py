@@ -20,7 +20,9 @@ from typing import Any
 
 import kopf
 
-from . import agentclient, clock, common, prestage, sourcecheck
+from dscache_contract import clock
+
+from . import agentclient, common, prestage, sourcecheck
 from . import status as st
 from .caches import CacheView, Key
 from .common import Context, ctx_of

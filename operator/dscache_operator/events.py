@@ -14,6 +14,8 @@ import logging
 import secrets
 from typing import NamedTuple
 
+from dscache_contract import clock
+
 from .kube import Kube
 
 logger = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ class Event(NamedTuple):
 
 
 def event_body(e: Event, now: datetime.datetime) -> dict[str, object]:
-    stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = clock.fmt_time(now)
     return {
         "apiVersion": "v1",
         "kind": "Event",
@@ -66,7 +68,7 @@ class Poster:
             e = await self._queue.get()
             namespace = e.involved["namespace"]
             try:
-                body = event_body(e, datetime.datetime.now(datetime.UTC))
+                body = event_body(e, clock.now())
                 await self._kube.request("POST", f"/api/v1/namespaces/{namespace}/events", body, answer=False)
             except Exception as err:  # an Event is never worth stopping for
                 logger.warning(f"posting Event {e.reason} on {namespace}/{e.involved['name']} failed: {err}")

@@ -27,10 +27,12 @@ from typing import Any
 
 import dscache_contract as contract
 from dscache_contract import (
+    ANNOTATION_CACHE,
     ENV_DIR,
     ENV_MANIFEST,
     ENV_POD_UID,
     ENV_REVISION,
+    LABEL_CONSUMER,
     META_MOUNT_PATH,
     POD_UID_ARG,
     STAGE_MOUNT_PATH,
@@ -42,15 +44,10 @@ from dscache_contract import (
 )
 from dscache_contract.peers import PEER_TOKEN_DIR, PEER_TOKEN_FILE, PEER_VOLUME_NAME, peer_secret_name
 
-from .models import CACHE_ANNOTATION, CONSUMER_LABEL, MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
+from .models import MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
 from .settings import Settings
 
-INIT_NAME = STAGER_CONTAINER_NAME
-#: Where the init container sees the volume (never visible to training code).
-STAGE_DIR = STAGE_MOUNT_PATH
 NONROOT_UID = 65532
-
-Mode = VolumeMode
 
 
 class InjectionError(Exception):
@@ -80,7 +77,7 @@ def stage_args(
         source=src.uri,
         revision=revision.id,
         as_of=revision.as_of,
-        cache_dir=STAGE_DIR,
+        cache_dir=STAGE_MOUNT_PATH,
         pod_uid=POD_UID_ARG,
         endpoint_url=src.endpoint,
         region=src.region,
@@ -106,7 +103,7 @@ def stager_args(
     return stage_args(spec, settings, revision, cache, nbytes).to_argv()
 
 
-def stager_security_context(mode: Mode) -> dict[str, Any]:
+def stager_security_context(mode: VolumeMode) -> dict[str, Any]:
     """Least privilege that can still write the volume.
 
     HostPath: the kubelet creates the directory root-owned 0755, so the stager
@@ -132,7 +129,7 @@ def init_container(
     name: str,
     spec: DatasetCacheSpec,
     settings: Settings,
-    mode: Mode,
+    mode: VolumeMode,
     revision: RevisionRef,
     nbytes: int | None = None,
 ) -> dict[str, Any]:
@@ -159,13 +156,13 @@ def init_container(
         spec.resources.model_dump(exclude_none=True) if spec.resources else copy.deepcopy(settings.stager_resources)
     )
     return {
-        "name": INIT_NAME,
+        "name": STAGER_CONTAINER_NAME,
         "image": settings.stager_image,
         "imagePullPolicy": settings.stager_pull_policy,
         "command": [STAGER_COMMAND],
         "args": stager_args(spec, settings, revision, f"{namespace}/{name}" if host_path else None, nbytes),
         "env": env,
-        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_DIR}]
+        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_MOUNT_PATH}]
         + (
             [{"name": PEER_VOLUME_NAME, "mountPath": PEER_TOKEN_DIR, "readOnly": True}]
             if host_path and settings.peers
@@ -185,7 +182,7 @@ def peer_token_volume(name: str) -> dict[str, Any]:
     return {"name": PEER_VOLUME_NAME, "secret": secret}
 
 
-def volume(namespace: str, name: str, settings: Settings, mode: Mode) -> dict[str, Any]:
+def volume(namespace: str, name: str, settings: Settings, mode: VolumeMode) -> dict[str, Any]:
     if mode == VolumeMode.HOST_PATH:
         return {
             "name": VOLUME_NAME,
@@ -220,17 +217,19 @@ def check_clashes(pod_spec: dict[str, Any], cache: str, mount_path: str) -> None
                 )
     for v in pod_spec.get("volumes") or []:
         if v.get("name") == VOLUME_NAME and not any(
-            ic.get("name") == INIT_NAME for ic in pod_spec.get("initContainers") or []
+            ic.get("name") == STAGER_CONTAINER_NAME for ic in pod_spec.get("initContainers") or []
         ):
             raise InjectionError(
                 f"DatasetCache {cache!r}: the pod already has a volume named "
                 f"{VOLUME_NAME!r}, which dscache reserves; rename that volume."
             )
     for c in pod_spec.get("initContainers") or []:
-        if c.get("name") == INIT_NAME and not any(m.get("name") == VOLUME_NAME for m in c.get("volumeMounts") or []):
+        if c.get("name") == STAGER_CONTAINER_NAME and not any(
+            m.get("name") == VOLUME_NAME for m in c.get("volumeMounts") or []
+        ):
             raise InjectionError(
                 f"DatasetCache {cache!r}: the pod already has an init container named "
-                f"{INIT_NAME!r}, which dscache reserves; rename that container."
+                f"{STAGER_CONTAINER_NAME!r}, which dscache reserves; rename that container."
             )
 
 
@@ -260,7 +259,7 @@ def inject(
     name: str,
     spec: DatasetCacheSpec,
     settings: Settings,
-    mode: Mode,
+    mode: VolumeMode,
     revision: RevisionRef,
     nbytes: int | None = None,
 ) -> bool:
@@ -277,7 +276,7 @@ def inject(
         changed = True
 
     inits = pod_spec.setdefault("initContainers", [])
-    ours = next((c for c in inits if c.get("name") == INIT_NAME), None)
+    ours = next((c for c in inits if c.get("name") == STAGER_CONTAINER_NAME), None)
     if ours is None:
         ours = init_container(namespace, name, spec, settings, mode, revision, nbytes)
         inits.insert(0, ours)
@@ -327,7 +326,7 @@ def inject_object(
     cache_name: str,
     spec: DatasetCacheSpec,
     settings: Settings,
-    mode: Mode,
+    mode: VolumeMode,
     revision: RevisionRef,
     nbytes: int | None = None,
 ) -> bool:
@@ -350,7 +349,9 @@ def inject_object(
     except ValueError as e:
         raise InjectionError(str(e)) from None
     existing = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == VOLUME_NAME), None)
-    if existing is not None and any(c.get("name") == INIT_NAME for c in pod_spec.get("initContainers") or []):
+    if existing is not None and any(
+        c.get("name") == STAGER_CONTAINER_NAME for c in pod_spec.get("initContainers") or []
+    ):
         # Already injected (e.g. a Job's pod): keep the mode it was injected with.
         mode = VolumeMode.HOST_PATH if "hostPath" in existing else VolumeMode.EMPTY_DIR
     changed = inject(
@@ -365,7 +366,7 @@ def inject_object(
     )
     # The pods carry the cache name (for the controller's consumer index), the
     # mode and the revision (for wipe planning per node and revision).
-    wanted = {CACHE_ANNOTATION: cache_name, MODE_ANNOTATION: VolumeMode(mode).value, **revision.to_annotations()}
+    wanted = {ANNOTATION_CACHE: cache_name, MODE_ANNOTATION: VolumeMode(mode).value, **revision.to_annotations()}
     if any(annotations.get(k) != v for k, v in wanted.items()):
         meta["annotations"] = {**annotations, **wanted}
         changed = True
@@ -375,27 +376,27 @@ def inject_object(
         jmeta = obj.setdefault("metadata", {})
         changed = _label(jmeta) or changed
         jann = jmeta.get("annotations") or {}
-        if jann.get(CACHE_ANNOTATION) != cache_name:
-            jmeta["annotations"] = {**jann, CACHE_ANNOTATION: cache_name}
+        if jann.get(ANNOTATION_CACHE) != cache_name:
+            jmeta["annotations"] = {**jann, ANNOTATION_CACHE: cache_name}
             changed = True
     return changed
 
 
 def _label(meta: dict[str, Any]) -> bool:
     labels = meta.get("labels") or {}
-    if labels.get(CONSUMER_LABEL) == "true":
+    if labels.get(LABEL_CONSUMER) == "true":
         return False
-    meta["labels"] = {**labels, CONSUMER_LABEL: "true"}
+    meta["labels"] = {**labels, LABEL_CONSUMER: "true"}
     return True
 
 
 def requested_cache(obj: dict[str, Any], kind: str) -> str | None:
     """The cache a Job (metadata or template) or a Pod asks for, if any."""
     meta = obj.get("metadata") or {}
-    name = (meta.get("annotations") or {}).get(CACHE_ANNOTATION)
+    name = (meta.get("annotations") or {}).get(ANNOTATION_CACHE)
     if name is None and kind == "Job":
         tmeta = ((obj.get("spec") or {}).get("template") or {}).get("metadata") or {}
-        name = (tmeta.get("annotations") or {}).get(CACHE_ANNOTATION)
+        name = (tmeta.get("annotations") or {}).get(ANNOTATION_CACHE)
     return name
 
 

@@ -32,8 +32,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+from dscache_contract.clock import now, parse_time
+
 from .cacheseries import STAGER_RESULTS, CacheSeries
-from .clock import parse_time
 from .models import VolumeMode
 from .version import package_version
 
@@ -66,7 +67,7 @@ class Metrics:
         ctl = r if role in (None, "controller") else None
         hook = r if role in (None, "webhook") else None
         #: Stagers that finished before this time are never counted (see observe_stagers).
-        self.since = since or datetime.datetime.now(datetime.UTC)
+        self.since = since or now()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         self.build_info = Gauge(

@@ -19,15 +19,10 @@ PLURAL = "datasetcaches"
 SINGULAR = "datasetcache"
 SHORT_NAMES = ["dsc"]
 
-#: Annotation on a Job or a pod template (or a bare Pod) that asks for a cache.
-CACHE_ANNOTATION = f"{GROUP}/cache"
 #: On what the webhook injects: where the pods' copy lives (a VolumeMode value).
 MODE_ANNOTATION = f"{GROUP}/volume"
 #: Namespace label that opts a namespace into injection.
 INJECTION_LABEL = f"{GROUP}/injection"
-#: Label the webhook puts on what it injects (Jobs and pods), so that the
-#: controller's watches are filtered by the API server.
-CONSUMER_LABEL = f"{GROUP}/consumer"
 #: Our finalizer on DatasetCaches (never on users' objects).
 FINALIZER = f"{GROUP}/wipe"
 #: On a DatasetCache: change its value (any string, e.g. a timestamp) to re-list

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import dscache_contract as contract
 from dscache_contract import STAGER_CONTAINER_NAME
+from dscache_contract.clock import fmt_time, parse_time
 
-from .clock import fmt_time, parse_time
 from .models import NodeRevision, NodeState, NodeStatus, Retention, RetentionPolicy, VolumeMode, parse_duration
 from .workloads import InitState, OwnerLookup, PodInfo, holds
 
@@ -218,68 +218,89 @@ def _wipes(
     scope: Scope,
     keep: frozenset[str],
 ) -> list[Release]:
-    """The wipes worth sending to this node now (and the entry Wiped when nothing is left).
-
-    Which leases a wipe releases: those of this node's pods that no longer hold
-    the revision, plus the stray leases an earlier wipe reported that still belong
-    to no holding pod. A lease is written by a running stager, whose pod carries
-    our label from admission on, so the pod view shows it within the watch lag; a
-    UID still unknown one reconciliation after a wipe reported it is a pod deleted
-    meanwhile (e.g. while the operator was down), and keeping its lease would keep
-    the revision forever."""
-    now, live = scope.now, scope.live_anywhere
-    active = [r for r in entry.revisions if r.wipedAt is None]
-    wipes: list[Release] = []
+    """The wipes worth sending to this node now (and the entry Wiped when nothing is left)."""
+    now = scope.now
     if entry.volume == VolumeMode.EMPTY_DIR:
         if holds_copy and not consumers and (scope.deleting or _ttl_passed(entry.lastUsed, scope.retention, now)):
             # The kubelet removes emptyDir volumes with their pods: nothing of ours remains.
             entry.state, entry.wipedAt, entry.revisions = NodeState.WIPED, fmt_time(now), []
-    elif scope.block_all or not holds_copy:
-        pass  # an unscheduled pod of unknown revision may land here: keep everything
-    elif scope.deleting:
-        # A whole-cache wipe that was kept marked every revision (record_wipe).
-        kept = [r for r in entry.revisions if r.keptAt]
-        waits = bool(kept) and all(_kept_waits(r, live, now) for r in kept)
-        if not consumers and not scope.blocked_everywhere and not waits:
-            # One wipe removes C itself once no lease at all remains.
-            release = {p.uid for p in done_here if p.uid}
-            for r in active:
-                release.update(u for u in r.strayLeases if u not in live)
-            wipes.append(Release(None, tuple(sorted(release))))
-    else:
-        # A pod without a revision annotation mounts C itself, so it sees every
-        # revision and the version 1 copy: while one holds here, nothing is removed.
-        legacy_holders = any(not p.revision for p in consumers)
-        for r in active:
-            if r.consumers or legacy_holders or r.id in scope.blocked_everywhere or r.id in keep:
-                continue
-            if not _ttl_passed(r.lastUsed, scope.retention, now) or _kept_waits(r, live, now):
-                continue
-            if r.id == LEGACY:
-                # Why no reader of the version 1 copy ever sees its files vanish:
-                # only a pod admitted without a revision annotation reads it (it
-                # mounts C; every other container mounts revs/<rev>/data). We get
-                # here only when no such pod holds on this node (legacy_holders)
-                # and none is unscheduled anywhere (block_all, above), judged on
-                # complete views (the controller waits for them). This webhook
-                # never admits a pod without a revision (webhook.no_revision), so
-                # once every webhook replica runs it that set only shrinks and the
-                # condition stays true. What is left is a rolling upgrade, where an
-                # old replica may admit such a pod that our view does not show yet;
-                # the agent's wipe closes that on disk (dscache_stager.wipe): while its
-                # stager stages it holds version 1's lock (the wipe is busy), once
-                # it finished the copy changed less than LEGACY_QUIET_S ago (busy
-                # too), and before it starts its pod reads nothing and it stages a
-                # fresh copy. Either way the next plan sees the pod and waits.
-                # No leases to release: version 1 wrote none.
-                wipes.append(Release(LEGACY, ()))
-                continue
-            release = {p.uid for p in done_here if p.uid and p.revision == r.id}
-            release.update(u for u in r.strayLeases if u not in live)
-            wipes.append(Release(r.id, tuple(sorted(release))))
-        if not active and not consumers and prior is not None and entry.state != NodeState.WIPED:
-            # Nothing of any revision left here (a version 1 copy is LEGACY, active until wiped).
-            entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
+        return []
+    if scope.block_all or not holds_copy:
+        return []  # an unscheduled pod of unknown revision may land here: keep everything
+    if scope.deleting:
+        return _whole_cache_wipe(entry, consumers, done_here, scope)
+    wipes = _revision_wipes(entry, consumers, done_here, scope, keep)
+    # Nothing of any revision left here (a version 1 copy is LEGACY, listed until wiped).
+    left = any(r.wipedAt is None for r in entry.revisions)
+    if not left and not consumers and prior is not None and entry.state != NodeState.WIPED:
+        entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
+    return wipes
+
+
+def _releasable(r: NodeRevision, live_anywhere: frozenset[str]) -> set[str]:
+    """The stray leases an earlier wipe of ``r`` reported that belong to no pod holding it.
+
+    A wipe releases these besides the leases of this node's pods that no longer
+    hold the revision. A lease is written by a running stager, whose pod carries
+    our label from admission on, so the pod view shows it within the watch lag; a
+    UID still unknown one reconciliation after a wipe reported it is a pod deleted
+    meanwhile (e.g. while the operator was down), and keeping its lease would keep
+    the revision forever."""
+    return {u for u in r.strayLeases if u not in live_anywhere}
+
+
+def _whole_cache_wipe(
+    entry: NodeStatus, consumers: list[PodInfo], done_here: list[PodInfo], scope: Scope
+) -> list[Release]:
+    """On deletion: one wipe removes C itself once no lease at all remains."""
+    # A whole-cache wipe that was kept marked every revision (record_wipe).
+    kept = [r for r in entry.revisions if r.keptAt]
+    waits = bool(kept) and all(_kept_waits(r, scope.live_anywhere, scope.now) for r in kept)
+    if consumers or scope.blocked_everywhere or waits:
+        return []
+    release = {p.uid for p in done_here if p.uid}
+    for r in entry.revisions:
+        if r.wipedAt is None:
+            release |= _releasable(r, scope.live_anywhere)
+    return [Release(None, tuple(sorted(release)))]
+
+
+def _revision_wipes(
+    entry: NodeStatus, consumers: list[PodInfo], done_here: list[PodInfo], scope: Scope, keep: frozenset[str]
+) -> list[Release]:
+    """One wipe per revision that nothing holds and whose retention has passed."""
+    # A pod without a revision annotation mounts C itself, so it sees every
+    # revision and the version 1 copy: while one holds here, nothing is removed.
+    if any(not p.revision for p in consumers):
+        return []
+    now, live = scope.now, scope.live_anywhere
+    wipes: list[Release] = []
+    for r in entry.revisions:
+        if r.wipedAt is not None or r.consumers or r.id in scope.blocked_everywhere or r.id in keep:
+            continue
+        if not _ttl_passed(r.lastUsed, scope.retention, now) or _kept_waits(r, live, now):
+            continue
+        if r.id == LEGACY:
+            # Why no reader of the version 1 copy ever sees its files vanish:
+            # only a pod admitted without a revision annotation reads it (it
+            # mounts C; every other container mounts revs/<rev>/data). We get
+            # here only when no such pod holds on this node (above) and none is
+            # unscheduled anywhere (block_all, in _wipes), judged on complete
+            # views (the controller waits for them). This webhook never admits
+            # a pod without a revision (webhook.no_revision), so once every
+            # webhook replica runs it that set only shrinks and the condition
+            # stays true. What is left is a rolling upgrade, where an old
+            # replica may admit such a pod that our view does not show yet;
+            # the agent's wipe closes that on disk (dscache_stager.wipe): while its
+            # stager stages it holds version 1's lock (the wipe is busy), once
+            # it finished the copy changed less than LEGACY_QUIET_S ago (busy
+            # too), and before it starts its pod reads nothing and it stages a
+            # fresh copy. Either way the next plan sees the pod and waits.
+            # No leases to release: version 1 wrote none.
+            wipes.append(Release(LEGACY, ()))
+            continue
+        release = {p.uid for p in done_here if p.uid and p.revision == r.id} | _releasable(r, live)
+        wipes.append(Release(r.id, tuple(sorted(release))))
     return wipes
 
 
@@ -315,6 +336,15 @@ class Outcome(enum.Enum):
     KEPT = "kept"  # leases the controller did not release still hold it
 
 
+class WipeCount(enum.StrEnum):
+    """The dscache_wipes ``result`` a wipe's answer is counted under."""
+
+    SUCCEEDED = "succeeded"
+    KEPT = "kept"
+    BUSY = "busy"  # a stager held the cache's lock: asked again later
+    FAILED = "failed"
+
+
 class NoAgent(NamedTuple):
     """No agent could be asked: none runs on the node (or it has no address)."""
 
@@ -339,7 +369,7 @@ class Say(NamedTuple):
 
 class WipeResult(NamedTuple):
     outcome: Outcome
-    metric: str  # the dscache_wipes result: succeeded, kept, busy or failed
+    metric: WipeCount
     message: str | None  # the node entry's message from now on (None: none)
     event: Say | None = None
     leases: tuple[str, ...] = ()  # KEPT: the pod UIDs whose leases kept it
@@ -375,7 +405,7 @@ def judge_wipe(entry: NodeStatus, step: Release, answer: Answer, operator_namesp
         )
     if isinstance(answer, AgentFailed):
         if answer.busy:  # a stager holds the cache's lock right now: simply try again
-            return WipeResult(Outcome.IN_PROGRESS, "busy", entry.message)
+            return WipeResult(Outcome.IN_PROGRESS, WipeCount.BUSY, entry.message)
         return _failed(entry, f"wiping {what} on node {entry.node} failed: {answer.message}")
     if answer.existed and not answer.removed:
         uids = lease_uids(answer.leases)
@@ -389,16 +419,16 @@ def judge_wipe(entry: NodeStatus, step: Release, answer: Answer, operator_namesp
                 f"{', '.join(answer.stray[:5])}{' ...' if len(answer.stray) > 5 else ''} (remove them by hand)"
             )
         message = f"{what} kept: {'; '.join(why) or 'no reason given'}"[:4096]
-        return WipeResult(Outcome.KEPT, "kept", message, leases=tuple(uids))
+        return WipeResult(Outcome.KEPT, WipeCount.KEPT, message, leases=tuple(uids))
     done = f"wiped {what} on node {entry.node}"
-    return WipeResult(Outcome.REMOVED, "succeeded", None, Say("Normal", reason="Wiped", message=done))
+    return WipeResult(Outcome.REMOVED, WipeCount.SUCCEEDED, None, Say("Normal", reason="Wiped", message=done))
 
 
 def _failed(entry: NodeStatus, message: str) -> WipeResult:
     # One Event per new reason, not one per reconciliation.
     new = entry.message != message[:4096]
     event = Say("Warning", reason="WipeFailed", message=f"{message}; retrying") if new else None
-    return WipeResult(Outcome.IN_PROGRESS, "failed", message[:4096], event)
+    return WipeResult(Outcome.IN_PROGRESS, WipeCount.FAILED, message[:4096], event)
 
 
 def record_wipe(entry: NodeStatus, step: Release, result: WipeResult, now: datetime.datetime) -> None:
@@ -411,8 +441,8 @@ def record_wipe(entry: NodeStatus, step: Release, result: WipeResult, now: datet
             r.wipedAt, r.strayLeases, r.consumers, r.keptAt = fmt_time(now), [], 0, None
         elif result.outcome is Outcome.KEPT:
             # Leases of pods we did not release: looked at again next time (see
-            # _wipes for why an unknown one is then released, and why a revision
-            # kept by nothing releasable waits before the next try).
+            # _releasable for why an unknown one is then released, and _kept_waits
+            # for why a revision kept by nothing releasable waits before the next try).
             r.strayLeases, r.keptAt = sorted(set(result.leases))[:MAX_STRAY_LEASES], fmt_time(now)
 
 

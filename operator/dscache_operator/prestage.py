@@ -20,14 +20,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import dscache_contract as contract
-from dscache_contract import RevisionRef
+from dscache_contract import LABEL_CONSUMER, RevisionRef
+from dscache_contract.clock import parse_time
 
 from .caches import CacheView
-from .clock import parse_time
 from .injection import inject_object, stager_security_context
 from .kube import ApiError
 from .models import (
-    CONSUMER_LABEL,
     GROUP,
     KIND,
     VERSION,
@@ -88,7 +87,7 @@ def build_pod(
         "metadata": {
             "name": pod_name(namespace, cache, node, revision.id),
             "namespace": namespace,
-            "labels": {CONSUMER_LABEL: "true", PRESTAGE_LABEL: "true"},
+            "labels": {LABEL_CONSUMER: "true", PRESTAGE_LABEL: "true"},
             "annotations": {contract.ANNOTATION_CACHE: cache},
             # Deleted with the cache (garbage collection), and not a workload's pod.
             "ownerReferences": [

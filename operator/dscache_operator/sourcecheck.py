@@ -24,8 +24,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import dscache_contract as contract
+from dscache_contract.clock import parse_time
 
-from .clock import parse_time
 from .kube import ApiError, Kube
 from .models import DatasetCacheSpec, Phase, Source, parse_duration
 

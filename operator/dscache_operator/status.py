@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from dscache_contract import RevisionRef, human_bytes
+from dscache_contract.clock import fmt_time
 
-from .clock import fmt_time
 from .models import NodeState, NodeStatus
 from .nodes import NodeInfo, warm_nodes
 

@@ -18,10 +18,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from dscache_contract import LABEL_CONSUMER
+
 from .caches import CacheView, Key, cache_extract
 from .informer import MultiInformer, Notify
 from .kube import Kube
-from .models import CONSUMER_LABEL, GROUP, PLURAL, VERSION
+from .models import GROUP, PLURAL, VERSION
 from .nodes import ALL, NodeInfo, node_extract
 from .workloads import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, owner_info, pod_info, pod_key
 
@@ -43,7 +45,7 @@ def _owner_extract(kind: OwnerKind) -> Callable[[dict[str, Any]], tuple[tuple[An
 
 class Views:
     def __init__(self, kube: Kube, namespaces: tuple[str, ...], on_cache: Notify | None = None) -> None:
-        selector = f"{CONSUMER_LABEL}=true"
+        selector = f"{LABEL_CONSUMER}=true"
         # The DatasetCaches themselves (caches.py: what is kept of each), telling the scheduler of changes.
         self.caches = MultiInformer(
             kube, f"/apis/{GROUP}/{VERSION}", PLURAL, namespaces, "", cache_extract, notify=on_cache

@@ -33,13 +33,13 @@ from typing import Any, NamedTuple
 import kopf
 import pydantic
 
-from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_REVISION, RevisionRef, warm_label
+from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_CACHE, ANNOTATION_REVISION, RevisionRef, warm_label
 
 from . import admission, common, placement
 from .common import Context, ctx_of
 from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
-from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, PlacementMode, VolumeMode
+from .models import GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, PlacementMode, VolumeMode
 from .status import owner_pin_ref, revision_ref
 
 #: kopf's index ids: the kwarg names the startup handler receives them under.
@@ -146,10 +146,10 @@ def refusal(namespace: str, name: str, view: CacheView | None) -> str | None:
     if view is None:
         return (
             f"{ref} does not exist. Create it (kubectl apply -f <datasetcache.yaml> -n {namespace}) "
-            f"or fix the annotation {CACHE_ANNOTATION}."
+            f"or fix the annotation {ANNOTATION_CACHE}."
         )
     if view.deleting:
-        return f"{ref} is being deleted; recreate it or point {CACHE_ANNOTATION} at another cache."
+        return f"{ref} is being deleted; recreate it or point {ANNOTATION_CACHE} at another cache."
     if view.invalid or view.spec is None:
         return f"{ref} has an invalid spec ({view.invalid}); fix the DatasetCache."
     if view.phase == Phase.FAILED:
@@ -285,7 +285,7 @@ async def mutate(
     namespace = namespace or (raw.get("metadata") or {}).get("namespace") or ""
     if not _DNS1123.match(cache_name):
         raise kopf.AdmissionError(
-            f"{CACHE_ANNOTATION}: {cache_name!r} is not a DatasetCache name; use the name of one "
+            f"{ANNOTATION_CACHE}: {cache_name!r} is not a DatasetCache name; use the name of one "
             f"DatasetCache in namespace {namespace}.",
             code=400,
         )

@@ -26,14 +26,9 @@ import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from dscache_contract import STAGER_CONTAINER_NAME, RevisionRef, StageSummary
+from dscache_contract import ANNOTATION_CACHE, STAGER_CONTAINER_NAME, RevisionRef, StageSummary
 
-from .models import (
-    CACHE_ANNOTATION,
-    MODE_ANNOTATION,
-    PodPhase,
-    VolumeMode,
-)
+from .models import MODE_ANNOTATION, PodPhase, VolumeMode
 
 
 class OwnerRef(NamedTuple):
@@ -115,7 +110,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
                 finished = last.get("finishedAt")
     annotations = meta.get("annotations") or {}
     try:
-        pinned = RevisionRef.from_annotations(annotations, annotations.get(CACHE_ANNOTATION, ""))
+        pinned = RevisionRef.from_annotations(annotations, annotations.get(ANNOTATION_CACHE, ""))
     except ValueError:
         # Admission refuses malformed revision annotations, so only a hand edit
         # after admission gets here. Counted as no revision: such a pod holds every
@@ -145,7 +140,7 @@ def _intern(text: str | None) -> str | None:
 
 def pod_key(body: dict[str, Any]) -> tuple[str, str] | None:
     meta = body.get("metadata") or {}
-    cache = (meta.get("annotations") or {}).get(CACHE_ANNOTATION)
+    cache = (meta.get("annotations") or {}).get(ANNOTATION_CACHE)
     if not cache:
         return None
     return (sys.intern(meta.get("namespace", "")), sys.intern(cache))

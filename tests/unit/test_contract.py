@@ -181,7 +181,7 @@ def test_summary_and_manifest_entry_json():
     d = s.to_dict()
     assert d["mb_s"] == 0.0 and d["revision"] == REV and d["warm"] is False
     assert {"objects", "bytes", "skipped", "fetched_bytes", "deleted", "seconds", "mb_s"} <= set(d)
-    assert c.StageSummary.from_dict({**d, "future": 1}).revision == REV
+    assert c.StageSummary.from_message(json.dumps({**d, "future": 1})) == s  # as the completion marker holds it
     e = c.ManifestEntry("p/a", "a", 1, "e")
     assert c.ManifestEntry.from_json(e.to_json()) == e and "versionId" not in e.to_json()
     assert int(c.ExitCode.REVISION_GONE) == 9 and set(c.EXIT_CODE_HELP) == set(c.ExitCode)

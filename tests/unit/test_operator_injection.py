@@ -11,10 +11,10 @@ import jsonpatch
 import kopf
 import pytest
 
-from dscache_contract import RevisionRef, StageArgs
+from dscache_contract import STAGER_CONTAINER_NAME, VOLUME_NAME, RevisionRef, StageArgs
 from dscache_operator import admission, injection, webhook
 from dscache_operator.common import Context
-from dscache_operator.injection import INIT_NAME, VOLUME_NAME, InjectionError, inject_object
+from dscache_operator.injection import InjectionError, inject_object
 from dscache_operator.models import DatasetCacheSpec
 from dscache_operator.settings import Settings
 
@@ -102,7 +102,7 @@ def test_injects_exactly_once_and_is_idempotent():
     )
     assert obj == once
     ps = pod_spec(obj)
-    assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME]
+    assert [c["name"] for c in ps["initContainers"]] == [STAGER_CONTAINER_NAME]
     assert [v for v in ps["volumes"] if v["name"] == VOLUME_NAME] == [
         {"name": VOLUME_NAME, "hostPath": {"path": "/mnt/nvme/dscache/ml/imagenet", "type": "DirectoryOrCreate"}}
     ]
@@ -249,7 +249,7 @@ def test_pod_injection_and_requested_cache():
         mode="HostPath",
         revision=RevisionRef(REV),
     )
-    assert [c["name"] for c in pod["spec"]["initContainers"]] == [INIT_NAME]
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == [STAGER_CONTAINER_NAME]
 
 
 # --- the handler itself, through the admission server's path ------------------------
@@ -304,7 +304,7 @@ def run_mutate(obj, index, kind="jobs", mode="HostPath", kube=None, nodes=None, 
 def test_handler_injects_through_a_json_patch():
     ops, result = run_mutate(job(), FakeIndex({("ml", "imagenet"): [view()]}))
     assert ops
-    assert [c["name"] for c in pod_spec(result)["initContainers"]] == [INIT_NAME]
+    assert [c["name"] for c in pod_spec(result)["initContainers"]] == [STAGER_CONTAINER_NAME]
     # Re-running on the result (reinvocation) changes nothing.
     ops2, result2 = run_mutate(result, FakeIndex({("ml", "imagenet"): [view()]}))
     assert ops2 == [] and result2 == result
@@ -342,7 +342,7 @@ def test_handler_cold_index_falls_back_to_the_api(monkeypatch):
         get_cache = staticmethod(found)
 
     _ops, result = run_mutate(job(), FakeIndex(), kube=K())
-    assert [c["name"] for c in pod_spec(result)["initContainers"]] == [INIT_NAME]
+    assert [c["name"] for c in pod_spec(result)["initContainers"]] == [STAGER_CONTAINER_NAME]
 
 
 def test_handler_refuses_broken_and_deleting_caches():
@@ -498,7 +498,7 @@ def test_versioned_pins_carry_their_as_of_time_to_pod_and_stager():
     }
 
     def stager_argv(result):
-        return next(c for c in result["spec"]["initContainers"] if c["name"] == INIT_NAME)["args"]
+        return next(c for c in result["spec"]["initContainers"] if c["name"] == STAGER_CONTAINER_NAME)["args"]
 
     index = FakeIndex({("ml", "imagenet"): [view(revision=RevisionRef(REV2, t2), pins={"u-pt": RevisionRef(REV, t1)})]})
     _ops, result = run_mutate(copy.deepcopy(pod), index, kind="pods")
@@ -638,13 +638,13 @@ def test_stager_runs_first_and_every_other_mount_is_read_only():
         revision=RevisionRef(REV),
     )
     ps = pod_spec(obj)
-    assert [c["name"] for c in ps["initContainers"]] == [INIT_NAME, "poison", "mesh"]
+    assert [c["name"] for c in ps["initContainers"]] == [STAGER_CONTAINER_NAME, "poison", "mesh"]
     for c in ps["initContainers"][1:] + ps["containers"]:
         for m in c.get("volumeMounts") or []:
             if m["name"] == VOLUME_NAME:
                 assert m["readOnly"] is True, (c["name"], m)
                 assert m["subPath"].startswith(f"revs/{REV}/"), (c["name"], m)
-    (stager,) = [c for c in ps["initContainers"] if c["name"] == INIT_NAME]
+    (stager,) = [c for c in ps["initContainers"] if c["name"] == STAGER_CONTAINER_NAME]
     assert stager["volumeMounts"][0] == {"name": VOLUME_NAME, "mountPath": "/dscache"}
     assert all(m.get("readOnly") for m in stager["volumeMounts"][1:]), stager["volumeMounts"]
     # The user's writable mount at /data became exactly ours.

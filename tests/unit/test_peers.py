@@ -26,6 +26,7 @@ from dscache_contract.peers import (
     ObjectRequest,
     Peer,
     PeersAnswer,
+    RevisionState,
     check_peer_token,
     claims_path,
     owner_ranking,
@@ -35,7 +36,7 @@ from dscache_contract.peers import (
     staging_label,
 )
 from dscache_node.agent import _locked
-from dscache_node.peers import Claims, NotHere, State, check_request, open_object, wait_for_object
+from dscache_node.peers import Claims, NotHere, check_request, open_object, wait_for_object
 from dscache_stager.peers import Digest, verifiable
 
 REV = "r-" + "0123456789abcdef0123"
@@ -471,7 +472,7 @@ def test_staging_without_the_object_waits_then_says_staging(cache, stager_lock):
     t = time.monotonic()
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, REV, "later.bin", 0.3, _locked, Claims())
-    assert e.value.state is State.STAGING
+    assert e.value.state is RevisionState.STAGING
     assert time.monotonic() - t >= 0.3
 
 
@@ -497,7 +498,7 @@ def test_a_probe_for_an_unclaimed_object_answers_at_once(cache, stager_lock):
     t = time.monotonic()
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, REV, "later.bin", 5.0, _locked, Claims(), probe=True)
-    assert e.value.state is State.UNCLAIMED
+    assert e.value.state is RevisionState.UNCLAIMED
     assert time.monotonic() - t < 1.0
     # A placed object is served to a probe whether claimed or not.
     assert read(wait_for_object(cache, REV, "a.bin", 5.0, _locked, Claims(), probe=True)) == b"A" * 1000
@@ -510,7 +511,7 @@ def test_a_probe_for_a_claimed_object_waits(cache, stager_lock):
         f.write("other.bin\n")
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, REV, "dir/later bin ü", 5.0, _locked, seen, probe=True)
-    assert e.value.state is State.UNCLAIMED
+    assert e.value.state is RevisionState.UNCLAIMED
     with open(name, "a") as f:
         f.write("dir/later bin ")  # half a line: not a claim yet
     assert not seen.claimed(cache, REV, "dir/later bin ü")
@@ -519,7 +520,7 @@ def test_a_probe_for_a_claimed_object_waits(cache, stager_lock):
     t = time.monotonic()
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, REV, "dir/later bin ü", 0.3, _locked, seen, probe=True)
-    assert e.value.state is State.STAGING
+    assert e.value.state is RevisionState.STAGING
     assert time.monotonic() - t >= 0.3
     assert seen.claimed(cache, REV, "other.bin") and not seen.claimed(cache, REV, "dir/later bin")
 
@@ -547,7 +548,7 @@ def test_a_complete_revision_without_the_file_says_absent_at_once(cache):
     t = time.monotonic()
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, REV, "missing.bin", 5.0, _locked, Claims())
-    assert e.value.state is State.ABSENT
+    assert e.value.state is RevisionState.ABSENT
     assert time.monotonic() - t < 1.0
     assert read(wait_for_object(cache, REV, "a.bin", 5.0, _locked, Claims())) == b"A" * 1000
 
@@ -557,9 +558,9 @@ def test_a_revision_nobody_copies_says_absent_at_once(cache):
     t = time.monotonic()
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, REV, "later.bin", 5.0, _locked, Claims())
-    assert e.value.state is State.ABSENT and time.monotonic() - t < 1.0
+    assert e.value.state is RevisionState.ABSENT and time.monotonic() - t < 1.0
     # What it placed before it died is still whole, and served.
     assert read(wait_for_object(cache, REV, "a.bin", 5.0, _locked, Claims())) == b"A" * 1000
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, "r-" + "e" * 20, "a.bin", 5.0, _locked, Claims())
-    assert e.value.state is State.ABSENT
+    assert e.value.state is RevisionState.ABSENT

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from dscache_stager.errors import UsageError
-from dscache_stager.keys import Filters, TreeShape, unsafe_reason
+from dscache_stager.keys import TreeShape, unsafe_reason
 from dscache_stager.source import S3Source
 
 
@@ -32,16 +32,6 @@ def test_unsafe_keys_are_named(rel: str, why: str):
 )
 def test_safe_keys(rel: str):
     assert unsafe_reason(rel) is None
-
-
-def test_filters_include_any_then_exclude_any():
-    f = Filters(include=["train/*", "*.json"], exclude=["*.tmp"])
-    assert f.accepts("train/a/b.rec")  # '*' crosses '/'
-    assert f.accepts("meta.json")
-    assert not f.accepts("train/x.tmp")
-    assert not f.accepts("val/a.rec")
-    assert Filters().accepts("anything")
-    assert not Filters(exclude=["*"]).accepts("x")
 
 
 def test_tree_shape_finds_file_directory_clashes_both_ways():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import dscache_contract as contract
-from dscache_contract import WipeArgs
+from dscache_contract import StageSummary, WipeArgs
 from dscache_stager import wipe as wipe_mod
 from dscache_stager.errors import BusyError, UsageError
 from dscache_stager.layout import Revision, cache_lock, write_lease
@@ -39,7 +39,7 @@ def make_revision(c: Path, rev: str, files: dict[str, bytes]) -> Path:
     dirs = {str(p.relative_to(r.data)) for p in Path(r.data).rglob("*") if p.is_dir()}
     manifest = Path(r.tmp, "manifest.listed")
     manifest.write_text("")
-    r.seal(str(manifest), dirs, {"objects": len(files), "revision": rev})
+    r.seal(str(manifest), dirs, StageSummary(objects=len(files), revision=rev))
     return Path(r.dir)
 
 
