@@ -124,6 +124,10 @@ def make_source(
             body = i.to_bytes(8, "little") + prefix.encode() + block[8 + len(prefix) : size]
             (d / f"f{i:06d}.bin").write_bytes(body)
             digests[f"{prefix}/d{i % 100:03d}/f{i:06d}.bin"] = hashlib.sha256(body).hexdigest()
+    # One object: what a copy costs whatever its size (start-up, access proof, listing, seal).
+    (src / "tiny").mkdir(parents=True, exist_ok=True)
+    (src / "tiny" / "one.bin").write_bytes(block[:1024])
+    digests["tiny/one.bin"] = hashlib.sha256(block[:1024]).hexdigest()
     (src / "large").mkdir(parents=True, exist_ok=True)
     chunk = os.urandom(16 << 20)
     for j in range(large_count):
@@ -668,7 +672,7 @@ def workers_sweep(tools, env, work, args, count: int, revision: str, digests) ->
 
 
 def loopback_profile(tools, env, work, args, small_count, large_size, peers, digests) -> dict:
-    revs = {p: tools.revision(p) for p in ("small", "large")}
+    revs = {p: tools.revision(p) for p in ("small", "large", "tiny")}
     log(f"revisions (as the operator pins them): {revs}")
     small, warm = small_profile(
         tools,
@@ -717,8 +721,24 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
             )
         shutil.rmtree(work / "dest")
 
+    # The fixed cost of one copy (one 1 KiB object): a share of every large-file time
+    # that dd, which only writes, does not pay.
+    fixed: dict[str, list[Run]] = {t: [] for t in [*dscache_tools(), "s5cmd"]}
+    for r in range(args.runs):
+        for tool in list(fixed)[r % len(fixed) :] + list(fixed)[: r % len(fixed)]:
+            dest = work / "dest" / f"tiny-{tool}"
+            fresh(dest)
+            run = run_child(tools.command(tool, "tiny", dest, revision=revs["tiny"]), tool_env(tool, env))
+            if tool in DSCACHE_TOOLS:
+                verify_dscache(dest, revs["tiny"], "tiny", digests, json.loads(run.out), warm=False)
+            elif tree_bytes(dest) != (1, 1024):
+                raise RuntimeError(f"{tool} did not copy the one tiny object: {tree_bytes(dest)}")
+            fixed[tool].append(run)
+        shutil.rmtree(work / "dest")
+
     smed = {k: round(med(v), 3) for k, v in small.items()}
     lmed = {k: round(med(v), 3) for k, v in large.items()}
+    fmed = {k: round(med(v), 3) for k, v in fixed.items()}
     gib = args.large_count * large_size / (1 << 30)
     result = {
         "small_objects": small_count,
@@ -751,6 +771,8 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         large_cpu_s={k: round(med(large[k], "cpu_s"), 3) for k in large},
         large_server_cpu_s={k: round(med(large[k], "server_cpu_s"), 3) for k in large},
         large_parts={"part_bytes": PART_SIZE, "in_flight": SPLICE_THREADS, "count": len(tools.large_parts)},
+        fixed_s=fmed,
+        fixed_cpu_s={k: round(med(v, "cpu_s"), 3) for k, v in fixed.items()},
     )
     if "dscache_python" in smed:
         # The native plane against the pure-Python one, same run, same data.
@@ -782,7 +804,8 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         f"large, the server's ceiling: raw ranged GETs into /dev/null {lmed['get']}s (server cpu "
         f"{result['large_server_cpu_s']['get']}s), its files read cold {lmed['source-read']}s; dscache "
         f"{lmed['dscache']}s is {result['large_vs_ceiling']['dscache']:.2f}x that ceiling "
-        f"(s5cmd {result['large_vs_ceiling']['s5cmd']:.2f}x), dd into the page cache {lmed['dd']}s"
+        f"(s5cmd {result['large_vs_ceiling']['s5cmd']:.2f}x), dd into the page cache {lmed['dd']}s; "
+        f"a copy's fixed cost (one 1 KiB object): dscache {fmed['dscache']}s, s5cmd {fmed['s5cmd']}s"
     )
     log(
         f"warm: {result['warm_speedup']}x faster than cold at {small_count} objects "
