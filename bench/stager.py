@@ -59,6 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dscache_stager.fetch import PART_SIZE, SPLICE_THREADS  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 from tests.support.tools import tool_bin  # noqa: E402
 from tests.support.toxiproxy import ToxiProxy  # noqa: E402
@@ -123,6 +124,10 @@ def make_source(
             body = i.to_bytes(8, "little") + prefix.encode() + block[8 + len(prefix) : size]
             (d / f"f{i:06d}.bin").write_bytes(body)
             digests[f"{prefix}/d{i % 100:03d}/f{i:06d}.bin"] = hashlib.sha256(body).hexdigest()
+    # One object: what a copy costs whatever its size (start-up, access proof, listing, seal).
+    (src / "tiny").mkdir(parents=True, exist_ok=True)
+    (src / "tiny" / "one.bin").write_bytes(block[:1024])
+    digests["tiny/one.bin"] = hashlib.sha256(block[:1024]).hexdigest()
     (src / "large").mkdir(parents=True, exist_ok=True)
     chunk = os.urandom(16 << 20)
     for j in range(large_count):
@@ -171,6 +176,28 @@ class Tools:
         self.stage = shutil.which("dscache-stage") or str(Path(sys.executable).parent / "dscache-stage")
         self.aws = shutil.which("aws") or str(Path(sys.executable).parent / "aws")
         self.rclone = shutil.which("rclone")
+        # (presigned URL, start, end) of every part of the large set: the "get" peer's requests.
+        self.large_parts: list[tuple[str, int, int]] = []
+
+    def presign_large(self, large_count: int, large_size: int) -> None:
+        import boto3
+        from botocore.config import Config
+
+        # SigV4 (versitygw refuses boto3's default V2 presigning), the server's own keys.
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.ep,
+            region_name="us-east-1",
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            config=Config(signature_version="s3v4"),
+        )
+        self.large_parts = []
+        for j in range(large_count):
+            url = client.generate_presigned_url(
+                "get_object", Params={"Bucket": BUCKET, "Key": f"large/blob{j}.bin"}, ExpiresIn=6 * 3600
+            )
+            self.large_parts += [(url, s, min(s + PART_SIZE, large_size)) for s in range(0, large_size, PART_SIZE)]
 
     def revision(self, prefix: str) -> str:
         return self.revision_info(prefix)["revision"]
@@ -235,6 +262,22 @@ class Tools:
                 "us-east-1",
                 "--s3-force-path-style",
             ]
+        if tool == "get":
+            # The server's ceiling for the large set: the same ranged GETs the
+            # stager makes (PART_SIZE parts, SPLICE_THREADS in flight, one
+            # connection each), read by curl into /dev/null, so nothing is
+            # written on the client side. Presigned URLs (untimed, signed
+            # once per run): curl only reads.
+            argv = ["curl", "-sS", "--parallel", "--parallel-max", str(SPLICE_THREADS)]
+            for i, (url, start, end) in enumerate(self.large_parts):
+                argv += [*(["--next"] if i else []), "-sS", "--fail", "-o", "/dev/null"]
+                argv += ["-w", "%{size_download}\\n", "-r", f"{start}-{end - 1}", url]
+            return argv
+        if tool == "source-read":
+            # The server's disk: its backing files read into /dev/null, cold
+            # (the page cache is dropped before every run, as for the others).
+            files = [str(self.server.root / BUCKET / "large" / f"blob{j}.bin") for j in range(large_count)]
+            return ["bash", "-c", 'for f in "$@"; do dd if="$f" of=/dev/null bs=1M status=none; done', "-", *files]
         if tool in ("dd", "dd-fdatasync"):
             # "dd": the plain sequential write (into the page cache, as the
             # other tools' writes are). "dd-fdatasync": the disk itself.
@@ -261,6 +304,7 @@ class Run:
     proxy_cpu_s: float = 0.0  # user + sys the wan profile's latency proxy spent meanwhile
     connections: int = 0  # connections the tool opened through that proxy
     err: str = ""  # the tail of stderr (dscache's control-plane CPU line)
+    stdout: str = ""  # all of stdout, when run_child was asked to keep it
 
 
 def proc_cpu_s(pid: int, tid: int | None = None) -> float:
@@ -273,7 +317,7 @@ def proc_cpu_s(pid: int, tid: int | None = None) -> float:
 GNU_TIME = shutil.which("time") and "/usr/bin/time"
 
 
-def run_child(cmd: list[str], env: dict[str, str]) -> Run:
+def run_child(cmd: list[str], env: dict[str, str], keep_stdout: bool = False) -> Run:
     """Run ``cmd``; wall seconds, and CPU and peak RSS from its own rusage.
 
     CPU is the child's user + sys from os.wait4. Peak RSS is taken by GNU time
@@ -301,7 +345,14 @@ def run_child(cmd: list[str], env: dict[str, str]) -> Run:
     finally:
         os.unlink(report)
     lines = stdout.strip().splitlines()
-    return Run(dt, ru.ru_utime + ru.ru_stime, maxrss_kib / 1024, lines[-1] if lines else "", err=stderr[-2000:])
+    return Run(
+        dt,
+        ru.ru_utime + ru.ru_stime,
+        maxrss_kib / 1024,
+        lines[-1] if lines else "",
+        err=stderr[-2000:],
+        stdout=stdout if keep_stdout else "",
+    )
 
 
 def control_cpu_s(run: Run) -> float | None:
@@ -621,7 +672,7 @@ def workers_sweep(tools, env, work, args, count: int, revision: str, digests) ->
 
 
 def loopback_profile(tools, env, work, args, small_count, large_size, peers, digests) -> dict:
-    revs = {p: tools.revision(p) for p in ("small", "large")}
+    revs = {p: tools.revision(p) for p in ("small", "large", "tiny")}
     log(f"revisions (as the operator pins them): {revs}")
     small, warm = small_profile(
         tools,
@@ -636,26 +687,58 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         digests,
         server_pid=tools.server.proc.pid if tools.server.proc else None,
     )
-    large: dict[str, list[Run]] = {t: [] for t in [*dscache_tools(), "s5cmd", "dd", "dd-fdatasync"]}
+    # "get" (the server's ceiling: the stager's ranged GETs read into /dev/null) and
+    # "source-read" (the server's backing files read cold) bound what any client can do here.
+    large: dict[str, list[Run]] = {
+        t: [] for t in [*dscache_tools(), "s5cmd", "dd", "dd-fdatasync", "get", "source-read"]
+    }
+    tools.presign_large(args.large_count, large_size)
+    server_pid = tools.server.proc.pid if tools.server.proc else None
     for r in range(args.runs):
         for tool in list(large)[r % len(large) :] + list(large)[: r % len(large)]:
             dest = work / "dest" / f"large-{tool}"
             fresh(dest)
+            before = proc_cpu_s(server_pid) if server_pid else 0.0
             run = run_child(
                 tools.command(tool, "large", dest, large_size, args.large_count, revision=revs["large"]),
                 tool_env(tool, env),
+                keep_stdout=tool == "get",
             )
+            if server_pid:
+                run = dataclasses.replace(run, server_cpu_s=proc_cpu_s(server_pid) - before)
             if tool in DSCACHE_TOOLS:
                 verify_dscache(dest, revs["large"], "large", digests, json.loads(run.out), warm=False)
+            if tool == "get":
+                got = [int(n) for n in run.stdout.split()]
+                want = [e - s for _, s, e in tools.large_parts]
+                if sorted(got) != sorted(want):
+                    raise RuntimeError(f"the raw GETs read {sum(got)} B in {len(got)} parts, expected {sum(want)}")
             large[tool].append(run)
             log(
                 f"large run {r + 1} {tool}: {run.seconds:.2f}s "
-                f"({args.large_count * large_size / run.seconds / 1e6:.0f} MB/s), cpu {run.cpu_s:.2f}s"
+                f"({args.large_count * large_size / run.seconds / 1e6:.0f} MB/s), cpu {run.cpu_s:.2f}s, "
+                f"server cpu {run.server_cpu_s:.2f}s"
             )
+        shutil.rmtree(work / "dest")
+
+    # The fixed cost of one copy (one 1 KiB object): a share of every large-file time
+    # that dd, which only writes, does not pay.
+    fixed: dict[str, list[Run]] = {t: [] for t in [*dscache_tools(), "s5cmd"]}
+    for r in range(args.runs):
+        for tool in list(fixed)[r % len(fixed) :] + list(fixed)[: r % len(fixed)]:
+            dest = work / "dest" / f"tiny-{tool}"
+            fresh(dest)
+            run = run_child(tools.command(tool, "tiny", dest, revision=revs["tiny"]), tool_env(tool, env))
+            if tool in DSCACHE_TOOLS:
+                verify_dscache(dest, revs["tiny"], "tiny", digests, json.loads(run.out), warm=False)
+            elif tree_bytes(dest) != (1, 1024):
+                raise RuntimeError(f"{tool} did not copy the one tiny object: {tree_bytes(dest)}")
+            fixed[tool].append(run)
         shutil.rmtree(work / "dest")
 
     smed = {k: round(med(v), 3) for k, v in small.items()}
     lmed = {k: round(med(v), 3) for k, v in large.items()}
+    fmed = {k: round(med(v), 3) for k, v in fixed.items()}
     gib = args.large_count * large_size / (1 << 30)
     result = {
         "small_objects": small_count,
@@ -677,6 +760,20 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         },
     }
     result["warm_speedup"] = round(smed["dscache"] / result["warm_s"], 1)
+    # What bounds large files here (issue 18: dd writes zeros into the page cache; every
+    # S3 client must first be served the bytes, by a server on the same cores reading
+    # its files cold): the raw GETs' time is the ceiling, and each tool's fraction of it.
+    result.update(
+        dd_fdatasync_s=lmed["dd-fdatasync"],
+        large_server_ceiling_s=lmed["get"],
+        large_source_read_s=lmed["source-read"],
+        large_vs_ceiling={k: round(lmed["get"] / lmed[k], 2) for k in (*dscache_tools(), "s5cmd")},
+        large_cpu_s={k: round(med(large[k], "cpu_s"), 3) for k in large},
+        large_server_cpu_s={k: round(med(large[k], "server_cpu_s"), 3) for k in large},
+        large_parts={"part_bytes": PART_SIZE, "in_flight": SPLICE_THREADS, "count": len(tools.large_parts)},
+        fixed_s=fmed,
+        fixed_cpu_s={k: round(med(v, "cpu_s"), 3) for k, v in fixed.items()},
+    )
     if "dscache_python" in smed:
         # The native plane against the pure-Python one, same run, same data.
         cpu = result["cpu_ms_per_1k_small"]
@@ -702,6 +799,13 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         f"large: {lmed['s5cmd'] / lmed['dscache']:.2f}x s5cmd (target 0.9), "
         f"{lmed['dd'] / lmed['dscache']:.2f}x dd (target 0.8); "
         f"{lmed['dd-fdatasync'] / lmed['dscache']:.2f}x dd with fdatasync ({lmed['dd-fdatasync']}s, the disk itself)"
+    )
+    log(
+        f"large, the server's ceiling: raw ranged GETs into /dev/null {lmed['get']}s (server cpu "
+        f"{result['large_server_cpu_s']['get']}s), its files read cold {lmed['source-read']}s; dscache "
+        f"{lmed['dscache']}s is {result['large_vs_ceiling']['dscache']:.2f}x that ceiling "
+        f"(s5cmd {result['large_vs_ceiling']['s5cmd']:.2f}x), dd into the page cache {lmed['dd']}s; "
+        f"a copy's fixed cost (one 1 KiB object): dscache {fmed['dscache']}s, s5cmd {fmed['s5cmd']}s"
     )
     log(
         f"warm: {result['warm_speedup']}x faster than cold at {small_count} objects "

@@ -77,6 +77,8 @@ from .tree import LocalTree
 # memory stays under 64 MiB of bodies. Larger ones stream in parts.
 SMALL_LIMIT = 1 << 20
 PART_SIZE = 16 << 20
+#: Ranged parts spliced at once (each on its own thread and connection).
+SPLICE_THREADS = 16
 # obstore retries each request; a connection dropped mid-body surfaces to us,
 # so the whole object is retried too, with jittered backoff.
 OBJECT_ATTEMPTS = 5
@@ -129,7 +131,7 @@ class Fetcher:
     ) -> None:
         self.store = store
         self.zero_copy = zero_copy and rawhttp.available()
-        self.splicers = ThreadPoolExecutor(16, thread_name_prefix="splice")
+        self.splicers = ThreadPoolExecutor(SPLICE_THREADS, thread_name_prefix="splice")
         self.tree = tree
         self.tmp_dir = tmp_dir
         self.requests = requests

@@ -43,6 +43,13 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
     for key in ("small_s", "large_s", "cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "peak_rss_mib"):
         assert set(result[key]) == tools, key
     assert result["small_objects"] == 30 and result["dd_s"] > 0 and result["warm_s"] > 0
+    # The large set's bounds: the server's ceiling (raw GETs into /dev/null) and its disk.
+    assert result["large_server_ceiling_s"] > 0 and result["large_source_read_s"] > 0 and result["dd_fdatasync_s"] > 0
+    assert set(result["large_vs_ceiling"]) == tools
+    large_runs = tools | {"dd", "dd-fdatasync", "get", "source-read"}
+    assert set(result["large_cpu_s"]) == set(result["large_server_cpu_s"]) == large_runs
+    assert result["large_parts"]["count"] == 1 and result["large_parts"]["in_flight"] > 0
+    assert set(result["fixed_s"]) == set(result["fixed_cpu_s"]) == tools and min(result["fixed_s"].values()) > 0
     wan = result["wan"]
     assert set(wan["small_s"]) == tools and wan["objects"] == 30
     for key in ("cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "proxy_cpu_ms_per_1k_small", "connections"):

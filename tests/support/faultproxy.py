@@ -74,6 +74,13 @@ class FaultProxy:
     #: The loop thread's kernel id, once started: its CPU is in /proc/self/task/<id>/stat
     #: (the stager bench bills the proxy's share of the shared cores with it).
     thread_id: int = 0
+    #: Forwarded requests are held this long before going upstream, so that a
+    #: client's requests in flight pile up where ``peak_in_flight`` sees them.
+    hold_s: float = 0.0
+    #: Requests forwarded and not yet answered in full, now and at most (from
+    #: the request's head to the answer's last byte, as the server sees them).
+    in_flight: int = 0
+    peak_in_flight: int = 0
     _n: int = 0
 
     @property
@@ -133,7 +140,14 @@ class FaultProxy:
             elif action == "deny":
                 writer.write(ACCESS_DENIED % (len(ACCESS_DENIED_BODY), ACCESS_DENIED_BODY))
             else:
-                await self._forward(head, reader, writer, cut=action == "reset")
+                self.in_flight += 1
+                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+                try:
+                    if self.hold_s:
+                        await asyncio.sleep(self.hold_s)
+                    await self._forward(head, reader, writer, cut=action == "reset")
+                finally:
+                    self.in_flight -= 1
                 return
             await writer.drain()
         except ConnectionError:
