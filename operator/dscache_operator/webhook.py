@@ -5,6 +5,8 @@ by namespace labels (see operator/deploy/webhook.yaml):
 - ``/dscache-hostpath``: a node-level copy under cacheRoot (the default);
 - ``/dscache-emptydir``: a per-pod emptyDir, for namespaces labelled
   ``dscache.io/volume=emptyDir`` or enforcing Pod Security baseline/restricted.
+And ``/dscache-caches``: every new DatasetCache gets the controller's finalizer
+(``claim_cache``).
 
 Cache view: every DatasetCache's CacheView, kept by our own list+watch
 (informer.py), not a kopf index: kopf handled each watch event of a cache
@@ -30,6 +32,7 @@ hold the revision), and no capacity warning is given.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import re
 import time
@@ -45,7 +48,17 @@ from .common import Context, ctx_of
 from .informer import MultiInformer
 from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
-from .models import CACHE_ANNOTATION, GROUP, PLURAL, VERSION, DatasetCacheSpec, Phase, PlacementMode, VolumeMode
+from .models import (
+    CACHE_ANNOTATION,
+    FINALIZER,
+    GROUP,
+    PLURAL,
+    VERSION,
+    DatasetCacheSpec,
+    Phase,
+    PlacementMode,
+    VolumeMode,
+)
 from .status import owner_pin_ref, revision_ref
 
 #: kopf's index id: the kwarg name the startup handler receives it under.
@@ -352,6 +365,22 @@ async def mutate(
     return changed or placed, notes
 
 
+def claim_cache(watched: tuple[str, ...], namespace: str, obj: dict[str, Any]) -> bool:
+    """Put the controller's finalizer on a new DatasetCache (in place; True if added), so that
+    the controller need not write it: at 10,000 caches that write cost the API server 4-5 ms
+    of CPU each, and every watcher one more event. Not in a namespace the controller
+    does not watch: nothing would ever remove it there. The controller still adds it to a
+    cache that came without it (created while this webhook was down: failurePolicy Ignore)."""
+    if watched and namespace not in watched:
+        return False
+    meta = obj.setdefault("metadata", {})
+    finalizers = list(meta.get("finalizers") or [])
+    if FINALIZER in finalizers:
+        return False
+    meta["finalizers"] = [*finalizers, FINALIZER]
+    return True
+
+
 def make_decider(ctx: Context, caches: Any, nodes: Any) -> admission.Decide:
     """What the admission server asks for each review: mutate() over the cache and node views."""
 
@@ -396,6 +425,7 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
             certfile=s.webhook_cert,
             keyfile=s.webhook_key,
             observe=ctx.metrics.admission,
+            claim=functools.partial(claim_cache, s.watch_namespaces),
         )
         await server.start()
         servers.append(server)
