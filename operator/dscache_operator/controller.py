@@ -23,6 +23,7 @@ import kopf
 from . import agentclient, clock, common, prestage, sourcecheck
 from . import status as st
 from .caches import CacheView, Key
+from .clock import parse_time
 from .common import Context, ctx_of
 from .events import Event, Poster
 from .kube import ApiError
@@ -35,9 +36,20 @@ from .models import (
     NodeState,
     NodeStatus,
     Phase,
+    parse_duration,
 )
-from .nodeplan import NodePlan, Outcome, judge_wipe, plan_nodes, record_wipe, request_for, settle
+from .nodeplan import (
+    NodePlan,
+    Outcome,
+    changes_by_time_at,
+    judge_wipe,
+    plan_nodes,
+    record_wipe,
+    request_for,
+    settle,
+)
 from .nodes import NodeInfo
+from .quiet import Quiet, Seen
 from .schedule import Scheduler
 from .views import Views
 
@@ -49,6 +61,9 @@ RECONCILE_WORKERS = 32
 VIEWS_LIST_WAIT = 60.0
 #: The liveness probe fails once the API server has refused our credentials this long.
 AUTH_FAILURE_LIMIT = 300.0
+#: A cache whose reconciliations change nothing is still reconciled in full this often
+#: (quiet.py: what it reads is then known not to have changed, but a full pass is cheap at this rate).
+QUIET_AT_MOST = 300.0
 
 
 class Outbox:
@@ -58,6 +73,8 @@ class Outbox:
         self.view = view
         self.events: list[Event] = []
         self.status: dict[str, Any] = {}
+        #: What it read, if another reconciliation with the same would change nothing until then.
+        self.quiet: Quiet | None = None
 
     def event(self, type: str, reason: str, message: str) -> None:
         self.events.append(Event(self.view.involved(), type, reason, message))
@@ -105,7 +122,8 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
         return None
     prior = [NodeStatus.model_validate(n) for n in current.get("nodes") or []]
     pods = views.pods.get((namespace, name))
-    owners = views.owner_lookup(namespace)
+    owners = Seen(views.owner_lookup(namespace))
+    nodes_seen = views.nodes_seen()
     nodes = {n.name: n for n in views.all_nodes()}
     ctx.metrics.observe_stagers(namespace, name, pods)
     revision = st.revision_ref(wanted.get("revision", current.get("revision")))
@@ -139,7 +157,39 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
     ctx.metrics.set_cache(
         namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING, [e.state for e in entries]
     )
+    if not out.status and not out.events and not deleting and cache.prestage is None:
+        until = _quiet_until(ctx, view, cache, current, entries, now)
+        if until is not None:
+            out.quiet = Quiet(view, tuple(pods), tuple(owners.answers.items()), nodes_seen, until)
     return live, pending
+
+
+def _quiet_until(
+    ctx: Context,
+    view: CacheView,
+    cache: DatasetCacheSpec,
+    current: dict[str, Any],
+    entries: list[NodeStatus],
+    now: datetime.datetime,
+) -> float | None:
+    """Until when (a timestamp) time alone changes nothing in this cache's next reconciliation
+    (quiet.py); None: it may at any moment (a failed source check is retried, this period's
+    peer token is not written yet)."""
+    if current.get("phase") == Phase.FAILED:
+        return None
+    t = now.timestamp()
+    at = [t + QUIET_AT_MOST]
+    if ctx.settings.peers:
+        if ctx.tokens.due(view.namespace, view.name, t):
+            return None
+        at.append(ctx.tokens.period_end(t))
+    listed = parse_time((current.get("revision") or {}).get("listedAt"))
+    if cache.refresh.interval != "Never" and listed is not None:
+        at.append(listed.timestamp() + parse_duration(cache.refresh.interval))
+    by_time = changes_by_time_at(entries, cache.retention, now)
+    if by_time is not None:
+        at.append(by_time.timestamp())
+    return min(at)
 
 
 async def _check_source(
@@ -281,8 +331,14 @@ async def run_once(ctx: Context, key: Key) -> float | None:
     kube = ctx.api()
     if not view.deleting and not view.finalized:
         await kube.add_finalizer(cache_path(view), view.finalizers, FINALIZER)
+    quiet = ctx.quiet.pop(key, None)
+    if quiet is not None and quiet.holds(view, views, clock.now().timestamp()):
+        ctx.quiet[key] = quiet  # nothing it reads has changed: it would change nothing
+        return ctx.settings.reconcile_interval
     out = Outbox(view)
     result = await reconcile(ctx, view, out)
+    if out.quiet is not None:
+        ctx.quiet[key] = out.quiet
     if out.status:
         await kube.patch_status(cache_path(view), out.status)
     for e in out.events:

@@ -314,6 +314,40 @@ def _kept_waits(r: NodeRevision, live_anywhere: frozenset[str], now: datetime.da
     return not any(u not in live_anywhere for u in r.strayLeases)
 
 
+def changes_by_time_at(
+    entries: list[NodeStatus], retention: Retention, now: datetime.datetime, keep_wiped: float = KEEP_WIPED_S
+) -> datetime.datetime | None:
+    """When time alone (the pods, their owners and these entries as they are) would first make
+    the next plan differ from these entries; None: never. What time decides above: a copy
+    whose retention runs out (_ttl_passed), a kept revision whose next wipe stops waiting
+    (_kept_waits), and a wiped revision or node that is forgotten (keep_wiped)."""
+    ttl = (
+        0.0
+        if retention.policy == RetentionPolicy.WIPE_ON_JOB_COMPLETION
+        else parse_duration(retention.ttlAfterLastUse or "0s")
+    )
+    wait = datetime.timedelta(seconds=ttl)
+    at: list[datetime.datetime] = []
+
+    def when(stamp: str | None, after: datetime.timedelta) -> None:
+        t = parse_time(stamp)
+        at.append(now if t is None else t + after)  # unreadable: judged every time, as the plan does
+
+    for e in entries:
+        if e.wipedAt is not None or e.state == NodeState.WIPED:
+            when(e.wipedAt, datetime.timedelta(seconds=keep_wiped))
+        if e.consumers == 0 and e.volume == VolumeMode.EMPTY_DIR:
+            when(e.lastUsed, wait)
+        for r in e.revisions:
+            if r.wipedAt is not None:
+                when(r.wipedAt, datetime.timedelta(seconds=keep_wiped))
+            elif r.consumers == 0:
+                when(r.lastUsed, wait)
+            if r.keptAt is not None:
+                when(r.keptAt, datetime.timedelta(seconds=KEPT_RETRY_S))
+    return min(at, default=None)
+
+
 # --- a wipe's answer --------------------------------------------------------------------------
 
 
