@@ -157,11 +157,16 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
     ctx.metrics.set_cache(
         namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING, [e.state for e in entries]
     )
-    if not out.status and not out.events and not deleting and cache.prestage is None:
+    # Not with wipes planned: one that failed or found the agent busy is asked again next time.
+    if not out.status and not out.events and not deleting and cache.prestage is None and not _any_wipe(plans):
         until = _quiet_until(ctx, view, cache, current, entries, now)
         if until is not None:
             out.quiet = Quiet(view, tuple(pods), tuple(owners.answers.items()), nodes_seen, until)
     return live, pending
+
+
+def _any_wipe(plans: dict[str, NodePlan]) -> bool:
+    return any(plan.wipes for plan in plans.values())
 
 
 def _quiet_until(

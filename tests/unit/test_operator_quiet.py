@@ -166,3 +166,17 @@ def test_when_time_alone_changes_a_plan():
     assert changes_by_time_at([wiped], ttl, NOW) == NOW + datetime.timedelta(seconds=KEEP_WIPED_S - 3600)
     unreadable = NodeStatus(node="n1", state="Ready", revisions=[NodeRevision(id=REV)])  # no lastUsed
     assert changes_by_time_at([unreadable], ttl, NOW) == NOW
+
+
+def test_a_wipe_that_cannot_be_sent_yet_is_planned_again_every_time(steady):
+    """Its node has no agent: the wipe waits (no new Event, no new status after the first
+    time), and is planned again at each run, not skipped as if nothing were to be done."""
+    ctx, views, runs = steady
+    for i in range(2):
+        views.pods.informers[NS]._upsert(pod(i, phase="Succeeded"))  # no owner: done, so wiped
+    for _ in range(3):
+        again(ctx)
+    n = len(runs)
+    again(ctx)
+    again(ctx)
+    assert len(runs) == n + 2 and KEY not in ctx.quiet
