@@ -7,7 +7,8 @@ converges: no node decision is made before the views have listed everything,
 wipes are idempotent requests to the node's agent, and a node's copy is wiped
 only when no consumer is alive there. The source check lives in sourcecheck.py,
 the node plan and the wipes' bookkeeping in nodeplan.py, the request to a node's
-agent in agentclient.py, pre-staging in prestage.py.
+agent in agentclient.py, pre-staging in prestage.py; when a steady cache's
+reconciliation is skipped (nothing it reads has changed), in quiet.py.
 """
 
 from __future__ import annotations
