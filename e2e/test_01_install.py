@@ -13,7 +13,11 @@ def test_chart_installed(kube, release):
         assert d["status"].get("readyReplicas") == d["spec"]["replicas"], d["status"]
     mwc = kube.get("mutatingwebhookconfiguration", "dscache")
     assert mwc is not None
-    for hook in mwc["webhooks"]:
+    *injection, caches = mwc["webhooks"]
+    # New DatasetCaches get the controller's finalizer; never refused (the controller adds it otherwise).
+    assert caches["name"] == "datasetcaches.dscache.io" and caches["failurePolicy"] == "Ignore"
+    assert caches["clientConfig"].get("caBundle")
+    for hook in injection:
         assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
         assert hook["timeoutSeconds"] <= 10 and hook["reinvocationPolicy"] == "IfNeeded"
         assert hook["clientConfig"].get("caBundle"), hook["name"]

@@ -43,6 +43,8 @@ class Context:
     #: Per cache: when its source was last checked (monotonic), and how often its deletion has waited.
     checked_at: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     deleting: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    #: Per cache: what its last reconciliation read, when it changed nothing (quiet.Quiet).
+    quiet: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
     #: Secrets read for source checks in the last few seconds (sourcecheck.SecretReads).
     secrets: SecretReads = dataclasses.field(default_factory=SecretReads)
     #: The source checks' threads (listings are I/O-bound; each thread costs memory: see __main__).
@@ -76,6 +78,7 @@ class Context:
         """A cache is gone: drop what we kept about it."""
         self.checked_at.pop(key, None)
         self.deleting.pop(key, None)
+        self.quiet.pop(key, None)
         self.metrics.forget_cache(*key)
         self.tokens.forget(*key)
 

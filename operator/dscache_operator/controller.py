@@ -7,7 +7,8 @@ converges: no node decision is made before the views have listed everything,
 wipes are idempotent requests to the node's agent, and a node's copy is wiped
 only when no consumer is alive there. The source check lives in sourcecheck.py,
 the node plan and the wipes' bookkeeping in nodeplan.py, the request to a node's
-agent in agentclient.py, pre-staging in prestage.py.
+agent in agentclient.py, pre-staging in prestage.py; when a steady cache's
+reconciliation is skipped (nothing it reads has changed), in quiet.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import kopf
 
 from dscache_contract import clock
+from dscache_contract.clock import parse_time
 
 from . import agentclient, common, prestage, sourcecheck
 from . import status as st
@@ -37,9 +39,20 @@ from .models import (
     NodeState,
     NodeStatus,
     Phase,
+    parse_duration,
 )
-from .nodeplan import NodePlan, Outcome, judge_wipe, plan_nodes, record_wipe, request_for, settle
+from .nodeplan import (
+    NodePlan,
+    Outcome,
+    changes_by_time_at,
+    judge_wipe,
+    plan_nodes,
+    record_wipe,
+    request_for,
+    settle,
+)
 from .nodes import NodeInfo
+from .quiet import Quiet, Seen
 from .schedule import Scheduler
 from .views import Views
 
@@ -51,6 +64,9 @@ RECONCILE_WORKERS = 32
 VIEWS_LIST_WAIT = 60.0
 #: The liveness probe fails once the API server has refused our credentials this long.
 AUTH_FAILURE_LIMIT = 300.0
+#: A cache whose reconciliations change nothing is still reconciled in full this often
+#: (quiet.py: what it reads is then known not to have changed, but a full pass is cheap at this rate).
+QUIET_AT_MOST = 300.0
 
 
 class Outbox:
@@ -60,6 +76,8 @@ class Outbox:
         self.view = view
         self.events: list[Event] = []
         self.status: dict[str, Any] = {}
+        #: What it read, if another reconciliation with the same would change nothing until then.
+        self.quiet: Quiet | None = None
 
     def event(self, type: str, reason: str, message: str) -> None:
         self.events.append(Event(self.view.involved(), type, reason, message))
@@ -107,7 +125,8 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
         return None
     prior = [NodeStatus.model_validate(n) for n in current.get("nodes") or []]
     pods = views.pods.get((namespace, name))
-    owners = views.owner_lookup(namespace)
+    owners = Seen(views.owner_lookup(namespace))
+    nodes_seen = views.nodes_seen()
     nodes = {n.name: n for n in views.all_nodes()}
     ctx.metrics.observe_stagers(namespace, name, pods)
     revision = st.revision_ref(wanted.get("revision", current.get("revision")))
@@ -141,7 +160,44 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
     ctx.metrics.set_cache(
         namespace, name, wanted.get("phase") or current.get("phase") or Phase.PENDING, [e.state for e in entries]
     )
+    # Not with wipes planned: one that failed or found the agent busy is asked again next time.
+    if not out.status and not out.events and not deleting and cache.prestage is None and not _any_wipe(plans):
+        until = _quiet_until(ctx, view, cache, current, entries, now)
+        if until is not None:
+            out.quiet = Quiet(view, tuple(pods), tuple(owners.answers.items()), nodes_seen, until)
     return live, pending
+
+
+def _any_wipe(plans: dict[str, NodePlan]) -> bool:
+    return any(plan.wipes for plan in plans.values())
+
+
+def _quiet_until(
+    ctx: Context,
+    view: CacheView,
+    cache: DatasetCacheSpec,
+    current: dict[str, Any],
+    entries: list[NodeStatus],
+    now: datetime.datetime,
+) -> float | None:
+    """Until when (a timestamp) time alone changes nothing in this cache's next reconciliation
+    (quiet.py); None: it may at any moment (a failed source check is retried, this period's
+    peer token is not written yet)."""
+    if current.get("phase") == Phase.FAILED:
+        return None
+    t = now.timestamp()
+    at = [t + QUIET_AT_MOST]
+    if ctx.settings.peers:
+        if ctx.tokens.due(view.namespace, view.name, t):
+            return None
+        at.append(ctx.tokens.period_end(t))
+    listed = parse_time((current.get("revision") or {}).get("listedAt"))
+    if cache.refresh.interval != "Never" and listed is not None:
+        at.append(listed.timestamp() + parse_duration(cache.refresh.interval))
+    by_time = changes_by_time_at(entries, cache.retention, now)
+    if by_time is not None:
+        at.append(by_time.timestamp())
+    return min(at)
 
 
 async def _check_source(
@@ -283,8 +339,14 @@ async def run_once(ctx: Context, key: Key) -> float | None:
     kube = ctx.api()
     if not view.deleting and not view.finalized:
         await kube.add_finalizer(cache_path(view), view.finalizers, FINALIZER)
+    quiet = ctx.quiet.pop(key, None)
+    if quiet is not None and quiet.holds(view, views, clock.now().timestamp()):
+        ctx.quiet[key] = quiet  # nothing it reads has changed: it would change nothing
+        return ctx.settings.reconcile_interval
     out = Outbox(view)
     result = await reconcile(ctx, view, out)
+    if out.quiet is not None:
+        ctx.quiet[key] = out.quiet
     if out.status:
         await kube.patch_status(cache_path(view), out.status)
     for e in out.events:

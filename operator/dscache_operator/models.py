@@ -471,7 +471,10 @@ class DatasetCacheStatus(_Model):
     nodes: list[NodeStatus] = Field(
         default_factory=list,
         description="Per-node state of the copy.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["node"]},
+        # atomic, not a map keyed by node: only the controller writes it, whole each time (a merge
+        # patch replaces a list anyway), and the API server's field tracking of each entry (and of
+        # each entry's revisions) is CPU that every status write of the cache pays (issue 19).
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
     )
 
 

@@ -130,7 +130,8 @@ def plan_node(
     relevant = [p for p in pods if p in consumers or _started_after(p, wiped_at)]
     if prior is None and not relevant:
         return None  # only old, finished pods: nothing of theirs is on the node any more
-    entry = prior.model_copy(deep=True) if prior is not None else NodeStatus(node=node, state=NodeState.STAGING)
+    # A copy of the entry's own fields: its revisions are copied by _revisions, which replaces the list.
+    entry = prior.model_copy() if prior is not None else NodeStatus(node=node, state=NodeState.STAGING)
     if relevant:
         _set_state(entry, consumers, relevant)
     if len(consumers) != entry.consumers or (prior is None and relevant):
@@ -182,7 +183,7 @@ def _revisions(
     for r in entry.revisions:
         wiped = parse_time(r.wipedAt)
         if wiped is None or (now - wiped).total_seconds() <= scope.keep_wiped:
-            revs[r.id] = r.model_copy(deep=True)
+            revs[r.id] = _copy(r)
     if (
         prior is not None
         and not prior.revisions
@@ -207,6 +208,13 @@ def _revisions(
         if n != r.consumers:
             r.consumers, r.lastUsed, r.keptAt = n, fmt_time(now), None
     return [revs[k] for k in sorted(revs)]
+
+
+def _copy(r: NodeRevision) -> NodeRevision:
+    """A copy of ``r`` that changes nothing of ``r`` when changed. Not model_copy(deep=True): a
+    generic deepcopy of every entry was half of a steady reconciliation's CPU, and the one
+    list here (strayLeases) is copied just as well by hand."""
+    return r.model_copy(update={"strayLeases": list(r.strayLeases)})
 
 
 def _wipes(
@@ -325,6 +333,40 @@ def _kept_waits(r: NodeRevision, live_anywhere: frozenset[str], now: datetime.da
     if kept is None or (now - kept).total_seconds() >= KEPT_RETRY_S:
         return False
     return not any(u not in live_anywhere for u in r.strayLeases)
+
+
+def changes_by_time_at(
+    entries: list[NodeStatus], retention: Retention, now: datetime.datetime, keep_wiped: float = KEEP_WIPED_S
+) -> datetime.datetime | None:
+    """When time alone (the pods, their owners and these entries as they are) would first make
+    the next plan differ from these entries; None: never. What time decides above: a copy
+    whose retention runs out (_ttl_passed), a kept revision whose next wipe stops waiting
+    (_kept_waits), and a wiped revision or node that is forgotten (keep_wiped)."""
+    ttl = (
+        0.0
+        if retention.policy == RetentionPolicy.WIPE_ON_JOB_COMPLETION
+        else parse_duration(retention.ttlAfterLastUse or "0s")
+    )
+    wait = datetime.timedelta(seconds=ttl)
+    at: list[datetime.datetime] = []
+
+    def when(stamp: str | None, after: datetime.timedelta) -> None:
+        t = parse_time(stamp)
+        at.append(now if t is None else t + after)  # unreadable: judged every time, as the plan does
+
+    for e in entries:
+        if e.wipedAt is not None or e.state == NodeState.WIPED:
+            when(e.wipedAt, datetime.timedelta(seconds=keep_wiped))
+        if e.consumers == 0 and e.volume == VolumeMode.EMPTY_DIR:
+            when(e.lastUsed, wait)
+        for r in e.revisions:
+            if r.wipedAt is not None:
+                when(r.wipedAt, datetime.timedelta(seconds=keep_wiped))
+            elif r.consumers == 0:
+                when(r.lastUsed, wait)
+            if r.keptAt is not None:
+                when(r.keptAt, datetime.timedelta(seconds=KEPT_RETRY_S))
+    return min(at, default=None)
 
 
 # --- a wipe's answer --------------------------------------------------------------------------

@@ -69,6 +69,11 @@ class Tokens:
         """Whether this period's token of the cache is still to be written."""
         return self._written.get((namespace, cache)) != int(now // TOKEN_PERIOD_S)
 
+    @staticmethod
+    def period_end(now: float) -> float:
+        """When the period of ``now`` ends (a token is due again)."""
+        return (int(now // TOKEN_PERIOD_S) + 1) * TOKEN_PERIOD_S
+
     async def ensure(self, kube: Kube, key: str | None, namespace: str, cache: str, uid: str, now: float) -> None:
         """Write the cache's token for this period unless done already. No key (no agent token):
         nothing; peers then refuse every request, and stagers read the bucket."""

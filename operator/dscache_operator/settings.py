@@ -124,7 +124,9 @@ class Settings:
 
     reconcile_interval: float = 10.0
     """``DSCACHE_RECONCILE_INTERVAL``: seconds between level-based
-    reconciliations of each DatasetCache (consumers, node states, wipes)."""
+    reconciliations of each DatasetCache (consumers, node states, wipes); one whose
+    inputs have not changed since a reconciliation that changed nothing is only
+    checked for that (quiet.py)."""
 
     source_retry_interval: float = 60.0
     """``DSCACHE_SOURCE_RETRY_INTERVAL``: seconds before a failed source check is retried."""

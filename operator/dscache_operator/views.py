@@ -53,7 +53,8 @@ class Views:
         self.pods = MultiInformer(kube, "/api/v1", "pods", namespaces, selector, _pod_extract)
         # Nodes: their agents' warm labels and addresses (optional: without RBAC on
         # nodes, no node is known to hold anything and no wipe can be sent).
-        self.nodes = MultiInformer(kube, "/api/v1", "nodes", (), "", node_extract, optional=True)
+        self.nodes = MultiInformer(kube, "/api/v1", "nodes", (), "", node_extract, optional=True, notify=self._node)
+        self._node_changes = 0
         self.owners: dict[str, MultiInformer] = {}
         for kind in OWNER_KINDS:
             batch_job = kind.kind == "Job"
@@ -104,6 +105,16 @@ class Views:
 
     def all_nodes(self) -> list[NodeInfo]:
         return self.nodes.get(ALL)
+
+    def _node(self, _key: Any, old: NodeInfo | None, new: NodeInfo | None) -> None:
+        # A kubelet rewrites its Node's status every few minutes (heartbeats): what we keep of it
+        # (labels, address, readiness) is then equal, and is no change.
+        if old != new:
+            self._node_changes += 1
+
+    def nodes_seen(self) -> int:
+        """Changes so far to what we keep of the nodes (equal: the same nodes as then)."""
+        return self._node_changes
 
     def owner_lookup(self, namespace: str) -> OwnerLookup:
         def lookup(uid: str) -> OwnerInfo | None:

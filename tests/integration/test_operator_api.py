@@ -654,6 +654,33 @@ def test_a_copy_kept_by_a_stray_entry_gets_no_request_loop(kube_api, ready_cache
     assert copy.exists() and stray.exists()
 
 
+def test_a_new_cache_has_the_finalizer_from_creation_and_the_controller_restores_it(kube_api, ready_cache):
+    """The webhook puts the controller's finalizer on each new cache, so the controller
+    writes none (at 10,000 caches that write was a fifth of the API server's time); a
+    cache without it (created while the webhook was down, or stripped by hand) gets it
+    from the controller, as before."""
+    k = kube_api
+    ns, name = ready_cache
+    finalizer = "dscache.io/wipe"
+    assert make_cache(k, ns, "claimed", "s3://no-such-bucket/")["metadata"]["finalizers"] == [finalizer]
+    patches = [
+        e
+        for e in k.audit_events()
+        if e["user"]["username"].endswith(":dscache-controller")
+        and e["verb"] == "patch"
+        and e.get("objectRef", {}).get("name") in (name, "claimed")
+        and not e["objectRef"].get("subresource")
+    ]
+    assert patches == [], "the controller wrote the finalizer the webhook had set"
+    assert get_cache(k, ns, name)["metadata"]["finalizers"] == [finalizer]
+    remove = [{"op": "remove", "path": "/metadata/finalizers"}]
+    k.request("PATCH", f"{DSC.format(ns=ns)}/{name}", remove, content_type="application/json-patch+json")
+    k.wait_for(
+        lambda: (get_cache(k, ns, name)["metadata"].get("finalizers") or []) == [finalizer],
+        what="the controller's finalizer back",
+    )
+
+
 def test_deleting_the_cache_runs_the_finalizer(kube_api, ready_cache, agents):
     k = kube_api
     ns, name = ready_cache

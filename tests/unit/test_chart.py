@@ -263,8 +263,23 @@ def test_webhook_safety_settings(helm: str, name: str):
     docs = docs_of(template(helm, namespace, values, extra).stdout)
     (mwc,) = find(docs, "MutatingWebhookConfiguration")
     (svc,) = [s for s in find(docs, "Service") if s["spec"]["ports"][0]["port"] == 443]
-    assert len(mwc["webhooks"]) == 6
-    for hook in mwc["webhooks"]:
+    *injection, caches = mwc["webhooks"]
+    assert len(injection) == 6
+    # New DatasetCaches: their finalizer, never a refusal (the controller adds it if this is down).
+    assert (
+        caches["name"] == "datasetcaches.dscache.io" and caches["clientConfig"]["service"]["path"] == "/dscache-caches"
+    )
+    assert caches["rules"] == [
+        {
+            "operations": ["CREATE"],
+            "apiGroups": ["dscache.io"],
+            "apiVersions": ["v1alpha1"],
+            "resources": ["datasetcaches"],
+            "scope": "Namespaced",
+        }
+    ]
+    assert (caches["failurePolicy"], caches["sideEffects"]) == ("Ignore", "None")
+    for hook in injection:
         exprs = hook["namespaceSelector"]["matchExpressions"]
         assert {"key": "dscache.io/injection", "operator": "In", "values": ["enabled"]} in exprs
         assert hook["failurePolicy"] == "Fail"

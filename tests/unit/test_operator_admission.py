@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import functools
 import json
 import os
 import ssl
@@ -16,8 +17,8 @@ import jsonpatch
 import kopf
 import pytest
 
-from dscache_operator import admission
-from dscache_operator.models import VolumeMode
+from dscache_operator import admission, webhook
+from dscache_operator.models import FINALIZER, VolumeMode
 from tests.support.kubeapi import make_ca, make_cert
 from tests.support.s3server import free_port
 from tests.unit.test_operator_injection import job, review_body
@@ -182,6 +183,56 @@ def test_a_body_that_is_not_a_review_is_a_bad_request(body):
     assert calls == []
 
 
+# --- new DatasetCaches: the controller's finalizer ----------------------------------------------
+
+
+def cache_review(finalizers=None, namespace="ml", operation="CREATE") -> bytes:
+    meta = {"name": "imagenet", "namespace": namespace} | ({"finalizers": finalizers} if finalizers else {})
+    cache = {"apiVersion": "dscache.io/v1alpha1", "kind": "DatasetCache", "metadata": meta, "spec": {}}
+    resource = {"group": "dscache.io", "version": "v1alpha1", "resource": "datasetcaches"}
+    request = {
+        "uid": "u-review",
+        "kind": {"group": "dscache.io", "version": "v1alpha1", "kind": "DatasetCache"},
+        "resource": resource,
+        "namespace": namespace,
+        "operation": operation,
+        "userInfo": {"username": "alice"},
+        "object": cache,
+    }
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
+def claimed(body: bytes, watched=()) -> list[str] | None:
+    """The finalizers of the cache as the API server stores it (None: no patch)."""
+    r = admission.review_cache(body, functools.partial(webhook.claim_cache, watched))["response"]
+    assert r["uid"] == "u-review" and r["allowed"] is True
+    if "patch" not in r:
+        return None
+    sent = json.loads(body)["request"]["object"]
+    return jsonpatch.apply_patch(sent, json.loads(base64.b64decode(r["patch"])))["metadata"]["finalizers"]
+
+
+def test_a_new_cache_gets_the_controllers_finalizer_beside_its_own():
+    assert claimed(cache_review()) == [FINALIZER]
+    assert claimed(cache_review(["example.com/keep"])) == ["example.com/keep", FINALIZER]
+    assert claimed(cache_review([FINALIZER])) is None  # there already: no patch
+    assert claimed(cache_review(operation="UPDATE")) is None
+
+
+def test_a_cache_outside_the_watched_namespaces_gets_no_finalizer():
+    """Nothing there would ever remove it (the controller does not see that namespace)."""
+    assert claimed(cache_review(namespace="other"), watched=("ml",)) is None
+    assert claimed(cache_review(namespace="ml"), watched=("ml",)) == [FINALIZER]
+
+
+def test_a_cache_is_admitted_as_sent_when_claiming_it_fails():
+    def broken(namespace, obj):
+        raise RuntimeError("boom")
+
+    r = admission.review_cache(cache_review(), broken)["response"]
+    assert r == {"uid": "u-review", "allowed": True}
+
+
 # --- the server ------------------------------------------------------------------------------
 
 
@@ -220,6 +271,7 @@ def test_the_server_answers_over_tls_and_reloads_a_renewed_certificate(pki):
             port=port,
             certfile=str(pki / "serving.crt"),
             keyfile=str(pki / "serving.key"),
+            claim=functools.partial(webhook.claim_cache, ()),
             cert_check_interval=3600,
         )
         await server.start()
@@ -227,6 +279,8 @@ def test_the_server_answers_over_tls_and_reloads_a_renewed_certificate(pki):
             status, out, first = await post(port, "/dscache-emptydir", review_body(job()), pki / "ca.crt")
             assert status == 200 and out["response"]["allowed"] and out["response"]["patch"]
             assert calls[-1][0] == VolumeMode.EMPTY_DIR
+            status, out, _ = await post(port, "/dscache-caches", cache_review(), pki / "ca.crt")
+            assert status == 200 and out["response"]["allowed"] and out["response"]["patch"]
             status, _, _ = await post(port, "/dscache-hostpath", b"{}", pki / "ca.crt")
             assert status == 400
             status, _, _ = await post(port, "/elsewhere", review_body(job()), pki / "ca.crt")

@@ -569,3 +569,30 @@ def test_a_wiped_version_1_copy_is_not_wiped_again_for_its_finished_pods():
 def test_deleting_a_cache_with_a_version_1_copy_removes_all_of_c_in_one_step():
     p = plan_nodes([v1_node(consumers=0)], [], jobs(), WIPE, NOW, deleting=True)["n1"]
     assert [s.revision for s in p.wipes] == [None]
+
+
+def test_planning_and_recording_wipes_leave_the_prior_entries_alone():
+    """The plan's entries are copies (the executor compares them with the prior ones for
+    Events): a plan, and the wipes' answers recorded into it, change nothing of the prior."""
+    prior = [
+        NodeStatus(
+            node="n1",
+            state="Ready",
+            consumers=1,
+            lastUsed="2026-11-21T11:00:00Z",
+            revisions=[
+                NodeRevision(id=REV, consumers=1, lastUsed="2026-11-21T11:00:00Z", strayLeases=["uid-gone"]),
+                NodeRevision(id=REV2, lastUsed="2026-11-21T10:00:00Z"),
+            ],
+        )
+    ]
+    before = [n.model_dump() for n in prior]
+    plan = plan_nodes(prior, [pod(phase="Succeeded")], jobs(train=True), WIPE, NOW)["n1"]
+    assert plan.wipes
+    for step in plan.wipes:
+        kept = wipe.WipeResult(wipe.Outcome.KEPT, "kept", "kept", leases=("uid-x",))
+        wipe.record_wipe(plan.entry, step, kept, NOW)
+        wipe.record_wipe(plan.entry, step, wipe.WipeResult(wipe.Outcome.REMOVED, "succeeded", None), NOW)
+    wipe.settle(plan.entry, plan, NOW)
+    assert plan.entry.state == "Wiped" and all(r.wipedAt for r in plan.entry.revisions)
+    assert [n.model_dump() for n in prior] == before
