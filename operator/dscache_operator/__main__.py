@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         debug_memory_on_signal()
     import kopf
 
-    from .common import Context, memo_for
+    from .context import Context, memo_for
     from .settings import Settings
 
     # The one place settings are read: everything else gets them through the Context.

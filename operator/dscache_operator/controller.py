@@ -24,10 +24,10 @@ import kopf
 from dscache_contract import clock
 from dscache_contract.clock import parse_time
 
-from . import agentclient, common, prestage, sourcecheck
+from . import agentclient, context, prestage, sourcecheck
 from . import status as st
 from .caches import CacheView, Key
-from .common import Context, ctx_of
+from .context import Context, ctx_of
 from .events import Event, Poster
 from .kube import ApiError
 from .models import (
@@ -404,18 +404,18 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         ctx = ctx_of(memo)
-        common.configure_kopf(settings)
+        context.configure_kopf(settings)
         kube = ctx.ensure_kube()
         ctx.poster = Poster(kube)
         ctx.scheduler = Scheduler(lambda key: run_once(ctx, key), workers=RECONCILE_WORKERS)  # type: ignore[arg-type]
         ctx.views = Views(kube, ctx.settings.watch_namespaces, on_cache=ctx.on_cache)
         ctx.views.start()
         ctx.background = [asyncio.create_task(ctx.poster.run()), asyncio.create_task(_reconcile_once_listed(ctx))]
-        await common.start_metrics(ctx)
+        await context.start_metrics(ctx)
 
     @kopf.on.login(registry=registry)
     async def login(memo: Any, **kwargs: Any) -> kopf.AiohttpSession:
-        return await common.login(ctx_of(memo), **kwargs)
+        return await context.login(ctx_of(memo), **kwargs)
 
     @kopf.on.probe(id="views", registry=registry)
     async def views_probe(memo: Any, **_: Any) -> bool:
@@ -436,6 +436,6 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
             await ctx.scheduler.stop()
         if ctx.views is not None:
             await ctx.views.stop()
-        await common.shutdown(ctx)
+        await context.shutdown(ctx)
 
     return registry

@@ -41,7 +41,7 @@ from .settings import Settings
 from .workloads import InitState, PodInfo
 
 if TYPE_CHECKING:
-    from .common import Context
+    from .context import Context
 
 PRESTAGE_LABEL = f"{GROUP}/prestage"
 POD_PREFIX = "dscache-prestage-"

@@ -30,7 +30,7 @@ from .kube import ApiError, Kube
 from .models import DatasetCacheSpec, Phase, Source, parse_duration
 
 if TYPE_CHECKING:
-    from .common import Context
+    from .context import Context
 
 KEY_ID = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"

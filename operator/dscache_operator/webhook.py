@@ -43,8 +43,8 @@ import pydantic
 
 from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_CACHE, ANNOTATION_REVISION, RevisionRef, warm_label
 
-from . import admission, common, placement
-from .common import Context, ctx_of
+from . import admission, context, placement
+from .context import Context, ctx_of
 from .informer import MultiInformer
 from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 from .kube import ApiError
@@ -404,7 +404,7 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: Any, **kwargs: Any) -> None:
         ctx = ctx_of(memo)
-        common.configure_kopf(settings)
+        context.configure_kopf(settings)
         # This process has no deletion handler; with the controller's finalizer name,
         # kopf would "clean up" that finalizer as its own stale one on what it watches.
         # A name it never finds keeps it read-only.
@@ -428,7 +428,7 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
         )
         await server.start()
         servers.append(server)
-        await common.start_metrics(ctx)
+        await context.start_metrics(ctx)
         # What start-up loaded (kopf, aiohttp, pydantic, our modules: ~53,000 objects) lives
         # as long as the process; out of the collector's sight, a full collection no longer
         # walks it. Serving 1,000 reviews/s promotes enough short-lived objects for one
@@ -438,7 +438,7 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
 
     @kopf.on.login(registry=registry)
     async def login(memo: Any, **kwargs: Any) -> kopf.AiohttpSession:
-        return await common.login(ctx_of(memo), **kwargs)
+        return await context.login(ctx_of(memo), **kwargs)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
@@ -446,7 +446,7 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
             await server.stop()
         for view in views:
             await view.stop()
-        await common.shutdown(ctx_of(memo))
+        await context.shutdown(ctx_of(memo))
 
     # Nodes: which hold which revision (warm labels) and their byte budgets, for
     # placement and the capacity warning. Needs list/watch on nodes (cluster-wide:

@@ -13,7 +13,7 @@ import pytest
 
 from dscache_contract import STAGER_CONTAINER_NAME, VOLUME_NAME, RevisionRef, StageArgs
 from dscache_operator import admission, injection, webhook
-from dscache_operator.common import Context
+from dscache_operator.context import Context
 from dscache_operator.injection import InjectionError, inject_object
 from dscache_operator.models import DatasetCacheSpec
 from dscache_operator.settings import Settings

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dscache_contract import clock
-from dscache_operator import common, controller
+from dscache_operator import context, controller
 from dscache_operator.events import Poster
 from dscache_operator.models import NodeRevision, NodeStatus, Retention
 from dscache_operator.nodeplan import KEEP_WIPED_S, KEPT_RETRY_S, changes_by_time_at
@@ -63,7 +63,7 @@ def pod(i: int, phase: str = "Running") -> dict[str, Any]:
 def steady(monkeypatch):
     """A checked cache with two consumer pods, reconciled until its status is written: the
     context, the views, and the number of (full) reconciliations so far."""
-    ctx = common.Context(settings=Settings(peers=False), kube=Kube())  # type: ignore[arg-type]
+    ctx = context.Context(settings=Settings(peers=False), kube=Kube())  # type: ignore[arg-type]
     ctx.poster = Poster(ctx.kube)  # type: ignore[arg-type]
     views = ctx.views = Views(ctx.kube, (NS,))  # type: ignore[arg-type]
     for m in views._all():
@@ -95,7 +95,7 @@ def steady(monkeypatch):
     return ctx, views, runs
 
 
-def again(ctx: common.Context) -> None:
+def again(ctx: context.Context) -> None:
     """One due run; what it writes comes back from the watch as a new view of the cache."""
     asyncio.run(controller.run_once(ctx, KEY))
     written = [w for w in ctx.kube.writes if isinstance(w, dict)]  # type: ignore[attr-defined]
