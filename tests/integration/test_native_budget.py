@@ -2,10 +2,10 @@
 ``buffer_bytes`` (sync_options.BUFFER_BYTES, 64 MiB in the stager), not by the request count.
 
 A real Copier copies from the real S3 server through a proxy that holds every request
-100 ms and counts the requests in flight as the server sees them (from the request's
-head to the answer's last byte). The budget is reserved before an object's GET and given
-back once its body is written, so the server can never see more objects in flight than
-the budget holds; the same copy with a budget that does not bind shows the proxy does see
+100 ms and counts the requests held at once (before any byte of their answers: a body
+given back and a new GET sent the next instant is not counted beside it). The budget is
+reserved before an object's GET and given back once its body is written, so no more
+objects than the budget holds can ever be held at once; the same copy with a budget that does not bind shows the proxy does see
 the concurrency the requests limit allows."""
 
 from __future__ import annotations

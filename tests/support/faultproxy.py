@@ -77,8 +77,9 @@ class FaultProxy:
     #: Forwarded requests are held this long before going upstream, so that a
     #: client's requests in flight pile up where ``peak_in_flight`` sees them.
     hold_s: float = 0.0
-    #: Requests forwarded and not yet answered in full, now and at most (from
-    #: the request's head to the answer's last byte, as the server sees them).
+    #: Requests arrived and not yet forwarded upstream, now and at most (counted
+    #: while held, before any answer byte: a client that waits for one answer before
+    #: sending another request is never counted twice, however fast it turns around).
     in_flight: int = 0
     peak_in_flight: int = 0
     _n: int = 0
@@ -145,9 +146,9 @@ class FaultProxy:
                 try:
                     if self.hold_s:
                         await asyncio.sleep(self.hold_s)
-                    await self._forward(head, reader, writer, cut=action == "reset")
                 finally:
                     self.in_flight -= 1
+                await self._forward(head, reader, writer, cut=action == "reset")
                 return
             await writer.drain()
         except ConnectionError:
