@@ -319,11 +319,18 @@ def _started_after(pod: PodInfo, wiped_at: datetime.datetime | None) -> bool:
     return wiped_at is None or started >= wiped_at
 
 
+def _ttl(retention: Retention) -> float:
+    """Seconds an unused copy is kept (0: wiped as soon as nothing holds it)."""
+    if retention.policy == RetentionPolicy.WIPE_ON_JOB_COMPLETION:
+        return 0.0
+    return parse_duration(retention.ttlAfterLastUse or "0s")
+
+
 def _ttl_passed(last_used: str | None, retention: Retention, now: datetime.datetime) -> bool:
     if retention.policy == RetentionPolicy.WIPE_ON_JOB_COMPLETION:
-        return True
+        return True  # whatever lastUsed says (even a time ahead of this clock)
     last = parse_time(last_used) or now
-    return (now - last).total_seconds() >= parse_duration(retention.ttlAfterLastUse or "0s")
+    return (now - last).total_seconds() >= _ttl(retention)
 
 
 def _kept_waits(r: NodeRevision, live_anywhere: frozenset[str], now: datetime.datetime) -> bool:
@@ -342,12 +349,7 @@ def changes_by_time_at(
     the next plan differ from these entries; None: never. What time decides above: a copy
     whose retention runs out (_ttl_passed), a kept revision whose next wipe stops waiting
     (_kept_waits), and a wiped revision or node that is forgotten (keep_wiped)."""
-    ttl = (
-        0.0
-        if retention.policy == RetentionPolicy.WIPE_ON_JOB_COMPLETION
-        else parse_duration(retention.ttlAfterLastUse or "0s")
-    )
-    wait = datetime.timedelta(seconds=ttl)
+    wait = datetime.timedelta(seconds=_ttl(retention))
     at: list[datetime.datetime] = []
 
     def when(stamp: str | None, after: datetime.timedelta) -> None:
