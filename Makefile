@@ -69,7 +69,7 @@ lock: ## Re-resolve uv.lock from pyproject.toml and export the images' requireme
 lint: install ## ruff (lint + format check) and mypy over the shipped packages
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy init-container/dscache_stager init-container/dscache_node operator/dscache_operator contract/dscache_contract
+	$(VENV)/bin/mypy init-container/dscache_stager node-agent/dscache_node operator/dscache_operator contract/dscache_contract
 
 tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
 	bash e2e/tools/tools.sh s3 s5cmd etcd kube-apiserver helm helm-docs actionlint toxiproxy vegeta

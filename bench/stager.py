@@ -861,8 +861,8 @@ def sourcecheck_child(server: S3Server, env: dict[str, str]) -> Run:
     code = (
         "import json, sys\n"
         f"sys.path[:0] = [{str(REPO / 'operator')!r}, {str(REPO / 'contract')!r}]\n"
-        "from dscache_operator.models import Source\n"
-        "from dscache_operator import sourcecheck\n"
+        "from dscache_operator.api.models import Source\n"
+        "from dscache_operator.control import sourcecheck\n"
         f"src = Source(uri='s3://{BUCKET}/scale/', endpoint={server.endpoint!r}, region='us-east-1', "
         "addressingStyle='path')\n"
         f"creds = {{'AWS_ACCESS_KEY_ID': {env['AWS_ACCESS_KEY_ID']!r}, "

@@ -43,8 +43,8 @@ from obstore.store import S3Store
 from dscache_contract import VersionPicker, normalize_key, page_versions, parse_as_of
 
 from .errors import SourceError, StageError, TransientError
+from .listpage import LIST_ATTEMPTS, LIST_CHUNK, Started
 from .source import S3Source
-from .stage import LIST_ATTEMPTS, LIST_CHUNK, Started
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta

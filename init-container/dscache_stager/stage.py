@@ -17,44 +17,25 @@ more than the rest.
 from __future__ import annotations
 
 import contextlib
-import random
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import obstore
-from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
+from obstore.exceptions import BaseError, InvalidPathError
 
 import dscache_contract as contract
 from dscache_contract import StageSummary, human_bytes
 
 from .layout import Revision, cache_lock, check_cache_dir, write_lease
+from .listpage import Started, first_page
 from .progress import Progress
 from .source import S3Source, source_error
 
 if TYPE_CHECKING:
-    from obstore import ListStream, ObjectMeta
     from obstore.store import S3Store
 
     from .sync_options import SyncOptions
-
-#: Tries of one listing page that fails mid-body (obstore retries the rest itself); also the resumed listing's.
-LIST_ATTEMPTS = 8
-#: Objects per listing batch: one ListObjectsV2 page (S3 sends at most 1,000 keys a page).
-LIST_CHUNK = 1000
-
-
-@dataclass(slots=True)
-class Started:
-    """A listing already begun by prove_access: its first batch, and its stream to go on
-    with (None: that batch was the whole listing). The access proof is one listing page, the
-    one the copy needs first; handing it on (listing.list_objects) saves a round trip and the
-    server listing it twice."""
-
-    first: Sequence[ObjectMeta]
-    rest: ListStream[Sequence[ObjectMeta]] | None
 
 
 def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
@@ -136,26 +117,8 @@ def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> Sta
                 return None
             except FileNotFoundError:
                 pass  # deleted since: the copy on the node is still whole; prove access by listing
-        return _first_page(store, source.prefix)
+        return first_page(store, source.prefix)
     except InvalidPathError:
         return None  # S3 answered with keys obstore cannot represent: access is proven; the listing names them
     except BaseError as e:
         raise source_error(e, source, 0) from e
-
-
-def _first_page(store: S3Store, prefix: str) -> Started:
-    """One ListObjectsV2 page, retried when its body is cut short (obstore retries the rest itself)."""
-    for attempt in range(1, LIST_ATTEMPTS + 1):
-        try:
-            stream = obstore.list(store, prefix=prefix or None, chunk_size=LIST_CHUNK)
-            try:
-                return Started(next(stream), stream)
-            except StopIteration:
-                return Started([], None)  # nothing under the prefix
-        except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
-            raise
-        except BaseError as e:
-            if attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
-                raise
-            time.sleep(random.uniform(0, 0.1 * 2**attempt))
-    raise AssertionError("unreachable")

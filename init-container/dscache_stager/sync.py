@@ -50,10 +50,10 @@ from .listing import (
     list_objects,
     list_versions,
 )
+from .listpage import Started
 from .peers import REFRESH_S, Outcome, Peers, verifiable
 from .progress import Progress
 from .source import S3Source, source_error
-from .stage import Started
 from .sync_options import BUFFER_BYTES, SyncOptions
 from .tree import LocalTree
 

@@ -17,7 +17,7 @@ pod's mount source disappears.
 
 A version 1 copy has no leases: whether a pod still reads it is the operator's
 call (it asks only once no pod without a revision annotation holds on the
-node; see dscache_operator.nodeplan). Here, two on-disk checks close the gap
+node; see dscache_operator.control.nodeplan). Here, two on-disk checks close the gap
 its views may lag behind (a pod admitted by a version 1 webhook replica during
 the upgrade): a version 1 stager at work holds C/.dscache/lock, which the wipe
 takes too, without waiting (and one that starts meanwhile waits for the wipe,

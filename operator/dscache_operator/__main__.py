@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     role = argv[0] if argv else ""
     if role == "crdgen":
-        from . import crdgen
+        from .api import crdgen
 
         crdgen.main()
         return 0
@@ -80,16 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     from prometheus_client import disable_created_metrics
 
-    from .metrics import Metrics
+    from .metrics.registry import Metrics
 
     # No `*_created` series: every counter would carry a second, constant series for nothing.
     disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
-    ctx = Context(settings=settings, metrics=Metrics(role=role))
+    if role == "controller":
+        from .control.state import ControlContext
+
+        ctx: Context = ControlContext(settings=settings, metrics=Metrics(role=role))
+    else:
+        ctx = Context(settings=settings, metrics=Metrics(role=role))
     configure_logging(settings.log_level, settings.log_format)
     if role == "controller":
-        from .controller import make_registry
+        from .control.reconcile import make_registry
     else:
-        from .webhook import make_registry
+        from .admission.webhook import make_registry
     namespaces = list(settings.watch_namespaces)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
     kopf.run(

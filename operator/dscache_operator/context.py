@@ -2,59 +2,38 @@
 
 ``Context`` is built once in ``__main__`` (settings read there, never at
 import time) and handed to kopf as ``memo.ctx``: kopf gives every handler the
-memo, so all handlers share the one context; what the controller notes per
-cache lives in it too, keyed by (namespace, name), and is dropped with the cache.
+memo, so all handlers share the one context. This module is the rooms' common
+ground: it imports ``kube``, ``metrics`` and ``api``, never ``control`` or ``admission``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 from typing import Any
 
 import kopf
 
-from .coalesce import Coalescer
-from .kube import Kube, connection_info, kopf_session
-from .metrics import Metrics
-from .models import FINALIZER, GROUP
-from .peertoken import Tokens
+from .api.models import FINALIZER, GROUP
+from .kube.client import Kube, connection_info, kopf_session
+from .metrics.registry import Metrics
 from .settings import Settings
-from .sourcecheck import CheckResult, SecretReads
 
 
 @dataclasses.dataclass
 class Context:
-    """What one operator process shares: settings, our API client, metrics, views."""
+    """What one operator process shares, whichever its role: settings, our API client, metrics.
+
+    The controller's process holds a ``control.state.ControlContext``, this with what
+    reconciliation keeps; the webhook's holds this alone."""
 
     settings: Settings
     kube: Kube | None = None
     #: This process's metrics, on a registry of their own (not prometheus_client's global one).
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     metrics_runner: Any = None
-    #: The controller's read-only views of caches and users' workloads (views.Views); None in the webhook.
-    views: Any = None
-    #: The controller's queue of caches to reconcile (schedule.Scheduler) and its Event poster (events.Poster).
-    scheduler: Any = None
-    poster: Any = None
     background: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
-    #: Per cache: when its source was last checked (monotonic), and how often its deletion has waited.
-    checked_at: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
-    deleting: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
-    #: Per cache: what its last reconciliation read, when it changed nothing (quiet.Quiet).
-    quiet: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
-    #: Secrets read for source checks in the last few seconds (sourcecheck.SecretReads).
-    secrets: SecretReads = dataclasses.field(default_factory=SecretReads)
-    #: The source checks' threads (listings are I/O-bound; each thread costs memory: see __main__).
-    source_executor: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sourcecheck")
-    )
-    #: Equal source listings in flight share one S3 listing (coalesce.py, sourcecheck.check_source).
-    listings: Coalescer[CheckResult] = dataclasses.field(default_factory=Coalescer)
-    #: Which period each cache's peer token was written for (peertoken.py).
-    tokens: Tokens = dataclasses.field(default_factory=Tokens)
 
     def ensure_kube(self) -> Kube:
         """Our client, logging in by ourselves if kopf has not done so yet."""
@@ -67,21 +46,6 @@ class Context:
             raise kopf.TemporaryError("not logged in yet", delay=1)
         return self.kube
 
-    def on_cache(self, key: Any, old: Any, new: Any) -> None:
-        """The caches' informer saw a change: reconcile now what is news (caches.wants_reconcile)."""
-        from .caches import wants_reconcile
-
-        if self.scheduler is not None and wants_reconcile(old, new):
-            self.scheduler.touch(key)
-
-    def forget(self, key: tuple[str, str]) -> None:
-        """A cache is gone: drop what we kept about it."""
-        self.checked_at.pop(key, None)
-        self.deleting.pop(key, None)
-        self.quiet.pop(key, None)
-        self.metrics.forget_cache(*key)
-        self.tokens.forget(*key)
-
 
 def memo_for(ctx: Context) -> kopf.Memo:
     return kopf.Memo(ctx=ctx)
@@ -93,7 +57,7 @@ def ctx_of(memo: Any) -> Context:
 
 
 async def start_metrics(ctx: Context) -> None:
-    from . import metrics
+    from .metrics import registry as metrics
 
     if ctx.metrics_runner is None:
         ctx.metrics_runner = await metrics.serve(ctx.settings.metrics_port, ctx.metrics)

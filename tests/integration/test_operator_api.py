@@ -1048,7 +1048,7 @@ def test_api_client_survives_a_rotated_token(kube_api, dscache_operator, tmp_pat
     its token file on the 401 and carries on with the new token."""
     import asyncio
 
-    from dscache_operator.kube import Kube, connection_info
+    from dscache_operator.kube.client import Kube, connection_info
 
     k = kube_api
     sa = f"/api/v1/namespaces/{OPERATOR_NS}/serviceaccounts/dscache-controller/token"
@@ -1123,7 +1123,7 @@ def test_api_client_survives_a_rotated_token(kube_api, dscache_operator, tmp_pat
         finally:
             await kube.close()
 
-    from dscache_operator.kube import ApiError as ApiErrorK
+    from dscache_operator.kube.client import ApiError as ApiErrorK
 
     asyncio.run(main())
 

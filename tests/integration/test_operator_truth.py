@@ -341,8 +341,8 @@ def test_informer_relists_after_410_gone(kube_api, opted_ns):
     keeps watching. The informer code is the same for any resource."""
     import kopf
 
-    from dscache_operator.informer import Gone, Informer
-    from dscache_operator.kube import Kube
+    from dscache_operator.kube.client import Kube
+    from dscache_operator.kube.informer import Gone, Informer
 
     k = kube_api
     info = kopf.ConnectionInfo(

@@ -690,7 +690,7 @@ def test_secret_forbidden_upgrade_lines_render(helm: str):
 
 def test_secret_forbidden_message_names_the_chart_values():
     """The SecretForbidden message points at sourceCheck, with a runnable upgrade line."""
-    from dscache_operator.sourcecheck import secret_forbidden
+    from dscache_operator.control.sourcecheck import secret_forbidden
 
     got = secret_forbidden("ml", "s3-keys", "dscache-system")
     assert (got.ok, got.reason) == (False, "SecretForbidden")
@@ -769,7 +769,7 @@ def test_service_monitor_renders_without_the_api_being_served(helm: str):
 
 def test_prometheus_rule_and_dashboard_use_metrics_the_operator_exports(helm: str):
     """Every dscache_* name an alert or a panel queries is one the operator's registry has."""
-    from dscache_operator.metrics import Metrics
+    from dscache_operator.metrics.registry import Metrics
 
     m = Metrics()
     m.set_cache("ml", "c", "Ready", ["Ready"])
@@ -873,7 +873,7 @@ def test_node_agent_daemonset(default_docs):
 
 def test_node_agent_env_is_what_the_agent_reads(default_docs):
     """Every DSCACHE_* the DaemonSet sets is one dscache_node/settings.py reads (no typo goes unnoticed)."""
-    source = (REPO / "init-container" / "dscache_node" / "settings.py").read_text()
+    source = (REPO / "node-agent" / "dscache_node" / "settings.py").read_text()
     known = set(re.findall(r'"(DSCACHE_[A-Z_]+)"', source))
     (c,) = one(default_docs, "DaemonSet", "dscache-node")["spec"]["template"]["spec"]["containers"]
     env = set(env_of(c))

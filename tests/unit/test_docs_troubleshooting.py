@@ -11,7 +11,7 @@ from dscache_contract import ExitCode
 
 REPO = Path(__file__).resolve().parents[2]
 OPERATOR = REPO / "operator" / "dscache_operator"
-NODE_AGENT = REPO / "init-container" / "dscache_node"
+NODE_AGENT = REPO / "node-agent" / "dscache_node"
 
 
 def troubleshooting() -> str:
@@ -22,7 +22,7 @@ def troubleshooting() -> str:
 
 def test_every_event_reason_is_documented():
     reasons = set()
-    for path in [*OPERATOR.glob("*.py"), *NODE_AGENT.glob("*.py")]:
+    for path in [*OPERATOR.rglob("*.py"), *NODE_AGENT.glob("*.py")]:
         reasons.update(re.findall(r'reason="([A-Za-z]+)"', path.read_text()))
     assert {"Wiped", "WipeFailed", "NodeGone", "Evicted"} <= reasons  # the pattern still finds them
     section = troubleshooting()
@@ -31,7 +31,7 @@ def test_every_event_reason_is_documented():
 
 def test_every_source_check_reason_is_documented():
     # Every CheckResult(ok, "Reason", ...) the source check builds, over line breaks too.
-    code = (OPERATOR / "sourcecheck.py").read_text()
+    code = (OPERATOR / "control" / "sourcecheck.py").read_text()
     reasons = set(re.findall(r'CheckResult\(\s*(?:True|False|None)\s*,\s*"([A-Za-z]+)"', code))
     assert {"Listed", "NotVerifiable", "SecretForbidden", "SecretNotFound", "SourceError"} <= reasons
     section = troubleshooting()

@@ -17,8 +17,9 @@ import jsonpatch
 import kopf
 import pytest
 
-from dscache_operator import admission, webhook
-from dscache_operator.models import FINALIZER, VolumeMode
+from dscache_operator.admission import server as admission
+from dscache_operator.admission import webhook
+from dscache_operator.api.models import FINALIZER, VolumeMode
 from tests.support.kubeapi import make_ca, make_cert
 from tests.support.s3server import free_port
 from tests.unit.test_operator_injection import job, review_body

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from dscache_operator.coalesce import Coalescer
+from dscache_operator.kube.coalesce import Coalescer
 
 
 class Lister:

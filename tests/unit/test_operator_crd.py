@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dscache_contract import human_bytes
-from dscache_operator import crdgen, models
+from dscache_operator.api import crdgen, models
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "datasetcache.yaml"
@@ -18,7 +18,7 @@ CRD_FILE = REPO / "crds" / "datasetcache.yaml"
 def test_crd_file_matches_models():
     assert CRD_FILE.read_text() == crdgen.render(), (
         "crds/datasetcache.yaml drifted from the models; regenerate with "
-        "`.venv/bin/python -m dscache_operator.crdgen > crds/datasetcache.yaml`"
+        "`.venv/bin/python -m dscache_operator.api.crdgen > crds/datasetcache.yaml`"
     )
 
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from dscache_operator import views as views_mod
-from dscache_operator.informer import Gone, Informer, MultiInformer
+from dscache_operator.cluster import views as views_mod
+from dscache_operator.kube.informer import Gone, Informer, MultiInformer
 
 
 def pod(uid, ns, cache, rv="1", node="n1"):
@@ -98,7 +98,7 @@ def test_per_namespace_informers_route_by_namespace():
 
 def test_an_absent_optional_crd_is_an_empty_ready_view():
     """JobSet/PyTorchJob/... CRDs are optional: a 404 must not block the controller."""
-    from dscache_operator.kube import ApiError
+    from dscache_operator.kube.client import ApiError
 
     class Absent(FakeKube):
         async def request(self, method, path, params=None, **_):

@@ -12,10 +12,11 @@ import kopf
 import pytest
 
 from dscache_contract import STAGER_CONTAINER_NAME, VOLUME_NAME, RevisionRef, StageArgs
-from dscache_operator import admission, injection, webhook
+from dscache_operator.admission import injection, webhook
+from dscache_operator.admission import server as admission
+from dscache_operator.admission.injection import InjectionError, inject_object
+from dscache_operator.api.models import DatasetCacheSpec
 from dscache_operator.context import Context
-from dscache_operator.injection import InjectionError, inject_object
-from dscache_operator.models import DatasetCacheSpec
 from dscache_operator.settings import Settings
 
 SETTINGS = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:test")

@@ -9,8 +9,8 @@ import asyncio
 import kopf
 from aiohttp import web
 
-from dscache_operator.informer import Informer
-from dscache_operator.kube import ApiError, Kube
+from dscache_operator.kube.client import ApiError, Kube
+from dscache_operator.kube.informer import Informer
 
 
 async def _server(valid: dict):

@@ -8,9 +8,9 @@ import json
 from prometheus_client.parser import text_string_to_metric_families
 
 from dscache_contract import RevisionRef, StageSummary
-from dscache_operator.metrics import Metrics
+from dscache_operator.cluster.workloads import PodInfo, pod_info
+from dscache_operator.metrics.registry import Metrics
 from dscache_operator.version import package_version
-from dscache_operator.workloads import PodInfo, pod_info
 
 START = datetime.datetime(2026, 11, 22, 12, 0, 0, tzinfo=datetime.UTC)
 REV = RevisionRef("r-" + "1" * 20)

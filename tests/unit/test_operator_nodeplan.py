@@ -5,17 +5,17 @@ from __future__ import annotations
 import datetime
 
 from dscache_contract import RevisionRef, StageSummary
-from dscache_operator import nodeplan as wipe
-from dscache_operator.models import NodeRevision, NodeStatus, Retention
-from dscache_operator.nodeplan import LEGACY, plan_nodes
-from dscache_operator.settings import Settings
-from dscache_operator.workloads import (
+from dscache_operator.api.models import NodeRevision, NodeStatus, Retention
+from dscache_operator.cluster.workloads import (
     OwnerInfo,
     OwnerRef,
     PodInfo,
     job_finished,
     pod_info,
 )
+from dscache_operator.control import nodeplan as wipe
+from dscache_operator.control.nodeplan import LEGACY, plan_nodes
+from dscache_operator.settings import Settings
 
 NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
 WIPE = Retention()
@@ -281,7 +281,7 @@ def test_raycluster_holds_while_it_exists_and_rayjob_decides_above_it():
 
 
 def test_owner_finished_conditions_per_kind():
-    from dscache_operator.workloads import OWNER_KINDS, owner_info
+    from dscache_operator.cluster.workloads import OWNER_KINDS, owner_info
 
     kinds = {k.kind: k for k in OWNER_KINDS}
 
@@ -340,7 +340,7 @@ def test_a_revision_kept_by_nothing_releasable_waits_before_the_next_helper():
     """A wipe found REV held by an entry that is no lease (or by the lease of a pod that
     still holds REV elsewhere): a new helper would find the same, so none starts for
     KEPT_RETRY_S (it started one every reconciliation); then it tries again."""
-    from dscache_operator.nodeplan import KEPT_RETRY_S
+    from dscache_operator.control.nodeplan import KEPT_RETRY_S
 
     done = [pod(phase="Succeeded")]
     live_q = [*done, pod("q", node="n2", job="other")]  # q holds REV on n2
@@ -363,7 +363,7 @@ def test_a_new_consumer_clears_the_kept_mark():
 
 
 def test_a_kept_whole_cache_wipe_on_deletion_waits_too():
-    from dscache_operator.nodeplan import KEPT_RETRY_S
+    from dscache_operator.control.nodeplan import KEPT_RETRY_S
 
     done = [pod(phase="Succeeded")]
     assert not plan_nodes(_kept(60, []), done, jobs(train=True), WIPE, NOW, deleting=True)["n1"].wipes
@@ -412,7 +412,7 @@ def test_node_is_not_ready_while_a_consumer_is_still_staging():
 def test_owner_pins_cover_the_whole_owner_chain_and_keep_the_first_revision():
     """status.owners: a JobSet's next child Job (admitted with ownerReference JobSet) must
     get the revision its first Jobs' pods stage, even after status.revision moved on."""
-    from dscache_operator.status import owner_pins
+    from dscache_operator.control.status import owner_pins
 
     job_ = OwnerInfo("Job", "js-w-0", False, OwnerRef("JobSet", "js", "uid-js"))
     view = owners(**{"uid-js-w-0": job_, "uid-js": OwnerInfo("JobSet", "js", False, None)})
@@ -435,7 +435,8 @@ def test_owner_pins_cover_the_whole_owner_chain_and_keep_the_first_revision():
 def test_owner_pins_keep_a_revision_and_its_as_of_time_together():
     """A versioned pod's pin carries its as-of time; a prior pin keeps its own time
     (never a later pod's time with the earlier revision)."""
-    from dscache_operator.status import owner_pin_ref, owner_pins, revision_fragment, revision_ref
+    from dscache_operator.cluster.caches import owner_pin_ref, revision_ref
+    from dscache_operator.control.status import owner_pins, revision_fragment
 
     t1, t2 = "2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
     view = owners(**{"uid-train": OwnerInfo("Job", "train", False, None)})

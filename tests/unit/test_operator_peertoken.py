@@ -7,8 +7,8 @@ import base64
 from typing import Any
 
 from dscache_contract.peers import PEER_TOKEN_KEY, TOKEN_PERIOD_S, check_peer_token, peer_secret_name
-from dscache_operator.kube import ApiError
-from dscache_operator.peertoken import PEER_TOKEN_LABEL, Tokens, peer_secret
+from dscache_operator.control.peertoken import PEER_TOKEN_LABEL, Tokens, peer_secret
+from dscache_operator.kube.client import ApiError
 
 KEY = "k" * 48
 

@@ -9,8 +9,8 @@ import kopf
 import pytest
 
 from dscache_contract import Inventory, warm_label
-from dscache_operator import placement, webhook
-from dscache_operator.models import PlacementMode
+from dscache_operator.admission import placement, webhook
+from dscache_operator.api.models import PlacementMode
 from dscache_operator.settings import Settings
 from tests.unit.test_operator_injection import PIN, REV, REV2, SETTINGS, FakeIndex, job, run_mutate, spec
 

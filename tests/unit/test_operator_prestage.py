@@ -6,12 +6,12 @@ import datetime
 
 import dscache_contract as contract
 from dscache_contract import RevisionRef, StageArgs
-from dscache_operator import prestage
-from dscache_operator.models import DatasetCacheSpec, NodeRevision, NodeState, NodeStatus, Retention, Toleration
-from dscache_operator.nodeplan import plan_nodes
-from dscache_operator.nodes import NodeInfo, node_info, schedulable_for
+from dscache_operator.api.models import DatasetCacheSpec, NodeRevision, NodeState, NodeStatus, Retention, Toleration
+from dscache_operator.cluster.nodes import NodeInfo, node_info, schedulable_for
+from dscache_operator.control import prestage
+from dscache_operator.control.nodeplan import plan_nodes
+from dscache_operator.control.status import ready_condition
 from dscache_operator.settings import Settings
-from dscache_operator.status import ready_condition
 
 REV = "r-0123456789abcdef0123"
 S = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:t")

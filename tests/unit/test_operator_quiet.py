@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 
 from dscache_contract import clock
-from dscache_operator import context, controller
-from dscache_operator.events import Poster
-from dscache_operator.models import NodeRevision, NodeStatus, Retention
-from dscache_operator.nodeplan import KEEP_WIPED_S, KEPT_RETRY_S, changes_by_time_at
+from dscache_operator.api.models import NodeRevision, NodeStatus, Retention
+from dscache_operator.cluster.views import Views
+from dscache_operator.control import reconcile as controller
+from dscache_operator.control.nodeplan import KEEP_WIPED_S, KEPT_RETRY_S, changes_by_time_at
+from dscache_operator.control.state import ControlContext
+from dscache_operator.kube.events import Poster
 from dscache_operator.settings import Settings
-from dscache_operator.views import Views
 
 NS, KEY = "ml", ("ml", "ds")
 NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
@@ -63,7 +64,7 @@ def pod(i: int, phase: str = "Running") -> dict[str, Any]:
 def steady(monkeypatch):
     """A checked cache with two consumer pods, reconciled until its status is written: the
     context, the views, and the number of (full) reconciliations so far."""
-    ctx = context.Context(settings=Settings(peers=False), kube=Kube())  # type: ignore[arg-type]
+    ctx = ControlContext(settings=Settings(peers=False), kube=Kube())  # type: ignore[arg-type]
     ctx.poster = Poster(ctx.kube)  # type: ignore[arg-type]
     views = ctx.views = Views(ctx.kube, (NS,))  # type: ignore[arg-type]
     for m in views._all():
@@ -95,7 +96,7 @@ def steady(monkeypatch):
     return ctx, views, runs
 
 
-def again(ctx: context.Context) -> None:
+def again(ctx: ControlContext) -> None:
     """One due run; what it writes comes back from the watch as a new view of the cache."""
     asyncio.run(controller.run_once(ctx, KEY))
     written = [w for w in ctx.kube.writes if isinstance(w, dict)]  # type: ignore[attr-defined]

@@ -6,9 +6,9 @@ import asyncio
 import json
 
 from dscache_contract import StageSummary
-from dscache_operator.caches import cache_view, wants_reconcile
-from dscache_operator.cacheseries import CacheSeries
-from dscache_operator.schedule import Scheduler
+from dscache_operator.cluster.caches import cache_view, wants_reconcile
+from dscache_operator.kube.schedule import Scheduler
+from dscache_operator.metrics.cacheseries import CacheSeries
 
 SPEC = {"source": {"uri": "s3://bkt/p/", "credentials": {"secretRef": {"name": "k"}}}, "mountPath": "/data"}
 
@@ -151,7 +151,7 @@ def test_the_stage_summary_is_parsed_once_typed():
 
 
 def test_a_burst_of_source_checks_reads_each_secret_once():
-    from dscache_operator.sourcecheck import SecretReads
+    from dscache_operator.control.sourcecheck import SecretReads
 
     class Kube:
         calls = 0

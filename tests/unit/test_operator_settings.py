@@ -6,7 +6,7 @@ import base64
 
 import pytest
 
-from dscache_operator import sourcecheck
+from dscache_operator.control import sourcecheck
 from dscache_operator.settings import Settings
 
 
@@ -102,7 +102,7 @@ def test_revision_refresh_triggers():
 def test_source_listing_pins_the_contract_revision(monkeypatch):
     """The operator's digest is the contract's, over exactly the selected objects."""
     from dscache_contract import RevisionHasher, RevisionRef
-    from dscache_operator.models import Source
+    from dscache_operator.api.models import Source
 
     pages = [
         {"Contents": [{"Key": "p/a.bin", "Size": 3, "ETag": '"e1"'}, {"Key": "p/skip.tmp", "Size": 9, "ETag": '"e2"'}]},

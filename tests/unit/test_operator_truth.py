@@ -12,7 +12,7 @@ import socket
 import kopf
 import pytest
 
-from dscache_operator.kube import Kube
+from dscache_operator.kube.client import Kube
 from tests.unit.test_operator_injection import FakeIndex, job, run_mutate
 
 

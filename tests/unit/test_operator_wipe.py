@@ -21,11 +21,11 @@ from dscache_node.agent import Agent
 from dscache_node.metrics import AgentMetrics
 from dscache_node.server import make_server
 from dscache_node.settings import AgentSettings
-from dscache_operator import agentclient
-from dscache_operator import nodeplan as wipe
-from dscache_operator.models import NodeState, NodeStatus
-from dscache_operator.nodeplan import LEGACY, Release
-from dscache_operator.nodes import NodeInfo
+from dscache_operator.api.models import NodeState, NodeStatus
+from dscache_operator.cluster.nodes import NodeInfo
+from dscache_operator.control import agentclient
+from dscache_operator.control import nodeplan as wipe
+from dscache_operator.control.nodeplan import LEGACY, Release
 from dscache_operator.settings import Settings
 from tests.support.s3server import free_port
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from dscache_operator.metrics import Metrics
+from dscache_operator.metrics.registry import Metrics
 from dscache_operator.settings import Settings
 from dscache_operator.version import package_version
 

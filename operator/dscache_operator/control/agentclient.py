@@ -17,9 +17,9 @@ import aiohttp
 
 import dscache_contract as contract
 
+from ..cluster.nodes import NodeInfo
+from ..settings import Settings
 from .nodeplan import AgentFailed, Answer, NoAgent
-from .nodes import NodeInfo
-from .settings import Settings
 
 TIMEOUT_S = 60.0  # removing a large tree takes a while
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from dscache_contract import ANNOTATION_CACHE, STAGER_CONTAINER_NAME, RevisionRef, StageSummary
 
-from .models import MODE_ANNOTATION, PodPhase, VolumeMode
+from ..api.models import MODE_ANNOTATION, PodPhase, VolumeMode
 
 
 class OwnerRef(NamedTuple):

@@ -24,13 +24,8 @@ import kopf
 from dscache_contract import clock
 from dscache_contract.clock import parse_time
 
-from . import agentclient, context, prestage, sourcecheck
-from . import status as st
-from .caches import CacheView, Key
-from .context import Context, ctx_of
-from .events import Event, Poster
-from .kube import ApiError
-from .models import (
+from .. import context
+from ..api.models import (
     FINALIZER,
     GROUP,
     PLURAL,
@@ -41,6 +36,14 @@ from .models import (
     Phase,
     parse_duration,
 )
+from ..cluster.caches import CacheView, Key, revision_ref
+from ..cluster.nodes import NodeInfo
+from ..cluster.views import Views
+from ..kube.client import ApiError
+from ..kube.events import Event, Poster
+from ..kube.schedule import Scheduler
+from . import agentclient, prestage, sourcecheck
+from . import status as st
 from .nodeplan import (
     NodePlan,
     Outcome,
@@ -51,10 +54,8 @@ from .nodeplan import (
     request_for,
     settle,
 )
-from .nodes import NodeInfo
 from .quiet import Quiet, Seen
-from .schedule import Scheduler
-from .views import Views
+from .state import ControlContext, control_ctx
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def _events_for_transitions(out: Outbox, prior: dict[str, NodeStatus], entries: 
             out.event("Warning", reason="NodeFailed", message=f"node {e.node}: {e.message}")
 
 
-async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, int] | None:
+async def reconcile(ctx: ControlContext, view: CacheView, out: Outbox) -> tuple[int, int] | None:
     """Recompute status into ``out.status`` (a merge patch); return (live consumers, copies
     not yet wiped), or None while the pod/Job views are still filling (no node decision then).
 
@@ -129,7 +130,7 @@ async def reconcile(ctx: Context, view: CacheView, out: Outbox) -> tuple[int, in
     nodes_seen = views.nodes_seen()
     nodes = {n.name: n for n in views.all_nodes()}
     ctx.metrics.observe_stagers(namespace, name, pods)
-    revision = st.revision_ref(wanted.get("revision", current.get("revision")))
+    revision = revision_ref(wanted.get("revision", current.get("revision")))
     rev_bytes = (wanted.get("revision") or current.get("revision") or {}).get("bytes")
 
     chosen: list[NodeInfo] = []
@@ -173,7 +174,7 @@ def _any_wipe(plans: dict[str, NodePlan]) -> bool:
 
 
 def _quiet_until(
-    ctx: Context,
+    ctx: ControlContext,
     view: CacheView,
     cache: DatasetCacheSpec,
     current: dict[str, Any],
@@ -201,7 +202,12 @@ def _quiet_until(
 
 
 async def _check_source(
-    ctx: Context, view: CacheView, cache: DatasetCacheSpec, current: dict[str, Any], out: Outbox, now: datetime.datetime
+    ctx: ControlContext,
+    view: CacheView,
+    cache: DatasetCacheSpec,
+    current: dict[str, Any],
+    out: Outbox,
+    now: datetime.datetime,
 ) -> dict[str, Any]:
     """The status fields a source check changes, when one is due (on create, a spec or
     refresh change, the refresh interval, and retried while it is failing)."""
@@ -228,7 +234,7 @@ async def _check_source(
     # cache, a spec edit, the refresh annotation: the user's uploads before it are in it),
     # or, when it is due because time passed (a retry, the refresh interval), begun now.
     not_before = view.observed if why in ("spec", "annotation") else time.monotonic()
-    result = await sourcecheck.check_source(ctx, view.namespace, cache, not_before)
+    result = await ctx.sources.check(ctx.api(), view.namespace, cache, not_before)
     ctx.checked_at[view.key] = time.monotonic()
     ctx.metrics.source_checked(result.reason)
     generation = view.generation
@@ -273,7 +279,7 @@ async def _check_source(
 
 
 async def _carry_out(
-    ctx: Context, out: Outbox, plans: dict[str, NodePlan], nodes: dict[str, NodeInfo], now: datetime.datetime
+    ctx: ControlContext, out: Outbox, plans: dict[str, NodePlan], nodes: dict[str, NodeInfo], now: datetime.datetime
 ) -> tuple[list[NodeStatus], int, int]:
     """Send each planned wipe to its node's agent, and record what its answer means
     (nodeplan.py decides all of it). Returns the entries to show, the live consumers,
@@ -322,7 +328,7 @@ async def _gone_nodes(kube: Any, nodes: list[str]) -> set[str]:
 # --- the executor: one reconciliation of one cache, its effects carried out ---------------------
 
 
-async def run_once(ctx: Context, key: Key) -> float | None:
+async def run_once(ctx: ControlContext, key: Key) -> float | None:
     """Reconcile the cache ``key`` and carry out what that decided: the status patch, its
     Events, our finalizer. Returns when it is due again (None: it is gone)."""
     views = ctx.views
@@ -350,13 +356,13 @@ async def run_once(ctx: Context, key: Key) -> float | None:
     if out.status:
         await kube.patch_status(cache_path(view), out.status)
     for e in out.events:
-        ctx.poster.post(e)
+        ctx.post(e)
     if not view.deleting:
         return ctx.settings.reconcile_interval
     return await _finalize(ctx, view, result)
 
 
-async def _finalize(ctx: Context, view: CacheView, result: tuple[int, int] | None) -> float | None:
+async def _finalize(ctx: ControlContext, view: CacheView, result: tuple[int, int] | None) -> float | None:
     """Behind our finalizer: wait until no pod uses the cache and every node's copy is wiped."""
     if result is None:
         return 1.0  # the pod and Job views are still filling
@@ -366,7 +372,7 @@ async def _finalize(ctx: Context, view: CacheView, result: tuple[int, int] | Non
     delay = min(60.0, max(1.0, ctx.settings.reconcile_interval / 2) * tries)
     if live:
         if tries == 1:
-            ctx.poster.post(
+            ctx.post(
                 Event(
                     view.involved(),
                     "Normal",
@@ -382,7 +388,7 @@ async def _finalize(ctx: Context, view: CacheView, result: tuple[int, int] | Non
     return None
 
 
-async def _reconcile_once_listed(ctx: Context) -> None:
+async def _reconcile_once_listed(ctx: ControlContext) -> None:
     """Start reconciling once the views have listed: a cache reconciled before its pods
     are known gets its status written twice (without nodes, then with them), and at
     10,000 caches the API server's time is what convergence waits on."""
@@ -403,7 +409,7 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
-        ctx = ctx_of(memo)
+        ctx = control_ctx(memo)
         context.configure_kopf(settings)
         kube = ctx.ensure_kube()
         ctx.poster = Poster(kube)
@@ -415,13 +421,13 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
 
     @kopf.on.login(registry=registry)
     async def login(memo: Any, **kwargs: Any) -> kopf.AiohttpSession:
-        return await context.login(ctx_of(memo), **kwargs)
+        return await context.login(control_ctx(memo), **kwargs)
 
     @kopf.on.probe(id="views", registry=registry)
     async def views_probe(memo: Any, **_: Any) -> bool:
         # A controller whose credentials the API server refuses for minutes is
         # blind: fail liveness so that it restarts (and reads its token afresh).
-        views = ctx_of(memo).views
+        views = control_ctx(memo).views
         failing = views.auth_failing_for() if views is not None else 0.0
         if failing > AUTH_FAILURE_LIMIT:
             raise RuntimeError(f"the API server has refused our credentials for {failing:.0f} s")
@@ -429,7 +435,7 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
-        ctx = ctx_of(memo)
+        ctx = control_ctx(memo)
         for task in ctx.background:
             task.cancel()
         if ctx.scheduler is not None:

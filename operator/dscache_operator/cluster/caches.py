@@ -22,7 +22,9 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from .models import FINALIZER, GROUP, KIND, REFRESH_ANNOTATION, VERSION, DatasetCacheSpec
+from dscache_contract import RevisionRef
+
+from ..api.models import FINALIZER, GROUP, KIND, REFRESH_ANNOTATION, VERSION, DatasetCacheSpec
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -110,3 +112,25 @@ def wants_reconcile(old: CacheView | None, new: CacheView | None) -> bool:
         new.refresh,
         new.spec,
     )
+
+
+# --- revisions as the status records them (the webhook pins new pods to them) ---
+
+
+def _ref(rev: Any, as_of: Any) -> RevisionRef | None:
+    # Status is written by this operator alone; one it cannot read (edited by
+    # hand) counts as no revision rather than stopping the webhook's index.
+    try:
+        return RevisionRef(rev, as_of) if rev else None
+    except ValueError:
+        return None
+
+
+def revision_ref(fragment: dict[str, Any] | None) -> RevisionRef | None:
+    """The revision in a status.revision fragment (None: none, or unreadable)."""
+    return _ref(fragment.get("id"), fragment.get("asOf")) if fragment else None
+
+
+def owner_pin_ref(pin: dict[str, Any]) -> RevisionRef | None:
+    """The revision in one status.owners item (None: none, or unreadable)."""
+    return _ref(pin.get("revision"), pin.get("asOf"))

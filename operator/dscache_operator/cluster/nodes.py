@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import dscache_contract as contract
 
-from .models import Toleration
+from ..api.models import Toleration
 
 #: The informer key under which every node is kept (nodes are cluster-scoped and few).
 ALL = ("nodes",)

@@ -22,7 +22,7 @@ from typing import Any
 
 from dscache_contract.peers import PEER_TOKEN_KEY, TOKEN_PERIOD_S, peer_secret_name, peer_token
 
-from .kube import ApiError, Kube
+from ..kube.client import ApiError, Kube
 
 log = logging.getLogger("dscache.peers")
 

@@ -1,7 +1,7 @@
 """The DatasetCache API (dscache.io/v1alpha1): the single source of truth.
 
 ``crds/datasetcache.yaml`` is generated from these models by
-``python -m dscache_operator.crdgen``; a unit test fails when the two drift.
+``python -m dscache_operator.api.crdgen``; a unit test fails when the two drift.
 Every field carries a description, so ``kubectl explain`` is useful.
 """
 

@@ -13,14 +13,24 @@ from __future__ import annotations
 
 import array
 import bisect
+import enum
 from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .models import NodeState, Phase
-from .nodeplan import WipeCount
-from .workloads import InitState
+from ..api.models import NodeState, Phase
+from ..cluster.workloads import InitState
+
+
+class WipeCount(enum.StrEnum):
+    """The dscache_wipes ``result`` a wipe's answer is counted under."""
+
+    SUCCEEDED = "succeeded"
+    KEPT = "kept"
+    BUSY = "busy"  # a stager held the cache's lock: asked again later
+    FAILED = "failed"
+
 
 #: A stage takes from well under a second (warm) to hours (a cold multi-TB copy).
 STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)

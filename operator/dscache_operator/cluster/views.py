@@ -20,10 +20,10 @@ from typing import Any
 
 from dscache_contract import LABEL_CONSUMER
 
+from ..api.models import GROUP, PLURAL, VERSION
+from ..kube.client import Kube
+from ..kube.informer import MultiInformer, Notify
 from .caches import CacheView, Key, cache_extract
-from .informer import MultiInformer, Notify
-from .kube import Kube
-from .models import GROUP, PLURAL, VERSION
 from .nodes import ALL, NodeInfo, node_extract
 from .workloads import OWNER_KINDS, OwnerInfo, OwnerKind, OwnerLookup, PodInfo, owner_info, pod_info, pod_key
 

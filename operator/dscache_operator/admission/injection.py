@@ -44,8 +44,8 @@ from dscache_contract import (
 )
 from dscache_contract.peers import PEER_TOKEN_DIR, PEER_TOKEN_FILE, PEER_VOLUME_NAME, peer_secret_name
 
-from .models import MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
-from .settings import Settings
+from ..api.models import MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
+from ..settings import Settings
 
 NONROOT_UID = 65532
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from .kube import ApiError, Kube
+from .client import ApiError, Kube
 
 logger = logging.getLogger(__name__)
 

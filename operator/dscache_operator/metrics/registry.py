@@ -34,12 +34,12 @@ from prometheus_client import (
 
 from dscache_contract.clock import now, parse_time
 
+from ..api.models import VolumeMode
+from ..version import package_version
 from .cacheseries import STAGER_RESULTS, CacheSeries
-from .models import VolumeMode
-from .version import package_version
 
 if TYPE_CHECKING:
-    from .workloads import PodInfo
+    from ..cluster.workloads import PodInfo
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The mutating admission webhook: what it decides (served over TLS by admission.py).
+"""The mutating admission webhook: what it decides (served over TLS by server.py).
 
 Two endpoints, one per volume mode; the MutatingWebhookConfiguration chooses
 by namespace labels (see operator/deploy/webhook.yaml):
@@ -43,12 +43,8 @@ import pydantic
 
 from dscache_contract import ANNOTATION_AS_OF, ANNOTATION_CACHE, ANNOTATION_REVISION, RevisionRef, warm_label
 
-from . import admission, context, placement
-from .context import Context, ctx_of
-from .informer import MultiInformer
-from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
-from .kube import ApiError
-from .models import (
+from .. import context
+from ..api.models import (
     FINALIZER,
     GROUP,
     PLURAL,
@@ -58,7 +54,12 @@ from .models import (
     PlacementMode,
     VolumeMode,
 )
-from .status import owner_pin_ref, revision_ref
+from ..cluster.caches import owner_pin_ref, revision_ref
+from ..context import Context, ctx_of
+from ..kube.client import ApiError
+from ..kube.informer import MultiInformer
+from . import placement, server
+from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 
 #: kopf's index id: the kwarg name the startup handler receives it under.
 NODES_INDEX = "dscache_nodes"
@@ -380,7 +381,7 @@ def claim_cache(watched: tuple[str, ...], namespace: str, obj: dict[str, Any]) -
     return True
 
 
-def make_decider(ctx: Context, caches: Any, nodes: Any) -> admission.Decide:
+def make_decider(ctx: Context, caches: Any, nodes: Any) -> server.Decide:
     """What the admission server asks for each review: mutate() over the cache and node views."""
 
     async def decide(mode: VolumeMode, kind: str, namespace: str, obj: dict[str, Any]) -> tuple[bool, list[str]]:
@@ -393,9 +394,9 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
     """The webhook's handlers, built at start-up; they find the Context in ``memo.ctx``.
 
     kopf runs the process (log-in, the node index, liveness); the AdmissionReviews are
-    answered by our own server (admission.py), started here with the cache view (informer.py)."""
+    answered by our own server (server.py), started here with the cache view (informer.py)."""
     registry = kopf.OperatorRegistry()
-    servers: list[admission.Server] = []
+    servers: list[server.Server] = []
     views: list[MultiInformer] = []
 
     # kopf hands every handler, startup ones too, each index under its id (NODES_INDEX:
@@ -417,7 +418,7 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
         )
         caches.start()
         views.append(caches)
-        server = admission.Server(
+        srv = server.Server(
             make_decider(ctx, caches, kwargs[NODES_INDEX]),
             addr=s.webhook_addr,
             port=s.webhook_port,
@@ -426,8 +427,8 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
             observe=ctx.metrics.admission,
             claim=functools.partial(claim_cache, s.watch_namespaces),
         )
-        await server.start()
-        servers.append(server)
+        await srv.start()
+        servers.append(srv)
         await context.start_metrics(ctx)
         # What start-up loaded (kopf, aiohttp, pydantic, our modules: ~53,000 objects) lives
         # as long as the process; out of the collector's sight, a full collection no longer
@@ -442,8 +443,8 @@ def make_registry(settings: Any = None) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
-        for server in servers:
-            await server.stop()
+        for srv in servers:
+            await srv.stop()
         for view in views:
             await view.stop()
         await context.shutdown(ctx_of(memo))

@@ -26,8 +26,9 @@ import dscache_contract as contract
 from dscache_contract import STAGER_CONTAINER_NAME
 from dscache_contract.clock import fmt_time, parse_time
 
-from .models import NodeRevision, NodeState, NodeStatus, Retention, RetentionPolicy, VolumeMode, parse_duration
-from .workloads import InitState, OwnerLookup, PodInfo, holds
+from ..api.models import NodeRevision, NodeState, NodeStatus, Retention, RetentionPolicy, VolumeMode, parse_duration
+from ..cluster.workloads import InitState, OwnerLookup, PodInfo, holds
+from ..metrics.cacheseries import WipeCount
 
 #: Stray leases recorded per (node, revision) are capped: status must stay small.
 MAX_STRAY_LEASES = 200
@@ -378,15 +379,6 @@ class Outcome(enum.Enum):
     IN_PROGRESS = "in-progress"  # not done this time (busy, or the agent could not be asked): asked again later
     REMOVED = "removed"  # gone (or it was never there)
     KEPT = "kept"  # leases the controller did not release still hold it
-
-
-class WipeCount(enum.StrEnum):
-    """The dscache_wipes ``result`` a wipe's answer is counted under."""
-
-    SUCCEEDED = "succeeded"
-    KEPT = "kept"
-    BUSY = "busy"  # a stager held the cache's lock: asked again later
-    FAILED = "failed"
 
 
 class NoAgent(NamedTuple):

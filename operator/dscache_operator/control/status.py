@@ -9,8 +9,9 @@ from typing import Any
 from dscache_contract import RevisionRef, human_bytes
 from dscache_contract.clock import fmt_time
 
-from .models import NodeState, NodeStatus
-from .nodes import NodeInfo, warm_nodes
+from ..api.models import NodeState, NodeStatus
+from ..cluster.caches import owner_pin_ref
+from ..cluster.nodes import NodeInfo, warm_nodes
 
 SOURCE_READY = "SourceReady"
 READY = "Ready"
@@ -64,31 +65,12 @@ def revision_fragment(
     return out | ({"versioned": True, "asOf": rev.as_of} if rev.versioned else {"versioned": False})
 
 
-def _ref(rev: Any, as_of: Any) -> RevisionRef | None:
-    # Status is written by this operator alone; one it cannot read (edited by
-    # hand) counts as no revision rather than stopping the webhook's index.
-    try:
-        return RevisionRef(rev, as_of) if rev else None
-    except ValueError:
-        return None
-
-
-def revision_ref(fragment: dict[str, Any] | None) -> RevisionRef | None:
-    """The revision in a status.revision fragment (None: none, or unreadable)."""
-    return _ref(fragment.get("id"), fragment.get("asOf")) if fragment else None
-
-
-def owner_pin_ref(pin: dict[str, Any]) -> RevisionRef | None:
-    """The revision in one status.owners item (None: none, or unreadable)."""
-    return _ref(pin.get("revision"), pin.get("asOf"))
-
-
 def owner_pins(pods: list[Any], owners: Any, prior: list[dict[str, Any]], limit: int = 500) -> list[dict[str, Any]]:
     """status.owners: every owner in a live consumer pod's ownerReferences chain ->
     the revision its pods stage, so the webhook gives that owner's new pods the
     same revision (a PyTorchJob recreating a worker after a refresh). Pins of
     owners with no live pod left are dropped; the first revision seen wins."""
-    from .workloads import holds
+    from ..cluster.workloads import holds
 
     old = {o.get("uid"): o for o in prior}
     pins: dict[str, dict[str, Any]] = {}

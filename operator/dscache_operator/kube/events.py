@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from dscache_contract import clock
 
-from .kube import Kube
+from .client import Kube
 
 logger = logging.getLogger(__name__)
 

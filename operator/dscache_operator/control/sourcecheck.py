@@ -21,16 +21,15 @@ import hashlib
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dscache_contract as contract
 from dscache_contract.clock import parse_time
 
-from .kube import ApiError, Kube
-from .models import DatasetCacheSpec, Phase, Source, parse_duration
-
-if TYPE_CHECKING:
-    from .context import Context
+from ..api.models import DatasetCacheSpec, Phase, Source, parse_duration
+from ..kube.client import ApiError, Kube
+from ..kube.coalesce import Coalescer
+from ..metrics.registry import Metrics
 
 KEY_ID = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -257,33 +256,45 @@ class SecretReads:
         return secret
 
 
-async def check_source(ctx: Context, namespace: str, spec: DatasetCacheSpec, not_before: float) -> CheckResult:
-    """Read the spec's Secret (if any) with the operator's client, then list the source, with
-    a listing begun at ``not_before`` (time.monotonic()) or later.
-    Another failure reading the Secret is raised: the scheduler retries the cache after a backoff."""
-    creds = None
-    secret_name = spec.source.secret_name
-    if secret_name:
-        try:
-            secret = await ctx.secrets.get(ctx.api(), namespace, secret_name)
-        except ApiError as e:
-            if e.status == 403:
-                return secret_forbidden(namespace, secret_name, ctx.settings.namespace)
-            raise
-        got = credentials_from_secret(secret, namespace, secret_name)
-        if isinstance(got, CheckResult):
-            return got
-        creds = got
-    # Equal listings share one trip to S3 (coalesce.py: never one begun before not_before),
-    # but only with the same credentials, Secret and namespace: a cache must never see a
-    # listing made with keys it was not given.
-    key = (namespace, secret_name, _digest(creds), spec.source.model_dump_json())
+class SourceChecks:
+    """The controller's source checks: credentials from the spec's Secret, then a listing in
+    one of a few threads, shared by equal checks in flight (kube/coalesce.py)."""
 
-    async def listing() -> CheckResult:
-        ctx.metrics.source_listed()
-        return await check(ctx.source_executor, spec.source, creds)
+    def __init__(self, metrics: Metrics, operator_namespace: str, threads: int = 4) -> None:
+        self.metrics, self.operator_namespace = metrics, operator_namespace
+        #: Secrets read in the last few seconds.
+        self.secrets = SecretReads()
+        #: Listings are I/O-bound; each thread costs memory (see __main__).
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sourcecheck")
+        self.listings: Coalescer[CheckResult] = Coalescer()
 
-    return await ctx.listings.run(key, listing, not_before)
+    async def check(self, kube: Kube, namespace: str, spec: DatasetCacheSpec, not_before: float) -> CheckResult:
+        """Read the spec's Secret (if any) with the operator's client, then list the source, with
+        a listing begun at ``not_before`` (time.monotonic()) or later.
+        Another failure reading the Secret is raised: the scheduler retries the cache after a backoff."""
+        creds = None
+        secret_name = spec.source.secret_name
+        if secret_name:
+            try:
+                secret = await self.secrets.get(kube, namespace, secret_name)
+            except ApiError as e:
+                if e.status == 403:
+                    return secret_forbidden(namespace, secret_name, self.operator_namespace)
+                raise
+            got = credentials_from_secret(secret, namespace, secret_name)
+            if isinstance(got, CheckResult):
+                return got
+            creds = got
+        # Equal listings share one trip to S3 (coalesce.py: never one begun before not_before),
+        # but only with the same credentials, Secret and namespace: a cache must never see a
+        # listing made with keys it was not given.
+        key = (namespace, secret_name, _digest(creds), spec.source.model_dump_json())
+
+        async def listing() -> CheckResult:
+            self.metrics.source_listed()
+            return await check(self.executor, spec.source, creds)
+
+        return await self.listings.run(key, listing, not_before)
 
 
 def source_due(

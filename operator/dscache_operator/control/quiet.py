@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
-from .caches import CacheView
-from .workloads import OwnerInfo, OwnerLookup, PodInfo
+from ..cluster.caches import CacheView
+from ..cluster.workloads import OwnerInfo, OwnerLookup, PodInfo
 
 
 class Seen:

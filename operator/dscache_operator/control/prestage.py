@@ -23,10 +23,8 @@ import dscache_contract as contract
 from dscache_contract import LABEL_CONSUMER, RevisionRef
 from dscache_contract.clock import parse_time
 
-from .caches import CacheView
-from .injection import inject_object, stager_security_context
-from .kube import ApiError
-from .models import (
+from ..admission.injection import inject_object, stager_security_context
+from ..api.models import (
     GROUP,
     KIND,
     VERSION,
@@ -36,12 +34,14 @@ from .models import (
     PrestageStatus,
     VolumeMode,
 )
-from .nodes import NodeInfo, schedulable_for
-from .settings import Settings
-from .workloads import InitState, PodInfo
+from ..cluster.caches import CacheView
+from ..cluster.nodes import NodeInfo, schedulable_for
+from ..cluster.workloads import InitState, PodInfo
+from ..kube.client import ApiError
+from ..settings import Settings
 
 if TYPE_CHECKING:
-    from .context import Context
+    from ..context import Context
 
 PRESTAGE_LABEL = f"{GROUP}/prestage"
 POD_PREFIX = "dscache-prestage-"

@@ -33,7 +33,7 @@ from dscache_contract import (
     human_bytes,
 )
 
-from .models import PlacementMode
+from ..api.models import PlacementMode
 
 #: The node index key under which each Node's budget (bytes) is stored; a tuple,
 #: so it can never clash with a label key (a string).

@@ -42,7 +42,7 @@ from typing import Any
 import kopf
 from aiohttp import web
 
-from .models import VolumeMode
+from ..api.models import VolumeMode
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,52 @@
+"""A listing's first page: the access proof's (stage.py), which the cold copy goes on from
+(listing.py). Kept apart from listing.py so that a warm start, which needs only this page,
+does not import the cold path (asyncio, the native plane)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import obstore
+from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
+
+if TYPE_CHECKING:
+    from obstore import ListStream, ObjectMeta
+    from obstore.store import S3Store
+
+#: Tries of one listing page that fails mid-body (obstore retries the rest itself); also the resumed listing's.
+LIST_ATTEMPTS = 8
+#: Objects per listing batch: one ListObjectsV2 page (S3 sends at most 1,000 keys a page).
+LIST_CHUNK = 1000
+
+
+@dataclass(slots=True)
+class Started:
+    """A listing already begun by prove_access: its first batch, and its stream to go on
+    with (None: that batch was the whole listing). The access proof is one listing page, the
+    one the copy needs first; handing it on (listing.list_objects) saves a round trip and the
+    server listing it twice."""
+
+    first: Sequence[ObjectMeta]
+    rest: ListStream[Sequence[ObjectMeta]] | None
+
+
+def first_page(store: S3Store, prefix: str) -> Started:
+    """One ListObjectsV2 page, retried when its body is cut short (obstore retries the rest itself)."""
+    for attempt in range(1, LIST_ATTEMPTS + 1):
+        try:
+            stream = obstore.list(store, prefix=prefix or None, chunk_size=LIST_CHUNK)
+            try:
+                return Started(next(stream), stream)
+            except StopIteration:
+                return Started([], None)  # nothing under the prefix
+        except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
+            raise
+        except BaseError as e:
+            if attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
+                raise
+            time.sleep(random.uniform(0, 0.1 * 2**attempt))
+    raise AssertionError("unreachable")
