@@ -72,7 +72,7 @@ lint: install ## ruff (lint + format check) and mypy over the shipped packages
 	$(VENV)/bin/mypy init-container/dscache_stager node-agent/dscache_node operator/dscache_operator contract/dscache_contract
 
 tools: ## Build the Go test binaries into ~/.cache/dscache/tools (first run: see README)
-	bash e2e/tools/tools.sh s3 s5cmd etcd kube-apiserver helm helm-docs actionlint toxiproxy vegeta
+	bash e2e/tools/tools.sh s3 s5cmd etcd kube-apiserver helm helm-docs actionlint toxiproxy vegeta csi-sanity
 
 # pytest exits 5 when it collects nothing; for us that is a broken suite, not a pass.
 define run_pytest

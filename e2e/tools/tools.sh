@@ -17,6 +17,8 @@
 #               (github.com/Shopify/toxiproxy): bench/stager.py's wan profile
 #   vegeta      an open-loop, constant-rate HTTP load generator in Go
 #               (github.com/tsenart/vegeta): bench/operator.py's AdmissionReviews
+#   csi-sanity  the CSI spec's conformance tests (github.com/kubernetes-csi/csi-test),
+#               run against the node agent's CSI socket (tests/integration/test_node_csi.py)
 #   jobset             the JobSet controller (sigs.k8s.io/jobset), for the kind path
 #   training-operator  Kubeflow's training-operator (PyTorchJob), for the kind path
 #   cni   Debian's containernetworking-plugins (bridge, host-local, portmap),
@@ -41,6 +43,7 @@ HELM_DOCS_VERSION=v1.14.2
 ACTIONLINT_VERSION=v1.7.12
 TOXIPROXY_VERSION=v2.12.0
 VEGETA_VERSION=v12.13.0
+CSI_TEST_VERSION=v5.4.0
 KIND_VERSION=v0.30.0   # the last kind with cgroup v1 CI (see e2e/kind/README.md)
 PAUSE_VERSION=3.10.1   # build/pause/Makefile TAG in $K8S_VERSION
 # containerd 2.2's default `sandbox` image (pinned_images in its CRI config);
@@ -209,7 +212,8 @@ tool_version() {
     actionlint) echo "actionlint-$ACTIONLINT_VERSION" ;;
     toxiproxy) echo "toxiproxy-$TOXIPROXY_VERSION" ;;
     vegeta) echo "vegeta-$VEGETA_VERSION" ;;
-    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator helm-docs actionlint toxiproxy vegeta)" >&2; exit 2 ;;
+    csi-sanity) echo "csi-sanity-$CSI_TEST_VERSION" ;;
+    *) echo "unknown tool: $1 (one of: s3 s5cmd etcd kube-apiserver kubernetes containerd runc helm cni pause kind kubeadm jobset training-operator helm-docs actionlint toxiproxy vegeta csi-sanity)" >&2; exit 2 ;;
   esac
 }
 
@@ -261,6 +265,8 @@ build_tool() {
     toxiproxy) CGO_ENABLED=0 go_install "$out" github.com/Shopify/toxiproxy/v2 "$TOXIPROXY_VERSION" \
       github.com/Shopify/toxiproxy/v2/cmd/server && mv "$out/server" "$out/toxiproxy-server" ;;
     vegeta) CGO_ENABLED=0 go_install "$out" github.com/tsenart/vegeta/v12 "$VEGETA_VERSION" github.com/tsenart/vegeta/v12 ;;
+    csi-sanity) CGO_ENABLED=0 go_install "$out" github.com/kubernetes-csi/csi-test/v5 "$CSI_TEST_VERSION" \
+      github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity ;;
   esac
   echo "$((SECONDS - start))" >"$dir.tmp/build-seconds"
   touch "$dir.tmp/.done"

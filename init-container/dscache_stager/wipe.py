@@ -9,6 +9,8 @@
 An unknown lease is a pod the operator has not seen finish (or not seen at
 all yet), so it keeps the revision; so does anything under C/leases that is no
 lease at all (reported as ``stray``: we do not delete what we cannot name).
+``--release`` never deletes a lease that names a mount (contract.csi): a published CSI
+volume holds it, and only the volume's NodeUnpublishVolume releases it.
 Everything happens under C's lock, taken without waiting: while a stager holds
 it the wipe does nothing (exit 8) and the operator retries; a stager that
 waited behind a wipe writes its lease only after the wipe is done, and stages
@@ -36,6 +38,7 @@ from contextlib import contextmanager
 
 import dscache_contract as contract
 from dscache_contract import WipeArgs, WipeSummary
+from dscache_contract.csi import lease_mount
 
 from .errors import BusyError, UsageError
 from .layout import cache_lock, discard, remove_tree
@@ -105,6 +108,8 @@ def _release(c: str, uid: str, revision: str | None) -> None:
         if _entries(contract.lease_dir(c, rev)) is None:
             continue  # no real dir: nothing of ours to release there
         path = contract.lease_path(c, rev, uid)
+        if lease_mount(path) is not None:
+            continue  # a published CSI volume holds it: only its NodeUnpublishVolume releases it
         try:
             os.unlink(path)  # a symlink is unlinked itself, never followed
         except FileNotFoundError:

@@ -38,6 +38,7 @@ from dscache_contract import (
     human_bytes,
     warm_label,
 )
+from dscache_contract.csi import lease_mount
 from dscache_contract.peers import STAGING_LABEL_PREFIX, parse_staging_label, staging_label
 from dscache_stager.errors import BusyError
 from dscache_stager.layout import cache_lock
@@ -224,7 +225,8 @@ class Agent:
     # --- leases -----------------------------------------------------------------------------
 
     def _release_finished(self, revs: list[disk.OnDisk]) -> bool:
-        """Delete the leases of pods that finished (or are gone) on this node.
+        """Delete the leases of pods that finished (or are gone) on this node, but never one
+        a published volume holds (contract.csi: the mount is the lease).
 
         A finished pod reads nothing, so its lease only kept the copy from the
         budget's eviction; whether the copy stays for its Job is the controller's
@@ -242,6 +244,8 @@ class Agent:
                 finished = self.pods.finished.get(uid)
                 if finished is False:
                     continue
+                if lease_mount(contract.lease_path(c, r.revision, uid)) is not None:
+                    continue  # a published CSI volume holds it: only NodeUnpublishVolume releases it
                 if finished is None:
                     try:
                         age = now - os.lstat(contract.lease_path(c, r.revision, uid)).st_mtime

@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+from typing import Any
 
 from .agent import Agent
 from .kube import Kube
@@ -46,6 +47,7 @@ def main() -> int:
         f"node {settings.node}: cacheRoot {settings.cache_root}, budget {settings.budget}, "
         f"headroom {settings.headroom}, at most {settings.max_labels} warm labels; serving on :{settings.port}"
     )
+    csi_server = start_csi(settings, agent) if settings.csi else None
     threading.Thread(target=watch_forever, args=(kube, settings.node, agent.pods, stop), daemon=True).start()
 
     def loop() -> None:
@@ -60,12 +62,28 @@ def main() -> int:
 
     def on_term(*_: object) -> None:
         stop.set()
+        if csi_server is not None:
+            csi_server.stop(grace=5)
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     server.serve_forever()
     return 0
+
+
+def start_csi(settings: AgentSettings, agent: Agent) -> Any:
+    """The CSI driver: read the published volumes back, then serve the kubelet (csi/server.py)."""
+    from .csi.mounts import LibcMounter
+    from .csi.publish import Publisher
+    from .csi.server import serve
+
+    publisher = Publisher(settings.cache_root, settings.kubelet_dir, settings.stager_uid, LibcMounter(), agent.lock)
+    kept, removed = publisher.recover()
+    log.info(f"CSI: {kept} published volume(s) read back, {removed} lease(s) of no mount released")
+    server, _ = serve(settings.kubelet_dir, settings.node, publisher, settings.version)
+    log.info(f"CSI driver serving under {settings.kubelet_dir}")
+    return server
 
 
 def entry() -> None:

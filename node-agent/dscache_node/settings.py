@@ -69,6 +69,13 @@ class AgentSettings:
     #: (a pod that just started staging may not be in the agent's view yet).
     unknown_lease_grace: float = 120.0
     log_level: str = "INFO"
+    #: Serve the CSI driver cache.dscache.io (chart value volume.type: csi), under the kubelet's directory.
+    csi: bool = False
+    kubelet_dir: str = "/var/lib/kubelet"
+    #: The uid the webhook runs stagers as: a published cache dir is theirs to write (contract.csi).
+    stager_uid: int = 65532
+    #: The release, as the CSI driver reports it (GetPluginInfo's vendor_version).
+    version: str = "dev"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> AgentSettings:
@@ -96,4 +103,8 @@ class AgentSettings:
             scan_interval=float(env.get("DSCACHE_NODE_SCAN_INTERVAL") or d.scan_interval),
             unknown_lease_grace=float(env.get("DSCACHE_NODE_UNKNOWN_LEASE_GRACE") or d.unknown_lease_grace),
             log_level=(env.get("DSCACHE_LOG_LEVEL") or d.log_level).upper(),
+            csi=(env.get("DSCACHE_CSI") or "").lower() in ("1", "true", "yes"),
+            kubelet_dir=(env.get("DSCACHE_KUBELET_DIR") or d.kubelet_dir).rstrip("/"),
+            stager_uid=int(env.get("DSCACHE_STAGER_UID") or d.stager_uid),
+            version=env.get("DSCACHE_VERSION") or d.version,
         )

@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any
 
+from .api.models import VolumeMode
 from .version import package_version
 
 # <cacheRoot>/<namespace>/<cache> is deleted by wipes, so cacheRoot must be a
@@ -17,6 +18,7 @@ from .version import package_version
 # "kubelet" would name /var/lib/kubelet. The Helm chart refuses the same list.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
+VOLUME_TYPES = ("csi", "hostPath")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -151,6 +153,11 @@ class Settings:
     objects other nodes hold or copy from their agents (hostPath mode). ``false``: every node
     reads the bucket itself, and the controller writes no Secret."""
 
+    volume_type: str = "csi"
+    """``DSCACHE_VOLUME_TYPE`` (chart value ``volume.type``): how pre-staging pods get the node's
+    copy, as the webhook's injection entries do: ``csi`` (the node agents' driver
+    cache.dscache.io) or ``hostPath``."""
+
     placement_weight: int = 80
     """``DSCACHE_PLACEMENT_WEIGHT``: weight (1-100) of the preferred node affinity the webhook
     adds toward nodes that hold a pod's revision."""
@@ -196,10 +203,16 @@ class Settings:
             agent_port=int(opt("DSCACHE_AGENT_PORT") or d.agent_port),
             agent_token_file=opt("DSCACHE_AGENT_TOKEN_FILE"),
             peers=(opt("DSCACHE_PEERS") or "true").lower() not in ("false", "0", "no"),
+            volume_type=_choice("DSCACHE_VOLUME_TYPE", opt("DSCACHE_VOLUME_TYPE") or d.volume_type, VOLUME_TYPES),
             placement_weight=_weight(opt("DSCACHE_PLACEMENT_WEIGHT") or str(d.placement_weight)),
             log_level=_choice("DSCACHE_LOG_LEVEL", (opt("DSCACHE_LOG_LEVEL") or d.log_level).upper(), LOG_LEVELS),
             log_format=_choice("DSCACHE_LOG_FORMAT", (opt("DSCACHE_LOG_FORMAT") or d.log_format).lower(), LOG_FORMATS),
         )
+
+    @property
+    def node_mode(self) -> VolumeMode:
+        """The mode of a node copy's volume (volume_type)."""
+        return VolumeMode.CSI if self.volume_type == "csi" else VolumeMode.HOST_PATH
 
     def cache_dir(self, namespace: str, name: str) -> str:
         """Host directory of one cache's node copy."""

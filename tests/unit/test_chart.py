@@ -78,6 +78,8 @@ VALUE_SETS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
         ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"],
     ),
     "cert-manager": (NS, {"certManager": {"enabled": True}}, ["--api-versions", "cert-manager.io/v1"]),
+    # The cache dir as a hostPath (the product before the CSI driver): restricted namespaces get emptyDir.
+    "host-path": (NS, {"volume": {"type": "hostPath"}}, []),
     # Secret reading narrowed to two namespaces, and turned off.
     "secret-namespaces": (NS, {"sourceCheck": {"secretNamespaces": ["ml", "shared-data"]}}, []),
     "no-secrets": (NS, {"sourceCheck": {"readSecrets": False}}, []),
@@ -264,7 +266,8 @@ def test_webhook_safety_settings(helm: str, name: str):
     (mwc,) = find(docs, "MutatingWebhookConfiguration")
     (svc,) = [s for s in find(docs, "Service") if s["spec"]["ports"][0]["port"] == 443]
     *injection, caches = mwc["webhooks"]
-    assert len(injection) == 6
+    # {jobs, pods} x {csi, emptyDir}; hostPath: x {hostPath, emptyDir, emptyDir for Pod Security}.
+    assert len(injection) == (6 if values.get("volume", {}).get("type") == "hostPath" else 4)
     # New DatasetCaches: their finalizer, never a refusal (the controller adds it if this is down).
     assert (
         caches["name"] == "datasetcaches.dscache.io" and caches["clientConfig"]["service"]["path"] == "/dscache-caches"
@@ -290,7 +293,7 @@ def test_webhook_safety_settings(helm: str, name: str):
         assert "dscache.io/cache" in hook["matchConditions"][0]["expression"]
         ref = hook["clientConfig"]["service"]
         assert (ref["name"], ref["namespace"], ref["port"]) == (svc["metadata"]["name"], namespace, 443)
-        assert ref["path"] in ("/dscache-hostpath", "/dscache-emptydir")
+        assert ref["path"] in ("/dscache-csi", "/dscache-hostpath", "/dscache-emptydir")
 
 
 def test_generated_certificate_is_consistent(default_docs, tmp_path: Path):
@@ -845,15 +848,11 @@ def test_node_agent_daemonset(default_docs):
     assert c["ports"] == [{"name": "http", "containerPort": 9477, "protocol": "TCP"}]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
-    # uid 0 with no capability at all: the owner of cacheRoot needs none.
+    # The CSI driver: the one privileged pod of the product (bind mounts into the kubelet's pods).
     sc = c["securityContext"]
-    assert sc["runAsUser"] == 0
-    assert sc["capabilities"] == {"drop": ["ALL"]}
-    assert sc["allowPrivilegeEscalation"] is False
-    assert sc["readOnlyRootFilesystem"] is True
-    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert "privileged" not in sc
+    assert (sc["privileged"], sc["runAsUser"], sc["readOnlyRootFilesystem"]) == (True, 0, True)
     env = env_of(c)
+    assert (env["DSCACHE_CSI"], env["DSCACHE_KUBELET_DIR"], env["DSCACHE_STAGER_UID"]) == ("true", "/var/lib/kubelet", "65532")
     assert env["DSCACHE_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["DSCACHE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["DSCACHE_CACHE_ROOT"] == "/var/lib/dscache"
@@ -864,11 +863,45 @@ def test_node_agent_daemonset(default_docs):
         "16",
     )
     assert env["DSCACHE_LOG_LEVEL"] == "INFO"
-    # The only host path: cacheRoot, at the same path inside.
+    # The host paths: cacheRoot, and the kubelet's directory (Bidirectional), each at the same path inside.
     host = [v for v in pod["volumes"] if "hostPath" in v]
-    assert host == [{"name": "cache-root", "hostPath": {"path": "/var/lib/dscache", "type": "DirectoryOrCreate"}}]
+    assert host == [
+        {"name": "cache-root", "hostPath": {"path": "/var/lib/dscache", "type": "DirectoryOrCreate"}},
+        {"name": "kubelet-dir", "hostPath": {"path": "/var/lib/kubelet", "type": "Directory"}},
+    ]
     mounts = {m["name"]: m for m in c["volumeMounts"]}
-    assert mounts["cache-root"]["mountPath"] == "/var/lib/dscache"
+    assert mounts["cache-root"]["mountPath"] == "/var/lib/dscache" and "mountPropagation" not in mounts["cache-root"]
+    assert mounts["kubelet-dir"] == {
+        "name": "kubelet-dir",
+        "mountPath": "/var/lib/kubelet",
+        "mountPropagation": "Bidirectional",
+    }
+    driver = one(default_docs, "CSIDriver", "cache.dscache.io")["spec"]
+    assert driver == {
+        "attachRequired": False,
+        "podInfoOnMount": True,
+        "volumeLifecycleModes": ["Ephemeral"],
+        "fsGroupPolicy": "None",
+        "requiresRepublish": False,
+        "storageCapacity": False,
+    }
+
+
+def test_node_agent_host_path_mode_has_no_privilege(helm: str):
+    docs = docs_of(template(helm, values={"volume": {"type": "hostPath"}}).stdout)
+    assert find(docs, "CSIDriver") == []
+    pod = one(docs, "DaemonSet", "dscache-node")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    # uid 0 with no capability at all: the owner of cacheRoot needs none.
+    sc = c["securityContext"]
+    assert sc["runAsUser"] == 0
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "privileged" not in sc
+    assert "DSCACHE_CSI" not in env_of(c)
+    assert [v["name"] for v in pod["volumes"] if "hostPath" in v] == ["cache-root"]
 
 
 def test_node_agent_env_is_what_the_agent_reads(default_docs):

@@ -198,6 +198,56 @@ def test_emptydir_mode_runs_non_root():
     assert obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/volume"] == "EmptyDir"
 
 
+def test_csi_mode_gives_the_node_copy_with_no_privilege():
+    """The default mode: an inline volume of the agents' driver, and a stager any Pod Security
+    level admits (non-root, no capability, no hostPath); the mount holds the lease, so the
+    stager writes none."""
+    obj = job()
+    inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="CSI",
+        revision=RevisionRef(REV, "2026-01-02T03:04:05Z"),
+    )
+    ps = pod_spec(obj)
+    (vol,) = [v for v in ps["volumes"] if v["name"] == VOLUME_NAME]
+    assert vol == {
+        "name": VOLUME_NAME,
+        "csi": {
+            "driver": "cache.dscache.io",
+            "volumeAttributes": {"cache": "imagenet", "revision": REV, "asOf": "2026-01-02T03:04:05Z"},
+        },
+    }
+    assert not any("hostPath" in v for v in ps["volumes"])
+    init = ps["initContainers"][0]
+    sc = init["securityContext"]
+    assert (sc["runAsNonRoot"], sc["runAsUser"], sc["allowPrivilegeEscalation"]) == (True, 65532, False)
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    args = StageArgs.from_argv(init["args"])
+    assert args.pod_uid is None  # NodePublishVolume took the lease
+    assert args.cache == "ml/imagenet" and args.agent is not None  # the node's budget and peers, as with hostPath
+    assert "DSCACHE_POD_UID" not in {e["name"] for e in init["env"]}
+    for c in ps["containers"]:
+        assert all(m["readOnly"] for m in c["volumeMounts"] if m["name"] == VOLUME_NAME)
+    assert obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/volume"] == "CSI"
+    # A pod of this Job passing the webhook again keeps the CSI volume, whatever the namespace says now.
+    pod = {"metadata": copy.deepcopy(obj["spec"]["template"]["metadata"]), "spec": copy.deepcopy(ps)}
+    assert not inject_object(
+        pod,
+        kind="Pod",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=SETTINGS,
+        mode="EmptyDir",
+        revision=RevisionRef(REV2),
+    )
+
+
 def test_no_credentials_means_no_secret_refs():
     s = spec(source={"uri": "s3://bkt/x/"})
     obj = job()

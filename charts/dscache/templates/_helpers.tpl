@@ -177,6 +177,8 @@ agents. What only one of them needs is in its Deployment: the agent token
   value: {{ .Values.nodeAgent.port | int | toString | quote }}
 - name: DSCACHE_PEERS
   value: {{ .Values.peers.enabled | toString | quote }}
+- name: DSCACHE_VOLUME_TYPE
+  value: {{ .Values.volume.type | quote }}
 - name: DSCACHE_RECONCILE_INTERVAL
   value: {{ .Values.controller.reconcileIntervalSeconds | toString | quote }}
 - name: DSCACHE_SOURCE_RETRY_INTERVAL

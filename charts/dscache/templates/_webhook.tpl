@@ -1,7 +1,9 @@
 {{/*
 Namespace selectors of the webhook entries (operator/deploy/webhook.yaml). The
-three modes are disjoint, so a namespace is sent to exactly one path:
-- hostPath: opted in, not asking for emptyDir, not enforcing a Pod Security
+modes of one volume.type are disjoint, so a namespace is sent to exactly one path:
+- node (volume.type csi): opted in, not asking for emptyDir; a CSI volume is
+  allowed at every Pod Security level;
+- hostPath (volume.type hostPath): opted in, not asking for emptyDir, not enforcing a Pod Security
   level that forbids hostPath;
 - emptyDir: opted in and labelled dscache.io/volume=emptyDir;
 - podSecurity: opted in, not labelled emptyDir, enforcing baseline or
@@ -13,6 +15,13 @@ three modes are disjoint, so a namespace is sent to exactly one path:
   values: [enabled]
 {{- end }}
 
+{{- define "dscache.nsSelector.node" -}}
+matchExpressions:
+  {{- include "dscache.nsSelector.optIn" . | nindent 2 }}
+  - key: dscache.io/volume
+    operator: NotIn
+    values: [emptyDir]
+{{- end }}
 {{- define "dscache.nsSelector.hostPath" -}}
 matchExpressions:
   {{- include "dscache.nsSelector.optIn" . | nindent 2 }}

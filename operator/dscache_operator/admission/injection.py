@@ -1,11 +1,13 @@
 """What the webhook adds to a pod spec: pure functions, no I/O.
 
 The pod layout (names and paths from dscache_contract, shared with the stager):
-- volume ``dscache-data``: the node's cache dir C (hostPath, DirectoryOrCreate)
-  or an emptyDir with the same layout inside;
+- volume ``dscache-data``: the node's cache dir C, as an inline CSI volume of the node
+  agent's driver (contract.csi: publishing it takes the pod's lease on the revision,
+  unpublishing releases it) or a hostPath (DirectoryOrCreate); or an emptyDir with the
+  same layout inside;
 - the stager init container, FIRST of all init containers, mounts C read-write
-  at /dscache and runs ``StageArgs(...).to_argv()``: the pinned revision, and
-  this pod's UID (downward API) for its lease;
+  at /dscache and runs ``StageArgs(...).to_argv()``: the pinned revision and, with a
+  hostPath, this pod's UID (downward API) for the lease it writes itself;
 - every training container mounts ``revs/<rev>/data`` read-only at
   spec.mountPath (so a directory walk of DSCACHE_DIR sees the dataset and
   nothing else) and ``revs/<rev>/meta`` read-only at /var/run/dscache, where
@@ -41,13 +43,18 @@ from dscache_contract import (
     TERMINATION_LOG,
     VOLUME_NAME,
     RevisionRef,
+    csi,
 )
 from dscache_contract.peers import PEER_TOKEN_DIR, PEER_TOKEN_FILE, PEER_VOLUME_NAME, peer_secret_name
 
-from ..api.models import MODE_ANNOTATION, DatasetCacheSpec, VolumeMode
+from ..api.models import MODE_ANNOTATION, NODE_MODES, DatasetCacheSpec, VolumeMode
 from ..settings import Settings
 
 NONROOT_UID = 65532
+
+
+#: The key of our volume's source in a pod spec -> the mode it was injected with.
+INJECTED_AS = {"csi": VolumeMode.CSI, "hostPath": VolumeMode.HOST_PATH, "emptyDir": VolumeMode.EMPTY_DIR}
 
 
 class InjectionError(Exception):
@@ -69,16 +76,18 @@ def stage_args(
     revision: RevisionRef,
     cache: str | None = None,
     nbytes: int | None = None,
+    lease: bool = True,
 ) -> contract.StageArgs:
-    """``cache`` (NAMESPACE/NAME, hostPath mode only): the stager asks its node's agent for room
-    under the node's byte budget, for ``nbytes`` (the revision's size, when the webhook knows it)."""
+    """``cache`` (NAMESPACE/NAME, node modes only): the stager asks its node's agent for room
+    under the node's byte budget, for ``nbytes`` (the revision's size, when the webhook knows it).
+    ``lease``: the stager writes the pod's lease itself (hostPath; a CSI volume's mount holds it)."""
     src = spec.source
     return contract.StageArgs(
         source=src.uri,
         revision=revision.id,
         as_of=revision.as_of,
         cache_dir=STAGE_MOUNT_PATH,
-        pod_uid=POD_UID_ARG,
+        pod_uid=POD_UID_ARG if lease else None,
         endpoint_url=src.endpoint,
         region=src.region,
         addressing_style=src.addressingStyle,
@@ -99,8 +108,9 @@ def stager_args(
     revision: RevisionRef,
     cache: str | None = None,
     nbytes: int | None = None,
+    lease: bool = True,
 ) -> list[str]:
-    return stage_args(spec, settings, revision, cache, nbytes).to_argv()
+    return stage_args(spec, settings, revision, cache, nbytes, lease).to_argv()
 
 
 def stager_security_context(mode: VolumeMode) -> dict[str, Any]:
@@ -108,8 +118,9 @@ def stager_security_context(mode: VolumeMode) -> dict[str, Any]:
 
     HostPath: the kubelet creates the directory root-owned 0755, so the stager
     runs as uid 0 but with no capability at all (the owner needs none).
-    EmptyDir: the directory is world-writable, so the stager runs non-root,
-    which also satisfies Pod Security ``restricted``.
+    CSI: the node agent hands the cache dir to NONROOT_UID when it publishes it;
+    EmptyDir: the directory is world-writable. In both the stager runs non-root,
+    which satisfies Pod Security ``restricted``.
     """
     ctx: dict[str, Any] = {
         "allowPrivilegeEscalation": False,
@@ -133,13 +144,14 @@ def init_container(
     revision: RevisionRef,
     nbytes: int | None = None,
 ) -> dict[str, Any]:
-    env: list[dict[str, Any]] = [
+    host_path = mode == VolumeMode.HOST_PATH
+    on_node = mode in NODE_MODES
+    env: list[dict[str, Any]] = []
+    if host_path:
         # The lease file is named by the pod's UID, which exists only once the pod
         # does: the kubelet expands $(DSCACHE_POD_UID) in the args from this.
-        {"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
-    ]
-    host_path = mode == VolumeMode.HOST_PATH
-    if host_path:
+        env.append({"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
+    if on_node:
         # The node agent listens on its node's IP (host network): $(DSCACHE_NODE_IP) in --agent.
         env.append({"name": contract.ENV_NODE_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}})
     secret = spec.source.secret_name
@@ -160,12 +172,14 @@ def init_container(
         "image": settings.stager_image,
         "imagePullPolicy": settings.stager_pull_policy,
         "command": [STAGER_COMMAND],
-        "args": stager_args(spec, settings, revision, f"{namespace}/{name}" if host_path else None, nbytes),
+        "args": stager_args(
+            spec, settings, revision, f"{namespace}/{name}" if on_node else None, nbytes, lease=host_path
+        ),
         "env": env,
         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_MOUNT_PATH}]
         + (
             [{"name": PEER_VOLUME_NAME, "mountPath": PEER_TOKEN_DIR, "readOnly": True}]
-            if host_path and settings.peers
+            if on_node and settings.peers
             else []
         ),
         "resources": resources,
@@ -182,7 +196,14 @@ def peer_token_volume(name: str) -> dict[str, Any]:
     return {"name": PEER_VOLUME_NAME, "secret": secret}
 
 
-def volume(namespace: str, name: str, settings: Settings, mode: VolumeMode) -> dict[str, Any]:
+def volume(namespace: str, name: str, settings: Settings, mode: VolumeMode, revision: RevisionRef) -> dict[str, Any]:
+    if mode == VolumeMode.CSI:
+        # The kubelet adds the pod's namespace and UID (podInfoOnMount): the agent trusts those,
+        # never a namespace written here.
+        attributes = {csi.ATTR_CACHE: name, csi.ATTR_REVISION: revision.id}
+        if revision.as_of:
+            attributes[csi.ATTR_AS_OF] = revision.as_of
+        return {"name": VOLUME_NAME, "csi": {"driver": csi.DRIVER, "volumeAttributes": attributes}}
     if mode == VolumeMode.HOST_PATH:
         return {
             "name": VOLUME_NAME,
@@ -269,9 +290,9 @@ def inject(
 
     volumes = pod_spec.setdefault("volumes", [])
     if not any(v.get("name") == VOLUME_NAME for v in volumes):
-        volumes.append(volume(namespace, name, settings, mode))
+        volumes.append(volume(namespace, name, settings, mode, revision))
         changed = True
-    if mode == VolumeMode.HOST_PATH and settings.peers and not any(v.get("name") == PEER_VOLUME_NAME for v in volumes):
+    if mode in NODE_MODES and settings.peers and not any(v.get("name") == PEER_VOLUME_NAME for v in volumes):
         volumes.append(peer_token_volume(name))
         changed = True
 
@@ -353,7 +374,7 @@ def inject_object(
         c.get("name") == STAGER_CONTAINER_NAME for c in pod_spec.get("initContainers") or []
     ):
         # Already injected (e.g. a Job's pod): keep the mode it was injected with.
-        mode = VolumeMode.HOST_PATH if "hostPath" in existing else VolumeMode.EMPTY_DIR
+        mode = next((m for key, m in INJECTED_AS.items() if key in existing), VolumeMode.EMPTY_DIR)
     changed = inject(
         pod_spec,
         namespace=namespace,

@@ -47,7 +47,11 @@ from ..api.models import VolumeMode
 logger = logging.getLogger(__name__)
 
 #: URL path -> the volume mode its reviews are injected with.
-ENDPOINTS = {"/dscache-hostpath": VolumeMode.HOST_PATH, "/dscache-emptydir": VolumeMode.EMPTY_DIR}
+ENDPOINTS = {
+    "/dscache-csi": VolumeMode.CSI,
+    "/dscache-hostpath": VolumeMode.HOST_PATH,
+    "/dscache-emptydir": VolumeMode.EMPTY_DIR,
+}
 #: (group, version, plural) of what is mutated -> its kind.
 RESOURCES = {("batch", "v1", "jobs"): "Job", ("", "v1", "pods"): "Pod"}
 #: URL path of new DatasetCaches' reviews (our finalizer, from creation on).

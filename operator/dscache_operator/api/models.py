@@ -54,10 +54,17 @@ class NodeState(enum.StrEnum):
 
 
 class VolumeMode(enum.StrEnum):
-    """Where a pod's copy lives: a node-level hostPath under cacheRoot, or a per-pod emptyDir."""
+    """Where a pod's copy lives: node-level under cacheRoot (a CSI volume the node agent
+    publishes, or a hostPath), or a per-pod emptyDir."""
 
+    CSI = "CSI"
     HOST_PATH = "HostPath"
     EMPTY_DIR = "EmptyDir"
+
+
+#: The modes whose copy is the node's, under cacheRoot: shared by the node's pods, leased,
+#: budgeted, fetched once per cluster and wiped by the node agent.
+NODE_MODES = frozenset({VolumeMode.CSI, VolumeMode.HOST_PATH})
 
 
 class RetentionPolicy(enum.StrEnum):
@@ -356,9 +363,10 @@ class NodeStatus(_Model):
     )
     volume: VolumeMode = Field(
         default=VolumeMode.HOST_PATH,
-        description="HostPath: a node-level copy under the operator's cacheRoot "
-        "(wiped by the node's dscache-node agent); EmptyDir: a per-pod copy that the "
-        "kubelet removes with the pod.",
+        description="CSI or HostPath: a node-level copy under the operator's cacheRoot, "
+        "shared by the node's pods and wiped by its dscache-node agent (CSI: each pod's "
+        "volume published by that agent, which holds the copy exactly as long as the pod "
+        "mounts it); EmptyDir: a per-pod copy that the kubelet removes with the pod.",
     )
     bytes: int | None = Field(default=None, ge=0, description="Bytes of the dataset on the node.")
     objects: int | None = Field(default=None, ge=0, description="Objects of the dataset on the node.")

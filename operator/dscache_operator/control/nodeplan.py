@@ -26,7 +26,16 @@ import dscache_contract as contract
 from dscache_contract import STAGER_CONTAINER_NAME
 from dscache_contract.clock import fmt_time, parse_time
 
-from ..api.models import NodeRevision, NodeState, NodeStatus, Retention, RetentionPolicy, VolumeMode, parse_duration
+from ..api.models import (
+    NODE_MODES,
+    NodeRevision,
+    NodeState,
+    NodeStatus,
+    Retention,
+    RetentionPolicy,
+    VolumeMode,
+    parse_duration,
+)
 from ..cluster.workloads import InitState, OwnerLookup, PodInfo, holds
 from ..metrics.cacheseries import WipeCount
 
@@ -100,7 +109,7 @@ def plan_nodes(
     for p in pods:
         if p.node:
             by_node.setdefault(p.node, []).append(p)
-        elif not p.finished and p.mode == VolumeMode.HOST_PATH:
+        elif not p.finished and p.mode in NODE_MODES:
             # Not scheduled yet: it may land on any node, so its revision stays everywhere.
             if p.revision:
                 blocked.add(p.revision)
@@ -147,8 +156,9 @@ def plan_node(
 
 def _set_state(entry: NodeStatus, consumers: list[PodInfo], relevant: list[PodInfo]) -> None:
     """The node's state and figures, from its pods' stagers."""
-    hostpath = any(p.mode == VolumeMode.HOST_PATH for p in relevant)
-    entry.volume = VolumeMode.HOST_PATH if hostpath else VolumeMode.EMPTY_DIR
+    # A node copy if any pod staged one there (CSI first: that is what new pods get).
+    on_node = {VolumeMode(p.mode) for p in relevant if p.mode in NODE_MODES}
+    entry.volume = min(on_node, key=list(VolumeMode).index) if on_node else VolumeMode.EMPTY_DIR
     # Ready means: what the live consumers hold is on disk. So while any
     # consumer's stager has not finished (it may be re-staging a revision a
     # wipe just removed), the node is Staging, even if older pods were Ready.
@@ -185,16 +195,11 @@ def _revisions(
         wiped = parse_time(r.wipedAt)
         if wiped is None or (now - wiped).total_seconds() <= scope.keep_wiped:
             revs[r.id] = _copy(r)
-    if (
-        prior is not None
-        and not prior.revisions
-        and prior.volume == VolumeMode.HOST_PATH
-        and prior.state != NodeState.WIPED
-    ):
+    if prior is not None and not prior.revisions and prior.volume in NODE_MODES and prior.state != NodeState.WIPED:
         # An entry written before revisions existed: its node holds a version 1 copy.
         revs[LEGACY] = NodeRevision(id=LEGACY, lastUsed=prior.lastUsed or fmt_time(now))
     for p in relevant:
-        if p.mode != VolumeMode.HOST_PATH:
+        if p.mode not in NODE_MODES:
             continue
         rid = p.revision or LEGACY  # a pod without a revision staged (and reads) the version 1 copy
         known = revs.get(rid)
@@ -488,7 +493,7 @@ def settle(entry: NodeStatus, plan: NodePlan, now: datetime.datetime) -> bool:
         if entry.state != NodeState.WIPED:
             entry.state, entry.wipedAt = NodeState.WIPED, fmt_time(now)
         return False
-    return not plan.wipes and entry.state != NodeState.WIPED and entry.volume == VolumeMode.HOST_PATH
+    return not plan.wipes and entry.state != NodeState.WIPED and entry.volume in NODE_MODES
 
 
 def lease_uids(leases: list[str]) -> list[str]:

@@ -120,11 +120,12 @@ def build_pod(
         cache_name=cache,
         spec=spec,
         settings=settings,
-        mode=VolumeMode.HOST_PATH,
+        mode=settings.node_mode,
         revision=revision,
         nbytes=nbytes,
     )
-    # No lease: nothing on this pod reads the copy.
+    # No lease once it is done: nothing on this pod reads the copy. (A CSI volume's lease
+    # lasts while the pod runs, a second or so: the kubelet unpublishes a finished pod's volumes.)
     init = pod["spec"]["initContainers"][0]
     args = contract.StageArgs.from_argv(init["args"])
     init["args"] = dataclasses.replace(args, pod_uid=None).to_argv()
