@@ -852,7 +852,11 @@ def test_node_agent_daemonset(default_docs):
     sc = c["securityContext"]
     assert (sc["privileged"], sc["runAsUser"], sc["readOnlyRootFilesystem"]) == (True, 0, True)
     env = env_of(c)
-    assert (env["DSCACHE_CSI"], env["DSCACHE_KUBELET_DIR"], env["DSCACHE_STAGER_UID"]) == ("true", "/var/lib/kubelet", "65532")
+    assert (env["DSCACHE_CSI"], env["DSCACHE_KUBELET_DIR"], env["DSCACHE_STAGER_UID"]) == (
+        "true",
+        "/var/lib/kubelet",
+        "65532",
+    )
     assert env["DSCACHE_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["DSCACHE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["DSCACHE_CACHE_ROOT"] == "/var/lib/dscache"

@@ -50,7 +50,9 @@ class NoController(csi_pb2_grpc.ControllerServicer):  # type: ignore[misc]
 
     def ControllerGetCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
         unknown = csi_pb2.ControllerServiceCapability.RPC(type=csi_pb2.ControllerServiceCapability.RPC.UNKNOWN)
-        return csi_pb2.ControllerGetCapabilitiesResponse(capabilities=[csi_pb2.ControllerServiceCapability(rpc=unknown)])
+        return csi_pb2.ControllerGetCapabilitiesResponse(
+            capabilities=[csi_pb2.ControllerServiceCapability(rpc=unknown)]
+        )
 
 
 class Node(csi_pb2_grpc.NodeServicer):  # type: ignore[misc]
