@@ -180,26 +180,29 @@ def namespaces(cfg: Config, kube: Kube) -> dict[str, str]:
     """The test namespaces, created before the chart so it can grant Secret reads there."""
     if kube.get("crd", "datasetcaches.dscache.io") is not None:
         _strip_stale_namespaces(kube)
-    names = {"main": f"{NS_PREFIX}{cfg.run_id}", "baseline": f"{NS_PREFIX}{cfg.run_id}-psa"}
+    names = {
+        "main": f"{NS_PREFIX}{cfg.run_id}",
+        "baseline": f"{NS_PREFIX}{cfg.run_id}-psa",
+        # Pod Security restricted: every feature through the CSI volume (test_27_csi.py).
+        "restricted": f"{NS_PREFIX}{cfg.run_id}-rst",
+        # Asks for the per-pod emptyDir (dscache.io/volume=emptyDir), restricted too.
+        "emptydir": f"{NS_PREFIX}{cfg.run_id}-ed",
+    }
+    enforce = {"pod-security.kubernetes.io/enforce-version": "latest"}
+    labels = {
+        "main": {},
+        "baseline": {"pod-security.kubernetes.io/enforce": "baseline", **enforce},
+        "restricted": {"pod-security.kubernetes.io/enforce": "restricted", **enforce},
+        "emptydir": {"pod-security.kubernetes.io/enforce": "restricted", "dscache.io/volume": "emptyDir", **enforce},
+    }
     kube.apply(
         [
             {
                 "apiVersion": "v1",
                 "kind": "Namespace",
-                "metadata": {"name": names["main"], "labels": {"dscache.io/injection": "enabled"}},
-            },
-            {
-                "apiVersion": "v1",
-                "kind": "Namespace",
-                "metadata": {
-                    "name": names["baseline"],
-                    "labels": {
-                        "dscache.io/injection": "enabled",
-                        "pod-security.kubernetes.io/enforce": "baseline",
-                        "pod-security.kubernetes.io/enforce-version": "latest",
-                    },
-                },
-            },
+                "metadata": {"name": names[key], "labels": {"dscache.io/injection": "enabled", **labels[key]}},
+            }
+            for key in names
         ]
     )
     for ns in names.values():

@@ -19,9 +19,11 @@ def test_annotated_job_gets_data_and_copy_is_wiped(cfg, kube, cache_factory, dat
     tpl = jobobj["spec"]["template"]["spec"]
     assert [c["name"] for c in tpl["initContainers"]] == [w.INIT_NAME]
     vol = next(v for v in tpl["volumes"] if v["name"] == "dscache-data")
-    assert vol["hostPath"]["path"] == host_copy(cfg, ns, name), vol
     # The revision is pinned on the pod template: every pod the Job creates stages it.
     rev = tpl_rev = jobobj["spec"]["template"]["metadata"]["annotations"][revs.REVISION_ANNOTATION]
+    # The node's copy as the node agent's CSI volume (the chart's default volume.type).
+    assert vol["csi"]["driver"] == "cache.dscache.io", vol
+    assert vol["csi"]["volumeAttributes"] == {"cache": name, "revision": rev}, vol
     assert rev == cache_status(kube, ns, name)["revision"]["id"], cache_status(kube, ns, name)
     train = tpl["containers"][0]
     mounts = [m for m in train["volumeMounts"] if m["name"] == "dscache-data"]
@@ -39,7 +41,7 @@ def test_annotated_job_gets_data_and_copy_is_wiped(cfg, kube, cache_factory, dat
     assert f"VERIFIED objects={dataset.objects} bytes={dataset.bytes} uid={w.TRAIN_UID}" in log, log
 
     # While the pod runs: the revision is on the node's disk under cacheRoot, complete,
-    # and the pod holds a lease on it.
+    # and the pod holds a lease on it (its volume's NodePublishVolume took it).
     path = host_copy(cfg, ns, name)
     node = pod["spec"]["nodeName"]
     assert revs.pod_revision(pod) == tpl_rev
@@ -63,7 +65,7 @@ def test_annotated_job_gets_data_and_copy_is_wiped(cfg, kube, cache_factory, dat
     assert entry["node"] == pod["spec"]["nodeName"]
     assert entry["bytes"] == dataset.bytes and entry["objects"] == dataset.objects, entry
     assert entry["seconds"] > 0 and abs(entry["seconds"] - summary["seconds"]) < 0.01, (entry, summary)
-    assert entry["volume"] == "HostPath" and entry["consumers"] == 1, entry
+    assert entry["volume"] == "CSI" and entry["consumers"] == 1, entry
 
     send_go(kube, ns, pod_name)
     assert_complete(kube, ns, job)

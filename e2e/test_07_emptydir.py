@@ -1,4 +1,6 @@
-"""8. emptyDir mode in a namespace enforcing Pod Security baseline (which forbids hostPath)."""
+"""8. The per-pod emptyDir mode, in a namespace that asks for it (dscache.io/volume=emptyDir) and
+enforces Pod Security restricted; and the control that baseline really forbids hostPath (a
+baseline or restricted namespace gets the node's copy through the CSI volume: test_27_csi.py)."""
 
 import json
 
@@ -7,8 +9,8 @@ from support import workloads as w
 from support.kube import node_path_exists, wait_for
 
 
-def test_emptydir_in_baseline_namespace(cfg, kube, cache_factory, dataset, namespaces):
-    ns = namespaces["baseline"]
+def test_emptydir_namespace(cfg, kube, cache_factory, dataset, namespaces):
+    ns = namespaces["emptydir"]
     cache = cache_factory("psa", namespace=ns)
     name = cache["name"]
     kube.create(w.training_job("train-psa", ns, name, cfg.stager_image, dataset))

@@ -20,6 +20,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -611,3 +612,120 @@ def test_webhook_with_the_api_server_unreachable(
         log.close()
         if tunnel.listener is not None:
             tunnel.cut()
+
+
+# --- issue 28, defect 1: a stale pod view never releases a running pod's lease -------------
+
+
+@pytest.fixture
+def ready_cache(kube_api, dscache_operator, s3_server, bucket, opted_ns):
+    from tests.integration.test_operator_api import FILES, grant_secret_read, make_cache
+
+    s3_server.put_tree(bucket, FILES)
+    make_secret(kube_api, opted_ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
+    grant_secret_read(kube_api, opted_ns)
+    make_cache(kube_api, opted_ns, "imagenet", f"s3://{bucket}/data/", s3_server.endpoint, "s3-keys")
+    wait_phase(kube_api, opted_ns, "imagenet", "Ready")
+    return opted_ns, "imagenet"
+
+
+def test_relist_never_releases_a_live_lease(kube_api, dscache_operator, ready_cache, agents):
+    """A controller whose pod view is relisting (a 410 Gone) and lags behind a new pod by more
+    than one reconciliation: it may send wipes, but never one that releases that pod's lease,
+    so the revision the pod reads stays.
+
+    The real API server and a real node agent; the controller's reconciliation runs in this
+    process (the subprocess controller is stopped) so that its pod informer can be made to lag
+    and to relist: its watch delivers nothing more after job 1 ends, and a relist forced by a
+    410 Gone hangs on its first page for the whole test."""
+    import kopf
+
+    from dscache_operator.cluster.views import Views
+    from dscache_operator.control import reconcile
+    from dscache_operator.control.state import ControlContext
+    from dscache_operator.kube.client import Kube
+    from dscache_operator.kube.events import Poster
+    from dscache_operator.kube.informer import Gone
+    from dscache_operator.settings import Settings
+
+    k = kube_api
+    ns, name = ready_cache
+    node_a = agents.start("node-a")
+    job1 = create_job(k, ns, job_body("first", name))
+    pod1 = start_job_pod(k, ns, job1, "node-a")
+    rev = pod1["metadata"]["annotations"]["dscache.io/revision"]
+    copy = staged(node_a, ns, name, pod1)
+    kubelet_status(k, ns, pod1["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+    wait_node_state(k, ns, name, "node-a", "Ready")
+    dscache_operator.stop("controller")
+
+    info = kopf.ConnectionInfo(
+        server=k.server,
+        ca_path=str(k.certs / "ca.crt"),
+        certificate_path=str(k.certs / "admin.crt"),
+        private_key_path=str(k.certs / "admin.key"),
+    )
+    settings = Settings(agent_token_file=str(dscache_operator.agent_token_file), peers=False, reconcile_interval=1)
+
+    async def scenario() -> list[str]:
+        kube = Kube(info)
+        ctx = ControlContext(settings=settings, kube=kube)
+        ctx.poster = Poster(kube)
+        ctx.views = views = Views(kube, (ns,))
+        (pods,) = views.pods.informers.values()
+        lagging = asyncio.Event()
+        relisting = asyncio.Event()
+        real_upsert, real_request = pods._upsert, kube.request
+
+        def upsert(body: dict) -> None:
+            if lagging.is_set():
+                raise Gone()  # the next event finds the watch too old: a relist
+            real_upsert(body)
+
+        async def request(method: str, path: str, *args: Any, **kw: Any) -> dict:
+            params = kw.get("params") or {}
+            if relisting.is_set() and path.endswith("/pods") and "fieldSelector" not in params:
+                await asyncio.Event().wait()  # the relist's first page never comes back
+            return await real_request(method, path, *args, **kw)
+
+        pods._upsert = upsert  # type: ignore[method-assign]
+        kube.request = request  # type: ignore[method-assign]
+        views.start()
+        await views.listed(30)
+        try:
+            # Job 1 ends and the view sees it; then the view stops following (lag), and relists.
+            kubelet_status(k, ns, pod1["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+            complete_job(k, ns, "first")
+            for _ in range(100):
+                finished = [p for p in views.pods.get((ns, name)) if p.finished]
+                if finished:
+                    break
+                await asyncio.sleep(0.1)
+            assert finished, "the view never saw job 1's pod finish"
+            relisting.set()
+            lagging.set()
+            # Job 2's pod starts on the same node: its stager takes its lease on the revision.
+            job2 = create_job(k, ns, job_body("second", name))
+            pod2 = start_job_pod(k, ns, job2, "node-a")
+            kubelet_status(k, ns, pod2["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+            stage_lease = Path(contract.lease_path(str(copy.parent.parent), rev, pod2["metadata"]["uid"]))
+            stage_lease.write_text("{}")
+            assert all(p.uid != pod2["metadata"]["uid"] for p in views.pods.get((ns, name)))
+            # Several reconciliations with that view: each may wipe, none may release pod 2.
+            for _ in range(4):
+                await reconcile.run_once(ctx, (ns, name))
+                await asyncio.sleep(0.3)
+            assert all(p.uid != pod2["metadata"]["uid"] for p in views.pods.get((ns, name))), "the view caught up"
+            assert stage_lease.exists(), "a running pod's lease was released"
+            return wipe_lines(node_a, ns, name)
+        finally:
+            relisting.clear()
+            await views.stop()
+            await kube.close()
+
+    try:
+        lines = asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        dscache_operator.start("controller")
+    assert copy.exists() and (copy / "meta" / "complete").exists(), lines
+    assert lines and all("kept" in line for line in lines), lines

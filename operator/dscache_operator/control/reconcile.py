@@ -21,7 +21,7 @@ from typing import Any
 
 import kopf
 
-from dscache_contract import clock
+from dscache_contract import LABEL_CONSUMER, clock
 from dscache_contract.clock import parse_time
 
 from .. import context
@@ -300,6 +300,8 @@ async def _carry_out(
             continue
         live += entry.consumers
         for step in plan.wipes:
+            if step.release:
+                step = step._replace(release=await _not_running(ctx.api(), namespace, node, step.release))
             answer = await agentclient.wipe(nodes.get(node), ctx.settings, request_for(namespace, name, step))
             result = judge_wipe(entry, step, answer, ctx.settings.namespace)
             record_wipe(entry, step, result, now)
@@ -310,6 +312,29 @@ async def _carry_out(
         pending += settle(entry, plan, now)
         entries.append(entry)
     return entries, live, pending
+
+
+async def _not_running(kube: Any, namespace: str, node: str, release: tuple[str, ...]) -> tuple[str, ...]:
+    """The pods of ``release`` that a fresh read shows not running on ``node``.
+
+    A lease is released only on a fact that cannot be stale: the views may be relisting (a
+    410 Gone, an API server restart) or lag behind a new pod by more than a reconciliation,
+    and a pod they do not show may be reading the revision. So before a wipe releases leases,
+    one consistent LIST (no resourceVersion: served from etcd, never a cache) of the
+    namespace's consumer pods on that node, and every pod in it that has not finished keeps
+    its lease. (A CSI volume's lease is the mount's besides: the agent releases it only on
+    NodeUnpublishVolume, whatever a wipe asks.)"""
+    data = await kube.request(
+        "GET",
+        f"/api/v1/namespaces/{namespace}/pods",
+        params={"labelSelector": f"{LABEL_CONSUMER}=true", "fieldSelector": f"spec.nodeName={node}"},
+    )
+    running = {
+        (p.get("metadata") or {}).get("uid")
+        for p in data.get("items") or []
+        if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+    }
+    return tuple(u for u in release if u not in running)
 
 
 async def _gone_nodes(kube: Any, nodes: list[str]) -> set[str]:

@@ -110,28 +110,41 @@ class Informer:
     # --- list + watch -----------------------------------------------------------------
 
     async def _list(self) -> str:
-        by_uid, by_key = self._by_uid, self._by_key
-        self._by_uid, self._by_key = {}, {}
+        """List every page into a new view, then swap it in whole: while a relist runs (a 410
+        Gone, an API server restart), readers keep the last complete view, never a partial
+        one that lacks a running pod (a controller that acted on that would release its lease).
+        The changes the relist found are told afterwards, as a watch would have told them."""
+        old_by_uid, old_by_key = self._by_uid, self._by_key
+        by_uid: dict[str, Hashable] = {}
+        by_key: dict[Hashable, dict[str, Any]] = {}
         cont: str | None = None
-        try:
-            while True:
-                params = {"labelSelector": self.label_selector, "limit": str(self.page_size)}
-                if cont:
-                    params["continue"] = cont
-                data = await self.kube.request("GET", self.path, params=params)
-                for item in data.get("items") or []:
-                    self._upsert(item)
-                meta = data.get("metadata") or {}
-                cont = meta.get("continue")
-                if not cont:
-                    if self.notify is not None:  # deleted while we were not watching
-                        for uid, key in by_uid.items():
-                            if uid not in self._by_uid:
-                                self.notify(key, by_key.get(key, {}).get(uid), None)
-                    return str(meta.get("resourceVersion", ""))
-        except BaseException:
-            self._by_uid, self._by_key = by_uid, by_key  # keep the last good state
-            raise
+        while True:
+            params = {"labelSelector": self.label_selector, "limit": str(self.page_size)}
+            if cont:
+                params["continue"] = cont
+            data = await self.kube.request("GET", self.path, params=params)
+            for item in data.get("items") or []:
+                uid = (item.get("metadata") or {}).get("uid")
+                got = self.extract(item) if isinstance(uid, str) and uid else None
+                if got is not None and isinstance(uid, str):
+                    by_uid[uid] = got[0]
+                    by_key.setdefault(got[0], {})[uid] = got[1]
+            meta = data.get("metadata") or {}
+            cont = meta.get("continue")
+            if not cont:
+                break
+        self._by_uid, self._by_key = by_uid, by_key
+        if self.notify is not None:
+            for uid, key in by_uid.items():
+                old_key = old_by_uid.get(uid)
+                old = old_by_key.get(old_key, {}).get(uid) if old_key is not None else None
+                if old_key is not None and old_key != key:
+                    self.notify(old_key, old, None)
+                self.notify(key, old if old_key == key else None, by_key[key][uid])
+            for uid, key in old_by_uid.items():  # deleted while we were not watching
+                if uid not in by_uid:
+                    self.notify(key, old_by_key.get(key, {}).get(uid), None)
+        return str(meta.get("resourceVersion", ""))
 
     async def _watch(self, rv: str) -> str:
         params = {
