@@ -8,7 +8,7 @@ A figure in the docs is written between two markers that name where it comes fro
   benchmark itself through bench/results.py); the dotted rest is the path to a field of
   the object the benchmark printed last (list items by index). `stager-quick@date` reads
   the run's own facts instead (`command`, `date`, `commit`, `cores`).
-- `A / B` is the ratio of two such fields (e.g. s5cmd's seconds over dscache's), `A - B`
+- `A / B` (spaces around the operator) is the ratio of two such fields (e.g. s5cmd's seconds over dscache's), `A - B`
   their difference, `A * N` a field times a number (e.g. a fraction as a percentage).
 - The optional last word is a Python format spec (`.2f`, `,.0f`, `.0%`, `,`); without one
   the value is written as it is in the file.
@@ -35,9 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 MARKER = re.compile(r"<!-- fig (?P<spec>[^>]*?) -->(?P<text>.*?)<!-- /fig -->", re.S)
-_REF = r"[A-Za-z0-9_-]+(?:@[A-Za-z_]+|(?:\.[A-Za-z0-9_]+)+)"
+_REF = r"[A-Za-z0-9_-]+(?:@[A-Za-z_]+|(?:\.[A-Za-z0-9_-]+)+)"
+# An operator stands between spaces: keys may hold a dash (`dd-fdatasync`).
 _SPEC = re.compile(
-    rf"^(?P<a>{_REF})(?:\s*(?P<op>[/*-])\s*(?P<b>{_REF}|[0-9.]+))?(?:\s+(?P<fmt>\S+))?$",
+    rf"^(?P<a>{_REF})(?:\s+(?P<op>[/*-])\s+(?P<b>{_REF}|[0-9.]+))?(?:\s+(?P<fmt>\S+))?$",
 )
 
 
