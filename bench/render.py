@@ -156,9 +156,9 @@ def main(argv: Iterable[str] | None = None) -> int:
         text = path.read_text()
         found, bad = check(text, results, str(path.relative_to(REPO)))
         total += found
-        for b in bad:
-            print(b, file=sys.stderr)
         if args.check:
+            for b in bad:
+                print(b, file=sys.stderr)
             failed |= bool(bad)
             continue
         try:
