@@ -8,6 +8,8 @@ the commit, the cores) that the docs may quote; the object itself is kept as pri
 
 The name is the benchmark's, with `-quick` for `--quick` runs and an optional variant for a
 run of another size (e.g. `operator-10000`), so a quick run never overwrites a full one.
+DSCACHE_BENCH_RESULTS names another directory (the integration smoke tests' tiny runs
+write there, not over the results the docs quote).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ENV = "DSCACHE_BENCH_RESULTS"
 
 
 def name(bench: str, *, quick: bool = False, variant: str = "") -> str:
@@ -32,7 +35,7 @@ def _commit() -> str:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=RESULTS.parent,
+            cwd=Path(__file__).resolve().parent,
             capture_output=True,
             text=True,
             timeout=10,
@@ -44,7 +47,7 @@ def _commit() -> str:
 
 
 def write(bench: str, result: dict[str, Any], *, quick: bool = False, variant: str = "") -> Path:
-    """Store `result` (the object the benchmark printed last) as bench/results/<name>.json."""
+    """Store `result` (the object the benchmark printed last) as <results dir>/<name>.json."""
     stem = name(bench, quick=quick, variant=variant)
     doc = {
         "run": {
@@ -55,10 +58,11 @@ def write(bench: str, result: dict[str, Any], *, quick: bool = False, variant: s
         },
         "result": result,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{stem}.json"
+    where = Path(os.environ.get(ENV) or RESULTS)
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{stem}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)  # never a half-written result file for the docs to render
-    print(f"[results] wrote {path.relative_to(RESULTS.parent.parent)}", file=sys.stderr, flush=True)
+    print(f"[results] wrote {path}", file=sys.stderr, flush=True)
     return path

@@ -123,3 +123,12 @@ def test_results_write_keeps_the_printed_object(tmp_path: Path, monkeypatch):
     assert doc["result"] == printed
     assert doc["run"]["command"] == "python bench/operator.py --quick --caches 10000"
     assert results_mod.name("stager") == "stager" and results_mod.name("fanout", quick=True) == "fanout-quick"
+
+
+def test_results_write_goes_where_the_environment_says(tmp_path: Path, monkeypatch):
+    """The smoke tests' tiny runs set DSCACHE_BENCH_RESULTS, so they never overwrite bench/results/."""
+    monkeypatch.setattr(results_mod, "RESULTS", tmp_path / "never")
+    monkeypatch.setenv(results_mod.ENV, str(tmp_path / "elsewhere"))
+    monkeypatch.setattr(sys, "argv", ["bench/stager.py"])
+    assert results_mod.write("stager", {"x": 1}) == tmp_path / "elsewhere" / "stager.json"
+    assert not (tmp_path / "never").exists()
