@@ -50,7 +50,9 @@ def measure(kube: Any, job_obj: dict[str, Any], wait_complete: Any, pods_of: Any
     }
 
 
-def measure_baseline(kube: Any, job_obj: dict[str, Any], node: str, pods_of: Any, timeout: float = 180) -> dict[str, Any]:
+def measure_baseline(
+    kube: Any, job_obj: dict[str, Any], node: str, pods_of: Any, timeout: float = 180
+) -> dict[str, Any]:
     """The same Job without dscache: ``job_obj`` as given (no dscache.io/cache annotation, so
     the webhook's match conditions leave it alone), pinned to ``node``, timed from create to the
     training program's first line exactly as ``measure`` times it. The program then stops at its
@@ -80,7 +82,9 @@ def measure_baseline(kube: Any, job_obj: dict[str, Any], node: str, pods_of: Any
         f"the baseline Job {ns}/{job}'s training container to end",
         ended,
         timeout=timeout,
-        describe=lambda: kube.kubectl("describe", "pods", "-n", ns, "-l", f"job-name={job}", check=False).stdout[-3000:],
+        describe=lambda: kube.kubectl("describe", "pods", "-n", ns, "-l", f"job-name={job}", check=False).stdout[
+            -3000:
+        ],
     )
     assert not (pod["spec"].get("initContainers") or []), "the baseline pod was injected"
     assert pod["spec"]["nodeName"] == node, pod["spec"]["nodeName"]
