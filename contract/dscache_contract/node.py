@@ -107,18 +107,26 @@ class ReserveRequest:
     cache: str
     revision: str
     bytes: int
+    #: The revision's objects, when the stager knows them: the agent then counts the blocks they
+    #: take (small files take far more than their bytes), not their bytes alone.
+    objects: int | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
 
     @classmethod
     def from_json(cls, text: str) -> ReserveRequest:
         data = json.loads(text)
+        objects = data.get("objects")
         req = cls(
-            str(data["namespace"]), str(data["cache"]), validate_revision(str(data["revision"])), int(data["bytes"])
+            str(data["namespace"]),
+            str(data["cache"]),
+            validate_revision(str(data["revision"])),
+            int(data["bytes"]),
+            None if objects is None else int(objects),
         )
-        if req.bytes < 0:
-            raise ValueError("bytes must not be negative")
+        if req.bytes < 0 or (req.objects or 0) < 0:
+            raise ValueError("bytes and objects must not be negative")
         return req
 
 
