@@ -61,7 +61,11 @@ def parse_warm_label(key: str) -> tuple[str, str] | None:
 
 @dataclass
 class HeldRevision:
-    """One revision on the node, as the agent read it from disk."""
+    """One revision on the node, as the agent read it from disk.
+
+    Anyone who may read Nodes reads this, so it names no cache: ``namespace`` and ``cache`` are
+    empty and ``digest`` is the cache's ``cache_digest`` (as in the warm labels); who holds a
+    cache's name finds its copies with ``of``."""
 
     namespace: str
     cache: str
@@ -72,6 +76,10 @@ class HeldRevision:
     #: epoch seconds of the last lease change (or of sealing, if never leased): the LRU clock
     released_at: float
     labelled: bool = False
+    digest: str = ""
+
+    def of(self, namespace: str, cache: str) -> bool:
+        return self.digest == cache_digest(namespace, cache) or (self.namespace, self.cache) == (namespace, cache)
 
 
 @dataclass

@@ -169,14 +169,15 @@ class Agent:
             evicted_bytes=self.evicted_bytes,
             revisions=[
                 HeldRevision(
-                    r.namespace,
-                    r.cache,
+                    "",  # no tenant's names on the Node: the digest, as in the labels
+                    "",
                     r.revision,
                     r.bytes,
                     r.complete,
                     len(r.leases),
                     round(r.released_at, 3),
                     warm_label(r.namespace, r.cache, r.revision) in labels,
+                    cache_digest(r.namespace, r.cache),
                 )
                 for r in sorted(revs, key=lambda r: r.released_at, reverse=True)
             ],

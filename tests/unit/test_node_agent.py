@@ -136,7 +136,7 @@ def test_labels_follow_verified_copies_and_go_before_the_copy(root):
     agent.refresh()
     assert set(kube.labels) == {contract.AGENT_LABEL, contract.warm_label("ml", "a", R1)}
     inv = contract.Inventory.from_json(kube.annotations[contract.INVENTORY_ANNOTATION])
-    assert {(r.cache, r.labelled) for r in inv.revisions} == {("a", True), ("b", False)}
+    assert {(r.of("ml", "a"), r.labelled) for r in inv.revisions} == {(True, True), (False, False)}
     # A wipe: the label comes off while the copy is still on disk, then the copy goes.
     summary = agent.wipe(contract.WipeRequest("ml", "a", revision=R1))
     assert summary.removed
