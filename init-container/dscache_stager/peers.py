@@ -455,6 +455,7 @@ class Peers:
                     except OSError as e:
                         raise _Local() from e
                     got += len(chunk)
+            resp.read()  # b"": marks the response done (read1 does not), so the connection is reused
             if not digest.matches():
                 raise _Suspect(digest.body.hexdigest())
         except BaseException:

@@ -245,3 +245,15 @@ def test_a_trickling_peer_is_cut_off(tmp_path, monkeypatch):
     assert outcome is Outcome.NEXT and addr in p.failed
     assert time.monotonic() - started < 3  # 0.5 s + 2000 bytes at 10 kB/s, not 200 s
     srv.close()
+
+
+def test_one_connection_serves_object_after_object(tmp_path, fakes):
+    """Keep-alive: after a whole body the connection takes the next request (a body read to its
+    last byte must leave the response done)."""
+    data = b"abc" * 1000
+    peer = fakes(serving(data))
+    p = client(tmp_path, ahead(peer.addr))
+    for i in range(3):
+        outcome, _ = p.take(peer.addr, f"{i}.bin", len(data), f'"{md5(data)}"', str(tmp_path / f"t{i}"))
+        assert outcome is Outcome.PLACED, p.failed
+    assert not p.failed
