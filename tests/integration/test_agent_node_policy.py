@@ -145,7 +145,7 @@ def test_the_policy_confines_the_agents_to_their_own_node(kube_api: KubeAPI, pol
 
     # Its own node, dscache's labels and annotation: allowed (the policy may take a moment).
     def allowed() -> bool:
-        code, text = patch_as(k, token, own, {"metadata": {"labels": {warm: "true", staging: "1.0"}}})
+        code, _text = patch_as(k, token, own, {"metadata": {"labels": {warm: "true", staging: "1.0"}}})
         return code == 200
 
     k.wait_for(allowed, timeout=30, what="the agent labelling its own node")
