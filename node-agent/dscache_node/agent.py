@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import dscache_contract as contract
 from dscache_contract import (
@@ -54,6 +54,15 @@ log = logging.getLogger("dscache-node")
 
 #: A reservation not turned into a complete copy within this long is forgotten.
 RESERVATION_TTL = 6 * 3600.0
+
+
+class _Event(NamedTuple):
+    """An Event to post on a DatasetCache, once the agent's lock is let go."""
+
+    namespace: str
+    cache: str
+    reason: str
+    message: str
 
 
 @dataclass
@@ -104,7 +113,7 @@ class Agent:
     def refresh(self) -> list[disk.OnDisk]:
         """One pass: finish interrupted removals, release leases of finished pods, keep
         within the budget, verify new copies, publish labels and inventory."""
-        events: list[tuple[str, str, str, str]] = []
+        events: list[_Event] = []
         with self.lock:
             queued = self.remover.queued()
             left = [p for p in disk.leftovers(self.s.cache_root) if p not in queued]
@@ -341,7 +350,7 @@ class Agent:
             self.s.budget.of(size), free, self.s.headroom.of(size), revs, reserved, reserved if promised else 0
         )
 
-    def _enforce_budget(self, revs: list[disk.OnDisk], events: list[tuple[str, str, str, str]]) -> bool:
+    def _enforce_budget(self, revs: list[disk.OnDisk], events: list[_Event]) -> bool:
         """Over budget (it was lowered), or the disk is past its headroom: evict unleased copies."""
         current = self._room(revs, promised=False)
         if min(current.budget - current.held, current.fs_room) >= 0:
@@ -367,7 +376,7 @@ class Agent:
             else disk.usage(contract.revision_dir(c, req.revision))
         )
         need_fs = max(0, need - on_disk)
-        events: list[tuple[str, str, str, str]] = []
+        events: list[_Event] = []
         try:
             with self.lock:
                 revs = disk.scan(self.s.cache_root)
@@ -422,7 +431,7 @@ class Agent:
             ),
         )
 
-    def _evict(self, chosen: Iterable[disk.OnDisk], why: str, events: list[tuple[str, str, str, str]]) -> list[str]:
+    def _evict(self, chosen: Iterable[disk.OnDisk], why: str, events: list[_Event]) -> list[str]:
         """Evict ``chosen`` (under self.lock): each copy is renamed out of the way here, its tree
         removed by the remover; the Events to post (after the lock) go to ``events``."""
         done = []
@@ -449,10 +458,10 @@ class Agent:
                 f"unused since {_iso(r.released_at)} (least recently used first, never a copy in use)"
             )
             log.info(f"{r.namespace}/{r.cache}: {message}")
-            events.append((r.namespace, r.cache, "Evicted", message))
+            events.append(_Event(r.namespace, r.cache, reason="Evicted", message=message))
         return done
 
-    def _post_events(self, events: list[tuple[str, str, str, str]]) -> None:
+    def _post_events(self, events: list[_Event]) -> None:
         for namespace, cache, reason, message in events:
             self._event(namespace, cache, reason=reason, message=message)
 
