@@ -89,12 +89,13 @@ def test_agent_patches_only_its_node(kube, release, tmp_path):
     assert extra.get(NODE_CLAIM) == [own], f"the agent's token has no node claim for {own}: {who}"
 
     probe = contract.warm_label("e2e-policy", "probe", "r-" + "0" * 20)
-    # Another node: refused (the policy may take a moment to be in force after the install).
-    wait_for(
-        "the policy refuses the agent of one node a label on another",
-        lambda: refused(patch(kube, cfg, other, {"metadata": {"labels": {probe: "true"}}})),
-        timeout=60,
-    )
+    # In force: a write to another node that would change nothing is refused (a probe that changed
+    # something would change it while the API server has not loaded the policy yet).
+    same = {"metadata": {"labels": {"kubernetes.io/hostname": other}}}
+    wait_for("the policy in force", lambda: refused(patch(kube, cfg, other, same)), timeout=60)
+    # Another node: refused, and unchanged.
+    p = patch(kube, cfg, other, {"metadata": {"labels": {probe: "true"}}})
+    assert refused(p) and "only its own Node" in p.stderr, (p.stdout, p.stderr)
     assert probe not in (agent.node_obj(kube, other).get("metadata") or {}).get("labels", {})
 
     # Its own node, dscache's label and annotation: allowed, and taken off again.

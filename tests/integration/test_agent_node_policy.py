@@ -143,7 +143,13 @@ def test_the_policy_confines_the_agents_to_their_own_node(kube_api: KubeAPI, pol
     warm = contract.warm_label("ml", "c", "r-" + "0" * 20)
     staging = contract.peers.staging_label("ml", "c", "r-" + "1" * 20)
 
-    # Its own node, dscache's labels and annotation: allowed (the policy may take a moment).
+    # The policy is in force once a write to another node that would change nothing is refused (the
+    # API server loads a new policy within a second or so; a probe that changed something would
+    # change it while the policy is not loaded yet).
+    same = {"metadata": {"labels": {"kubernetes.io/hostname": other}}}
+    k.wait_for(lambda: patch_as(k, token, other, same)[0] >= 400, timeout=30, what="the policy in force")
+
+    # Its own node, dscache's labels and annotation: allowed.
     def allowed() -> bool:
         code, _text = patch_as(k, token, own, {"metadata": {"labels": {warm: "true", staging: "1.0"}}})
         return code == 200
@@ -168,11 +174,6 @@ def test_the_policy_confines_the_agents_to_their_own_node(kube_api: KubeAPI, pol
         assert code >= 400 and "denied request" in text, (node, body, code, text)
         return text
 
-    k.wait_for(
-        lambda: patch_as(k, token, other, {"metadata": {"labels": {warm: "true"}}})[0] >= 400,
-        timeout=30,
-        what="the policy in force",
-    )
     assert "only its own Node" in refused_on(other, {"metadata": {"labels": {warm: "true"}}})
     refused_on(own, {"metadata": {"labels": {"example.com/steer": "here"}}})
     refused_on(own, {"metadata": {"labels": {"kubernetes.io/hostname": None}}})
