@@ -22,7 +22,10 @@ def test_repeats_are_counted_on_one_event(kube_api, dscache_operator, opted_ns):
             "apiVersion": "dscache.io/v1alpha1",
             "kind": "DatasetCache",
             "metadata": {"name": "ev"},
-            "spec": {"mountPath": "/data", "source": {"uri": "s3://events-test/data/", "endpoint": "http://127.0.0.1:9"}},
+            "spec": {
+                "mountPath": "/data",
+                "source": {"uri": "s3://events-test/data/", "endpoint": "http://127.0.0.1:9"},
+            },
         },
     )
     involved = {
