@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install wheels lock lint chart-docs release-check tools test test-unit bench bench-quick demo e2e kind-down clean
+.PHONY: help install wheels lock lint chart-docs docs release-check tools test test-unit bench bench-quick demo e2e kind-down clean
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -110,6 +110,9 @@ clean:
 
 chart-docs: ## Regenerate charts/dscache/README.md from values.yaml and README.md.gotmpl (helm-docs)
 	"$$(bash e2e/tools/tools.sh --path helm-docs | tail -1)/helm-docs" --chart-search-root charts/dscache --template-files README.md.gotmpl
+
+docs: ## Render the benchmark figures in README.md and docs/*.md from bench/results/*.json (after `make bench-quick`)
+	$(PY) bench/render.py
 
 release-check: ## What release.yml does that can run here: actionlint, helm lint --strict, helm package into build/
 	"$$(bash e2e/tools/tools.sh --path actionlint | tail -1)/actionlint" .github/workflows/release.yml

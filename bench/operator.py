@@ -748,6 +748,10 @@ def main() -> int:
     print(json.dumps(result))
     if not result:
         return 1
+    from bench.results import write  # the docs' figures are rendered from this file
+
+    size = "webhook" if args.webhook_only else ("" if args.caches == 1000 else str(args.caches))
+    write("operator", result, quick=args.quick, variant=size)
     return 0 if result.get("converged", True) else 2  # --webhook-only: no convergence to judge
 
 

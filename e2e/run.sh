@@ -5,8 +5,10 @@
 #   1. e2e/kind/up.sh           dockerd, the kind cluster (3 nodes), the project's images, S3
 #   2. e2e/kind/controllers.sh  JobSet and training-operator, built from source
 #   3. pytest e2e/              helm install (a session fixture), the user story, the multi-node tests
-#   4. build/e2e-result.json    {"passed", "failed", "overhead_s", "k8s_version", "nodes", "controllers",
-#                               "tests": {name: passed|failed|skipped}, and every key of timeline.json}
+#   4. build/e2e-result.json    {"passed", "failed", "overhead_s", "overhead_warm_s", "baseline_s",
+#                               "overhead_over_baseline_s", "overhead_warm_over_baseline_s", "k8s_version",
+#                               "nodes", "controllers", "tests": {name: passed|failed|skipped},
+#                               and every key of timeline.json and timeline-warm.json}
 #   5. e2e/kind/down.sh         cluster, S3 container, our dockerd, bridges and rules: gone
 #
 #   bash e2e/run.sh             all of it (make e2e)
@@ -109,8 +111,20 @@ if os.path.exists(timeline):
 warm = os.path.join(os.path.dirname(timeline), "timeline-warm.json")
 if os.path.exists(warm):
     result.update(json.load(open(warm)))       # overhead_warm_s, overhead_warm_runs, ... (test_prestage_then_place)
+# What dscache itself costs: each overhead over what the same Job without dscache paid on the
+# same node in this run (test_09's baseline; the warm runs' node's own when it was measured there).
+baseline = result.get("baseline_s")
+warm_nodes = {r.get("node") for r in result.get("warm_runs") or []}
+warm_baseline = baseline
+if len(warm_nodes) == 1:
+    warm_baseline = (result.get("baseline_by_node") or {}).get(warm_nodes.pop(), baseline)
+def over(value, base):
+    return None if value is None or base is None else round(value - base, 3)
+result.update({"overhead_over_baseline_s": over(result.get("overhead_s"), baseline),
+               "overhead_warm_baseline_s": warm_baseline,
+               "overhead_warm_over_baseline_s": over(result.get("overhead_warm_s"), warm_baseline)})
 result.update({"passed": passed, "failed": failed, "overhead_s": result.get("overhead_s"),
-               "overhead_warm_s": result.get("overhead_warm_s"),
+               "overhead_warm_s": result.get("overhead_warm_s"), "baseline_s": baseline,
                "k8s_version": version, "nodes": int(nodes or 0), "controllers": sorted(set(controllers)),
                "tests": outcomes})
 with open(out, "w") as f:

@@ -87,7 +87,9 @@ def _substitute(cmd: str, cfg, workdir: Path) -> str:
 
 def _fresh(kube, cache_root: str) -> None:
     """A cluster as the README reader has it: no release, no namespace ml, no dscache-system."""
-    kube.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "180s", check=False)
+    # --no-hooks: this only clears the way for the README's install; the chart's pre-delete
+    # hook (which waits for every cache to be wiped) is tested by e2e/test_99_uninstall.py.
+    kube.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "180s", "--no-hooks", check=False)
     if kube.get("namespace", "ml") is not None:
         for dsc in kube.items("datasetcaches.dscache.io", namespace="ml"):
             kube.kubectl(

@@ -1,8 +1,9 @@
-"""Entry points (one image, two roles):
+"""Entry points (one image, two long-running roles and two commands):
 
 python -m dscache_operator controller   # reconcile DatasetCaches, track consumers, wipe
 python -m dscache_operator webhook      # serve the mutating admission webhook (TLS)
 python -m dscache_operator crdgen       # print the CRD generated from the models
+python -m dscache_operator uninstall    # the chart's pre-delete hook: delete every DatasetCache, wait for the wipes
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
         crdgen.main()
         return 0
+    if role == "uninstall":
+        from .control import uninstall
+
+        return uninstall.main(argv[1:])
     if role not in ("controller", "webhook"):
         print(__doc__, file=sys.stderr)
         return 2

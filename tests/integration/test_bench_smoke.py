@@ -8,6 +8,7 @@ checks that it ran to the end and wrote every documented field. No timing is jud
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,9 +36,12 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
         "--workers=1,2",
         f"--workdir={tmp_path}",
     ]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    # Its result file goes to tmp_path, not over bench/results/ (which the docs quote).
+    env = {**os.environ, "DSCACHE_BENCH_RESULTS": str(tmp_path / "results")}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "results" / "stager.json").read_text())["result"] == result
     # Both of dscache's data planes when the native one is installed (issue 18).
     tools = {"dscache", "dscache_python", "s5cmd"} if result["native"] else {"dscache", "s5cmd"}
     for key in ("small_s", "large_s", "cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "peak_rss_mib"):
@@ -80,9 +84,12 @@ def test_fanout_bench_runs_every_phase_and_reports_its_fields(tmp_path):
         "--bucket-mbit=1000",
         f"--workdir={tmp_path}",
     ]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    # Its result file goes to tmp_path, not over bench/results/ (which the docs quote).
+    env = {**os.environ, "DSCACHE_BENCH_RESULTS": str(tmp_path / "results")}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     fanout = json.loads(out.stdout.strip().splitlines()[-1])["fanout"]
+    assert json.loads((tmp_path / "results" / "fanout.json").read_text())["result"] == {"fanout": fanout}
     assert fanout["nodes"] == 3 and fanout["dataset_bytes"] == 3 * (1 << 20) + 40 * (16 << 10)
     assert fanout["bucket_mbit"] == 1000 and fanout["tbf_burst_bytes"] > 0 and fanout["tbf_latency_ms"] > 0
     for key in ("bucket_bytes", "all_ready_s", "independent_all_ready_s", "independent_bucket_bytes", "speedup"):

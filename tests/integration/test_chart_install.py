@@ -8,6 +8,12 @@
   namespace-scoped mode) and environment: the controller reconciles a
   DatasetCache with a Secret, and the webhook serves the chart's certificate
   and admits an annotated pod, verified against the chart's caBundle.
+- The pre-delete hook's objects are accepted by the API server, and its Job's
+  command, run as its ServiceAccount with its RBAC while the controller runs,
+  deletes the DatasetCaches and waits for the controller to release them (and
+  fails, naming it, when one cannot go). There is no kubelet here to run the
+  Job itself, so `helm uninstall` runs with --no-hooks; e2e/test_99_uninstall.py
+  runs the real hook on kind.
 
 Its own API server (not the session's `kube_api`), so that the chart's
 cluster-scoped objects never meet those of operator/deploy/ used elsewhere.
@@ -147,8 +153,9 @@ def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: 
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--reuse-values")
     assert api.get(AGENT_TOKEN)["data"]["token"] != token
 
-    # Uninstall: the CRD stays (deleting it would delete every DatasetCache).
-    helm("uninstall", "dscache", "-n", NS)
+    # Uninstall: the CRD stays (deleting it would delete every DatasetCache). No kubelet
+    # here to run the pre-delete hook's Job: test_operator_runs_with_the_charts_rbac runs its command.
+    helm("uninstall", "dscache", "-n", NS, "--no-hooks")
     assert api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/datasetcaches.dscache.io")
     assert api.get(MWC) is None
 
@@ -356,6 +363,7 @@ def test_operator_runs_with_the_charts_rbac(api: KubeAPI, helm, s3_server, bucke
         patch = json.loads(base64.b64decode(resp["patch"]))
         assert "dscache-stage" in json.dumps(patch)
         assert "/mnt/nvme" not in json.dumps(patch) and "/var/lib/dscache/ml-team/ds" in json.dumps(patch)
+        run_uninstall_hook(api, helm, tmp_path)
         for role in ("controller", "webhook"):
             log = (tmp_path / f"{role}.log").read_text()
             # Timestamps carry milliseconds (",403"): drop them, then look for a status 403.
@@ -367,4 +375,79 @@ def test_operator_runs_with_the_charts_rbac(api: KubeAPI, helm, s3_server, bucke
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
-        helm("uninstall", "dscache", "-n", NS)
+        helm("uninstall", "dscache", "-n", NS, "--no-hooks")
+
+
+def run_uninstall_hook(api: KubeAPI, helm, tmp_path: Path) -> None:
+    """The release's pre-delete hook as the API server and the running controller see it:
+    its ServiceAccount and (namespaced) RBAC created as Helm would, its Job accepted (server
+    dry run), then the Job's own command and env run here as that ServiceAccount."""
+    from tests.support.kubeapi import rest_path
+
+    hooks = [d for d in yaml.safe_load_all(helm("get", "hooks", "dscache", "-n", NS)) if d]
+    assert sorted(d["kind"] for d in hooks) == ["ClusterRole", "Job", "RoleBinding", "ServiceAccount"]
+    (job,) = [d for d in hooks if d["kind"] == "Job"]
+    api.apply_yaml_docs([d for d in hooks if d["kind"] != "Job"])
+    api.request("POST", rest_path(job, collection=True), job, params={"dryRun": "All"})
+    caches = "/apis/dscache.io/v1alpha1/namespaces/ml-team/datasetcaches"
+    # A cache someone else holds (a foreign finalizer): the hook must wait for it, then give up naming it.
+    api.create(
+        caches,
+        {
+            "apiVersion": "dscache.io/v1alpha1",
+            "kind": "DatasetCache",
+            "metadata": {"name": "held", "finalizers": ["example.com/hold"]},
+            # A port nothing listens on: its source check fails at once, which is all it needs.
+            "spec": {
+                "mountPath": "/data",
+                "source": {"uri": "s3://held/data/", "endpoint": "http://127.0.0.1:9", "addressingStyle": "path"},
+            },
+        },
+    )
+
+    def granted() -> bool:
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": f"system:serviceaccount:{NS}:dscache-uninstall",
+                "groups": ["system:serviceaccounts"],
+                "resourceAttributes": {
+                    "verb": "delete",
+                    "group": "dscache.io",
+                    "resource": "datasetcaches",
+                    "namespace": "ml-team",
+                },
+            },
+        }
+        return bool(api.create("/apis/authorization.k8s.io/v1/subjectaccessreviews", review)["status"].get("allowed"))
+
+    api.wait_for(granted, 30, what="the hook's RBAC in effect")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env == {"DSCACHE_WATCH_NAMESPACES": "ml-team"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KUBECONFIG", "DSCACHE_"))}
+    env.update(KUBECONFIG=str(sa_kubeconfig(api, "dscache-uninstall", tmp_path / "kc-uninstall")))
+
+    def hook(timeout: str) -> subprocess.CompletedProcess:
+        args = [*c["args"][:-1], timeout, "--interval", "0.5"]  # the Job's arguments, a shorter wait
+        assert c["command"] == ["python", "-m", "dscache_operator"] and c["args"][:2] == ["uninstall", "--timeout"]
+        return subprocess.run(
+            [sys.executable, "-m", "dscache_operator", *args],
+            env={**base, **env},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    held = hook("10")
+    assert held.returncode == 1, held.stdout + held.stderr
+    # ds went (the controller, with the chart's RBAC, wiped and released it); held is named with why.
+    assert api.get(f"{caches}/ds") is None, held.stderr
+    assert "ml-team/held (other finalizers example.com/hold)" in held.stderr, held.stderr
+    assert "deleting 2 DatasetCache(s) in ml-team" in held.stderr, held.stderr
+    api.merge_patch(f"{caches}/held", {"metadata": {"finalizers": None}})
+    done = hook("60")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "done in" in done.stderr and api.request("GET", caches)["items"] == [], done.stderr

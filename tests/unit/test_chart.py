@@ -509,11 +509,23 @@ def _rules(doc: dict[str, Any]) -> list[tuple]:
     )
 
 
+def operator_identities(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operator's own objects: not the tenants' aggregated roles nor the uninstall hook's."""
+    return [
+        d
+        for d in docs
+        if "helm.sh/hook" not in (d["metadata"].get("annotations") or {})
+        and not any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in d["metadata"].get("labels") or {})
+    ]
+
+
 def test_rbac_rules_are_operator_deploy_rbac_yaml(default_docs):
-    """The default render == rbac.yaml + the cluster-wide Secret `get` binding."""
+    """The default render == rbac.yaml + the cluster-wide Secret `get` binding (the
+    operator's identities; the tenants' aggregated roles and the uninstall hook have their own tests)."""
     expected = docs_of((DEPLOY / "rbac.yaml").read_text()) + docs_of(
         (DEPLOY / "rbac-secrets-clusterwide.yaml").read_text()
     )
+    default_docs = operator_identities(default_docs)
     for kind in ("ClusterRole", "Role"):
         want = {d["metadata"]["name"]: _rules(d) for d in find(expected, kind)}
         got = {d["metadata"]["name"]: _rules(d) for d in find(default_docs, kind)}
@@ -770,22 +782,87 @@ def test_service_monitor_renders_without_the_api_being_served(helm: str):
     assert not find(docs_of(template(helm).stdout), "ServiceMonitor")
 
 
-def test_prometheus_rule_and_dashboard_use_metrics_the_operator_exports(helm: str):
-    """Every dscache_* name an alert or a panel queries is one the operator's registry has."""
+def exported_series() -> set[str]:
+    """Every series name the operator's registry and a node agent's export (labelled ones made once)."""
+    from dscache_node.budget import Room
+    from dscache_node.metrics import AgentMetrics
     from dscache_operator.metrics.registry import Metrics
 
     m = Metrics()
     m.set_cache("ml", "c", "Ready", ["Ready"])
-    exported = {s.name for f in m.registry.collect() for s in f.samples}
+    agent = AgentMetrics()
+    agent.observe("n1", Room(budget=10, held=5, fs_room=5), [], 0)
+    registries = (m.registry, agent.registry)
+    return {s.name for r in registries for f in r.collect() for s in f.samples}
+
+
+def test_prometheus_rule_and_dashboard_use_metrics_the_operator_exports(helm: str):
+    """Every dscache_* name an alert or a panel queries is one the operator's or an agent's registry has."""
+    exported = exported_series()
     values = {"metrics": {"prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}}}
     docs = docs_of(template(helm, values=values).stdout)
-    rules = one(docs, "PrometheusRule")["spec"]["groups"][0]["rules"]
-    assert {r["alert"] for r in rules} == {"DscacheStagerFailing", "DscacheWipesFailing", "DscacheWebhookRefusing"}
+    rules = [r for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} == {
+        "DscacheControllerDown",
+        "DscacheWebhookDown",
+        "DscacheNodeAgentDown",
+        "DscacheNodeAgentsDown",
+        "DscacheStagerFailing",
+        "DscacheWipesFailing",
+        "DscacheWebhookRefusing",
+        "DscacheNodeCopiesRefused",
+        "DscacheNodeCacheThrashing",
+        "DscachePeerRequestsRefused",
+    }
     dashboard = json.loads(one(docs, "ConfigMap", "dscache-dashboard")["data"]["dscache.json"])
-    exprs = [r["expr"] for r in rules] + [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    exprs = [r["expr"] for r in rules] + [t["expr"] for p in panels for t in p["targets"]]
     used = {n for e in exprs for n in re.findall(r"\b(dscache_[a-z_]+)", e)}
     assert used and used <= exported, f"queried but never exported: {sorted(used - exported)}"
+    # The agents' budget, evictions and peer bytes are on the dashboard and in the alerts.
+    agent_series = {
+        "dscache_node_budget_bytes",
+        "dscache_node_bytes_held",
+        "dscache_node_bytes_in_use",
+        "dscache_node_evicted_bytes_total",
+        "dscache_node_reservations_refused_total",
+        "dscache_node_peer_served_bytes_total",
+        "dscache_node_peer_refused_requests_total",
+    }
+    on_dashboard = {n for p in panels for t in p["targets"] for n in re.findall(r"\b(dscache_[a-z_]+)", t["expr"])}
+    assert agent_series <= on_dashboard, agent_series - on_dashboard
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     assert not find(docs_of(template(helm).stdout), "PrometheusRule")
+
+
+def test_down_alerts_read_the_service_monitors_targets(helm: str):
+    """Controller down: no `up` of the ServiceMonitor's controller target equals 1 (or none exists).
+    The job labels are the metrics Services' names, the component the pods' label (podTargetLabels)."""
+    values = {"metrics": {"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
+    docs = docs_of(template(helm, values=values).stdout)
+    rules = {r["alert"]: r for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]}
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["spec"]["podTargetLabels"] == ["app.kubernetes.io/component"]
+    services = {d["metadata"]["name"] for d in find(docs, "Service")}
+    for alert, job, component in (
+        ("DscacheControllerDown", "dscache-metrics", "controller"),
+        ("DscacheWebhookDown", "dscache-metrics", "webhook"),
+        ("DscacheNodeAgentsDown", "dscache-node-metrics", None),
+    ):
+        expr = rules[alert]["expr"]
+        assert expr.startswith("absent(up{") and expr.endswith("== 1)"), expr
+        assert f'job="{job}"' in expr and job in services and f'namespace="{NS}"' in expr, expr
+        if component:
+            assert f'app_kubernetes_io_component="{component}"' in expr, expr
+            pods = one(docs, "Deployment", f"dscache-{component}")["spec"]["template"]["metadata"]["labels"]
+            assert pods["app.kubernetes.io/component"] == component
+        assert rules[alert]["labels"]["severity"] == "critical"
+    assert rules["DscacheNodeAgentDown"]["expr"] == f'up{{namespace="{NS}", job="dscache-node-metrics"}} == 0'
+    # No agents: no agent alerts.
+    values["nodeAgent"] = {"enabled": False}
+    docs = docs_of(template(helm, values=values).stdout)
+    alerts = {r["alert"] for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]}
+    assert "DscacheControllerDown" in alerts and not {a for a in alerts if "Node" in a or "Peer" in a}
 
 
 def test_service_accounts_images_pull_secrets_and_spread(helm: str):
@@ -803,7 +880,11 @@ def test_service_accounts_images_pull_secrets_and_spread(helm: str):
         "logging": {"level": "DEBUG", "format": "json"},
     }
     docs = docs_of(template(helm, values=values).stdout)
-    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["dscache-webhook", "dscache-node"]
+    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == [
+        "dscache-webhook",
+        "dscache-node",
+        "dscache-uninstall",
+    ]
     ctl = one(docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]
     assert ctl["serviceAccountName"] == "platform-sa"
     subjects = [s for d in find(docs, "ClusterRoleBinding") + find(docs, "RoleBinding") for s in d["subjects"]]
@@ -943,7 +1024,11 @@ def test_node_agent_values(helm: str):
     assert "tolerations" not in pod
     assert pod["priorityClassName"] == "dscache-node"
     assert pod["serviceAccountName"] == "node-sa"
-    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["dscache-controller", "dscache-webhook"]
+    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == [
+        "dscache-controller",
+        "dscache-webhook",
+        "dscache-uninstall",
+    ]
     assert one(docs, "ClusterRoleBinding", "dscache-node")["subjects"] == [
         {"kind": "ServiceAccount", "name": "node-sa", "namespace": NS}
     ]
@@ -1040,3 +1125,112 @@ def test_notes_name_the_agents(helm: str):
     assert "kubectl get pods -n dscache-system -l app.kubernetes.io/name=dscache-node -o wide" in notes
     assert "budget 80%" in notes
     assert "nodeAgent.enabled=false" in render_notes(helm, {"nodeAgent": {"enabled": False}})
+
+
+# --- issue 26: chart conventions --------------------------------------------------------------
+
+
+def test_tenants_get_datasetcaches_through_the_builtin_roles(default_docs, helm: str):
+    """ClusterRoles aggregated into admin/edit (write) and view (read): a tenant bound to the
+    built-in `edit` role can create DatasetCaches; nothing else is granted to anyone."""
+    edit = one(default_docs, "ClusterRole", "dscache-edit")
+    view = one(default_docs, "ClusterRole", "dscache-view")
+    labels = {k: v for k, v in edit["metadata"]["labels"].items() if k.startswith("rbac.authorization.k8s.io/")}
+    assert labels == {
+        "rbac.authorization.k8s.io/aggregate-to-admin": "true",
+        "rbac.authorization.k8s.io/aggregate-to-edit": "true",
+    }
+    assert [k for k in view["metadata"]["labels"] if k.startswith("rbac.authorization.k8s.io/")] == [
+        "rbac.authorization.k8s.io/aggregate-to-view"
+    ]
+    assert _rules(edit) == [
+        (("dscache.io",), ("datasetcaches",), ("create", "delete", "get", "list", "patch", "update", "watch"))
+    ]
+    assert _rules(view) == [(("dscache.io",), ("datasetcaches",), ("get", "list", "watch"))]
+    # Aggregated roles are granted through the built-in roles' own bindings: the chart binds them to nobody.
+    bound = {b["roleRef"]["name"] for b in find(default_docs, "ClusterRoleBinding") + find(default_docs, "RoleBinding")}
+    assert not bound & {"dscache-edit", "dscache-view"}
+    docs = docs_of(template(helm, values={"rbac": {"aggregateToDefaultRoles": False}}).stdout)
+    assert not find(docs, "ClusterRole", "dscache-edit") and not find(docs, "ClusterRole", "dscache-view")
+
+
+def test_agent_token_existing_secret(helm: str):
+    """agentToken.existingSecret: no Secret rendered (nothing random in the output: `helm template`
+    renders the same twice, so Argo CD sees no drift), and the named one mounted where the token was."""
+    values = {"agentToken": {"existingSecret": "my-agent-token"}}
+    first, second = (template(helm, values=values).stdout for _ in range(2))
+    docs = docs_of(first)
+    assert not find(docs, "Secret", "dscache-agent-token")
+    for kind, name in (("DaemonSet", "dscache-node"), ("Deployment", "dscache-controller")):
+        pod = one(docs, kind, name)["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "agent-token"]
+        assert vol["secret"]["secretName"] == "my-agent-token", name
+    # Without the generated certificate (cert-manager), the output is the same on every render.
+    values["certManager"] = {"enabled": True}
+    extra = ["--api-versions", "cert-manager.io/v1"]
+    assert template(helm, values=values, extra=extra).stdout == template(helm, values=values, extra=extra).stdout
+    del values["certManager"]
+    assert normalise(first) == normalise(second)
+    bad = template(helm, values={"agentToken": {"existingSecret": "Not_A_Name"}}, check=False)
+    assert bad.returncode != 0 and "at '/agentToken/existingSecret'" in bad.stderr
+
+
+def hook_docs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
+
+
+def test_uninstall_hook(default_docs):
+    """A pre-delete Job deletes every DatasetCache and waits for the controller's wipes; its
+    identity may list and delete DatasetCaches and nothing else, and all of it goes once it succeeded."""
+    hooks = hook_docs(default_docs)
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in hooks) == [
+        ("ClusterRole", "dscache-uninstall"),
+        ("ClusterRoleBinding", "dscache-uninstall"),
+        ("Job", "dscache-uninstall"),
+        ("ServiceAccount", "dscache-uninstall"),
+    ]
+    for d in hooks:
+        ann = d["metadata"]["annotations"]
+        assert ann["helm.sh/hook"] == "pre-delete", d["kind"]
+        assert ann["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded", d["kind"]
+        # Its identity and rights exist before the Job starts.
+        assert int(ann["helm.sh/hook-weight"]) == (0 if d["kind"] == "Job" else -10), d["kind"]
+    assert _rules(one(hooks, "ClusterRole", "dscache-uninstall")) == [
+        (("dscache.io",), ("datasetcaches",), ("delete", "list"))
+    ]
+    crb = one(hooks, "ClusterRoleBinding", "dscache-uninstall")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "dscache-uninstall", "namespace": NS}]
+    job = one(hooks, "Job", "dscache-uninstall")
+    assert job["spec"]["backoffLimit"] == 0
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "dscache-uninstall" and pod["restartPolicy"] == "Never"
+    (c,) = pod["containers"]
+    assert c["command"] + c["args"] == ["python", "-m", "dscache_operator", "uninstall", "--timeout", "240"]
+    # The Job outlives the wait it bounds, and that wait fits in `helm uninstall`'s default 5m.
+    assert job["spec"]["activeDeadlineSeconds"] > 240
+    assert int(c["args"][-1]) < 300
+    assert env_of(c) == {"DSCACHE_WATCH_NAMESPACES": ""}
+    controller = one(default_docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == controller["image"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
+    # The metrics Service never takes the hook's pod for an endpoint.
+    selector = one(default_docs, "Service", "dscache-metrics")["spec"]["selector"]
+    assert not selector.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_uninstall_hook_in_namespaced_mode(helm: str):
+    namespace, values, extra = VALUE_SETS["watch-namespaces"]
+    hooks = hook_docs(docs_of(template(helm, namespace, values, extra).stdout))
+    assert not find(hooks, "ClusterRoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in find(hooks, "RoleBinding", "dscache-uninstall")) == [
+        "ml-team",
+        "research",
+    ]
+    (c,) = one(hooks, "Job")["spec"]["template"]["spec"]["containers"]
+    assert env_of(c) == {"DSCACHE_WATCH_NAMESPACES": "ml-team,research"}
+    off = docs_of(template(helm, values={"uninstall": {"deleteCaches": False}}).stdout)
+    assert not hook_docs(off)
+    long = docs_of(template(helm, values={"uninstall": {"timeoutSeconds": 900}}).stdout)
+    job = one(hook_docs(long), "Job")
+    assert job["spec"]["activeDeadlineSeconds"] == 960
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][-1] == "900"

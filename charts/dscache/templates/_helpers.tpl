@@ -29,8 +29,16 @@ of operator/deploy/*.yaml: dscache-controller, dscache-webhook, ...
 {{- define "dscache.node.fullname" -}}
 {{- printf "%s-node" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
 {{- end }}
+{{- /* The agent token's Secret: agentToken.existingSecret, else the chart's own. */}}
 {{- define "dscache.agentTokenSecret" -}}
+{{- if .Values.agentToken.existingSecret }}
+{{- .Values.agentToken.existingSecret }}
+{{- else }}
 {{- printf "%s-agent-token" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
+{{- end }}
+{{- end }}
+{{- define "dscache.uninstall.fullname" -}}
+{{- printf "%s-uninstall" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
 {{- end }}
 {{- define "dscache.webhook.tlsSecret" -}}
 {{- printf "%s-webhook-tls" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
