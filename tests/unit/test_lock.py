@@ -81,4 +81,6 @@ def test_every_import_of_an_image_is_in_its_requirements(extra: str):
                         wanted.setdefault(DISTRIBUTIONS.get(top, top).lower(), str(path.relative_to(REPO)))
     have = {line.split("==")[0].strip().lower() for line in EXPORTS[extra].read_text().splitlines() if "==" in line}
     missing = {dist: where for dist, where in wanted.items() if dist not in have}
-    assert not missing, f"imported but not in {EXPORTS[extra].relative_to(REPO)} (add to the [{extra}] extra): {missing}"
+    assert not missing, (
+        f"imported but not in {EXPORTS[extra].relative_to(REPO)} (add to the [{extra}] extra): {missing}"
+    )
