@@ -175,7 +175,7 @@ def test_init_container_args_credentials_and_privileges():
     vol = next(v for v in pod_spec(obj)["volumes"] if v["name"] == "dscache-peer-token")
     assert vol == {
         "name": "dscache-peer-token",
-        "secret": {"secretName": "dscache-peer-imagenet", "optional": True, "defaultMode": 0o400},
+        "secret": {"secretName": "dscache-peer-imagenet", "optional": True, "defaultMode": 0o444},
     }
 
 
@@ -231,6 +231,10 @@ def test_csi_mode_gives_the_node_copy_with_no_privilege():
     assert args.pod_uid is None  # NodePublishVolume took the lease
     assert args.cache == "ml/imagenet" and args.agent is not None  # the node's budget and peers, as with hostPath
     assert "DSCACHE_POD_UID" not in {e["name"] for e in init["env"]}
+    # The stager (uid 65532) reads the cache's peer token: fetch once per cluster works non-root.
+    (peer,) = [v for v in ps["volumes"] if v["name"] == "dscache-peer-token"]
+    assert peer["secret"]["defaultMode"] & 0o004, peer
+    assert {"name": "dscache-peer-token", "mountPath": "/var/run/dscache-peer", "readOnly": True} in init["volumeMounts"]
     for c in ps["containers"]:
         assert all(m["readOnly"] for m in c["volumeMounts"] if m["name"] == VOLUME_NAME)
     assert obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/volume"] == "CSI"

@@ -192,7 +192,9 @@ def init_container(
 def peer_token_volume(name: str) -> dict[str, Any]:
     """The cache's peer token (peertoken.py), for the stager only. Optional: a pod admitted before
     the controller wrote it starts anyway, and its stager reads the bucket for everything."""
-    secret = {"secretName": peer_secret_name(name), "optional": True, "defaultMode": 0o400}
+    # 0444: the kubelet writes the files root-owned and the stager of a CSI volume runs as
+    # NONROOT_UID; only the stager mounts this volume, so no other container sees the token.
+    secret = {"secretName": peer_secret_name(name), "optional": True, "defaultMode": 0o444}
     return {"name": PEER_VOLUME_NAME, "secret": secret}
 
 
