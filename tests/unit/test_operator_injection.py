@@ -234,7 +234,9 @@ def test_csi_mode_gives_the_node_copy_with_no_privilege():
     # The stager (uid 65532) reads the cache's peer token: fetch once per cluster works non-root.
     (peer,) = [v for v in ps["volumes"] if v["name"] == "dscache-peer-token"]
     assert peer["secret"]["defaultMode"] & 0o004, peer
-    assert {"name": "dscache-peer-token", "mountPath": "/var/run/dscache-peer", "readOnly": True} in init["volumeMounts"]
+    assert {"name": "dscache-peer-token", "mountPath": "/var/run/dscache-peer", "readOnly": True} in init[
+        "volumeMounts"
+    ]
     for c in ps["containers"]:
         assert all(m["readOnly"] for m in c["volumeMounts"] if m["name"] == VOLUME_NAME)
     assert obj["spec"]["template"]["metadata"]["annotations"]["dscache.io/volume"] == "CSI"
