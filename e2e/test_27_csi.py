@@ -41,6 +41,8 @@ from support.kube import node_path_exists, node_sh, schedulable_nodes, wait_for
 from support.s3link import bucket_link, s3_sent_bytes
 
 import dscache_contract as contract
+from dscache_contract import csi
+from dscache_contract.peers import peer_secret_name
 
 pytestmark = pytest.mark.multinode
 
@@ -110,9 +112,7 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
     cache = cache_factory("rst", namespace=ns, ds=csi_dataset, extra=STAGER)
     name = cache["name"]
     rev = cache_status(kube, ns, name)["revision"]["id"]
-    wait_for(
-        "the cache's peer token", lambda: kube.get("secret", contract.peers.peer_secret_name(name), ns), timeout=60
-    )
+    wait_for("the cache's peer token", lambda: kube.get("secret", peer_secret_name(name), ns), timeout=60)
 
     # Job 1: two pods on each node, one copy per node, the bucket serving each object about once.
     first = f"rst-{uuid.uuid4().hex[:6]}"
@@ -143,7 +143,7 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
     assert sum(s["peer_bytes"] for ss in by_node.values() for s in ss) > 0, report
     for p in pods:
         vol = next(v for v in p["spec"]["volumes"] if v["name"] == contract.VOLUME_NAME)
-        assert vol["csi"]["driver"] == contract.csi.DRIVER, vol
+        assert vol["csi"]["driver"] == csi.DRIVER, vol
 
     # The node entries show the CSI volume, and every node is warm for this revision.
     label = contract.warm_label(ns, name, rev)
@@ -207,7 +207,7 @@ def _lease_mount(cfg, ns: str, name: str, rev: str, uid: str, node: str) -> str 
     p = node_sh(f"cat {path} 2>/dev/null", node=node)
     if not p.stdout.strip():
         return None
-    return json.loads(p.stdout).get(contract.csi.LEASE_MOUNT_KEY) or ""
+    return json.loads(p.stdout).get(csi.LEASE_MOUNT_KEY) or ""
 
 
 def _running_pod(kube, cfg, ns: str, name: str, ds: w.Dataset, node: str) -> dict[str, Any]:
