@@ -7,8 +7,14 @@ work but tokio's runs on that one thread (~0.5-0.7 ms per object, so about
 on the listed ETag, or the pinned versionId) -> temp file -> rename for a
 whole batch on native threads with the GIL released, and completes to Python
 once per batch. Python keeps the control plane (listing, revision hash,
-hostile keys, journal, progress) and the large objects (fetch.py: ranged
-parts, splice).
+hostile keys, journal, progress).
+
+Large objects (issue 30) go down too, one call each: ranged GETs of PART_SIZE
+in parallel on the native threads (at most SPLICE_THREADS parts in flight over
+the copier, as fetch.py's splice threads), each part pinned as the small
+objects are and written with pwritev into a temp file sized up front, then
+renamed; a failed or short part is tried again on its own. fetch.py's ranged
+parts (splice on plain HTTP) stay the fallback when the extension is absent.
 
 The extension is optional: when it is not installed (a venv without cargo),
 or DSCACHE_NATIVE=0, the stager runs fetch.py's path, which stays the
@@ -26,7 +32,7 @@ from typing import Any
 
 from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
-from .fetch import OBJECT_ATTEMPTS, SMALL_LIMIT, Fetched, ObjectGone
+from .fetch import OBJECT_ATTEMPTS, PART_SIZE, SMALL_LIMIT, SPLICE_THREADS, Fetched, ObjectGone
 from .source import S3Source, credentials_for_store
 from .sync_options import BUFFER_BYTES
 
@@ -58,8 +64,8 @@ def threads(cpus: int) -> int:
 
 
 def handles(size: int) -> bool:
-    """Objects the native path copies: whole GETs held in memory, as fetch.py's small ones.
-    Larger ones keep fetch.py's ranged parts (and splice on plain HTTP)."""
+    """Objects the native path copies in batches: whole GETs held in memory, as fetch.py's small ones.
+    Larger ones go one at a time, in ranged parts (NativeFetcher.fetch_large)."""
     return 0 < size <= SMALL_LIMIT
 
 
@@ -89,6 +95,7 @@ class NativeFetcher:
             concurrency=concurrency,
             buffer_bytes=buffer_bytes,
             attempts=OBJECT_ATTEMPTS,
+            parts=SPLICE_THREADS,
         )
         self.workers: int = self.copier.workers
         # Each batch blocks one of these threads in native code, without the GIL.
@@ -101,6 +108,19 @@ class NativeFetcher:
         done, failure = await loop.run_in_executor(self.pool, self.copier.fetch, self.tmp_dir, items)
         placed = [(i, Fetched(size, etag)) for i, size, etag in done]
         return placed, (_exception(*failure) if failure is not None else None)
+
+    async def fetch_large(self, item: Item) -> Fetched:
+        """Copy one large object in ranged parts and place it; raises as fetch.Fetcher.fetch does."""
+        loop = asyncio.get_running_loop()
+        done, failure = await loop.run_in_executor(self.pool, self.copier.fetch_large, self.tmp_dir, item, PART_SIZE)
+        if failure is not None:
+            raise _exception(*failure)
+        size, etag = done
+        return Fetched(size, etag)
+
+    def counters(self) -> dict[str, int]:
+        """Large objects placed, parts written and parts tried again by this copier."""
+        return dict(self.copier.counters())
 
     def close(self) -> None:
         """Stop every batch and wait for their threads: after this nothing more is written or renamed."""

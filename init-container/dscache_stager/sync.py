@@ -431,7 +431,9 @@ class _Run:
                     continue
                 obj, rel, _ = task
                 if not native.handles(obj.size):
-                    jobs.append(self._fetch_one(obj, rel))
+                    # Large objects go down one at a time, in ranged parts (native.py).
+                    tree.ensure_parent(rel)
+                    jobs.append(self._fetch_native_large(obj, rel))
                     claimed.append(task)
                     continue
                 # Directories are made here, in listing order, as LocalTree
@@ -468,6 +470,15 @@ class _Run:
         self.progress.add_bytes(fetched)
         if failure is not None:
             raise failure
+
+    async def _fetch_native_large(self, obj: RemoteObject, rel: str) -> None:
+        assert self.native is not None
+        got = await self.native.fetch_large((obj.key, self.tree.path(rel), obj.etag, obj.version_id, obj.size))
+        entry = ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
+        self.journal.write(entry.to_json() + "\n")
+        self.fetched_bytes += got.size
+        self.progress.fetched_objects += 1
+        self.progress.add_bytes(got.size)
 
     async def _fetch_one(self, obj: RemoteObject, rel: str) -> None:
         got = await self.fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)

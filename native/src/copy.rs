@@ -21,7 +21,7 @@ pub type Item = (String, String, String, Option<String>, u64);
 pub const BUFFER_UNIT: u64 = 1024;
 
 /// Files are born read-only, as fetch.FILE_MODE: a complete revision must not change.
-const FILE_MODE: u32 = 0o444;
+pub const FILE_MODE: u32 = 0o444;
 
 pub struct Shared {
     pub store: AmazonS3,
@@ -39,6 +39,12 @@ pub struct Shared {
     pub pid: u32,
     /// Cancelled by Copier.cancel: the run failed elsewhere.
     pub stop: CancellationToken,
+    /// Ranged parts of large objects in flight, over all objects (large.rs).
+    pub parts: Semaphore,
+    /// Large objects placed, parts written, and parts tried again: what Copier.counters reports.
+    pub large_objects: AtomicU64,
+    pub large_parts: AtomicU64,
+    pub parts_retried: AtomicU64,
 }
 
 /// Why an object failed, in the terms fetch.py's callers understand.
@@ -69,7 +75,7 @@ impl Failure {
     /// Not worth another try: fetch.FATAL (the object is gone or changed,
     /// access is refused) and every local error (the Python path retries
     /// only obstore's errors).
-    fn fatal(&self) -> bool {
+    pub fn fatal(&self) -> bool {
         match self {
             Failure::Store { kind, .. } => *kind != "generic",
             _ => true,
@@ -77,7 +83,7 @@ impl Failure {
     }
 }
 
-fn store_failure(e: object_store::Error) -> Failure {
+pub fn store_failure(e: object_store::Error) -> Failure {
     use object_store::Error as E;
     let kind = match &e {
         E::NotFound { .. } => "gone",
@@ -91,7 +97,7 @@ fn store_failure(e: object_store::Error) -> Failure {
     Failure::Store { kind, message: format!("{e}\n\nDebug source:\n{e:#?}") }
 }
 
-fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
+pub fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
     Failure::Os { errno: e.raw_os_error().unwrap_or(libc::EIO), message: format!("{what} {path}: {e}") }
 }
 
@@ -250,7 +256,7 @@ fn write_new(tmp: &str, body: &[u8]) -> io::Result<()> {
 
 /// tree.LocalTree.place: rename into place; a stale directory where the bucket
 /// now has a file is removed first (remove_dir_all never follows symlinks).
-fn place(tmp: &str, dest: &str) -> io::Result<()> {
+pub fn place(tmp: &str, dest: &str) -> io::Result<()> {
     match fs::rename(tmp, dest) {
         Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
             fs::remove_dir_all(dest)?;
@@ -261,7 +267,7 @@ fn place(tmp: &str, dest: &str) -> io::Result<()> {
 }
 
 /// A number in [0, 1) for backoff jitter; no RNG crate needed for this.
-fn jitter() -> f64 {
+pub fn jitter() -> f64 {
     static STATE: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
     let mut x = STATE.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed) ^ nanos;
