@@ -80,8 +80,11 @@ class NativeFetcher:
         workers: int,
         tmp_dir: str,
         buffer_bytes: int = BUFFER_BYTES,
+        part_bytes: int = PART_SIZE,
+        config: dict[str, str] | None = None,
     ) -> None:
         self.tmp_dir = tmp_dir
+        self.part_bytes = part_bytes
         # Batches small enough that a slow object holds back few others, many
         # enough in flight that the requests limit (not the batching) bounds
         # the GETs: about twice --concurrency objects are handed down at once.
@@ -89,7 +92,7 @@ class NativeFetcher:
         self.batches = max(2, 2 * concurrency // self.batch_size)
         self.copier: Any = module.Copier(
             source.bucket,
-            source.store_settings(concurrency),
+            {**source.store_settings(concurrency), **(config or {})},
             **_credentials(),
             workers=workers,
             concurrency=concurrency,
@@ -112,7 +115,7 @@ class NativeFetcher:
     async def fetch_large(self, item: Item) -> Fetched:
         """Copy one large object in ranged parts and place it; raises as fetch.Fetcher.fetch does."""
         loop = asyncio.get_running_loop()
-        done, failure = await loop.run_in_executor(self.pool, self.copier.fetch_large, self.tmp_dir, item, PART_SIZE)
+        done, failure = await loop.run_in_executor(self.pool, self.copier.fetch_large, self.tmp_dir, item, self.part_bytes)
         if failure is not None:
             raise _exception(*failure)
         size, etag = done

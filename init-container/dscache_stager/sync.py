@@ -252,6 +252,11 @@ class _Run:
             self.fetcher.close()
             if self.native:
                 self.native.close()
+                if (large := self.native.counters())["large_parts"] or large["parts_retried"]:
+                    self.progress.note(
+                        f"native data plane: {large['large_objects']} large object(s) in {large['large_parts']} "
+                        f"ranged parts, {large['parts_retried']} part(s) tried again"
+                    )
             # A failed run leaves no half manifest in tmp/ (a sealed one was moved out).
             for leftover in (self.manifest_tmp, os.path.join(rev.tmp, "manifest.merged")):
                 try:

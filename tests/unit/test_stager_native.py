@@ -64,3 +64,21 @@ def test_an_unreachable_endpoint_reads_as_the_python_path_reports_it(monkeypatch
     err = source_error(failure, source, 0)
     assert isinstance(err, SourceError) and "cannot reach the S3 endpoint" in str(err)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_large_object_that_cannot_be_read_raises_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """fetch_large answers once per object: the failure raised as fetch.py raises it, no temp file left."""
+    module = pytest.importorskip("dscache_native")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    source = S3Source("b", "p/", endpoint_url=f"http://127.0.0.1:{closed_port()}", retry_timeout=0.5)
+    fetcher = native.NativeFetcher(module, source, concurrency=4, workers=2, tmp_dir=str(tmp_path), part_bytes=1 << 20)
+    try:
+        with pytest.raises(GenericError):
+            asyncio.run(fetcher.fetch_large(("p/a", str(tmp_path / "a"), "e", None, 5 << 20)))
+        counters = fetcher.counters()
+        # Each of the five parts tried as often as fetch.py tries an object, and none written.
+        assert (counters["large_objects"], counters["large_parts"], counters["parts_retried"]) == (0, 0, 5 * 4)
+    finally:
+        fetcher.close()
+    assert list(tmp_path.iterdir()) == []
