@@ -115,7 +115,9 @@ class NativeFetcher:
     async def fetch_large(self, item: Item) -> Fetched:
         """Copy one large object in ranged parts and place it; raises as fetch.Fetcher.fetch does."""
         loop = asyncio.get_running_loop()
-        done, failure = await loop.run_in_executor(self.pool, self.copier.fetch_large, self.tmp_dir, item, self.part_bytes)
+        done, failure = await loop.run_in_executor(
+            self.pool, self.copier.fetch_large, self.tmp_dir, item, self.part_bytes
+        )
         if failure is not None:
             raise _exception(*failure)
         size, etag = done
