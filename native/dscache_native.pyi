@@ -28,6 +28,7 @@ class Copier:
         buffer_bytes: int = 64 << 20,
         attempts: int = 5,
         parts: int = 16,
+        splice: bool = False,
     ) -> None: ...
     @property
     def workers(self) -> int: ...

@@ -12,8 +12,9 @@ hostile keys, journal, progress).
 Large objects (issue 30) go down too, one call each: ranged GETs of PART_SIZE
 in parallel on the native threads (at most SPLICE_THREADS parts in flight over
 the copier, as fetch.py's splice threads), each part pinned as the small
-objects are and written with pwritev into a temp file sized up front, then
-renamed; a failed or short part is tried again on its own. fetch.py's ranged
+objects are and written into a temp file sized up front (by splice(2) from a
+presigned URL on a plain-HTTP endpoint, else streamed and written with
+pwritev), then renamed; a failed or short part is tried again on its own. fetch.py's ranged
 parts (splice on plain HTTP) stay the fallback when the extension is absent.
 
 The extension is optional: when it is not installed (a venv without cargo),
@@ -82,6 +83,7 @@ class NativeFetcher:
         buffer_bytes: int = BUFFER_BYTES,
         part_bytes: int = PART_SIZE,
         config: dict[str, str] | None = None,
+        splice: bool | None = None,
     ) -> None:
         self.tmp_dir = tmp_dir
         self.part_bytes = part_bytes
@@ -99,6 +101,8 @@ class NativeFetcher:
             buffer_bytes=buffer_bytes,
             attempts=OBJECT_ATTEMPTS,
             parts=SPLICE_THREADS,
+            # Plain HTTP, as fetch.py decides it: large objects' parts by splice(2) (native/src/splice.rs).
+            splice=(source.endpoint_url or "").startswith("http://") if splice is None else splice,
         )
         self.workers: int = self.copier.workers
         # Each batch blocks one of these threads in native code, without the GIL.

@@ -45,6 +45,12 @@ pub struct Shared {
     pub large_objects: AtomicU64,
     pub large_parts: AtomicU64,
     pub parts_retried: AtomicU64,
+    /// Parts written by splice(2) (plain HTTP, large.rs): the others streamed.
+    pub spliced_parts: AtomicU64,
+    /// Large objects' parts by splice(2) from presigned URLs (plain-HTTP endpoints).
+    pub splice: bool,
+    /// A splice part's connect and read timeout (the S3 client's own for the others).
+    pub timeout: Duration,
 }
 
 /// Why an object failed, in the terms fetch.py's callers understand.

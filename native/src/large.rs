@@ -25,6 +25,10 @@ use object_store::{GetOptions, GetRange, ObjectStore};
 use tokio::task::JoinSet;
 
 use crate::copy::{jitter, os_failure, place, store_failure, Failure, Item, Shared, BUFFER_UNIT, FILE_MODE};
+use crate::splice::{self, Target};
+
+/// How long a presigned URL stays valid: longer than any part takes.
+const SIGNED_FOR: Duration = Duration::from_secs(6 * 3600);
 
 /// A part's body is written once this much of it has arrived (one pwritev of
 /// the chunks as hyper handed them over: no copy to gather them). It is also
@@ -72,6 +76,9 @@ pub async fn object(
     // space was checked against the whole revision before the copy began.
     file.set_len(size).map_err(|e| os_failure(e, "sizing", &temp.path))?;
     let file = Arc::new(file);
+    // Plain HTTP: splice(2) on a presigned URL, signed once for all the parts. A URL
+    // cannot name a version (its query is signed), so a pinned version streams.
+    let target = if shared.splice && version.is_none() { Some(Arc::new(presign(&shared, &path).await?)) } else { None };
     let part_bytes = part_bytes.max(1);
     let mut parts = JoinSet::new();
     let path = Arc::new(path);
@@ -79,8 +86,8 @@ pub async fn object(
     let mut start = 0;
     while start < size {
         let end = (start + part_bytes).min(size);
-        let (shared, path, pin, file) = (shared.clone(), path.clone(), pin.clone(), file.clone());
-        parts.spawn(async move { part(&shared, &path, &pin.0, &pin.1, &file, start, end).await });
+        let (shared, path, pin, file, target) = (shared.clone(), path.clone(), pin.clone(), file.clone(), target.clone());
+        parts.spawn(async move { part(&shared, &path, &pin.0, &pin.1, &file, &target, start, end).await });
         start = end;
     }
     // Every part must end (or fail) before the file is renamed: JoinSet aborts
@@ -107,14 +114,27 @@ pub async fn object(
     Ok((size, etags.unwrap_or_default().trim_matches('"').to_string()))
 }
 
+async fn presign(shared: &Shared, path: &Path) -> Result<Target, Failure> {
+    use object_store::signer::Signer;
+    let url = shared.store.signed_url(http::Method::GET, path, SIGNED_FOR).await.map_err(store_failure)?;
+    let host = url.host_str().ok_or_else(|| Failure::Store { kind: "generic", message: format!("no host in {url}") })?;
+    let path = match url.query() {
+        Some(q) => format!("{}?{q}", url.path()),
+        None => url.path().to_string(),
+    };
+    Ok(Target { host: host.to_string(), port: url.port_or_known_default().unwrap_or(80), path })
+}
+
 /// Bytes [start, end) of the object into ``file`` at the same offsets, retried
 /// as fetch.Fetcher.fetch retries an object; the ETag the server answered with.
+#[allow(clippy::too_many_arguments)]
 async fn part(
     shared: &Shared,
     path: &Path,
     etag: &str,
     version: &Option<String>,
-    file: &File,
+    file: &Arc<File>,
+    target: &Option<Arc<Target>>,
     start: u64,
     end: u64,
 ) -> Result<String, Failure> {
@@ -125,7 +145,11 @@ async fn part(
     let _bytes = shared.buffers.acquire_many(units).await.expect("the buffer semaphore is never closed");
     let mut attempt = 1;
     loop {
-        match once(shared, path, etag, version, file, start, end).await {
+        let tried = match target {
+            Some(target) => spliced(shared, target, etag, file, start, end).await,
+            None => once(shared, path, etag, version, file, start, end).await,
+        };
+        match tried {
             Ok(got) => {
                 shared.large_parts.fetch_add(1, Ordering::Relaxed);
                 return Ok(got);
@@ -139,6 +163,27 @@ async fn part(
             }
         }
     }
+}
+
+/// A part by splice(2) on a blocking thread (splice.rs); the pin is If-Match, so
+/// the ETag is the listed one.
+async fn spliced(
+    shared: &Shared,
+    target: &Arc<Target>,
+    etag: &str,
+    file: &Arc<File>,
+    start: u64,
+    end: u64,
+) -> Result<String, Failure> {
+    let _request = shared.requests.acquire().await.expect("the request semaphore is never closed");
+    let (target, file, pin, timeout) = (target.clone(), file.clone(), etag.to_string(), shared.timeout);
+    // Not abortable once started: a cancelled object's part ends on its own (or
+    // times out), writing only into the temp file Temp removed.
+    tokio::task::spawn_blocking(move || splice::get_range_into(&target, file.as_raw_fd(), &pin, start, end, timeout))
+        .await
+        .map_err(|e| Failure::Store { kind: "generic", message: format!("a part's thread failed: {e}") })??;
+    shared.spliced_parts.fetch_add(1, Ordering::Relaxed);
+    Ok(etag.to_string())
 }
 
 async fn once(

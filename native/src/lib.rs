@@ -16,6 +16,7 @@
 mod copy;
 mod creds;
 mod large;
+mod splice;
 mod settings;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +33,10 @@ use copy::{Item, Shared};
 
 /// A failure as Python takes it: (kind, errno, message, key).
 type FailureTuple = (String, i32, String, String);
+/// What Copier.fetch answers: (index, size, ETag) of each object placed, and the failure.
+type BatchAnswer = (Vec<(usize, u64, String)>, Option<FailureTuple>);
+/// What Copier.fetch_large answers: (size, ETag), or the failure.
+type LargeAnswer = (Option<(u64, String)>, Option<FailureTuple>);
 
 /// A copier for one bucket: its own runtime (``workers`` threads), connection
 /// pool and request limit. One per staging run.
@@ -47,7 +52,7 @@ impl Copier {
     #[new]
     #[pyo3(signature = (bucket, config, *, access_key_id=None, secret_access_key=None, session_token=None,
                         skip_signature=false, credential_provider=None, workers=1, concurrency=64,
-                        buffer_bytes=64 << 20, attempts=5, parts=16))]
+                        buffer_bytes=64 << 20, attempts=5, parts=16, splice=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bucket: &str,
@@ -62,7 +67,11 @@ impl Copier {
         buffer_bytes: u64,
         attempts: u32,
         parts: usize,
+        splice: bool,
     ) -> PyResult<Self> {
+        let timeout = std::time::Duration::from_millis(
+            config.get("timeout_ms").and_then(|t| t.parse().ok()).unwrap_or(60_000),
+        );
         let workers = workers.max(1);
         let buffer_units = u32::try_from(buffer_bytes.div_ceil(copy::BUFFER_UNIT).max(1))
             .map_err(|_| PyValueError::new_err(format!("buffer_bytes={buffer_bytes} is too large")))?;
@@ -100,6 +109,9 @@ impl Copier {
             large_objects: AtomicU64::new(0),
             large_parts: AtomicU64::new(0),
             parts_retried: AtomicU64::new(0),
+            spliced_parts: AtomicU64::new(0),
+            splice,
+            timeout,
         });
         Ok(Copier { runtime, shared, workers })
     }
@@ -119,7 +131,7 @@ impl Copier {
         py: Python<'_>,
         tmp_dir: String,
         items: Vec<Item>,
-    ) -> PyResult<(Vec<(usize, u64, String)>, Option<FailureTuple>)> {
+    ) -> PyResult<BatchAnswer> {
         let shared = self.shared.clone();
         let (reply, answer) = tokio::sync::oneshot::channel();
         // One task onto the runtime (one wake of a worker); it spawns the
@@ -142,7 +154,7 @@ impl Copier {
         tmp_dir: String,
         item: Item,
         part_bytes: u64,
-    ) -> PyResult<(Option<(u64, String)>, Option<FailureTuple>)> {
+    ) -> PyResult<LargeAnswer> {
         let shared = self.shared.clone();
         let key = item.0.clone();
         let (reply, answer) = tokio::sync::oneshot::channel();
@@ -171,6 +183,7 @@ impl Copier {
             ("large_objects", s.large_objects.load(Ordering::Relaxed)),
             ("large_parts", s.large_parts.load(Ordering::Relaxed)),
             ("parts_retried", s.parts_retried.load(Ordering::Relaxed)),
+            ("spliced_parts", s.spliced_parts.load(Ordering::Relaxed)),
         ])
     }
 

@@ -31,14 +31,21 @@ BODY_SIZE = 3 * PART + PART // 2
 
 
 def copier(
-    server: S3Server, bucket: str, tmp: Path, endpoint: str | None = None, config: dict[str, str] | None = None
+    server: S3Server,
+    bucket: str,
+    tmp: Path,
+    endpoint: str | None = None,
+    config: dict[str, str] | None = None,
+    splice: bool | None = None,
 ) -> native.NativeFetcher:
     if os.environ.get(native.ENV) == "0":
         pytest.skip("drives the native copier itself: once, on the native plane")
     module = pytest.importorskip("dscache_native")
     tmp.mkdir(exist_ok=True)
     source = S3Source(bucket, "", endpoint_url=endpoint or server.endpoint, retry_timeout=5)
-    return native.NativeFetcher(module, source, 8, workers=2, tmp_dir=str(tmp), part_bytes=PART, config=config)
+    return native.NativeFetcher(
+        module, source, 8, workers=2, tmp_dir=str(tmp), part_bytes=PART, config=config, splice=splice
+    )
 
 
 def fetch_large(fetcher: native.NativeFetcher, item: native.Item) -> object:
@@ -65,11 +72,16 @@ def body(s3_server: S3Server, bucket: str, env: None) -> tuple[bytes, str]:
     return data, etag
 
 
+SPLICE = pytest.mark.parametrize("splice", [True, False], ids=["splice", "stream"])
+
+
+@SPLICE
 def test_a_large_object_arrives_whole_in_parts_and_read_only(
-    s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path
+    s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path, splice: bool
 ):
+    """Both ways of writing a part: splice(2) from a presigned URL (plain HTTP) and pwritev of the stream."""
     data, etag = body
-    fetcher = copier(s3_server, bucket, tmp_path / "tmp")
+    fetcher = copier(s3_server, bucket, tmp_path / "tmp", splice=splice)
     try:
         got = fetch_large(fetcher, ("big", str(tmp_path / "out"), etag, None, len(data)))
         counters = fetcher.counters()
@@ -80,14 +92,15 @@ def test_a_large_object_arrives_whole_in_parts_and_read_only(
     assert (tmp_path / "out").read_bytes() == data
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o444
     assert os.listdir(tmp_path / "tmp") == []
-    assert counters == {"large_objects": 1, "large_parts": 4, "parts_retried": 0}
+    assert counters == {"large_objects": 1, "large_parts": 4, "parts_retried": 0, "spliced_parts": 4 * splice}
 
 
+@SPLICE
 def test_the_pin_refuses_other_bytes_and_leaves_nothing(
-    s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path
+    s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path, splice: bool
 ):
     data, _ = body
-    fetcher = copier(s3_server, bucket, tmp_path / "tmp")
+    fetcher = copier(s3_server, bucket, tmp_path / "tmp", splice=splice)
     try:
         got = fetch_large(fetcher, ("big", str(tmp_path / "out"), "0" * 32, None, len(data)))
     finally:
@@ -106,19 +119,23 @@ def test_a_pinned_version_is_read_after_an_overwrite(
     client = versioned_s3.client()
     first = client.put_object(Bucket=versioned_bucket, Key="big", Body=old)
     client.put_object(Bucket=versioned_bucket, Key="big", Body=new)
-    fetcher = copier(versioned_s3, versioned_bucket, tmp_path / "tmp")
+    # A plain-HTTP endpoint, yet a pinned version streams: a presigned URL cannot name it.
+    fetcher = copier(versioned_s3, versioned_bucket, tmp_path / "tmp", splice=True)
     try:
         item = ("big", str(tmp_path / "out"), first["ETag"].strip('"'), first["VersionId"], BODY_SIZE)
         got = fetch_large(fetcher, item)
+        counters = fetcher.counters()
     finally:
         fetcher.close()
     assert not isinstance(got, BaseException), got
     assert (tmp_path / "out").read_bytes() == old
+    assert (counters["large_parts"], counters["spliced_parts"]) == (4, 0)
 
 
+@SPLICE
 @pytest.mark.parametrize("fault", ["short", "reset"])
 def test_a_failed_or_short_part_is_tried_again_on_its_own(
-    s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path, fault: str
+    s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path, fault: str, splice: bool
 ):
     """Every part's first answer is cut (a clean close: a short read; or a reset) with the S3
     client's own retries off: the copier tries each part again itself, and only that part."""
@@ -130,7 +147,9 @@ def test_a_failed_or_short_part_is_tried_again_on_its_own(
         return fault if next(cuts, None) is not None else "pass"
 
     proxy = FaultProxy((s3_server.host, s3_server.port), first_four).start()
-    fetcher = copier(s3_server, bucket, tmp_path / "tmp", endpoint=proxy.endpoint, config={"max_retries": "0"})
+    fetcher = copier(
+        s3_server, bucket, tmp_path / "tmp", endpoint=proxy.endpoint, config={"max_retries": "0"}, splice=splice
+    )
     try:
         got = fetch_large(fetcher, ("big", str(tmp_path / "out"), etag, None, len(data)))
         counters = fetcher.counters()
@@ -140,7 +159,7 @@ def test_a_failed_or_short_part_is_tried_again_on_its_own(
     assert not isinstance(got, BaseException), got
     assert (tmp_path / "out").read_bytes() == data
     assert proxy.counts.get(fault) == 4
-    assert counters == {"large_objects": 1, "large_parts": 4, "parts_retried": 4}
+    assert counters == {"large_objects": 1, "large_parts": 4, "parts_retried": 4, "spliced_parts": 4 * splice}
     assert proxy.counts.get("pass") == 4  # each cut part asked for again once, no more
 
 

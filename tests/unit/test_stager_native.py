@@ -77,8 +77,11 @@ def test_a_large_object_that_cannot_be_read_raises_and_leaves_nothing(monkeypatc
         with pytest.raises(GenericError):
             asyncio.run(fetcher.fetch_large(("p/a", str(tmp_path / "a"), "e", None, 5 << 20)))
         counters = fetcher.counters()
-        # Each of the five parts tried as often as fetch.py tries an object, and none written.
-        assert (counters["large_objects"], counters["large_parts"], counters["parts_retried"]) == (0, 0, 5 * 4)
+        assert counters["spliced_parts"] == 0
+        # A part is tried as often as fetch.py tries an object (4 more times) before the object
+        # fails; the first part to give up stops the others, wherever they are.
+        assert (counters["large_objects"], counters["large_parts"]) == (0, 0)
+        assert 4 <= counters["parts_retried"] <= 5 * 4, counters
     finally:
         fetcher.close()
     assert list(tmp_path.iterdir()) == []
