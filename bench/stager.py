@@ -69,6 +69,11 @@ BUCKET = "bench"
 # plane, dscache_native, when installed), "dscache_python" the pure-Python
 # fallback (DSCACHE_NATIVE=0), measured in the same run.
 DSCACHE_TOOLS = ("dscache", "dscache_python")
+# Opt-in variants of the native plane, named as peers (--peers s5cmd,dscache_rename):
+# "dscache_rename" places small objects by temp file + rename in tmp/, as before issue 30
+# (DSCACHE_NATIVE_TMPFILE=0), for a same-run comparison with what ships.
+DSCACHE_VARIANTS = ("dscache_rename",)
+STAGED = (*DSCACHE_TOOLS, *DSCACHE_VARIANTS)
 
 
 def native_installed() -> bool:
@@ -81,6 +86,8 @@ def tool_env(tool: str, env: dict[str, str], workers: int | None = None) -> dict
     """The environment a tool runs with: dscache's plane, and the native threads for the --workers sweep."""
     if tool == "dscache_python":
         return {**env, "DSCACHE_NATIVE": "0"}
+    if tool == "dscache_rename":
+        return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_NATIVE_TMPFILE": "0"}
     if tool in ("dscache", "warm"):
         out = {**env, "DSCACHE_NATIVE": "1"}
         if workers:
@@ -225,7 +232,7 @@ class Tools:
     ) -> list[str]:
         uri = f"s3://{BUCKET}/{prefix}"
         ep = endpoint or self.ep
-        if tool in ("dscache", "dscache_python", "warm"):
+        if tool in (*STAGED, "warm"):
             return [
                 self.stage,
                 "sync",
@@ -455,7 +462,7 @@ def small_profile(
                     proxy_cpu_s=proc_cpu_s(proxy.pid) - proxy_before,
                     connections=proxy.connections() - conns_before,
                 )
-            n, b = tree_bytes(dest / "revs" / revision / "data" if tool in DSCACHE_TOOLS else dest)
+            n, b = tree_bytes(dest / "revs" / revision / "data" if tool in STAGED else dest)
             if (n, b) != (count, count * size):
                 raise RuntimeError(f"{tool} copied {n} files / {b} B, expected {count} / {count * size}")
             small[tool].append(run)
@@ -463,7 +470,7 @@ def small_profile(
                 f"{prefix} run {r + 1} {tool}: {run.seconds:.2f}s ({count / run.seconds:.0f} obj/s), "
                 f"cpu {run.cpu_s:.2f}s ({run.cpu_s / count * 1e6:.0f} ms/1k), rss {run.peak_rss_mib:.0f} MiB"
             )
-            if tool in DSCACHE_TOOLS:
+            if tool in STAGED:
                 verify_dscache(dest, revision, prefix, digests, json.loads(run.out), warm=False)
             if tool == "dscache" and with_warm:
                 # A second pod of the same revision on the same node.

@@ -29,6 +29,7 @@ class Copier:
         attempts: int = 5,
         parts: int = 16,
         splice: bool = False,
+        tmpfile: bool = True,
     ) -> None: ...
     @property
     def workers(self) -> int: ...

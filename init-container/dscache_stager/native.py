@@ -40,6 +40,10 @@ from .sync_options import BUFFER_BYTES
 #: "0" turns the native data plane off (the pure-Python path runs); unset or "1": on when installed.
 ENV = "DSCACHE_NATIVE"
 
+#: "0": small objects are written to a named temp file in tmp/ and renamed into place, as
+#: before issue 30, instead of an unnamed file (O_TMPFILE) linked into its directory.
+TMPFILE_ENV = "DSCACHE_NATIVE_TMPFILE"
+
 #: (key, final path, ETag, versionId, listed size) as dscache_native.Copier.fetch takes them.
 Item = tuple[str, str, str, str | None, int]
 
@@ -103,6 +107,9 @@ class NativeFetcher:
             parts=SPLICE_THREADS,
             # Plain HTTP, as fetch.py decides it: large objects' parts by splice(2) (native/src/splice.rs).
             splice=(source.endpoint_url or "").startswith("http://") if splice is None else splice,
+            # Small objects into unnamed files (O_TMPFILE) linked into place; "0": temp + rename
+            # in tmp/ (bench/stager.py measures both).
+            tmpfile=os.environ.get(TMPFILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
         )
         self.workers: int = self.copier.workers
         # Each batch blocks one of these threads in native code, without the GIL.

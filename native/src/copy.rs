@@ -2,6 +2,7 @@
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -51,6 +52,8 @@ pub struct Shared {
     pub splice: bool,
     /// A splice part's connect and read timeout (the S3 client's own for the others).
     pub timeout: Duration,
+    /// Small objects into unnamed files linked into place (write_unnamed), not temp + rename.
+    pub tmpfile: bool,
 }
 
 /// Why an object failed, in the terms fetch.py's callers understand.
@@ -241,6 +244,14 @@ async fn once(
     };
     // From here on nothing awaits: a cancelled task is dropped either before
     // its temp file exists or after its rename, never between.
+    if shared.tmpfile {
+        match write_unnamed(dest, &body) {
+            Ok(()) => return Ok((body.len() as u64, got_etag.trim_matches('"').to_string())),
+            // A filesystem without O_TMPFILE: the named temp file below.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)) => {}
+            Err(e) => return Err(os_failure(e, "placing", dest)),
+        }
+    }
     let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
     let tmp = format!("{tmp_dir}/{}-n{seq}", shared.pid);
     if let Err(e) = write_new(&tmp, &body) {
@@ -252,6 +263,40 @@ async fn once(
         return Err(os_failure(e, "placing", dest));
     }
     Ok((body.len() as u64, got_etag.trim_matches('"').to_string()))
+}
+
+/// The body into an unnamed file (O_TMPFILE) in ``dest``'s own directory, then linked
+/// under its name: a file appears whole or not at all, as with temp + rename, but
+/// with no entry created and removed in the shared tmp dir and no rename across
+/// directories (which takes the filesystem-wide rename lock): two threads that
+/// place small files contend on nothing but the destination directory. A run
+/// killed mid-write leaves nothing behind: an unnamed file goes with its descriptor.
+fn write_unnamed(dest: &str, body: &[u8]) -> io::Result<()> {
+    let dir = match std::path::Path::new(dest).parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let mut f = OpenOptions::new().write(true).custom_flags(libc::O_TMPFILE).mode(FILE_MODE).open(dir)?;
+    f.write_all(body)?;
+    // linkat(AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH; the /proc link does not.
+    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", f.as_raw_fd())).expect("no NUL in a number");
+    let to = std::ffi::CString::new(dest).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let link = || {
+        // SAFETY: two live NUL-terminated paths.
+        let r = unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
+        if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    };
+    match link() {
+        // What rename replaces (a resumed run's stale file; a stale directory where the bucket now has a file, as place does).
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+            match fs::symlink_metadata(dest) {
+                Ok(m) if m.is_dir() => fs::remove_dir_all(dest)?,
+                _ => fs::remove_file(dest)?,
+            }
+            link()
+        }
+        other => other,
+    }
 }
 
 fn write_new(tmp: &str, body: &[u8]) -> io::Result<()> {

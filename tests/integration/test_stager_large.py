@@ -213,3 +213,33 @@ def test_a_run_killed_mid_object_resumes_to_the_exact_bytes(
     assert final.code == 0, final.stderr
     assert (data_dir(cache, rev) / "big.bin").read_bytes() == data
     assert not tmp.exists()
+
+
+@pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["unnamed-file", "temp-rename"])
+def test_small_objects_replace_what_a_killed_run_left_and_leave_tmp_empty(
+    s3_server: S3Server, bucket: str, tmp_path: Path, env: None, monkeypatch: pytest.MonkeyPatch, tmpfile: str
+):
+    """Small objects go into unnamed files linked into place (O_TMPFILE), or by temp file + rename
+    (DSCACHE_NATIVE_TMPFILE=0): either way a stale file, or a stale directory where the bucket now
+    has a file, is replaced by the object's bytes, read-only, and nothing is left in tmp/."""
+    monkeypatch.setenv(native.TMPFILE_ENV, tmpfile)
+    files = {f"d/f{i}": os.urandom(1000 + i) for i in range(20)}
+    s3_server.put_tree(bucket, files)
+    out = tmp_path / "out"
+    (out / "d").mkdir(parents=True)
+    (out / "d" / "f0").write_bytes(b"stale")  # what a killed run of an older listing placed
+    (out / "d" / "f1").mkdir()
+    (out / "d" / "f1" / "x").write_bytes(b"a directory where the bucket now has a file")
+    fetcher = copier(s3_server, bucket, tmp_path / "tmp")
+    try:
+        items = [(key, str(out / key), "", None, len(body)) for key, body in files.items()]
+        placed, failure = asyncio.run(asyncio.wait_for(fetcher.fetch(items), 60))
+    finally:
+        fetcher.close()
+    assert failure is None, failure
+    assert len(placed) == len(files)
+    for key, body in files.items():
+        assert (out / key).read_bytes() == body, key
+        assert stat.S_IMODE((out / key).stat().st_mode) == 0o444
+    assert sorted(os.listdir(out / "d")) == sorted(k.split("/")[1] for k in files)
+    assert os.listdir(tmp_path / "tmp") == []
