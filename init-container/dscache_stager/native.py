@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from types import ModuleType
@@ -39,6 +40,9 @@ from .sync_options import BUFFER_BYTES
 
 #: "0" turns the native data plane off (the pure-Python path runs); unset or "1": on when installed.
 ENV = "DSCACHE_NATIVE"
+
+#: How often a large object's progress is read from the copier while it is copied.
+PROGRESS_S = 0.5
 
 #: "0": small objects are written to a named temp file in tmp/ and renamed into place, as
 #: before issue 30, instead of an unnamed file (O_TMPFILE) linked into its directory.
@@ -112,6 +116,7 @@ class NativeFetcher:
             tmpfile=os.environ.get(TMPFILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
         )
         self.workers: int = self.copier.workers
+        self.reported = 0  # large parts' bytes handed to on_bytes so far
         # Each batch blocks one of these threads in native code, without the GIL.
         self.pool = ThreadPoolExecutor(self.batches, thread_name_prefix="native-batch")
         self.closed = False
@@ -123,16 +128,29 @@ class NativeFetcher:
         placed = [(i, Fetched(size, etag)) for i, size, etag in done]
         return placed, (_exception(*failure) if failure is not None else None)
 
-    async def fetch_large(self, item: Item) -> Fetched:
-        """Copy one large object in ranged parts and place it; raises as fetch.Fetcher.fetch does."""
+    async def fetch_large(self, item: Item, on_bytes: Callable[[int], None] | None = None) -> Fetched:
+        """Copy one large object in ranged parts and place it; raises as fetch.Fetcher.fetch does.
+
+        The object completes to Python once; meanwhile ``on_bytes`` hears of its parts as they are
+        written (every PROGRESS_S, from the copier's byte counter, shared by the objects in flight).
+        """
         loop = asyncio.get_running_loop()
-        done, failure = await loop.run_in_executor(
-            self.pool, self.copier.fetch_large, self.tmp_dir, item, self.part_bytes
-        )
+        job = loop.run_in_executor(self.pool, self.copier.fetch_large, self.tmp_dir, item, self.part_bytes)
+        if on_bytes is not None:
+            while not job.done():
+                await asyncio.wait({job}, timeout=PROGRESS_S)
+                self._report(on_bytes)
+        done, failure = await job
         if failure is not None:
             raise _exception(*failure)
         size, etag = done
         return Fetched(size, etag)
+
+    def _report(self, on_bytes: Callable[[int], None]) -> None:
+        written = self.copier.counters()["large_bytes"]
+        if written > self.reported:
+            on_bytes(written - self.reported)
+            self.reported = written
 
     def counters(self) -> dict[str, int]:
         """Large objects placed, parts written and parts tried again by this copier."""

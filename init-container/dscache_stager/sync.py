@@ -478,12 +478,12 @@ class _Run:
 
     async def _fetch_native_large(self, obj: RemoteObject, rel: str) -> None:
         assert self.native is not None
-        got = await self.native.fetch_large((obj.key, self.tree.path(rel), obj.etag, obj.version_id, obj.size))
+        item = (obj.key, self.tree.path(rel), obj.etag, obj.version_id, obj.size)
+        got = await self.native.fetch_large(item, self.progress.add_bytes)
         entry = ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
         self.journal.write(entry.to_json() + "\n")
         self.fetched_bytes += got.size
         self.progress.fetched_objects += 1
-        self.progress.add_bytes(got.size)
 
     async def _fetch_one(self, obj: RemoteObject, rel: str) -> None:
         got = await self.fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)

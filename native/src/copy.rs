@@ -46,6 +46,8 @@ pub struct Shared {
     pub large_objects: AtomicU64,
     pub large_parts: AtomicU64,
     pub parts_retried: AtomicU64,
+    /// Bytes of the parts written so far (progress while a large object is copied).
+    pub large_bytes: AtomicU64,
     /// Parts written by splice(2) (plain HTTP, large.rs): the others streamed.
     pub spliced_parts: AtomicU64,
     /// Large objects' parts by splice(2) from presigned URLs (plain-HTTP endpoints).

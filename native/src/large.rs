@@ -152,6 +152,7 @@ async fn part(
         match tried {
             Ok(got) => {
                 shared.large_parts.fetch_add(1, Ordering::Relaxed);
+                shared.large_bytes.fetch_add(end - start, Ordering::Relaxed);
                 return Ok(got);
             }
             Err(f) if f.fatal() || attempt >= shared.attempts => return Err(f),

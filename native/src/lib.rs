@@ -111,6 +111,7 @@ impl Copier {
             large_parts: AtomicU64::new(0),
             parts_retried: AtomicU64::new(0),
             spliced_parts: AtomicU64::new(0),
+            large_bytes: AtomicU64::new(0),
             splice,
             timeout,
             // The link goes through /proc (write_unnamed): without it, temp + rename.
@@ -179,7 +180,8 @@ impl Copier {
         })
     }
 
-    /// What the large-object path did so far: objects placed, parts written, parts tried again.
+    /// What the large-object path did so far: objects placed, parts written (their bytes), parts
+    /// tried again, parts written by splice.
     fn counters(&self) -> std::collections::HashMap<&'static str, u64> {
         let s = &self.shared;
         std::collections::HashMap::from([
@@ -187,6 +189,7 @@ impl Copier {
             ("large_parts", s.large_parts.load(Ordering::Relaxed)),
             ("parts_retried", s.parts_retried.load(Ordering::Relaxed)),
             ("spliced_parts", s.spliced_parts.load(Ordering::Relaxed)),
+            ("large_bytes", s.large_bytes.load(Ordering::Relaxed)),
         ])
     }
 

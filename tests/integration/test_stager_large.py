@@ -48,10 +48,10 @@ def copier(
     )
 
 
-def fetch_large(fetcher: native.NativeFetcher, item: native.Item) -> object:
+def fetch_large(fetcher: native.NativeFetcher, item: native.Item, on_bytes=None) -> object:
     async def go() -> object:
         try:
-            return await asyncio.wait_for(fetcher.fetch_large(item), 120)
+            return await asyncio.wait_for(fetcher.fetch_large(item, on_bytes), 120)
         except Exception as e:
             return e
 
@@ -82,8 +82,9 @@ def test_a_large_object_arrives_whole_in_parts_and_read_only(
     """Both ways of writing a part: splice(2) from a presigned URL (plain HTTP) and pwritev of the stream."""
     data, etag = body
     fetcher = copier(s3_server, bucket, tmp_path / "tmp", splice=splice)
+    progress: list[int] = []
     try:
-        got = fetch_large(fetcher, ("big", str(tmp_path / "out"), etag, None, len(data)))
+        got = fetch_large(fetcher, ("big", str(tmp_path / "out"), etag, None, len(data)), progress.append)
         counters = fetcher.counters()
     finally:
         fetcher.close()
@@ -92,7 +93,14 @@ def test_a_large_object_arrives_whole_in_parts_and_read_only(
     assert (tmp_path / "out").read_bytes() == data
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o444
     assert os.listdir(tmp_path / "tmp") == []
-    assert counters == {"large_objects": 1, "large_parts": 4, "parts_retried": 0, "spliced_parts": 4 * splice}
+    assert sum(progress) == len(data)  # the progress line heard of every part, once
+    assert counters == {
+        "large_objects": 1,
+        "large_parts": 4,
+        "parts_retried": 0,
+        "spliced_parts": 4 * splice,
+        "large_bytes": BODY_SIZE,
+    }
 
 
 @SPLICE
@@ -159,7 +167,13 @@ def test_a_failed_or_short_part_is_tried_again_on_its_own(
     assert not isinstance(got, BaseException), got
     assert (tmp_path / "out").read_bytes() == data
     assert proxy.counts.get(fault) == 4
-    assert counters == {"large_objects": 1, "large_parts": 4, "parts_retried": 4, "spliced_parts": 4 * splice}
+    assert counters == {
+        "large_objects": 1,
+        "large_parts": 4,
+        "parts_retried": 4,
+        "spliced_parts": 4 * splice,
+        "large_bytes": BODY_SIZE,
+    }
     assert proxy.counts.get("pass") == 4  # each cut part asked for again once, no more
 
 
