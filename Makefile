@@ -124,7 +124,8 @@ define NATIVE_CHECK
 import platform, dscache_native
 from dscache_stager import native
 assert native.load() is dscache_native, "the stager would not use dscache_native"
-print(f"release-check: dscache_native {dscache_native.version()} ({platform.machine()}) at {dscache_native.__file__}: the stager's data plane")
+ext = getattr(dscache_native, "dscache_native", dscache_native).__file__
+print(f"release-check: dscache_native {dscache_native.version()} ({platform.machine()}), {ext}: the stager's data plane")
 endef
 export NATIVE_CHECK
 
