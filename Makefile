@@ -27,22 +27,24 @@ $(VENV)/.installed: pyproject.toml uv.lock
 	touch $@
 
 # The stager's native data plane (native/, Rust + PyO3, built by maturin from
-# crates.io: no prebuilt binary). Optional for the venv: without cargo, or when
-# the build fails, the stager runs its pure-Python data plane (DSCACHE_NATIVE
-# in dscache_stager/native.py). The stager image always installs the wheel.
-MATURIN_VERSION := 1.15.0
+# crates.io: no prebuilt binary), for the venv. Optional here: without cargo,
+# or when the build fails, the venv's stager runs its pure-Python data plane
+# (DSCACHE_NATIVE in dscache_stager/native.py). The stager image does not use
+# this wheel: its Dockerfile's native stage compiles its own for the image's
+# architecture, and the image does not build without it.
+# maturin, pinned and hashed: the same file the image's build installs.
+MATURIN_REQ := init-container/build-requirements.txt
 # Compiled crates are kept outside the clone, so a fresh clone (CI) builds only
 # this crate, not its ~150 dependencies (a cold build: see init-container/README.md).
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dscache/native-target
 WHEELS := build/wheels
-# Fixed zip timestamps: the same sources make the same wheel, so the stager
-# image's input key (e2e/tools/images.sh) changes only when native/ does.
+# Fixed zip timestamps: the same sources make the same wheel.
 WHEEL_EPOCH := 1700000000
 NATIVE_SRC := $(wildcard native/Cargo.toml native/Cargo.lock native/pyproject.toml native/*.pyi native/src/*.rs)
 
-build/wheels.stamp: $(NATIVE_SRC) | $(VENV)/.installed
+build/wheels.stamp: $(NATIVE_SRC) $(MATURIN_REQ) | $(VENV)/.installed
 	@command -v cargo >/dev/null || { echo "make wheels: cargo not found (rustup, or Debian's cargo)" >&2; exit 1; }
-	@[ -x $(VENV)/bin/maturin ] || $(PY) -m pip install -q "maturin==$(MATURIN_VERSION)"
+	@[ -x $(VENV)/bin/maturin ] || $(PY) -m pip install -q --require-hashes --no-deps -r $(MATURIN_REQ)
 	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
 	@# abi3 (CPython >= 3.11) and this machine's glibc: the image's base is the same Debian.
 	t=$$(date +%s); cd native && SOURCE_DATE_EPOCH=$(WHEEL_EPOCH) ../$(VENV)/bin/maturin build --release --locked --quiet \
@@ -50,7 +52,7 @@ build/wheels.stamp: $(NATIVE_SRC) | $(VENV)/.installed
 	  && echo "make wheels: built in $$(( $$(date +%s) - t ))s: $$(ls ../$(WHEELS))"
 	touch $@
 
-wheels: build/wheels.stamp ## The native data plane's wheel (Rust, maturin) into build/wheels/
+wheels: build/wheels.stamp ## The native data plane's wheel for the venv (Rust, maturin) into build/wheels/
 
 install: $(VENV)/.installed ## Python virtualenv with every extra, as locked in uv.lock (.venv), plus the native wheel if it builds
 	@if $(MAKE) --no-print-directory wheels; then \
@@ -114,7 +116,27 @@ chart-docs: ## Regenerate charts/dscache/README.md from values.yaml and README.m
 docs: ## Render the benchmark figures in README.md and docs/*.md from bench/results/*.json (after `make bench-quick`)
 	$(PY) bench/render.py
 
-release-check: ## What release.yml does that can run here: actionlint, helm lint --strict, helm package into build/
+# The release's images, built here the way release.yml builds them (the same
+# Dockerfiles; buildah instead of buildx, this machine's arch only), tagged
+# with the version release.yml would publish.
+VERSION = $(shell $(PYTHON) -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+IMAGES := bash e2e/tools/images.sh
+# In the stager image, as its own user: the wheel its native stage compiled is
+# installed, imports, and is the data plane the stager's loader picks.
+define NATIVE_CHECK
+import platform, dscache_native
+from dscache_stager import native
+assert native.load() is dscache_native, "the stager would not use dscache_native"
+ext = getattr(dscache_native, "dscache_native", dscache_native).__file__
+print(f"release-check: dscache_native {dscache_native.version()} ({platform.machine()}), {ext}: the stager's data plane")
+endef
+export NATIVE_CHECK
+
+release-check: lint test-unit ## What release.yml does that can run here: lint, unit tests, actionlint, helm lint/package, both images built (buildah) and the stager's native wheel imported in its image
 	"$$(bash e2e/tools/tools.sh --path actionlint | tail -1)/actionlint" .github/workflows/release.yml
 	"$$(bash e2e/tools/tools.sh --path helm | tail -1)/helm" lint --strict charts/dscache
 	"$$(bash e2e/tools/tools.sh --path helm | tail -1)/helm" package charts/dscache --destination build
+	$(IMAGES) build localhost/dscache-operator:$(VERSION) operator/Dockerfile .
+	$(IMAGES) build localhost/dscache-stager:$(VERSION) init-container/Dockerfile .
+	$(IMAGES) run localhost/dscache-operator:$(VERSION) python -c 'import dscache_operator, dscache_contract'
+	$(IMAGES) run localhost/dscache-stager:$(VERSION) python3 -c "$$NATIVE_CHECK"

@@ -69,6 +69,11 @@ BUCKET = "bench"
 # plane, dscache_native, when installed), "dscache_python" the pure-Python
 # fallback (DSCACHE_NATIVE=0), measured in the same run.
 DSCACHE_TOOLS = ("dscache", "dscache_python")
+# Opt-in variants of the native plane, named as peers (--peers s5cmd,dscache_rename):
+# "dscache_rename" places small objects by temp file + rename in tmp/, as before issue 30
+# (DSCACHE_NATIVE_TMPFILE=0), for a same-run comparison with what ships.
+DSCACHE_VARIANTS = ("dscache_rename",)
+STAGED = (*DSCACHE_TOOLS, *DSCACHE_VARIANTS)
 
 
 def native_installed() -> bool:
@@ -81,6 +86,8 @@ def tool_env(tool: str, env: dict[str, str], workers: int | None = None) -> dict
     """The environment a tool runs with: dscache's plane, and the native threads for the --workers sweep."""
     if tool == "dscache_python":
         return {**env, "DSCACHE_NATIVE": "0"}
+    if tool == "dscache_rename":
+        return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_NATIVE_TMPFILE": "0"}
     if tool in ("dscache", "warm"):
         out = {**env, "DSCACHE_NATIVE": "1"}
         if workers:
@@ -225,7 +232,7 @@ class Tools:
     ) -> list[str]:
         uri = f"s3://{BUCKET}/{prefix}"
         ep = endpoint or self.ep
-        if tool in ("dscache", "dscache_python", "warm"):
+        if tool in (*STAGED, "warm"):
             return [
                 self.stage,
                 "sync",
@@ -455,7 +462,7 @@ def small_profile(
                     proxy_cpu_s=proc_cpu_s(proxy.pid) - proxy_before,
                     connections=proxy.connections() - conns_before,
                 )
-            n, b = tree_bytes(dest / "revs" / revision / "data" if tool in DSCACHE_TOOLS else dest)
+            n, b = tree_bytes(dest / "revs" / revision / "data" if tool in STAGED else dest)
             if (n, b) != (count, count * size):
                 raise RuntimeError(f"{tool} copied {n} files / {b} B, expected {count} / {count * size}")
             small[tool].append(run)
@@ -463,7 +470,7 @@ def small_profile(
                 f"{prefix} run {r + 1} {tool}: {run.seconds:.2f}s ({count / run.seconds:.0f} obj/s), "
                 f"cpu {run.cpu_s:.2f}s ({run.cpu_s / count * 1e6:.0f} ms/1k), rss {run.peak_rss_mib:.0f} MiB"
             )
-            if tool in DSCACHE_TOOLS:
+            if tool in STAGED:
                 verify_dscache(dest, revision, prefix, digests, json.loads(run.out), warm=False)
             if tool == "dscache" and with_warm:
                 # A second pod of the same revision on the same node.
@@ -496,6 +503,11 @@ def main() -> int:
     ap.add_argument("--scale-peers", default="s5cmd", help="peer tools at scale (empty: none)")
     ap.add_argument(
         "--workers", default="1,2,4", help="native threads to sweep on the small set (comma list; empty: no sweep)"
+    )
+    ap.add_argument(
+        "--sets",
+        default="small,large,fixed",
+        help="loopback sets to measure (comma list: small, large, fixed); the fields of a set left out are absent",
     )
     ap.add_argument("--workdir", type=Path, help="default: a temp dir under build/ (use /var/tmp for --scale)")
     args = ap.parse_args()
@@ -675,8 +687,31 @@ def workers_sweep(tools, env, work, args, count: int, revision: str, digests) ->
 
 
 def loopback_profile(tools, env, work, args, small_count, large_size, peers, digests) -> dict:
+    sets = {s for s in args.sets.split(",") if s}
     revs = {p: tools.revision(p) for p in ("small", "large", "tiny")}
     log(f"revisions (as the operator pins them): {revs}")
+    result: dict = {}
+    if "small" in sets:
+        result.update(small_set(tools, env, work, args, small_count, peers, digests, revs))
+    if "large" in sets:
+        result.update(large_set(tools, env, work, args, large_size, digests, revs))
+    if "fixed" in sets:
+        result.update(fixed_set(tools, env, work, args, digests, revs))
+    if "small" in sets and "large" in sets and "dscache_python" in result["small_s"]:
+        # The native plane against the pure-Python one, same run, same data.
+        smed, lmed, cpu = result["small_s"], result["large_s"], result["cpu_ms_per_1k_small"]
+        result["native_vs_python"] = {
+            "small_speedup": round(smed["dscache_python"] / smed["dscache"], 2),
+            "small_cpu_ratio": round(cpu["dscache"] / cpu["dscache_python"], 2),
+            "large_speedup": round(lmed["dscache_python"] / lmed["dscache"], 2),
+        }
+        log(f"native vs python plane: {result['native_vs_python']}")
+    if "small" in sets and args.workers:
+        result["workers_sweep"] = workers_sweep(tools, env, work, args, small_count, revs["small"], digests)
+    return result
+
+
+def small_set(tools, env, work, args, small_count, peers, digests, revs) -> dict:
     small, warm = small_profile(
         tools,
         env,
@@ -690,6 +725,38 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
         digests,
         server_pid=tools.server.proc.pid if tools.server.proc else None,
     )
+    smed = {k: round(med(v), 3) for k, v in small.items()}
+    result = {
+        "small_objects": small_count,
+        "small_bytes": small_count * args.small_size,
+        "small_s": smed,
+        "warm_s": round(med(warm), 3),
+        "cold_s": smed["dscache"],
+        "warm_runs_s": [round(w.seconds, 3) for w in warm],
+        "cpu_ms_per_1k_small": {k: round(med(v, "cpu_s") / small_count * 1e6, 1) for k, v in small.items()},
+        "peak_rss_mib": {k: round(max(r.peak_rss_mib for r in v), 1) for k, v in small.items()},
+        # What bounds loopback speed: client and server share the machine's cores,
+        # so a copy takes at least (client + server CPU per object) / cores.
+        "server_cpu_ms_per_1k_small": {
+            k: round(med(v, "server_cpu_s") / small_count * 1e6, 1) for k, v in small.items()
+        },
+    }
+    result["warm_speedup"] = round(smed["dscache"] / result["warm_s"], 1)
+    both = {k: round(result["cpu_ms_per_1k_small"][k] + result["server_cpu_ms_per_1k_small"][k]) for k in small}
+    log(f"small, client + server CPU per 1k objects (2 shared cores bound the speed): {both} ms")
+    log(
+        f"small: dscache is {smed['s5cmd'] / smed['dscache']:.2f}x s5cmd (target 1.5)"
+        + (f", {smed['awscli'] / smed['dscache']:.1f}x aws-cli (target 5)" if "awscli" in smed else "")
+    )
+    log(f"cpu per 1k small: {result['cpu_ms_per_1k_small']} ms (target: dscache <= s5cmd)")
+    log(
+        f"warm: {result['warm_speedup']}x faster than cold at {small_count} objects "
+        f"({result['warm_s']}s vs {smed['dscache']}s; target 50)"
+    )
+    return result
+
+
+def large_set(tools, env, work, args, large_size, digests, revs) -> dict:
     # "get" (the server's ceiling: the stager's ranged GETs read into /dev/null) and
     # "source-read" (the server's backing files read cold) bound what any client can do here.
     large: dict[str, list[Run]] = {
@@ -724,6 +791,40 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
             )
         shutil.rmtree(work / "dest")
 
+    lmed = {k: round(med(v), 3) for k, v in large.items()}
+    gib = args.large_count * large_size / (1 << 30)
+    # What bounds large files here (issue 18: dd writes zeros into the page cache; every
+    # S3 client must first be served the bytes, by a server on the same cores reading
+    # its files cold): the raw GETs' time is the ceiling, and each tool's fraction of it.
+    result = {
+        "large_bytes": args.large_count * large_size,
+        "large_s": {k: lmed[k] for k in (*dscache_tools(), "s5cmd")},
+        "dd_s": lmed["dd"],
+        "cpu_s_per_gib": {k: round(med(large[k], "cpu_s") / gib, 2) for k in (*dscache_tools(), "s5cmd")},
+        "dd_fdatasync_s": lmed["dd-fdatasync"],
+        "large_server_ceiling_s": lmed["get"],
+        "large_source_read_s": lmed["source-read"],
+        "large_vs_ceiling": {k: round(lmed["get"] / lmed[k], 2) for k in (*dscache_tools(), "s5cmd")},
+        "large_cpu_s": {k: round(med(large[k], "cpu_s"), 3) for k in large},
+        "large_server_cpu_s": {k: round(med(large[k], "server_cpu_s"), 3) for k in large},
+        "large_parts": {"part_bytes": PART_SIZE, "in_flight": SPLICE_THREADS, "count": len(tools.large_parts)},
+    }
+    log(f"large: cpu per GiB: {result['cpu_s_per_gib']} s")
+    log(
+        f"large: {lmed['s5cmd'] / lmed['dscache']:.2f}x s5cmd (target 1.2), "
+        f"{lmed['dd'] / lmed['dscache']:.2f}x dd; "
+        f"{lmed['dd-fdatasync'] / lmed['dscache']:.2f}x dd with fdatasync ({lmed['dd-fdatasync']}s, the disk itself)"
+    )
+    log(
+        f"large, the server's ceiling: raw ranged GETs into /dev/null {lmed['get']}s (server cpu "
+        f"{result['large_server_cpu_s']['get']}s), its files read cold {lmed['source-read']}s; dscache "
+        f"{lmed['dscache']}s is {result['large_vs_ceiling']['dscache']:.2f}x that ceiling (target 0.8; "
+        f"s5cmd {result['large_vs_ceiling']['s5cmd']:.2f}x), dd into the page cache {lmed['dd']}s"
+    )
+    return result
+
+
+def fixed_set(tools, env, work, args, digests, revs) -> dict:
     # The fixed cost of one copy (one 1 KiB object): a share of every large-file time
     # that dd, which only writes, does not pay.
     fixed: dict[str, list[Run]] = {t: [] for t in [*dscache_tools(), "s5cmd"]}
@@ -738,83 +839,9 @@ def loopback_profile(tools, env, work, args, small_count, large_size, peers, dig
                 raise RuntimeError(f"{tool} did not copy the one tiny object: {tree_bytes(dest)}")
             fixed[tool].append(run)
         shutil.rmtree(work / "dest")
-
-    smed = {k: round(med(v), 3) for k, v in small.items()}
-    lmed = {k: round(med(v), 3) for k, v in large.items()}
     fmed = {k: round(med(v), 3) for k, v in fixed.items()}
-    gib = args.large_count * large_size / (1 << 30)
-    result = {
-        "small_objects": small_count,
-        "small_bytes": small_count * args.small_size,
-        "small_s": smed,
-        "large_bytes": args.large_count * large_size,
-        "large_s": {k: lmed[k] for k in (*dscache_tools(), "s5cmd")},
-        "dd_s": lmed["dd"],
-        "warm_s": round(med(warm), 3),
-        "cold_s": smed["dscache"],
-        "warm_runs_s": [round(w.seconds, 3) for w in warm],
-        "cpu_ms_per_1k_small": {k: round(med(v, "cpu_s") / small_count * 1e6, 1) for k, v in small.items()},
-        "cpu_s_per_gib": {k: round(med(large[k], "cpu_s") / gib, 2) for k in (*dscache_tools(), "s5cmd")},
-        "peak_rss_mib": {k: round(max(r.peak_rss_mib for r in v), 1) for k, v in small.items()},
-        # What bounds loopback speed: client and server share the machine's cores,
-        # so a copy takes at least (client + server CPU per object) / cores.
-        "server_cpu_ms_per_1k_small": {
-            k: round(med(v, "server_cpu_s") / small_count * 1e6, 1) for k, v in small.items()
-        },
-    }
-    result["warm_speedup"] = round(smed["dscache"] / result["warm_s"], 1)
-    # What bounds large files here (issue 18: dd writes zeros into the page cache; every
-    # S3 client must first be served the bytes, by a server on the same cores reading
-    # its files cold): the raw GETs' time is the ceiling, and each tool's fraction of it.
-    result.update(
-        dd_fdatasync_s=lmed["dd-fdatasync"],
-        large_server_ceiling_s=lmed["get"],
-        large_source_read_s=lmed["source-read"],
-        large_vs_ceiling={k: round(lmed["get"] / lmed[k], 2) for k in (*dscache_tools(), "s5cmd")},
-        large_cpu_s={k: round(med(large[k], "cpu_s"), 3) for k in large},
-        large_server_cpu_s={k: round(med(large[k], "server_cpu_s"), 3) for k in large},
-        large_parts={"part_bytes": PART_SIZE, "in_flight": SPLICE_THREADS, "count": len(tools.large_parts)},
-        fixed_s=fmed,
-        fixed_cpu_s={k: round(med(v, "cpu_s"), 3) for k, v in fixed.items()},
-    )
-    if "dscache_python" in smed:
-        # The native plane against the pure-Python one, same run, same data.
-        cpu = result["cpu_ms_per_1k_small"]
-        result["native_vs_python"] = {
-            "small_speedup": round(smed["dscache_python"] / smed["dscache"], 2),
-            "small_cpu_ratio": round(cpu["dscache"] / cpu["dscache_python"], 2),
-            "large_speedup": round(lmed["dscache_python"] / lmed["dscache"], 2),
-        }
-        log(f"native vs python plane: {result['native_vs_python']}")
-    if args.workers:
-        result["workers_sweep"] = workers_sweep(tools, env, work, args, small_count, revs["small"], digests)
-    both = {k: round(result["cpu_ms_per_1k_small"][k] + result["server_cpu_ms_per_1k_small"][k]) for k in small}
-    log(f"small, client + server CPU per 1k objects (2 shared cores bound the speed): {both} ms")
-    log(
-        f"small: dscache is {smed['s5cmd'] / smed['dscache']:.2f}x s5cmd (target 1.5)"
-        + (f", {smed['awscli'] / smed['dscache']:.1f}x aws-cli (target 5)" if "awscli" in smed else "")
-    )
-    log(
-        f"cpu per 1k small: {result['cpu_ms_per_1k_small']} ms (target: dscache <= s5cmd); "
-        f"per GiB: {result['cpu_s_per_gib']} s"
-    )
-    log(
-        f"large: {lmed['s5cmd'] / lmed['dscache']:.2f}x s5cmd (target 0.9), "
-        f"{lmed['dd'] / lmed['dscache']:.2f}x dd (target 0.8); "
-        f"{lmed['dd-fdatasync'] / lmed['dscache']:.2f}x dd with fdatasync ({lmed['dd-fdatasync']}s, the disk itself)"
-    )
-    log(
-        f"large, the server's ceiling: raw ranged GETs into /dev/null {lmed['get']}s (server cpu "
-        f"{result['large_server_cpu_s']['get']}s), its files read cold {lmed['source-read']}s; dscache "
-        f"{lmed['dscache']}s is {result['large_vs_ceiling']['dscache']:.2f}x that ceiling "
-        f"(s5cmd {result['large_vs_ceiling']['s5cmd']:.2f}x), dd into the page cache {lmed['dd']}s; "
-        f"a copy's fixed cost (one 1 KiB object): dscache {fmed['dscache']}s, s5cmd {fmed['s5cmd']}s"
-    )
-    log(
-        f"warm: {result['warm_speedup']}x faster than cold at {small_count} objects "
-        f"({result['warm_s']}s vs {smed['dscache']}s; target 50)"
-    )
-    return result
+    log(f"a copy's fixed cost (one 1 KiB object): dscache {fmed['dscache']}s (target 0.1), s5cmd {fmed['s5cmd']}s")
+    return {"fixed_s": fmed, "fixed_cpu_s": {k: round(med(v, "cpu_s"), 3) for k, v in fixed.items()}}
 
 
 # --- scale: a million keys -----------------------------------------------------------------

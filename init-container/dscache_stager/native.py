@@ -7,8 +7,15 @@ work but tokio's runs on that one thread (~0.5-0.7 ms per object, so about
 on the listed ETag, or the pinned versionId) -> temp file -> rename for a
 whole batch on native threads with the GIL released, and completes to Python
 once per batch. Python keeps the control plane (listing, revision hash,
-hostile keys, journal, progress) and the large objects (fetch.py: ranged
-parts, splice).
+hostile keys, journal, progress).
+
+Large objects (issue 30) go down too, one call each: ranged GETs of PART_SIZE
+in parallel on the native threads (at most SPLICE_THREADS parts in flight over
+the copier, as fetch.py's splice threads), each part pinned as the small
+objects are and written into a temp file sized up front (by splice(2) from a
+presigned URL on a plain-HTTP endpoint, else streamed and written with
+pwritev), then renamed; a failed or short part is tried again on its own. fetch.py's ranged
+parts (splice on plain HTTP) stay the fallback when the extension is absent.
 
 The extension is optional: when it is not installed (a venv without cargo),
 or DSCACHE_NATIVE=0, the stager runs fetch.py's path, which stays the
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from types import ModuleType
@@ -26,12 +34,19 @@ from typing import Any
 
 from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
-from .fetch import OBJECT_ATTEMPTS, SMALL_LIMIT, Fetched, ObjectGone
+from .fetch import OBJECT_ATTEMPTS, PART_SIZE, SMALL_LIMIT, SPLICE_THREADS, Fetched, ObjectGone
 from .source import S3Source, credentials_for_store
 from .sync_options import BUFFER_BYTES
 
 #: "0" turns the native data plane off (the pure-Python path runs); unset or "1": on when installed.
 ENV = "DSCACHE_NATIVE"
+
+#: How often a large object's progress is read from the copier while it is copied.
+PROGRESS_S = 0.5
+
+#: "0": small objects are written to a named temp file in tmp/ and renamed into place, as
+#: before issue 30, instead of an unnamed file (O_TMPFILE) linked into its directory.
+TMPFILE_ENV = "DSCACHE_NATIVE_TMPFILE"
 
 #: (key, final path, ETag, versionId, listed size) as dscache_native.Copier.fetch takes them.
 Item = tuple[str, str, str, str | None, int]
@@ -58,8 +73,8 @@ def threads(cpus: int) -> int:
 
 
 def handles(size: int) -> bool:
-    """Objects the native path copies: whole GETs held in memory, as fetch.py's small ones.
-    Larger ones keep fetch.py's ranged parts (and splice on plain HTTP)."""
+    """Objects the native path copies in batches: whole GETs held in memory, as fetch.py's small ones.
+    Larger ones go one at a time, in ranged parts (NativeFetcher.fetch_large)."""
     return 0 < size <= SMALL_LIMIT
 
 
@@ -74,8 +89,12 @@ class NativeFetcher:
         workers: int,
         tmp_dir: str,
         buffer_bytes: int = BUFFER_BYTES,
+        part_bytes: int = PART_SIZE,
+        config: dict[str, str] | None = None,
+        splice: bool | None = None,
     ) -> None:
         self.tmp_dir = tmp_dir
+        self.part_bytes = part_bytes
         # Batches small enough that a slow object holds back few others, many
         # enough in flight that the requests limit (not the batching) bounds
         # the GETs: about twice --concurrency objects are handed down at once.
@@ -83,14 +102,21 @@ class NativeFetcher:
         self.batches = max(2, 2 * concurrency // self.batch_size)
         self.copier: Any = module.Copier(
             source.bucket,
-            source.store_settings(concurrency),
+            {**source.store_settings(concurrency), **(config or {})},
             **_credentials(),
             workers=workers,
             concurrency=concurrency,
             buffer_bytes=buffer_bytes,
             attempts=OBJECT_ATTEMPTS,
+            parts=SPLICE_THREADS,
+            # Plain HTTP, as fetch.py decides it: large objects' parts by splice(2) (native/src/splice.rs).
+            splice=(source.endpoint_url or "").startswith("http://") if splice is None else splice,
+            # Small objects into unnamed files (O_TMPFILE) linked into place; "0": temp + rename
+            # in tmp/ (bench/stager.py measures both).
+            tmpfile=os.environ.get(TMPFILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
         )
         self.workers: int = self.copier.workers
+        self.reported = 0  # large parts' bytes handed to on_bytes so far
         # Each batch blocks one of these threads in native code, without the GIL.
         self.pool = ThreadPoolExecutor(self.batches, thread_name_prefix="native-batch")
         self.closed = False
@@ -101,6 +127,34 @@ class NativeFetcher:
         done, failure = await loop.run_in_executor(self.pool, self.copier.fetch, self.tmp_dir, items)
         placed = [(i, Fetched(size, etag)) for i, size, etag in done]
         return placed, (_exception(*failure) if failure is not None else None)
+
+    async def fetch_large(self, item: Item, on_bytes: Callable[[int], None] | None = None) -> Fetched:
+        """Copy one large object in ranged parts and place it; raises as fetch.Fetcher.fetch does.
+
+        The object completes to Python once; meanwhile ``on_bytes`` hears of its parts as they are
+        written (every PROGRESS_S, from the copier's byte counter, shared by the objects in flight).
+        """
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self.pool, self.copier.fetch_large, self.tmp_dir, item, self.part_bytes)
+        if on_bytes is not None:
+            while not job.done():
+                await asyncio.wait({job}, timeout=PROGRESS_S)
+                self._report(on_bytes)
+        done, failure = await job
+        if failure is not None:
+            raise _exception(*failure)
+        size, etag = done
+        return Fetched(size, etag)
+
+    def _report(self, on_bytes: Callable[[int], None]) -> None:
+        written = self.copier.counters()["large_bytes"]
+        if written > self.reported:
+            on_bytes(written - self.reported)
+            self.reported = written
+
+    def counters(self) -> dict[str, int]:
+        """Large objects placed, parts written and parts tried again by this copier."""
+        return dict(self.copier.counters())
 
     def close(self) -> None:
         """Stop every batch and wait for their threads: after this nothing more is written or renamed."""

@@ -2,6 +2,7 @@
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -21,7 +22,7 @@ pub type Item = (String, String, String, Option<String>, u64);
 pub const BUFFER_UNIT: u64 = 1024;
 
 /// Files are born read-only, as fetch.FILE_MODE: a complete revision must not change.
-const FILE_MODE: u32 = 0o444;
+pub const FILE_MODE: u32 = 0o444;
 
 pub struct Shared {
     pub store: AmazonS3,
@@ -39,6 +40,22 @@ pub struct Shared {
     pub pid: u32,
     /// Cancelled by Copier.cancel: the run failed elsewhere.
     pub stop: CancellationToken,
+    /// Ranged parts of large objects in flight, over all objects (large.rs).
+    pub parts: Semaphore,
+    /// Large objects placed, parts written, and parts tried again: what Copier.counters reports.
+    pub large_objects: AtomicU64,
+    pub large_parts: AtomicU64,
+    pub parts_retried: AtomicU64,
+    /// Bytes of the parts written so far (progress while a large object is copied).
+    pub large_bytes: AtomicU64,
+    /// Parts written by splice(2) (plain HTTP, large.rs): the others streamed.
+    pub spliced_parts: AtomicU64,
+    /// Large objects' parts by splice(2) from presigned URLs (plain-HTTP endpoints).
+    pub splice: bool,
+    /// A splice part's connect and read timeout (the S3 client's own for the others).
+    pub timeout: Duration,
+    /// Small objects into unnamed files linked into place (write_unnamed), not temp + rename.
+    pub tmpfile: bool,
 }
 
 /// Why an object failed, in the terms fetch.py's callers understand.
@@ -69,7 +86,7 @@ impl Failure {
     /// Not worth another try: fetch.FATAL (the object is gone or changed,
     /// access is refused) and every local error (the Python path retries
     /// only obstore's errors).
-    fn fatal(&self) -> bool {
+    pub fn fatal(&self) -> bool {
         match self {
             Failure::Store { kind, .. } => *kind != "generic",
             _ => true,
@@ -77,7 +94,7 @@ impl Failure {
     }
 }
 
-fn store_failure(e: object_store::Error) -> Failure {
+pub fn store_failure(e: object_store::Error) -> Failure {
     use object_store::Error as E;
     let kind = match &e {
         E::NotFound { .. } => "gone",
@@ -91,7 +108,7 @@ fn store_failure(e: object_store::Error) -> Failure {
     Failure::Store { kind, message: format!("{e}\n\nDebug source:\n{e:#?}") }
 }
 
-fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
+pub fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
     Failure::Os { errno: e.raw_os_error().unwrap_or(libc::EIO), message: format!("{what} {path}: {e}") }
 }
 
@@ -229,6 +246,14 @@ async fn once(
     };
     // From here on nothing awaits: a cancelled task is dropped either before
     // its temp file exists or after its rename, never between.
+    if shared.tmpfile {
+        match write_unnamed(dest, &body) {
+            Ok(()) => return Ok((body.len() as u64, got_etag.trim_matches('"').to_string())),
+            // A filesystem without O_TMPFILE: the named temp file below.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)) => {}
+            Err(e) => return Err(os_failure(e, "placing", dest)),
+        }
+    }
     let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
     let tmp = format!("{tmp_dir}/{}-n{seq}", shared.pid);
     if let Err(e) = write_new(&tmp, &body) {
@@ -242,6 +267,40 @@ async fn once(
     Ok((body.len() as u64, got_etag.trim_matches('"').to_string()))
 }
 
+/// The body into an unnamed file (O_TMPFILE) in ``dest``'s own directory, then linked
+/// under its name: a file appears whole or not at all, as with temp + rename, but
+/// with no entry created and removed in the shared tmp dir and no rename across
+/// directories (which takes the filesystem-wide rename lock): two threads that
+/// place small files contend on nothing but the destination directory. A run
+/// killed mid-write leaves nothing behind: an unnamed file goes with its descriptor.
+fn write_unnamed(dest: &str, body: &[u8]) -> io::Result<()> {
+    let dir = match std::path::Path::new(dest).parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let mut f = OpenOptions::new().write(true).custom_flags(libc::O_TMPFILE).mode(FILE_MODE).open(dir)?;
+    f.write_all(body)?;
+    // linkat(AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH; the /proc link does not.
+    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", f.as_raw_fd())).expect("no NUL in a number");
+    let to = std::ffi::CString::new(dest).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let link = || {
+        // SAFETY: two live NUL-terminated paths.
+        let r = unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
+        if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    };
+    match link() {
+        // What rename replaces (a resumed run's stale file; a stale directory where the bucket now has a file, as place does).
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+            match fs::symlink_metadata(dest) {
+                Ok(m) if m.is_dir() => fs::remove_dir_all(dest)?,
+                _ => fs::remove_file(dest)?,
+            }
+            link()
+        }
+        other => other,
+    }
+}
+
 fn write_new(tmp: &str, body: &[u8]) -> io::Result<()> {
     // O_EXCL: never write through a file (or symlink) someone left there.
     let mut f = OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).open(tmp)?;
@@ -250,7 +309,7 @@ fn write_new(tmp: &str, body: &[u8]) -> io::Result<()> {
 
 /// tree.LocalTree.place: rename into place; a stale directory where the bucket
 /// now has a file is removed first (remove_dir_all never follows symlinks).
-fn place(tmp: &str, dest: &str) -> io::Result<()> {
+pub fn place(tmp: &str, dest: &str) -> io::Result<()> {
     match fs::rename(tmp, dest) {
         Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
             fs::remove_dir_all(dest)?;
@@ -261,7 +320,7 @@ fn place(tmp: &str, dest: &str) -> io::Result<()> {
 }
 
 /// A number in [0, 1) for backoff jitter; no RNG crate needed for this.
-fn jitter() -> f64 {
+pub fn jitter() -> f64 {
     static STATE: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
     let mut x = STATE.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed) ^ nanos;

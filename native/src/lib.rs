@@ -2,7 +2,8 @@
 //!
 //! Python (dscache_stager.sync) keeps the control plane: listing, the revision
 //! hash, hostile-key checks, leases, the journal, progress. It hands this
-//! module batches of small objects; for each object a native task does
+//! module batches of small objects, and large objects one at a time
+//! (large.rs: ranged parts in parallel, pwrite, rename). For each small object a native task does
 //! GET (If-Match on the listed ETag, or the pinned versionId) -> write a temp
 //! file -> rename it to its final name, on tokio's worker threads, with the
 //! GIL released. The batch completes to Python once, not twice per object as
@@ -14,9 +15,11 @@
 
 mod copy;
 mod creds;
+mod large;
+mod splice;
 mod settings;
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use object_store::aws::{AmazonS3, AmazonS3Builder, AwsCredential};
@@ -27,6 +30,13 @@ use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
 use copy::{Item, Shared};
+
+/// A failure as Python takes it: (kind, errno, message, key).
+type FailureTuple = (String, i32, String, String);
+/// What Copier.fetch answers: (index, size, ETag) of each object placed, and the failure.
+type BatchAnswer = (Vec<(usize, u64, String)>, Option<FailureTuple>);
+/// What Copier.fetch_large answers: (size, ETag), or the failure.
+type LargeAnswer = (Option<(u64, String)>, Option<FailureTuple>);
 
 /// A copier for one bucket: its own runtime (``workers`` threads), connection
 /// pool and request limit. One per staging run.
@@ -42,7 +52,7 @@ impl Copier {
     #[new]
     #[pyo3(signature = (bucket, config, *, access_key_id=None, secret_access_key=None, session_token=None,
                         skip_signature=false, credential_provider=None, workers=1, concurrency=64,
-                        buffer_bytes=64 << 20, attempts=5))]
+                        buffer_bytes=64 << 20, attempts=5, parts=16, splice=false, tmpfile=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bucket: &str,
@@ -56,7 +66,13 @@ impl Copier {
         concurrency: usize,
         buffer_bytes: u64,
         attempts: u32,
+        parts: usize,
+        splice: bool,
+        tmpfile: bool,
     ) -> PyResult<Self> {
+        let timeout = std::time::Duration::from_millis(
+            config.get("timeout_ms").and_then(|t| t.parse().ok()).unwrap_or(60_000),
+        );
         let workers = workers.max(1);
         let buffer_units = u32::try_from(buffer_bytes.div_ceil(copy::BUFFER_UNIT).max(1))
             .map_err(|_| PyValueError::new_err(format!("buffer_bytes={buffer_bytes} is too large")))?;
@@ -90,6 +106,16 @@ impl Copier {
             seq: AtomicU64::new(0),
             pid: std::process::id(),
             stop: CancellationToken::new(),
+            parts: tokio::sync::Semaphore::new(parts.max(1)),
+            large_objects: AtomicU64::new(0),
+            large_parts: AtomicU64::new(0),
+            parts_retried: AtomicU64::new(0),
+            spliced_parts: AtomicU64::new(0),
+            large_bytes: AtomicU64::new(0),
+            splice,
+            timeout,
+            // The link goes through /proc (write_unnamed): without it, temp + rename.
+            tmpfile: tmpfile && std::path::Path::new("/proc/self/fd").is_dir(),
         });
         Ok(Copier { runtime, shared, workers })
     }
@@ -109,7 +135,7 @@ impl Copier {
         py: Python<'_>,
         tmp_dir: String,
         items: Vec<Item>,
-    ) -> PyResult<(Vec<(usize, u64, String)>, Option<(String, i32, String, String)>)> {
+    ) -> PyResult<BatchAnswer> {
         let shared = self.shared.clone();
         let (reply, answer) = tokio::sync::oneshot::channel();
         // One task onto the runtime (one wake of a worker); it spawns the
@@ -122,6 +148,49 @@ impl Copier {
             (Vec::new(), Some((f, String::new())))
         });
         Ok((done, failure.map(|(f, key)| f.into_tuple(key))))
+    }
+
+    /// Copy one large object in ranged parts of ``part_bytes`` (large.rs) and
+    /// place it; (size, ETag unquoted), or the failure, once the object ends.
+    fn fetch_large(
+        &self,
+        py: Python<'_>,
+        tmp_dir: String,
+        item: Item,
+        part_bytes: u64,
+    ) -> PyResult<LargeAnswer> {
+        let shared = self.shared.clone();
+        let key = item.0.clone();
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let stop = shared.stop.clone();
+        self.runtime.spawn(async move {
+            let result = tokio::select! {
+                biased;
+                _ = stop.cancelled() => Err(copy::Failure::Cancelled),
+                r = large::object(shared, tmp_dir, item, part_bytes) => r,
+            };
+            let _ = reply.send(result);
+        });
+        let outcome = py.allow_threads(|| answer.blocking_recv()).unwrap_or_else(|_| {
+            Err(copy::Failure::Store { kind: "generic", message: "native copy ended without an answer".into() })
+        });
+        Ok(match outcome {
+            Ok(done) => (Some(done), None),
+            Err(f) => (None, Some(f.into_tuple(key))),
+        })
+    }
+
+    /// What the large-object path did so far: objects placed, parts written (their bytes), parts
+    /// tried again, parts written by splice.
+    fn counters(&self) -> std::collections::HashMap<&'static str, u64> {
+        let s = &self.shared;
+        std::collections::HashMap::from([
+            ("large_objects", s.large_objects.load(Ordering::Relaxed)),
+            ("large_parts", s.large_parts.load(Ordering::Relaxed)),
+            ("parts_retried", s.parts_retried.load(Ordering::Relaxed)),
+            ("spliced_parts", s.spliced_parts.load(Ordering::Relaxed)),
+            ("large_bytes", s.large_bytes.load(Ordering::Relaxed)),
+        ])
     }
 
     /// Stop every batch of this copier: queued objects are not started, and

@@ -2,8 +2,9 @@
 
 Each client connection carries one request: the proxy reads the request head,
 decides a fault, and either answers itself, forwards the request with
-``Connection: close`` and pipes the answer back, or cuts the connection
-halfway through the answer with a TCP reset.
+``Connection: close`` and pipes the answer back, cuts the connection
+halfway through the answer with a TCP reset, or ends it there cleanly (FIN:
+a body shorter than its Content-Length, a short read).
 
 Latency mode (``rtt_ms`` > 0) is the other use: a plain byte pipe that keeps
 the client's connections alive (as real S3 does) and delays every chunk by
@@ -41,7 +42,7 @@ ACCESS_DENIED = (
 )
 
 # Decides what happens to the n-th request (0-based) with this request line.
-Policy = Callable[[int, str], str]  # returns "pass", "slowdown", "reset" or "deny"
+Policy = Callable[[int, str], str]  # returns "pass", "slowdown", "reset", "short" or "deny"
 
 
 def random_faults(slowdown: float, reset: float, seed: int = 0) -> Policy:
@@ -148,14 +149,14 @@ class FaultProxy:
                         await asyncio.sleep(self.hold_s)
                 finally:
                     self.in_flight -= 1
-                await self._forward(head, reader, writer, cut=action == "reset")
+                await self._forward(head, reader, writer, cut=action == "reset", short=action == "short")
                 return
             await writer.drain()
         except ConnectionError:
             pass
         writer.close()
 
-    async def _forward(self, head: bytes, reader, writer, cut: bool) -> None:
+    async def _forward(self, head: bytes, reader, writer, cut: bool, short: bool = False) -> None:
         up_r, up_w = await asyncio.open_connection(*self.upstream)
         lines = [ln for ln in head.split(b"\r\n") if ln and not ln.lower().startswith(b"connection:")]
         up_w.write(b"\r\n".join(lines) + b"\r\nConnection: close\r\n\r\n")
@@ -173,6 +174,8 @@ class FaultProxy:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     writer.transport.abort()
                     return
+                if short and sent > 0:
+                    break  # a clean close after the first chunk: fewer bytes than the head announced
                 writer.write(chunk)
                 sent += len(chunk)
                 await writer.drain()

@@ -64,3 +64,24 @@ def test_an_unreachable_endpoint_reads_as_the_python_path_reports_it(monkeypatch
     err = source_error(failure, source, 0)
     assert isinstance(err, SourceError) and "cannot reach the S3 endpoint" in str(err)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_large_object_that_cannot_be_read_raises_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """fetch_large answers once per object: the failure raised as fetch.py raises it, no temp file left."""
+    module = pytest.importorskip("dscache_native")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    source = S3Source("b", "p/", endpoint_url=f"http://127.0.0.1:{closed_port()}", retry_timeout=0.5)
+    fetcher = native.NativeFetcher(module, source, concurrency=4, workers=2, tmp_dir=str(tmp_path), part_bytes=1 << 20)
+    try:
+        with pytest.raises(GenericError):
+            asyncio.run(fetcher.fetch_large(("p/a", str(tmp_path / "a"), "e", None, 5 << 20)))
+        counters = fetcher.counters()
+        assert counters["spliced_parts"] == 0
+        # A part is tried as often as fetch.py tries an object (4 more times) before the object
+        # fails; the first part to give up stops the others, wherever they are.
+        assert (counters["large_objects"], counters["large_parts"]) == (0, 0)
+        assert 4 <= counters["parts_retried"] <= 5 * 4, counters
+    finally:
+        fetcher.close()
+    assert list(tmp_path.iterdir()) == []

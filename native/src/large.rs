@@ -1,0 +1,279 @@
+//! One large object: ranged GETs in parallel -> pwrite into one temp file -> rename.
+//!
+//! fetch.Fetcher._fetch_parts does the same in Python (splice on plain HTTP,
+//! obstore streaming otherwise). Here every part is a task on the runtime's
+//! threads: GET with Range and the pin (If-Match on the listed ETag, or the
+//! versionId), its body written where it belongs with pwritev as it arrives,
+//! a part that fails retried on its own (object_store already resumes a body
+//! cut mid-way from where it stopped; a short body or a failed request is
+//! tried again here), and the object answered to Python once, when its file is
+//! in place. Parts in flight are bounded per copier (Shared.parts), not per
+//! object, so two objects share them as the Python path's splice threads do.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::path::Path;
+use object_store::{GetOptions, GetRange, ObjectStore};
+use tokio::task::JoinSet;
+
+use crate::copy::{jitter, os_failure, place, store_failure, Failure, Item, Shared, BUFFER_UNIT, FILE_MODE};
+use crate::splice::{self, Target};
+
+/// How long a presigned URL stays valid: longer than any part takes.
+const SIGNED_FOR: Duration = Duration::from_secs(6 * 3600);
+
+/// A part's body is written once this much of it has arrived (one pwritev of
+/// the chunks as hyper handed them over: no copy to gather them). It is also
+/// what a part in flight takes from the copier's byte budget.
+const FLUSH_BYTES: usize = 1 << 20;
+/// pwritev takes at most IOV_MAX (1024 on Linux) buffers.
+const MAX_IOV: usize = 1024;
+
+/// The temp file of one object; removed when dropped unless it was placed.
+struct Temp {
+    path: String,
+    placed: bool,
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        if !self.placed {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Copy one object of ``item.4`` bytes in parts of ``part_bytes``; (size, ETag unquoted).
+pub async fn object(
+    shared: Arc<Shared>,
+    tmp_dir: String,
+    item: Item,
+    part_bytes: u64,
+) -> Result<(u64, String), Failure> {
+    let (key, dest, etag, version, size) = item;
+    let path =
+        Path::parse(&key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
+    let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
+    let mut temp = Temp { path: format!("{tmp_dir}/{}-L{seq}", shared.pid), placed: false };
+    // O_EXCL: never write through a file (or symlink) someone left there.
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(FILE_MODE)
+        .open(&temp.path)
+        .map_err(|e| os_failure(e, "creating", &temp.path))?;
+    // The file has its final size before any part lands, so parts write at
+    // their offsets in any order. Not fallocate: ext4 then converts unwritten
+    // extents on every write (fetch.py measured 0.3 s per 512 MiB); the free
+    // space was checked against the whole revision before the copy began.
+    file.set_len(size).map_err(|e| os_failure(e, "sizing", &temp.path))?;
+    let file = Arc::new(file);
+    // Plain HTTP: splice(2) on a presigned URL, signed once for all the parts. A URL
+    // cannot name a version (its query is signed), so a pinned version streams.
+    let target = if shared.splice && version.is_none() { Some(Arc::new(presign(&shared, &path).await?)) } else { None };
+    let part_bytes = part_bytes.max(1);
+    let mut parts = JoinSet::new();
+    let path = Arc::new(path);
+    let pin = Arc::new((etag, version));
+    let mut start = 0;
+    while start < size {
+        let end = (start + part_bytes).min(size);
+        let (shared, path, pin, file, target) = (shared.clone(), path.clone(), pin.clone(), file.clone(), target.clone());
+        parts.spawn(async move { part(&shared, &path, &pin.0, &pin.1, &file, &target, start, end).await });
+        start = end;
+    }
+    // Every part must end (or fail) before the file is renamed: JoinSet aborts
+    // the rest when this future is dropped (cancelled), and a part aborted
+    // mid-write only ever writes into the temp file, which Temp removes.
+    let mut etags: Option<String> = None;
+    while let Some(joined) = parts.join_next().await {
+        let got = joined.map_err(|e| Failure::Store { kind: "generic", message: format!("a part's task failed: {e}") })??;
+        match &etags {
+            // Without a listed ETag nothing pinned the parts: they must at least agree.
+            Some(first) if *first != got => {
+                return Err(Failure::Store {
+                    kind: "precondition",
+                    message: format!("{key} changed while its parts were read: ETag {first} then {got}"),
+                })
+            }
+            _ => etags = Some(got),
+        }
+    }
+    drop(file);
+    place(&temp.path, &dest).map_err(|e| os_failure(e, "placing", &dest))?;
+    temp.placed = true;
+    shared.large_objects.fetch_add(1, Ordering::Relaxed);
+    Ok((size, etags.unwrap_or_default().trim_matches('"').to_string()))
+}
+
+async fn presign(shared: &Shared, path: &Path) -> Result<Target, Failure> {
+    use object_store::signer::Signer;
+    let url = shared.store.signed_url(http::Method::GET, path, SIGNED_FOR).await.map_err(store_failure)?;
+    let host = url.host_str().ok_or_else(|| Failure::Store { kind: "generic", message: format!("no host in {url}") })?;
+    let path = match url.query() {
+        Some(q) => format!("{}?{q}", url.path()),
+        None => url.path().to_string(),
+    };
+    Ok(Target { host: host.to_string(), port: url.port_or_known_default().unwrap_or(80), path })
+}
+
+/// Bytes [start, end) of the object into ``file`` at the same offsets, retried
+/// as fetch.Fetcher.fetch retries an object; the ETag the server answered with.
+#[allow(clippy::too_many_arguments)]
+async fn part(
+    shared: &Shared,
+    path: &Path,
+    etag: &str,
+    version: &Option<String>,
+    file: &Arc<File>,
+    target: &Option<Arc<Target>>,
+    start: u64,
+    end: u64,
+) -> Result<String, Failure> {
+    // Parts in flight (per copier), then the request limit and the byte budget
+    // every request shares: a part holds at most FLUSH_BYTES of body at once.
+    let _part = shared.parts.acquire().await.expect("the parts semaphore is never closed");
+    let units = (FLUSH_BYTES as u64 / BUFFER_UNIT).min(u64::from(shared.buffer_units)) as u32;
+    let _bytes = shared.buffers.acquire_many(units).await.expect("the buffer semaphore is never closed");
+    let mut attempt = 1;
+    loop {
+        let tried = match target {
+            Some(target) => spliced(shared, target, etag, file, start, end).await,
+            None => once(shared, path, etag, version, file, start, end).await,
+        };
+        match tried {
+            Ok(got) => {
+                shared.large_parts.fetch_add(1, Ordering::Relaxed);
+                shared.large_bytes.fetch_add(end - start, Ordering::Relaxed);
+                return Ok(got);
+            }
+            Err(f) if f.fatal() || attempt >= shared.attempts => return Err(f),
+            Err(_) => {
+                shared.parts_retried.fetch_add(1, Ordering::Relaxed);
+                let cap = 0.2 * f64::from(1u32 << attempt.min(16));
+                tokio::time::sleep(Duration::from_secs_f64(cap * jitter())).await;
+                attempt += 1;
+            }
+        }
+    }
+}
+
+/// A part by splice(2) on a blocking thread (splice.rs); the pin is If-Match, so
+/// the ETag is the listed one.
+async fn spliced(
+    shared: &Shared,
+    target: &Arc<Target>,
+    etag: &str,
+    file: &Arc<File>,
+    start: u64,
+    end: u64,
+) -> Result<String, Failure> {
+    let _request = shared.requests.acquire().await.expect("the request semaphore is never closed");
+    let (target, file, pin, timeout) = (target.clone(), file.clone(), etag.to_string(), shared.timeout);
+    // Not abortable once started: a cancelled object's part ends on its own (or
+    // times out), writing only into the temp file Temp removed.
+    tokio::task::spawn_blocking(move || splice::get_range_into(&target, file.as_raw_fd(), &pin, start, end, timeout))
+        .await
+        .map_err(|e| Failure::Store { kind: "generic", message: format!("a part's thread failed: {e}") })??;
+    shared.spliced_parts.fetch_add(1, Ordering::Relaxed);
+    Ok(etag.to_string())
+}
+
+async fn once(
+    shared: &Shared,
+    path: &Path,
+    etag: &str,
+    version: &Option<String>,
+    file: &File,
+    start: u64,
+    end: u64,
+) -> Result<String, Failure> {
+    let options = GetOptions {
+        if_match: (!etag.is_empty()).then(|| format!("\"{etag}\"")),
+        version: version.clone(),
+        range: Some(GetRange::Bounded(start..end)),
+        ..Default::default()
+    };
+    let _request = shared.requests.acquire().await.expect("the request semaphore is never closed");
+    let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
+    if result.range != (start..end) {
+        return Err(Failure::Store {
+            kind: "generic",
+            message: format!("{path}: asked for bytes {start}-{end}, the server sent {:?}", result.range),
+        });
+    }
+    let got_etag = result.meta.e_tag.clone().unwrap_or_default();
+    let mut body = result.into_stream();
+    let mut offset = start;
+    let mut pending: Vec<Bytes> = Vec::new();
+    let mut held = 0usize;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(store_failure)?;
+        if offset + (held + chunk.len()) as u64 > end {
+            return Err(Failure::Store {
+                kind: "generic",
+                message: format!("{path}: the body of bytes {start}-{end} runs past its end"),
+            });
+        }
+        held += chunk.len();
+        pending.push(chunk);
+        if held >= FLUSH_BYTES || pending.len() >= MAX_IOV {
+            offset = write_at(file, &pending, offset).map_err(|e| os_failure(e, "writing", path.as_ref()))?;
+            pending.clear();
+            held = 0;
+        }
+    }
+    offset = write_at(file, &pending, offset).map_err(|e| os_failure(e, "writing", path.as_ref()))?;
+    if offset != end {
+        // Retried: the next attempt writes the whole part again at the same offsets.
+        return Err(Failure::Store {
+            kind: "generic",
+            message: format!("short read of {path} bytes {start}-{end}: got {}", offset - start),
+        });
+    }
+    Ok(got_etag)
+}
+
+/// pwritev every chunk at ``offset`` onwards (again for what a short write left); the offset after them.
+fn write_at(file: &File, chunks: &[Bytes], mut offset: u64) -> io::Result<u64> {
+    let mut skip = 0usize; // bytes of chunks already written
+    let total: usize = chunks.iter().map(Bytes::len).sum();
+    while skip < total {
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(chunks.len());
+        let mut seen = 0usize;
+        for c in chunks {
+            let (lo, hi) = (seen, seen + c.len());
+            seen = hi;
+            if hi <= skip {
+                continue;
+            }
+            let from = skip.saturating_sub(lo);
+            iov.push(libc::iovec { iov_base: c[from..].as_ptr() as *mut libc::c_void, iov_len: c.len() - from });
+        }
+        // SAFETY: every iovec points into a live Bytes of ``chunks`` for the call's duration.
+        let n = unsafe {
+            libc::pwritev(file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote nothing"));
+        }
+        skip += n as usize;
+        offset += n as u64;
+    }
+    Ok(offset)
+}
