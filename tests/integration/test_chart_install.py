@@ -119,8 +119,9 @@ def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: 
     )
     helm("install", "dscache", str(CHART), "-n", NS, "--create-namespace", "--set", "cacheRoot=/mnt/nvme/dscache")
     data, bundles = tls_state(api)
-    # Six entries inject pods; the seventh gives new DatasetCaches their finalizer.
-    assert len(bundles) == 7 and all(b == data["ca.crt"] for b in bundles)
+    # Four entries inject pods ({jobs, pods} x {CSI volume, emptyDir}); the fifth gives new
+    # DatasetCaches their finalizer.
+    assert len(bundles) == 5 and all(b == data["ca.crt"] for b in bundles)
     verify(tmp_path, data["ca.crt"], data["tls.crt"])
     assert api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/datasetcaches.dscache.io")
     token = api.get(AGENT_TOKEN)["data"]["token"]

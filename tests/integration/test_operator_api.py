@@ -483,9 +483,14 @@ def test_job_in_opted_in_namespace_is_injected_once(kube_api, ready_cache):
     spec = job["spec"]["template"]["spec"]
     assert _injected_counts(spec) == (1, 1, [2])
     (vol,) = [v for v in spec["volumes"] if v["name"] == "dscache-data"]
-    assert vol["hostPath"] == {"path": f"/var/lib/dscache-test/{ns}/{name}", "type": "DirectoryOrCreate"}
     (init,) = spec["initContainers"]
     assert init["image"] == "dscache-stager:test"
+    # The node's copy as the agents' CSI volume (webhook.yaml's default entries).
+    rev0 = job["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision"]
+    assert vol == {
+        "name": "dscache-data",
+        "csi": {"driver": "cache.dscache.io", "volumeAttributes": {"cache": name, "revision": rev0}},
+    }
     assert {e["name"] for e in init["env"] if "valueFrom" in e} >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     rev = get_cache(kube_api, ns, name)["status"]["revision"]["id"]
     assert job["spec"]["template"]["metadata"]["annotations"]["dscache.io/revision"] == rev
@@ -556,8 +561,10 @@ def test_mount_clash_is_refused(kube_api, ready_cache):
 def test_emptydir_namespace(kube_api, dscache_operator, agents, s3_server, s3_bucket):
     from tests.support.s3server import ACCESS_KEY, SECRET_KEY
 
+    # The per-pod emptyDir, asked for by the namespace (a baseline one gets the CSI volume).
     ns = kube_api.namespace(
-        "ml-baseline", {"dscache.io/injection": "enabled", "pod-security.kubernetes.io/enforce": "baseline"}
+        "ml-emptydir",
+        {"dscache.io/injection": "enabled", "dscache.io/volume": "emptyDir"},
     )
     make_secret(kube_api, ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
     grant_secret_read(kube_api, ns)

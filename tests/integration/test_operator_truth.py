@@ -86,8 +86,8 @@ def test_prometheus_metrics(kube_api, dscache_operator, s3_server, opted_ns):
 
     ctl0 = k.wait_for(lambda: scrape("controller"), what="controller /metrics")
     hook0 = k.wait_for(lambda: scrape("webhook"), what="webhook /metrics")
-    refused0 = metric(hook0, "dscache_admission_reviews_total", mode="HostPath", result="refused")
-    admitted0 = metric(hook0, "dscache_admission_reviews_total", mode="HostPath", result="admitted")
+    refused0 = metric(hook0, "dscache_admission_reviews_total", mode="CSI", result="refused")
+    admitted0 = metric(hook0, "dscache_admission_reviews_total", mode="CSI", result="admitted")
     hist0 = metric(hook0, "dscache_admission_seconds_count")
     nobucket0 = metric(ctl0, "dscache_source_checks_total", reason="NoSuchBucket")
 
@@ -113,8 +113,8 @@ def test_prometheus_metrics(kube_api, dscache_operator, s3_server, opted_ns):
     )
     assert metric(text, "dscache_datasetcaches", phase="Failed") >= failed >= 1
     hook = op.metrics("webhook")
-    assert metric(hook, "dscache_admission_reviews_total", mode="HostPath", result="refused") == refused0 + 1
-    assert metric(hook, "dscache_admission_reviews_total", mode="HostPath", result="admitted") == admitted0
+    assert metric(hook, "dscache_admission_reviews_total", mode="CSI", result="refused") == refused0 + 1
+    assert metric(hook, "dscache_admission_reviews_total", mode="CSI", result="admitted") == admitted0
     assert metric(hook, "dscache_admission_seconds_count") == hist0 + 1
     # The histogram's +Inf bucket is its count, and the refusal took under the API server's timeout.
     assert metric(hook, "dscache_admission_seconds_bucket", le="+Inf") == hist0 + 1
