@@ -109,7 +109,9 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
     ns = namespaces["restricted"]
     enforce = kube.get("namespace", ns)["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
     assert enforce == "restricted"
-    cache = cache_factory("rst", namespace=ns, ds=csi_dataset, extra=STAGER)
+    # Kept a minute after its last use, so that Job 2 finds the nodes warm; wiped then.
+    retain = {"policy": "RetainWhileUsed", "ttlAfterLastUse": "60s"}
+    cache = cache_factory("rst", namespace=ns, ds=csi_dataset, extra=STAGER, retention=retain)
     name = cache["name"]
     rev = cache_status(kube, ns, name)["revision"]["id"]
     wait_for("the cache's peer token", lambda: kube.get("secret", peer_secret_name(name), ns), timeout=60)
@@ -170,10 +172,10 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
         assert p["spec"]["nodeName"] in by_node
     assert sent2 < csi_dataset.bytes / 10, sent2  # a probe and no data
 
-    # Both Jobs complete: the copies are wiped on every node.
+    # Both Jobs complete: a minute later the copies are wiped on every node.
     c = host_copy(cfg, ns, name)
     for node in by_node:
-        revs.wait_revision_wiped(kube, ns, name, c, rev, node)
+        revs.wait_revision_wiped(kube, ns, name, c, rev, node, timeout=180)
 
 
 def _agent_url(kube, node: str) -> str:

@@ -368,3 +368,15 @@ def test_a_jobs_own_placement_annotation_reaches_its_pods():
     with pytest.raises(kopf.AdmissionError) as e:
         run_mutate(obj, caches(), nodes=nodes(), warnings=[])
     assert "'sometimes'" in str(e.value)
+
+
+def test_a_csi_volume_is_the_nodes_copy_and_gets_placed():
+    """Warm placement applies to the node's copy whichever way it is mounted (the CSI volume, the
+    default, as well as a hostPath), never to a pod's own emptyDir."""
+    from dscache_operator.admission.placement import uses_node_copy
+
+    csi_vol = {"name": "dscache-data", "csi": {"driver": "cache.dscache.io", "volumeAttributes": {}}}
+    host = {"name": "dscache-data", "hostPath": {"path": "/x"}}
+    assert uses_node_copy({"volumes": [csi_vol]}) and uses_node_copy({"volumes": [host]})
+    assert not uses_node_copy({"volumes": [{"name": "dscache-data", "emptyDir": {}}]})
+    assert not uses_node_copy({"volumes": [{"name": "dscache-data", "csi": {"driver": "other.example.com"}}]})

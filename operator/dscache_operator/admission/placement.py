@@ -30,6 +30,7 @@ from dscache_contract import (
     VOLUME_NAME,
     WARM_LABEL_PREFIX,
     Inventory,
+    csi,
     human_bytes,
 )
 
@@ -133,12 +134,16 @@ def effective_mode(cache_mode: PlacementMode, annotations: Mapping[str, str]) ->
     return PlacementMode.PREFERRED
 
 
-def uses_host_path(pod_spec: Mapping[str, Any]) -> bool:
-    """Whether the pod's cache volume is the node's copy (warm labels describe only those).
+def uses_node_copy(pod_spec: Mapping[str, Any]) -> bool:
+    """Whether the pod's cache volume is the node's copy, a CSI volume of the agents' driver or
+    a hostPath (warm labels describe only those; an emptyDir is the pod's own).
 
     Read from the injected volume rather than the endpoint's mode: a reinjected
     object keeps the mode it was first injected with (injection.inject_object)."""
-    return any(v.get("name") == VOLUME_NAME and "hostPath" in v for v in pod_spec.get("volumes") or [])
+    return any(
+        v.get("name") == VOLUME_NAME and ("hostPath" in v or (v.get("csi") or {}).get("driver") == csi.DRIVER)
+        for v in pod_spec.get("volumes") or []
+    )
 
 
 # --- the affinity --------------------------------------------------------------------

@@ -254,7 +254,7 @@ def warm_placement(
         pod_spec, meta = obj.setdefault("spec", {}), obj.get("metadata") or {}
     by_cache = view.spec.placement.mode == PlacementMode.REQUIRED
     mode = placement.effective_mode(view.spec.placement.mode, meta.get("annotations") or {})
-    if not placement.uses_host_path(pod_spec):
+    if not placement.uses_node_copy(pod_spec):
         return carried, []  # an emptyDir copy is the pod's own: no node holds it for anyone
     ref = f"DatasetCache {namespace}/{cache_name}"
     notes: list[str] = []
