@@ -10,16 +10,7 @@ from __future__ import annotations
 import re
 import tomllib
 
-from conftest import (
-    RELEASE_NS,
-    REPO,
-    assert_complete,
-    cache_status,
-    describe_pods,
-    init_summary,
-    job_pods,
-    leader_pod,
-)
+from conftest import RELEASE_NS, REPO, assert_complete, cache_status, describe_pods, init_summary, job_pods
 from support import workloads as w
 from support.kube import wait_for
 
@@ -40,7 +31,7 @@ def sample(text: str, name: str, **labels: str) -> float | None:
 
 
 def scrape_controller(kube) -> str:
-    pod = leader_pod(kube)  # the standby reconciles nothing: its per-cache series stay empty
+    (pod,) = kube.items("pod", RELEASE_NS, "app.kubernetes.io/component=controller")
     path = f"/api/v1/namespaces/{RELEASE_NS}/pods/{pod['metadata']['name']}:{METRICS_PORT}/proxy/metrics"
     return kube.kubectl("get", "--raw", path).stdout
 
