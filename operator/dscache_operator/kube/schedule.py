@@ -114,11 +114,7 @@ class Scheduler:
             delay = 0.0
         self.touch(key, delay)
 
-    def cancel(self) -> None:
-        """Cancel the runs in flight now, without waiting (leadership lost: stop acting at once)."""
+    async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-
-    async def stop(self) -> None:
-        self.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
