@@ -310,6 +310,9 @@ class Agent:
         with self.lock:
             revs = disk.scan(self.s.cache_root)
             self._reserved.pop((req.namespace, req.cache, req.revision), None)
+            # A copy completed since the last pass counts as held now: its reservation must not
+            # count besides (a CSI volume's lease goes at unpublish, before any pass runs).
+            self._forget_reservations(revs)
             current = self._room(revs)
             evicted: list[str] = []
             if req.bytes > current.available:

@@ -46,7 +46,7 @@ def test_each_cache_gets_its_own_peer_token_and_only_the_stager_mounts_it(kube_a
     job = create_job(kube_api, ns, job_body("peer-train", name))
     spec = job["spec"]["template"]["spec"]
     (vol,) = [v for v in spec["volumes"] if v["name"] == contract.peers.PEER_VOLUME_NAME]
-    assert vol["secret"] == {"secretName": peer_secret_name(name), "optional": True, "defaultMode": 0o400}
+    assert vol["secret"] == {"secretName": peer_secret_name(name), "optional": True, "defaultMode": 0o444}
     (init,) = spec["initContainers"]
     assert contract.StageArgs.from_argv(init["args"]).peer_token_file == PEER_TOKEN_FILE
     assert {"name": vol["name"], "mountPath": contract.peers.PEER_TOKEN_DIR, "readOnly": True} in init["volumeMounts"]

@@ -169,6 +169,32 @@ def test_reserve_evicts_least_recently_released_never_leased(root):
         os.close(fd)
 
 
+def test_a_completed_copys_reservation_is_not_counted_besides_it(root):
+    """A copy reserved, then completed and released before the agent's next pass (a CSI volume's
+    lease goes at unpublish, at once): the next reservation counts the copy once, as held, not
+    again as reserved, so it evicts one copy, not two."""
+    now = time.time()
+    stage(root, "ml", "old", R1, 100, released=now - 300)
+    stage(root, "ml", "newer", R2, 100, released=now - 200)
+    agent, _ = make_agent(root, 350)
+    b = contract.cache_dir(str(root), "ml", "b")
+    os.makedirs(b)
+    fd = os.open(contract.lock_path(b), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    assert agent.reserve(contract.ReserveRequest("ml", "b", R3, 100)).ok
+    os.close(fd)  # b's stager is done: its copy is whole, and no pass of the agent ran since
+    stage(root, "ml", "b", R3, 100, released=now - 100)
+    d = contract.cache_dir(str(root), "ml", "d")
+    os.makedirs(d)
+    fd = os.open(contract.lock_path(d), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        answer = agent.reserve(contract.ReserveRequest("ml", "d", R1, 100))
+        assert answer.ok and answer.evicted == [f"ml/old/{R1}"], answer
+    finally:
+        os.close(fd)
+
+
 def test_reserve_refuses_without_a_stager_at_work(root):
     c = contract.cache_dir(str(root), "ml", "new")
     os.makedirs(c)
