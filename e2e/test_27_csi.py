@@ -155,7 +155,13 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
         timeout=60,
         describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
     )
-    assert {e["volume"] for e in cache_status(kube, ns, name)["nodes"]} == {"CSI"}
+    # The status follows within a reconciliation or two (10 s apart with the README's release).
+    wait_for(
+        "the node entries to show the CSI volume",
+        lambda: {e.get("volume") for e in cache_status(kube, ns, name).get("nodes") or []} == {"CSI"},
+        timeout=60,
+        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
+    )
 
     # Job 2: placed on the warm nodes, it copies nothing.
     second = f"rst2-{uuid.uuid4().hex[:6]}"
