@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from conftest import (
     RELEASE_NS,
+    assert_complete,
     cache_status,
-    describe_pods,
     host_copy,
     init_summary,
     job_pods,
@@ -87,17 +87,6 @@ def two_per_node_job(name: str, ns: str, cache: str, image: str, ds: w.Dataset, 
     return job
 
 
-def wait_complete(kube, ns: str, job: str, timeout: float = 300) -> None:
-    def done() -> str | None:
-        for c in ((kube.get("job", job, ns) or {}).get("status") or {}).get("conditions") or []:
-            if c.get("type") in ("Complete", "Failed") and c.get("status") == "True":
-                return str(c["type"])
-        return None
-
-    state = wait_for(f"Job {ns}/{job} to finish", done, timeout=timeout, describe=lambda: describe_pods(kube, ns))
-    assert state == "Complete", describe_pods(kube, ns, f"job-name={job}")
-
-
 def verified(kube, ns: str, pods: list[dict[str, Any]], ds: w.Dataset) -> None:
     for p in pods:
         log = kube.logs(p["metadata"]["name"], ns, w.TRAIN_CONTAINER)
@@ -121,7 +110,7 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
     with bucket_link(LINK_MBIT):
         before = s3_sent_bytes()
         kube.create(two_per_node_job(first, ns, name, cfg.stager_image, csi_dataset, 2 * len(nodes)))
-        wait_complete(kube, ns, first)
+        assert_complete(kube, ns, first, timeout=300)
         sent = s3_sent_bytes() - before
     pods = job_pods(kube, ns, first)
     verified(kube, ns, pods, csi_dataset)
@@ -168,7 +157,7 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
     with bucket_link(LINK_MBIT):
         before = s3_sent_bytes()
         kube.create(two_per_node_job(second, ns, name, cfg.stager_image, csi_dataset, len(nodes)))
-        wait_complete(kube, ns, second)
+        assert_complete(kube, ns, second, timeout=300)
         sent2 = s3_sent_bytes() - before
     pods2 = job_pods(kube, ns, second)
     verified(kube, ns, pods2, csi_dataset)

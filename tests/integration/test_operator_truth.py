@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import dscache_contract as contract
-from tests.integration.test_operator_api import (
+from tests.integration.test_operator_api import (  # noqa: F401 - ready_cache, s3_bucket: fixtures, by name
     DSC,
     SUMMARY,
     ApiError,
@@ -39,6 +39,8 @@ from tests.integration.test_operator_api import (
     make_cache,
     make_secret,
     node_entry,
+    ready_cache,
+    s3_bucket,
     staged,
     start_job_pod,
     wait_node_state,
@@ -617,19 +619,7 @@ def test_webhook_with_the_api_server_unreachable(
 # --- issue 28, defect 1: a stale pod view never releases a running pod's lease -------------
 
 
-@pytest.fixture
-def ready_cache(kube_api, dscache_operator, s3_server, bucket, opted_ns):
-    from tests.integration.test_operator_api import FILES, grant_secret_read, make_cache
-
-    s3_server.put_tree(bucket, FILES)
-    make_secret(kube_api, opted_ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
-    grant_secret_read(kube_api, opted_ns)
-    make_cache(kube_api, opted_ns, "imagenet", f"s3://{bucket}/data/", s3_server.endpoint, "s3-keys")
-    wait_phase(kube_api, opted_ns, "imagenet", "Ready")
-    return opted_ns, "imagenet"
-
-
-def test_relist_never_releases_a_live_lease(kube_api, dscache_operator, ready_cache, agents):
+def test_relist_never_releases_a_live_lease(kube_api, dscache_operator, ready_cache, agents):  # noqa: F811
     """A controller whose pod view is relisting (a 410 Gone) and lags behind a new pod by more
     than one reconciliation: it may send wipes, but never one that releases that pod's lease,
     so the revision the pod reads stays.
