@@ -28,8 +28,6 @@ MODE=${1:-all}
 case $MODE in all | up) ;; *) echo "usage: e2e/run.sh [up]" >&2; exit 2 ;; esac
 
 [ -x .venv/bin/python ] || { step "python venv (make install)"; make install; }
-# The stager image installs the native wheel from build/wheels (init-container/Dockerfile).
-step "native wheel (make wheels)"; make wheels
 PY=$REPO/.venv/bin/python
 
 if [ "$MODE" = all ] && [ "${DSCACHE_KIND_KEEP:-0}" != 1 ]; then trap 'bash e2e/kind/down.sh || true' EXIT; fi

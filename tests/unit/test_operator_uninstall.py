@@ -99,3 +99,19 @@ def test_forbidden_fails_at_once():
 
     with pytest.raises(ApiError):
         run(Forbidden([]), ["ml"], timeout=10)
+
+
+def test_describe_names_node_copies_of_every_node_mode():
+    """A CSI volume's copy is a node copy as much as a hostPath's; an emptyDir went with its pod."""
+    cache = {
+        "metadata": {"namespace": "ml", "name": "ds", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "nodes": [
+                {"node": "a", "state": "Ready", "volume": "CSI"},
+                {"node": "b", "state": "Ready", "volume": "HostPath"},
+                {"node": "c", "state": "Ready", "volume": "EmptyDir"},
+                {"node": "d", "state": "Wiped", "volume": "CSI"},
+            ]
+        },
+    }
+    assert un.describe(cache) == "ml/ds (copies on a, b)"

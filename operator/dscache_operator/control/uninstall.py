@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from ..api.models import FINALIZER, GROUP, PLURAL, VERSION
+from ..api.models import FINALIZER, GROUP, NODE_MODES, PLURAL, VERSION, VolumeMode
 from ..kube.client import ApiError, Kube, connection_info
 
 logger = logging.getLogger("dscache.uninstall")
@@ -58,7 +58,7 @@ def describe(cache: dict[str, Any]) -> str:
     copies = [
         n["node"]
         for n in status.get("nodes") or []
-        if n.get("state") != "Wiped" and n.get("volume", "HostPath") == "HostPath"
+        if n.get("state") != "Wiped" and n.get("volume", VolumeMode.HOST_PATH) in NODE_MODES
     ]
     users = sum(int(n.get("consumers") or 0) for n in status.get("nodes") or [])
     parts = []
