@@ -47,19 +47,13 @@ NS_PREFIX = "dscache-e2e-"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "multinode: needs 3 nodes that run pods and the workload controllers")
-    config.addinivalue_line("markers", "uninstall: opt-in (DSCACHE_E2E_UNINSTALL=1): see e2e/test_99_uninstall.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect multi-node tests unless the cluster has them (a skip would read as proof of nothing),
-    and the opt-in ones unless asked for."""
-    drop = (
-        [i for i in items if i.get_closest_marker("uninstall")]
-        if os.environ.get("DSCACHE_E2E_UNINSTALL") != "1"
-        else []
-    )
+    """Deselect multi-node tests unless the cluster has them (a skip would read as proof of nothing)."""
+    drop = []
     if os.environ.get("DSCACHE_E2E_MULTINODE") != "1":
-        drop += [i for i in items if i.get_closest_marker("multinode")]
+        drop = [i for i in items if i.get_closest_marker("multinode")]
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = [i for i in items if i not in drop]

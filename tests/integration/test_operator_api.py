@@ -801,18 +801,24 @@ def disk_leftovers(agent: NodeAgent) -> list[str]:
     return [str(p) for p in agent.cache_root.rglob(".gone-*")]
 
 
-def test_an_upgraded_node_gets_one_legacy_wipe_once_its_version_1_pod_ends(kube_api, ready_cache, agents):
+def test_an_upgraded_node_gets_one_legacy_wipe_once_its_version_1_pod_ends(
+    kube_api, dscache_operator, ready_cache, agents
+):
     """A pod admitted before the upgrade has no revision annotation: it mounts C itself and
     reads the version 1 copy at its top. That copy is removed (a legacy wipe) only once no
     such pod holds the node, exactly once, and the node then shows Wiped."""
     k = kube_api
     ns, name = ready_cache
     agent = agents.start("node-v1")
+    # The controller never sees the pod with the revision this webhook pins (a version 1
+    # webhook pinned none): it reconciles a cache as soon as one of its pods changes.
+    dscache_operator.stop("controller")
     job = create_job(k, ns, job_body("v1job", name))
     pod = start_job_pod(k, ns, job, "node-v1")
     pname = pod["metadata"]["name"]
     # As a version 1 webhook admitted it (this one only mutates on CREATE).
     k.merge_patch(f"/api/v1/namespaces/{ns}/pods/{pname}", {"metadata": {"annotations": {"dscache.io/revision": None}}})
+    dscache_operator.start("controller")
     # What a version 1 stager left: the data at the top of C, its metadata in C/.dscache
     # (last written long ago), and, beside it, a revision another pod staged since.
     c = agent.cache_root / ns / name

@@ -719,3 +719,42 @@ def test_relist_never_releases_a_live_lease(kube_api, dscache_operator, ready_ca
         dscache_operator.start("controller")
     assert copy.exists() and (copy / "meta" / "complete").exists(), lines
     assert lines and all("kept" in line for line in lines), lines
+
+
+# --- a pod seen between two ticks: its copy is known, and wiped ----------------------------
+
+
+def test_short_pod_between_ticks_is_wiped(kube_api, dscache_operator, ready_cache, agents):  # noqa: F811
+    """A pod that lands on a node, stages, finishes and is deleted well within one reconcile
+    interval (here 600 s): the controller still learns that its node holds a copy and has it
+    wiped. Reconciling only on the interval, it never saw the pod, the copy was in no node entry,
+    and not even the cache's deletion removed it (found by e2e/test_99 after a short Job)."""
+    k, op = kube_api, dscache_operator
+    ns, name = ready_cache
+    node = agents.start("node-s")
+    op.stop("controller")
+    op.extra_env["DSCACHE_RECONCILE_INTERVAL"] = "600"
+    op.start("controller")
+    try:
+        # The restarted controller's first pass over the cache (its views listed): it is quiet after.
+        def up() -> bool:
+            try:
+                return op.healthz("controller") == 200
+            except OSError:
+                return False  # still starting
+
+        k.wait_for(up, what="the controller up")
+        time.sleep(3)
+        job = create_job(k, ns, job_body("short", name))
+        pod = start_job_pod(k, ns, job, "node-s")
+        copy = staged(node, ns, name, pod)
+        kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
+        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+        complete_job(k, ns, "short")
+        k.delete(f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}?gracePeriodSeconds=0")
+        k.wait_for(lambda: not copy.exists(), timeout=60, what=f"{copy} wiped long before the next tick")
+        assert any(line.endswith(": removed") for line in wipe_lines(node, ns, name)), wipe_lines(node, ns, name)
+    finally:
+        op.stop("controller")
+        op.extra_env.pop("DSCACHE_RECONCILE_INTERVAL", None)
+        op.start("controller")

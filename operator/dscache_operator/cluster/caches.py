@@ -44,6 +44,8 @@ class CacheView(NamedTuple):
     #: time.monotonic() when the controller got this version of the object: a source
     #: listing begun after it is fresh enough for a check this version asks for.
     observed: float
+    #: metadata.resourceVersion: whether the view shows a status write of ours yet.
+    resource_version: str = ""
 
     @property
     def key(self) -> Key:
@@ -92,6 +94,7 @@ def cache_view(body: dict[str, Any]) -> CacheView:
         spec=_spec(json.dumps(body.get("spec") or {}, sort_keys=True, separators=(",", ":"))),
         status_json=json.dumps(body.get("status") or {}, separators=(",", ":")),
         observed=time.monotonic(),
+        resource_version=meta.get("resourceVersion", ""),
     )
 
 

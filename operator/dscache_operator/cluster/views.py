@@ -44,13 +44,22 @@ def _owner_extract(kind: OwnerKind) -> Callable[[dict[str, Any]], tuple[tuple[An
 
 
 class Views:
-    def __init__(self, kube: Kube, namespaces: tuple[str, ...], on_cache: Notify | None = None) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        namespaces: tuple[str, ...],
+        on_cache: Notify | None = None,
+        touch: Callable[[Key], None] | None = None,
+    ) -> None:
+        """``on_cache``: told of every change to a DatasetCache; ``touch``: told which cache a
+        change to its users (a pod, a workload that owns one) may concern."""
         selector = f"{LABEL_CONSUMER}=true"
+        self._touch = touch
         # The DatasetCaches themselves (caches.py: what is kept of each), telling the scheduler of changes.
         self.caches = MultiInformer(
             kube, f"/apis/{GROUP}/{VERSION}", PLURAL, namespaces, "", cache_extract, notify=on_cache
         )
-        self.pods = MultiInformer(kube, "/api/v1", "pods", namespaces, selector, _pod_extract)
+        self.pods = MultiInformer(kube, "/api/v1", "pods", namespaces, selector, _pod_extract, notify=self._pod)
         # Nodes: their agents' warm labels and addresses (optional: without RBAC on
         # nodes, no node is known to hold anything and no wipe can be sent).
         self.nodes = MultiInformer(kube, "/api/v1", "nodes", (), "", node_extract, optional=True, notify=self._node)
@@ -66,6 +75,7 @@ class Views:
                 selector if batch_job else "",
                 _owner_extract(kind),
                 optional=not batch_job,
+                notify=self._owner,
             )
 
     @property
@@ -105,6 +115,21 @@ class Views:
 
     def all_nodes(self) -> list[NodeInfo]:
         return self.nodes.get(ALL)
+
+    def _pod(self, key: Any, old: PodInfo | None, new: PodInfo | None) -> None:
+        # A pod's cache is reconciled as soon as the pod changes, not at its next tick: a pod
+        # that lands on a node, stages and is deleted between two ticks would otherwise never be
+        # seen there, and the copy it left would be in no node entry, never wiped, not even
+        # when the cache is deleted.
+        if old != new and self._touch is not None:
+            self._touch(key)
+
+    def _owner(self, key: Any, old: OwnerInfo | None, new: OwnerInfo | None) -> None:
+        # A workload that finishes (or goes) releases its pods' caches: theirs are due now too.
+        if self._touch is None or (old is not None and new is not None and old.finished == new.finished):
+            return
+        for cache in self.pods.keys(key[0]):
+            self._touch(cache)
 
     def _node(self, _key: Any, old: NodeInfo | None, new: NodeInfo | None) -> None:
         # A kubelet rewrites its Node's status every few minutes (heartbeats): what we keep of it

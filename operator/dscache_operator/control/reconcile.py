@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 #: Reconciliations at once: bounded API concurrency and memory.
 RECONCILE_WORKERS = 32
+#: How soon a cache whose view does not show our last status write yet is looked at again
+#: (the write's watch event makes it due sooner: ControlContext.on_cache).
+WRITE_RECHECK_S = 1.0
 #: At most this long the first reconciliations wait for every view to have listed.
 VIEWS_LIST_WAIT = 60.0
 #: The liveness probe fails once the API server has refused our credentials this long.
@@ -367,6 +370,8 @@ async def run_once(ctx: ControlContext, key: Key) -> float | None:
     if view.deleting and not view.finalized:
         ctx.forget(key)
         return None  # not ours to hold back
+    if not ctx.written_shown(key, view.resource_version):
+        return WRITE_RECHECK_S  # on_cache makes it due as soon as the view shows the write
     kube = ctx.api()
     if not view.deleting and not view.finalized:
         await kube.add_finalizer(cache_path(view), view.finalizers, FINALIZER)
@@ -379,7 +384,7 @@ async def run_once(ctx: ControlContext, key: Key) -> float | None:
     if out.quiet is not None:
         ctx.quiet[key] = out.quiet
     if out.status:
-        await kube.patch_status(cache_path(view), out.status)
+        ctx.wrote(key, await kube.patch_status(cache_path(view), out.status))
     for e in out.events:
         ctx.post(e)
     if not view.deleting:
@@ -439,7 +444,7 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
         kube = ctx.ensure_kube()
         ctx.poster = Poster(kube)
         ctx.scheduler = Scheduler(lambda key: run_once(ctx, key), workers=RECONCILE_WORKERS)  # type: ignore[arg-type]
-        ctx.views = Views(kube, ctx.settings.watch_namespaces, on_cache=ctx.on_cache)
+        ctx.views = Views(kube, ctx.settings.watch_namespaces, on_cache=ctx.on_cache, touch=ctx.touch)
         ctx.views.start()
         ctx.background = [asyncio.create_task(ctx.poster.run()), asyncio.create_task(_reconcile_once_listed(ctx))]
         await context.start_metrics(ctx)

@@ -7,6 +7,7 @@ the cache (``forget``).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from ..cluster.caches import Key, wants_reconcile
@@ -16,6 +17,9 @@ from ..kube.events import Event, Poster
 from ..kube.schedule import Scheduler
 from .peertoken import Tokens
 from .sourcecheck import SourceChecks
+
+#: Seconds a reconciliation waits at most for the view to show the status it wrote last.
+WRITE_SHOWN_WAIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -36,6 +40,9 @@ class ControlContext(Context):
     sources: SourceChecks = dataclasses.field(init=False)
     #: Which period each cache's peer token was written for (peertoken.py).
     tokens: Tokens = dataclasses.field(default_factory=Tokens)
+    #: Per cache: the resourceVersion our last status write made, and until when (monotonic) we
+    #: wait for the view to show it (``written_shown``).
+    written: dict[Key, tuple[str, float]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.sources = SourceChecks(self.metrics, self.settings.namespace)
@@ -46,8 +53,38 @@ class ControlContext(Context):
         self.poster.post(event)
 
     def on_cache(self, key: Any, old: Any, new: Any) -> None:
-        """The caches' informer saw a change: reconcile now what is news (caches.wants_reconcile)."""
-        if self.scheduler is not None and wants_reconcile(old, new):
+        """The caches' informer saw a change: reconcile now what is news (caches.wants_reconcile),
+        or what waited for the view to show our own status write."""
+        shown = new is not None and key in self.written and self.written[key][0] == new.resource_version
+        if shown:
+            del self.written[key]
+        if self.scheduler is not None and (shown or wants_reconcile(old, new)):
+            self.scheduler.touch(key)
+
+    def wrote(self, key: Key, resource_version: str | None) -> None:
+        """Our status write to ``key`` made ``resource_version``: until the view shows it, the
+        cache is not reconciled again (see ``written_shown``)."""
+        if resource_version:
+            self.written[key] = (resource_version, time.monotonic() + WRITE_SHOWN_WAIT_S)
+
+    def written_shown(self, key: Key, resource_version: str) -> bool:
+        """Whether the view (at ``resource_version``) shows our last status write to ``key``.
+
+        A reconciliation reads the node entries it wrote last time from the view. One run on a
+        view that does not show them yet (the watch event is milliseconds behind the write, and
+        a pod's changes make the cache due at once) plans from the status before: a node entry
+        written a moment ago looks absent, and if that node's pod is gone meanwhile, its copy
+        is in no entry and never wiped. So a run waits until the view shows the write, or a few
+        seconds (a relist replaces the event by a newer version, which shows it as well)."""
+        rv, until = self.written.get(key, ("", 0.0))
+        if not rv or rv == resource_version or time.monotonic() >= until:
+            self.written.pop(key, None)
+            return True
+        return False
+
+    def touch(self, key: Key) -> None:
+        """A change to a cache's users (its pods, their workloads): reconcile it now."""
+        if self.scheduler is not None:
             self.scheduler.touch(key)
 
     def forget(self, key: Key) -> None:
@@ -55,6 +92,7 @@ class ControlContext(Context):
         self.checked_at.pop(key, None)
         self.deleting.pop(key, None)
         self.quiet.pop(key, None)
+        self.written.pop(key, None)
         self.metrics.forget_cache(*key)
         self.tokens.forget(*key)
 

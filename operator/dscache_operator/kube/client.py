@@ -155,15 +155,16 @@ class Kube:
                 return None
             raise
 
-    async def patch_status(self, path: str, status: dict[str, Any]) -> None:
-        """Merge-patch an object's status subresource (None values delete); a gone object is no error."""
+    async def patch_status(self, path: str, status: dict[str, Any]) -> str | None:
+        """Merge-patch an object's status subresource (None values delete); a gone object is no error.
+        Returns the object's resourceVersion after the write (None: it is gone)."""
         try:
-            await self.request(
-                "PATCH", path + "/status", {"status": status}, "application/merge-patch+json", answer=False
-            )
+            body = await self.request("PATCH", path + "/status", {"status": status}, "application/merge-patch+json")
         except ApiError as e:
             if e.status != 404:
                 raise
+            return None
+        return str((body.get("metadata") or {}).get("resourceVersion") or "") or None
 
     async def add_finalizer(self, path: str, present: tuple[str, ...], finalizer: str) -> None:
         """Append ``finalizer`` (JSON patch: the others' finalizers are left as they are)."""

@@ -70,6 +70,9 @@ class Informer:
     def get(self, key: Hashable) -> list[Any]:
         return list((self._by_key.get(key) or {}).values())
 
+    def held_keys(self) -> list[Hashable]:
+        return list(self._by_key)
+
     def __len__(self) -> int:
         return len(self._by_uid)
 
@@ -299,6 +302,15 @@ class MultiInformer:
     def get(self, key: tuple[Any, ...]) -> list[Any]:
         informer = self.informers.get(key[0]) or self.informers.get(None)
         return informer.get(key) if informer is not None else []
+
+    def keys(self, namespace: str) -> list[Any]:
+        """The keys (namespace, ...) this view holds objects under in ``namespace``."""
+        informer = self.informers.get(namespace) or self.informers.get(None)
+        return (
+            [k for k in informer.held_keys() if isinstance(k, tuple) and k[0] == namespace]
+            if informer is not None
+            else []
+        )
 
     def __len__(self) -> int:
         return sum(len(i) for i in self.informers.values())
