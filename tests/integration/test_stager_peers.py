@@ -147,7 +147,7 @@ def test_a_lying_peer_is_caught_and_the_object_refetched_from_the_bucket(
             "POST",
             contract.peers.PEERS_PATH,
             contract.PeersRequest(NS, CACHE, rev).to_json(),
-            {"Content-Type": "application/json"},
+            {"Content-Type": "application/json", "Authorization": f"Bearer {a.peer_token(NS, CACHE)}"},
         )
         assert code == 200, text
         # B must not be in A's cohort: it starts after the cohort window.
