@@ -20,7 +20,11 @@ Failure costs a retry, never a wrong byte:
 - a peer still copying an object is asked again for it only after the ranking was
   computed afresh (``RERANK_S``): the cohort may have changed meanwhile (a node
   completed, a stale label went), and the object's new first choice is asked;
-  each peer gets ``PATIENCE_S`` per object in all;
+  each peer gets ``PATIENCE_S`` per object in all; an earlier peer whose probe said it
+  is reading the object is asked again until it sends it (even after ``PROBE_S``);
+- a busy peer (429: its bound for this node) is asked again after ``BUSY_PAUSE_S``, for
+  ``BUSY_S`` per object; a kept-alive connection the peer closed while idle is opened
+  anew once: neither is a fault, and neither sends the object to the bucket;
 - a peer whose bytes do not match is suspected, and the object is fetched from the
   bucket at once. The peer is written off only when the bucket's bytes differ from
   its bytes: a multipart ETag's part size is a guess (a 20 MiB object in 6 MiB parts
@@ -41,6 +45,7 @@ import http.client
 import json
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -74,6 +79,11 @@ MIN_RATE = 1 << 20
 PATIENCE_S = 180.0
 #: How long one held request for an object in flight lasts; then the ranking is computed afresh.
 RERANK_S = 5.0
+#: A busy peer (429: its bound for this node's connections or requests) is asked again after this
+#: pause, for up to BUSY_S per object; only then does the object go to the next node or the bucket
+#: (a busy peer is no wrong one: reading the bucket instead fetches the object twice).
+BUSY_PAUSE_S = 0.25
+BUSY_S = 20.0
 #: How often the node agent is asked again who the peers are. A node that started before this one
 #: learns of it within this long; until then it may read objects now ranked to this one, which is
 #: why this node first looks at such earlier peers' claims for ``PROBE_S`` (longer than this).
@@ -94,6 +104,7 @@ class Outcome(Enum):
     PLACED = "placed"  # verified, in the temp file
     NEXT = "next"  # not there (any more), or busy: ask the next in the ranking
     WAIT = "wait"  # the peer is still copying it: rank again, then ask the first choice
+    BUSY = "busy"  # the peer is over its bound for this node (429): ask it again in a moment
     SUSPECT = "suspect"  # the bytes did not hash to the ETag: the bucket's copy decides who was wrong
     BUCKET = "bucket"  # this node's turn: read the bucket
 
@@ -307,12 +318,19 @@ class Peers:
         object in all; one that says no (or is busy) is not asked for this object again. Blocking: run
         it on a worker thread."""
         probed: set[str] = set()
+        # Early peers whose probe said they are reading it now: asked again (a probe each time)
+        # until they send it, whether or not the probing window is still open. Reading it from the
+        # bucket instead would fetch it twice (the regression e2e/test_40 measured: 1.14-1.23x).
+        reading: list[str] = []
         skip: set[str] = set()
         patience: dict[str, float] = {}
+        busy: dict[str, float] = {}
         while True:
             probe = False
             if ahead := self.ahead_of_me(key, skip):
                 addr = ahead[0]
+            elif held := [p for p in reading if p not in skip and p not in self.failed]:
+                addr, probe = held[0], True
             elif early := [p for p in self.early_peers() if p not in probed and p not in skip]:
                 # Peers that started before this node may have read it before they knew of it.
                 addr, probe = early[0], True
@@ -330,8 +348,16 @@ class Peers:
                 return Obtained(outcome, path)
             if outcome is Outcome.SUSPECT:
                 return Obtained(Outcome.BUCKET, suspect=(addr, md5))
+            if outcome is Outcome.BUSY:
+                if time.monotonic() >= busy.setdefault(addr, time.monotonic() + BUSY_S):
+                    skip.add(addr)
+                else:
+                    time.sleep(BUSY_PAUSE_S * (0.5 + random.random()))  # noqa: S311 (jitter, not secrets)
+                continue
             if outcome is Outcome.NEXT:
                 skip.add(addr)
+            elif probe and addr not in reading:
+                reading.append(addr)
             # WAIT: rank again (the answer is refreshed every REFRESH_S) and ask the first choice.
 
     def take(
@@ -365,8 +391,10 @@ class Peers:
             return Outcome.NEXT, ""
         if status == 404 and state == RevisionState.STAGING:
             return Outcome.WAIT, ""
-        if status in (429, 503):
-            return Outcome.NEXT, ""  # busy: the next one for this object, and asked again for others
+        if status == 429:
+            return Outcome.BUSY, ""  # over its bound for this node now: asked again in a moment
+        if status == 503:
+            return Outcome.NEXT, ""  # cannot read it now: the next one for this object, asked again for others
         if status == 401:
             self._fail(addr, "refused this cache's peer token")
         elif status == 404:
@@ -402,11 +430,24 @@ class Peers:
     def _get(self, addr: str, req: ObjectRequest, size: int, etag: str, tmp: str) -> tuple[int, str]:
         conn = self._conn(addr)
         path = req.target()
-        if conn.sock is not None:
+        reused = conn.sock is not None
+        if reused:
             conn.sock.settimeout(READ_TIMEOUT_S + MAX_WAIT_S)  # _receive shortened it for a body
         try:
-            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
-            resp = conn.getresponse()
+            try:
+                conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
+                resp = conn.getresponse()
+            except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+                if not reused:
+                    raise
+                # A kept-alive connection the peer closed while it was idle (its server closes idle
+                # ones after a while): no fault of the peer, and no byte of an answer was read.
+                # Once more on a new connection; only a failure there writes the peer off.
+                conn.close()
+                self._local.conns.pop(addr, None)
+                conn = self._conn(addr)
+                conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
+                resp = conn.getresponse()
             if resp.status != 200:
                 text = resp.read().decode(errors="replace")  # whole: the connection is reused
                 state = ""

@@ -12,10 +12,13 @@ GET  /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>
 Every node's agent listens on the host network, reachable by any pod, so the server
 assumes hostile clients (aiohttp, asyncio: a connection costs a socket and a small
 object, not a thread):
-- connections: at most ``MAX_CONNECTIONS``, ``MAX_PER_CLIENT`` from one address; one
-  without a whole request for ``IDLE_S`` (idle keep-alive, or headers trickled in)
-  is closed; a request body must arrive within ``BODY_S``, and an object's body be
-  taken at ``MIN_RATE`` at least;
+- connections: at most ``MAX_CONNECTIONS``, ``MAX_PER_CLIENT`` from one address; the
+  next ``BUSY_PER_CLIENT`` from that address get a 429 to their first request and are
+  closed (a stager told "busy" asks again soon; a reset connection would look like a
+  dead peer and be written off, its objects read from the bucket), any more are reset
+  at once; one without a whole request for ``IDLE_S`` (idle keep-alive, or headers
+  trickled in) is closed; a request body must arrive within ``BODY_S``, and an
+  object's body be taken at ``MIN_RATE`` at least;
 - work: the calls that read or change the disk or the Node run on a small pool
   (``CONTROL_THREADS``), at most ``CONTROL_PER_CLIENT`` of them per address; held
   object requests at most ``OBJECTS_PER_CLIENT`` per address and ``MAX_OBJECTS`` in
@@ -64,9 +67,12 @@ log = logging.getLogger("dscache-node")
 T = TypeVar("T")
 
 MAX_BODY = 1 << 20
-#: Open connections in all, and from one address (a stager uses up to 64 for a peer's objects).
+#: Open connections in all, and from one address. A stager uses up to 64 for a peer's objects, and
+#: a node's stagers all come from the node's address (hostNetwork, or pods masqueraded): room for
+#: two at once. Past that, BUSY_PER_CLIENT more are answered 429 (busy), not reset.
 MAX_CONNECTIONS = 512
-MAX_PER_CLIENT = 96
+MAX_PER_CLIENT = 160
+BUSY_PER_CLIENT = 64
 #: A connection without a whole request for this long is closed (idle, or headers trickled in).
 IDLE_S = 15.0
 #: A request body (at most MAX_BODY) must arrive within this long.
@@ -74,9 +80,9 @@ BODY_S = 10.0
 #: Threads for the calls that touch the disk or the API server, and how many one address may use.
 CONTROL_THREADS = 8
 CONTROL_PER_CLIENT = 4
-#: Object requests in progress (held or sending), in all and from one address.
+#: Object requests in progress (held or sending), in all and from one address (two stagers).
 MAX_OBJECTS = 256
-OBJECTS_PER_CLIENT = 64
+OBJECTS_PER_CLIENT = 128
 #: An object's body must be taken within READ_GRACE_S plus its size at MIN_RATE.
 READ_GRACE_S = 30.0
 MIN_RATE = 1 << 20
@@ -113,19 +119,32 @@ class _Server(web.Server):
         super().__init__(handler, **kwargs)
         self.limits = limits
         self._admitted: dict[RequestHandler, str] = {}
+        #: Connections past their address's bound, answered 429 and closed (counted in all too).
+        self.busy = _Limits(limits.total, BUSY_PER_CLIENT)
+        self._busy: dict[RequestHandler, str] = {}
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
         client = _peer(transport)
-        if self.limits.take(client):
-            self._admitted[handler] = client
-        else:
-            transport.abort()  # over the bound: closed before a byte is read
+        if self.limits.n + self.busy.n < self.limits.total:
+            if self.limits.take(client):
+                self._admitted[handler] = client
+                return
+            if self.busy.take(client):
+                self._busy[handler] = client
+                return
+        transport.abort()  # over every bound: closed before a byte is read
+
+    def is_busy(self, handler: RequestHandler | None) -> bool:
+        return handler in self._busy
 
     def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
         client = self._admitted.pop(handler, None)
         if client is not None:
             self.limits.give(client)
+        client = self._busy.pop(handler, None)
+        if client is not None:
+            self.busy.give(client)
         super().connection_lost(handler, exc)
 
 
@@ -136,6 +155,10 @@ def _peer(transport: asyncio.BaseTransport) -> str:
 
 def _json(code: int, body: Any) -> web.Response:
     return web.Response(status=code, text=json.dumps(body), content_type="application/json")
+
+
+def _peer_of(request: web.BaseRequest) -> str:
+    return _peer(request.transport) if request.transport else "?"
 
 
 def _error(code: int, message: str) -> web.Response:
@@ -166,6 +189,7 @@ class AgentServer:
         self.pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="agent-call")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._server: _Server | None = None
         self._stopped = threading.Event()
 
     # --- running ------------------------------------------------------------------------------
@@ -194,6 +218,7 @@ class AgentServer:
             access_log=None,
             handler_cancellation=True,
         )
+        self._server = server
         runner = web.ServerRunner(server, handle_signals=False)
         await runner.setup()
         site = web.SockSite(runner, self.sock)
@@ -207,6 +232,10 @@ class AgentServer:
     # --- requests -----------------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if self._server is not None and self._server.is_busy(request.protocol):
+            busy = _error(429, f"too many connections from {_peer_of(request)}; ask again in a moment")
+            busy.force_close()  # this connection was one past the bound: it ends with this answer
+            return busy
         try:
             if request.method == "GET":
                 if request.path == "/healthz":

@@ -144,6 +144,54 @@ def test_agent_idle_connections_bounded(served):
     assert healthz(port) == 200
 
 
+def test_connections_past_the_bound_are_told_busy(root, monkeypatch):
+    """Connections from one address past its bound used to be reset at once: a stager took that for
+    a dead peer, wrote it off and read its objects from the bucket (fetch once lost). Now the next
+    BUSY_PER_CLIENT get a 429 to their request (the stager asks again soon) and are closed; only
+    past those is a connection reset. Another address is served throughout."""
+    monkeypatch.setattr(server_mod, "MAX_PER_CLIENT", 4)
+    monkeypatch.setattr(server_mod, "BUSY_PER_CLIENT", 2)
+    agent, _kube = make_agent(root)
+    agent.last_refresh = time.monotonic()
+    port = free_port()
+    srv = make_server(agent, lambda: KEY, port, addr="127.0.0.1")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    conns = []
+    try:
+        for _ in range(7):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.connect()
+            conns.append(conn)
+            time.sleep(0.05)  # accepted in this order
+        statuses: list[int | str] = []
+        for conn in conns:
+            try:
+                conn.request("GET", "/healthz")
+                resp = conn.getresponse()
+                resp.read()
+                statuses.append(resp.status)
+            except OSError as e:
+                statuses.append(type(e).__name__)
+        assert statuses[:4] == [200] * 4, statuses
+        assert statuses[4:6] == [429, 429], statuses
+        assert isinstance(statuses[6], str), statuses  # past every bound: reset
+        assert healthz(port, source="127.0.0.2") == 200
+        # The busy ones were closed after their answer, so a new connection from that address
+        # finds room among the busy again (the four admitted ones are still open).
+        for conn in conns[4:]:
+            conn.close()
+        time.sleep(0.2)
+        again = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        again.request("GET", "/healthz")
+        assert again.getresponse().status == 429
+        again.close()
+    finally:
+        for conn in conns:
+            conn.close()
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_a_malformed_request_is_answered_4xx(served):
     """A malformed token (an overlong period made int() raise) got a dropped connection; now 401. A
     malformed body is 400, an unauthenticated reservation or peers question 401."""
