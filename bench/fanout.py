@@ -603,7 +603,18 @@ def main() -> int:
 
         def stage(name: str, r: int, with_peers: bool, nodes: list[NodeAgent]) -> None:
             phase = run_phase(
-                name, r, with_peers, nodes, server, link, token_file, uri, revision, dataset_bytes, want, work,
+                name,
+                r,
+                with_peers,
+                nodes,
+                server,
+                link,
+                token_file,
+                uri,
+                revision,
+                dataset_bytes,
+                want,
+                work,
                 args.stagger if name == "fanout" else 0.0,
             )
             runs.setdefault(name, []).append(phase)

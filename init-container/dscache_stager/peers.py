@@ -352,7 +352,9 @@ class Peers:
                 if time.monotonic() >= busy.setdefault(addr, time.monotonic() + BUSY_S):
                     skip.add(addr)
                 else:
-                    time.sleep(BUSY_PAUSE_S * (0.5 + random.random()))  # jitter: the stagers of a node do not all ask again at once
+                    time.sleep(
+                        BUSY_PAUSE_S * (0.5 + random.random())
+                    )  # jitter: the stagers of a node do not all ask again at once
                 continue
             if outcome is Outcome.NEXT:
                 skip.add(addr)
