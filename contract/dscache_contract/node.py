@@ -118,6 +118,10 @@ class ReserveRequest:
     #: The revision's objects, when the stager knows them: the agent then counts the blocks they
     #: take (small files take far more than their bytes), not their bytes alone.
     objects: int | None = None
+    #: True: a pre-stage pod's copy (spec.prestage). The agent evicts no other pre-staged copy and
+    #: no copy in use to make room for it: it refuses instead, and the pod's failure says why in the
+    #: cache's status (two pre-staged caches over one budget would otherwise evict each other forever).
+    prestage: bool | None = None
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
@@ -132,6 +136,7 @@ class ReserveRequest:
             validate_revision(str(data["revision"])),
             int(data["bytes"]),
             None if objects is None else int(objects),
+            True if data.get("prestage") is True else None,
         )
         if req.bytes < 0 or (req.objects or 0) < 0:
             raise ValueError("bytes and objects must not be negative")

@@ -84,7 +84,15 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
         if opts.agent and opts.cache and opts.bytes is not None:
             from .room import ask
 
-            ask(opts.agent, opts.cache, opts.revision, opts.bytes, progress, _token(opts.peer_token_file))
+            ask(
+                opts.agent,
+                opts.cache,
+                opts.revision,
+                opts.bytes,
+                progress,
+                _token(opts.peer_token_file),
+                prestage=opts.prestage,
+            )
         progress.note(
             f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
             f"({opts.concurrency} requests in flight)"

@@ -96,6 +96,9 @@ class Agent:
         self._verified: dict[tuple[str, str, str], tuple[int, int]] = {}
         # Reservations of copies in progress, kept on the disk across restarts (epoch seconds).
         self._reserved: dict[tuple[str, str, str], tuple[int, float]] = reservations.load(settings.cache_root)
+        # Copies pre-stage pods made (spec.prestage), kept on the disk too: a pre-stage evicts none
+        # of them to make room for itself (two pre-staged caches over one budget took turns forever).
+        self._prestaged: set[tuple[str, str, str]] = reservations.load_prestaged(settings.cache_root)
         self._published: tuple[dict[str, str], str] | None = None
         # Copies in progress that asked for peers: (namespace, cache, revision) -> start (epoch s).
         # Published as staging labels while a stager holds the cache's lock; lost on restart, and
@@ -332,6 +335,12 @@ class Agent:
         complete = {(r.namespace, r.cache, r.revision) for r in revs if r.complete}
         now = time.time()
         with self._state:
+            # A pre-staged copy that is gone (evicted by a Job's need, wiped) is forgotten; one still
+            # reserved may not have its directory yet.
+            present = {r.key for r in revs} | set(self._reserved)
+            if not self._prestaged <= present:
+                self._prestaged &= present
+                reservations.save_prestaged(self.s.cache_root, self._prestaged)
             gone = [
                 key
                 for key, (_, at) in self._reserved.items()
@@ -393,6 +402,11 @@ class Agent:
                 evicted: list[str] = []
                 if not budget.fits(need, current, need_fs):
                     candidates = budget.evictable(revs, keep=frozenset({(req.namespace, req.cache)}))
+                    if req.prestage:
+                        # A pre-stage is no work to make room for: it takes only what no other
+                        # pre-staged copy (and no copy in use: evictable() has none) holds.
+                        with self._state:
+                            candidates = [r for r in candidates if r.key not in self._prestaged]
                     chosen = budget.victims(need, current, candidates, need_fs)
                     if chosen:
                         # The Event in the evicted copy's namespace names no other tenant's cache.
@@ -406,6 +420,9 @@ class Agent:
                 with self._state:
                     self._reserved[key] = (need, time.time())
                     reservations.save(self.s.cache_root, self._reserved)
+                    if req.prestage and key not in self._prestaged:
+                        self._prestaged.add(key)
+                        reservations.save_prestaged(self.s.cache_root, self._prestaged)
                     self._published = None
                 return ReserveAnswer(True, current.budget, current.held, current.available, evicted)
         finally:
@@ -422,6 +439,30 @@ class Agent:
     ) -> ReserveAnswer:
         held_by_leases = sum(r.held for r in revs if r.complete and r.leases)
         resumed = f" ({need - need_fs} of them on the disk already)" if need_fs < need else ""
+        if req.prestage:
+            with self._state:
+                others = [
+                    r
+                    for r in revs
+                    if r.complete and r.key in self._prestaged and r.key[:2] != (req.namespace, req.cache)
+                ]
+            # No other tenant's names: how many copies and bytes, not whose.
+            return ReserveAnswer(
+                False,
+                current.budget,
+                current.held,
+                current.available,
+                evicted,
+                message=(
+                    f"not pre-staged on node {self.s.node}: revision {req.revision} of {req.namespace}/{req.cache} "
+                    f"needs {need} bytes ({human_bytes(need)}){resumed} and the node's dscache budget of "
+                    f"{human_bytes(current.budget)} can give it {human_bytes(current.available)} without evicting "
+                    f"another pre-staged copy ({len(others)} of them hold {human_bytes(sum(r.held for r in others))}) "
+                    f"or one in use ({human_bytes(held_by_leases)}); a pre-stage never evicts those (pre-staged "
+                    f"caches would take turns on the node forever). Raise nodeAgent.budget, or pre-stage fewer "
+                    f"caches onto this node (spec.prestage.nodeSelector, spec.prestage.nodes)"
+                ),
+            )
         return ReserveAnswer(
             False,
             current.budget,

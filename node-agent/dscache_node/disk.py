@@ -47,6 +47,10 @@ class OnDisk:
     def cache_dir(self) -> tuple[str, str]:
         return (self.namespace, self.cache)
 
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.namespace, self.cache, self.revision)
+
 
 def valid_name(name: str) -> bool:
     """A namespace or DatasetCache name (DNS-1123), so it names one directory level under the root."""

@@ -19,6 +19,8 @@ log = logging.getLogger("dscache-node")
 
 STATE_DIR = ".dscache-node"
 FILE = "reservations.json"
+#: The copies pre-stage pods made (agent.reserve: no pre-stage evicts them), beside it.
+PRESTAGED_FILE = "prestaged.json"
 
 Key = tuple[str, str, str]
 
@@ -41,12 +43,34 @@ def load(root: str) -> dict[Key, tuple[int, float]]:
 
 
 def save(root: str, reserved: dict[Key, tuple[int, float]]) -> None:
+    rows = [[*k, b, at] for k, (b, at) in sorted(reserved.items())]
+    _write(root, FILE, rows, "the reservations of copies in progress")
+
+
+def load_prestaged(root: str) -> set[Key]:
+    """The (namespace, cache, revision) of copies pre-stage pods made; empty if none or unreadable."""
+    try:
+        with open(os.path.join(root, STATE_DIR, PRESTAGED_FILE)) as f:
+            return {(str(r[0]), str(r[1]), str(r[2])) for r in json.load(f)}
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError, TypeError, IndexError) as e:
+        log.warning(f"cannot read which copies are pre-staged ({e}); starting without them")
+        return set()
+
+
+def save_prestaged(root: str, keys: set[Key]) -> None:
+    _write(root, PRESTAGED_FILE, [list(k) for k in sorted(keys)], "which copies are pre-staged")
+
+
+def _write(root: str, name: str, rows: list[list[object]], what: str) -> None:
+    """``rows`` as JSON in STATE_DIR/``name``, replaced atomically."""
     d = os.path.join(root, STATE_DIR)
     try:
         os.makedirs(d, 0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
-            json.dump([[*k, b, at] for k, (b, at) in sorted(reserved.items())], f)
-        os.replace(tmp, path(root))
+            json.dump(rows, f)
+        os.replace(tmp, os.path.join(d, name))
     except OSError as e:
-        log.warning(f"cannot keep the reservations of copies in progress on disk: {e}")
+        log.warning(f"cannot keep {what} on disk: {e}")

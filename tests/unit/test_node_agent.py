@@ -178,12 +178,13 @@ def test_a_completed_copys_reservation_is_not_counted_besides_it(root):
     now = time.time()
     stage(root, "ml", "old", R1, 100, released=now - 300)
     stage(root, "ml", "newer", R2, 100, released=now - 200)
-    agent, _ = make_agent(root, 350)
+    each = disk.footprint(100, 1, disk.block_size(str(root)))  # one file of 100 bytes, in blocks
+    agent, _ = make_agent(root, 3 * each + 50)
     b = contract.cache_dir(str(root), "ml", "b")
     os.makedirs(b)
     fd = os.open(contract.lock_path(b), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    assert agent.reserve(contract.ReserveRequest("ml", "b", R3, 100)).ok
+    assert agent.reserve(contract.ReserveRequest("ml", "b", R3, 100, objects=1)).ok
     os.close(fd)  # b's stager is done: its copy is whole, and no pass of the agent ran since
     stage(root, "ml", "b", R3, 100, released=now - 100)
     d = contract.cache_dir(str(root), "ml", "d")
@@ -191,7 +192,7 @@ def test_a_completed_copys_reservation_is_not_counted_besides_it(root):
     fd = os.open(contract.lock_path(d), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        answer = agent.reserve(contract.ReserveRequest("ml", "d", R1, 100))
+        answer = agent.reserve(contract.ReserveRequest("ml", "d", R1, 100, objects=1))
         assert answer.ok and answer.evicted == [f"ml/old/{R1}"], answer
     finally:
         os.close(fd)

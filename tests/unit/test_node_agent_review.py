@@ -350,3 +350,67 @@ def test_no_cross_tenant_names(root):
         assert name not in inventory, inventory
     inv = contract.Inventory.from_json(inventory)
     assert sorted(r.revision for r in inv.revisions if r.of("team-b", "secret-project")) == [R2, R3]
+
+
+# --- #10: two pre-staged caches over one node's budget ----------------------------------------------
+
+
+def complete_copy(root: Path, ns: str, cache: str, rev: str, size: int, released: float) -> None:
+    """The stager's copy of one file, whole and released (a pre-stage pod takes no lease)."""
+    c = contract.cache_dir(str(root), ns, cache)
+    data = Path(contract.data_dir(c, rev))
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "blob").write_bytes(b"x" * size)
+    meta = Path(contract.meta_dir(c, rev))
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / contract.MANIFEST_NAME).write_text(
+        contract.ManifestEntry(key="p/blob", path="blob", size=size, etag="e").to_json() + "\n"
+    )
+    (meta / contract.COMPLETE_NAME).write_text(contract.StageSummary(objects=1, bytes=size).to_json())
+    os.makedirs(contract.lease_dir(c, rev), exist_ok=True)
+    os.utime(meta / contract.COMPLETE_NAME, (released, released))
+
+
+def test_prestaged_caches_do_not_thrash(root):
+    """Two caches pre-staged onto one node whose budget holds one of them: each pre-stage pod
+    evicted the other's copy, and the controller replaced the other's pod minutes later, for ever
+    (a full revision re-staged every few minutes). Now a pre-stage evicts no other pre-staged copy
+    (nor one in use): the second is refused with a message for its status, every time, and the
+    first copy stays. A Job's need still evicts a pre-staged copy (work comes first), and the marks
+    survive an agent restart."""
+    size = 3 * MiB
+    each = disk.footprint(size, 1, disk.block_size(str(root)))
+    agent, kube = make_agent(root, budget_bytes=each + each // 2)
+    now = time.time()
+
+    def prestage(cache: str, rev: str, done: bool = True) -> contract.ReserveAnswer:
+        with stager_at_work(root, "ml", cache, rev):
+            answer = agent.reserve(contract.ReserveRequest("ml", cache, rev, size, objects=1, prestage=True))
+        if answer.ok and done:
+            complete_copy(root, "ml", cache, rev, size, now)
+        agent.refresh()
+        return answer
+
+    assert prestage("a", R1).ok
+    # The controller retries the refused pre-stage pod (and after a restart of the agent too):
+    # refused each time, and a's copy is never evicted for it.
+    for round_ in range(4):
+        if round_ == 2:
+            agent, kube = make_agent(root, budget_bytes=each + each // 2)
+        answer = prestage("b", R2)
+        assert not answer.ok and answer.evicted == [], answer
+        assert "not pre-staged on node n1" in answer.message and "another pre-staged copy" in answer.message
+        assert "ml/a" not in answer.message, "the refusal names no other cache (tenant)"
+        assert {(r.cache, r.complete) for r in disk.scan(str(root))} >= {("a", True)}
+    assert not [e for e in kube.events if e.get("reason") == "Evicted"]
+    # A Job's copy of b (no pre-stage) may evict the unused pre-staged copy of a: work first.
+    with stager_at_work(root, "ml", "b", R2):
+        job = agent.reserve(contract.ReserveRequest("ml", "b", R2, size, objects=1))
+    assert job.ok and job.evicted == [f"ml/a/{R1}"], job
+    complete_copy(root, "ml", "b", R2, size, now + 1)
+    agent.refresh()
+    # a's pre-stage may now evict b's copy (a Job's leftover, not pre-staged); then b's pre-stage is
+    # refused again: the node settles on one pre-staged copy instead of taking turns.
+    assert prestage("a", R1).ok
+    assert not prestage("b", R2).ok
+    assert {r.cache for r in disk.scan(str(root)) if r.complete} == {"a"}
