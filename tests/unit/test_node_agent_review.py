@@ -112,8 +112,8 @@ def healthz(port: int, source: str = "127.0.0.1") -> int:
 
 def test_agent_idle_connections_bounded(served):
     """300 idle connections held 303 threads and stayed open forever. Now they cost no thread, the
-    ones past the per-client bound are closed at once, the rest after IDLE_S, and healthz answers
-    throughout."""
+    ones past the per-client bounds (admitted, then told busy) are closed at once, the rest after
+    IDLE_S, and healthz answers throughout."""
     _agent, port = served
     threads = threading.active_count()
     socks = []
