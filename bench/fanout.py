@@ -417,6 +417,7 @@ def run_phase(
     dataset_bytes: int,
     want: dict[str, str],
     work: Path,
+    stagger: float = 0.0,
 ) -> Phase:
     cache = f"{name}-{round_no}"
     logs = work / "logs"
@@ -443,7 +444,9 @@ def run_phase(
     outs: dict[str, str] = {}
     procs: dict[str, subprocess.Popen[str]] = {}
     t0 = time.perf_counter()
-    for node, argv in argvs.items():
+    for i, (node, argv) in enumerate(argvs.items()):
+        if i and stagger:
+            time.sleep(stagger)  # pods on different nodes start apart (e2e/test_40 saw 1-2 s)
         err = open(logs / f"{cache}-{node}.log", "w")  # noqa: SIM115 (closed after the wait)
         procs[node] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         _procs.append(procs[node])
@@ -546,6 +549,9 @@ def main() -> int:
     ap.add_argument(
         "--lone-mbit", type=float, default=0.0, help="the link for the lone pair's extra run (default 0: unshaped)"
     )
+    ap.add_argument(
+        "--stagger", type=float, default=0.0, help="seconds between the fanout stagers' starts (default 0: together)"
+    )
     ap.add_argument("--workdir", type=Path, help="default: a temp dir under build/ (removed at the end)")
     args = ap.parse_args()
     phases = [p for p in args.phases.split(",") if p]
@@ -597,7 +603,19 @@ def main() -> int:
 
         def stage(name: str, r: int, with_peers: bool, nodes: list[NodeAgent]) -> None:
             phase = run_phase(
-                name, r, with_peers, nodes, server, link, token_file, uri, revision, dataset_bytes, want, work
+                name,
+                r,
+                with_peers,
+                nodes,
+                server,
+                link,
+                token_file,
+                uri,
+                revision,
+                dataset_bytes,
+                want,
+                work,
+                args.stagger if name == "fanout" else 0.0,
             )
             runs.setdefault(name, []).append(phase)
             ran.append(phase)

@@ -46,6 +46,7 @@ from support.s3link import bucket_link
 from support.timeline import measure
 
 import dscache_contract as contract
+from dscache_node.disk import footprint
 
 pytestmark = pytest.mark.multinode
 
@@ -245,7 +246,9 @@ def _inventory(kube, node: str) -> contract.Inventory:
 @pytest.mark.timeout(1500)
 def test_capacity_lru(cfg, kube, s3, cache_factory, dataset):
     node = worker(kube)
-    size = dataset.bytes
+    # What one copy counts against the budget: its bytes and its files' blocks (disk.footprint;
+    # the nodes' filesystems have 4 KiB blocks).
+    size = footprint(dataset.bytes, dataset.objects, 4096)
     retain = {"policy": "RetainWhileUsed", "ttlAfterLastUse": "1h"}
     reader = None
     try:

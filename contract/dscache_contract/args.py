@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the revision's total size (the operator's listing): what is asked of the agent",
     )
     s.add_argument(
+        "--prestage",
+        action="store_true",
+        help="this copy pre-stages the cache (spec.prestage): the agent evicts no other pre-staged copy "
+        "and no copy in use to make room for it, and refuses it instead (needs --agent)",
+    )
+    s.add_argument(
         "--peer-token-file",
         metavar="PATH",
         help="the cache's peer token (needs --agent): objects other nodes hold or are copying are taken "
@@ -205,6 +211,7 @@ class StageArgs:
     cache: str | None = None
     bytes: int | None = None
     peer_token_file: str | None = None
+    prestage: bool = False
 
     def __post_init__(self) -> None:
         if self.peer_token_file is not None and self.agent is None:
@@ -249,6 +256,8 @@ class StageArgs:
         _opt(argv, "--cache", self.cache)
         _opt(argv, "--bytes", self.bytes)
         _opt(argv, "--peer-token-file", self.peer_token_file)
+        if self.prestage:
+            argv.append("--prestage")
         return argv
 
     @classmethod
@@ -272,6 +281,7 @@ class StageArgs:
             cache=ns.cache,
             bytes=ns.bytes,
             peer_token_file=ns.peer_token_file,
+            prestage=ns.prestage,
         )
 
     @classmethod

@@ -61,7 +61,11 @@ def parse_warm_label(key: str) -> tuple[str, str] | None:
 
 @dataclass
 class HeldRevision:
-    """One revision on the node, as the agent read it from disk."""
+    """One revision on the node, as the agent read it from disk.
+
+    Anyone who may read Nodes reads this, so it names no cache: ``namespace`` and ``cache`` are
+    empty and ``digest`` is the cache's ``cache_digest`` (as in the warm labels); who holds a
+    cache's name finds its copies with ``of``."""
 
     namespace: str
     cache: str
@@ -72,6 +76,10 @@ class HeldRevision:
     #: epoch seconds of the last lease change (or of sealing, if never leased): the LRU clock
     released_at: float
     labelled: bool = False
+    digest: str = ""
+
+    def of(self, namespace: str, cache: str) -> bool:
+        return self.digest == cache_digest(namespace, cache) or (self.namespace, self.cache) == (namespace, cache)
 
 
 @dataclass
@@ -107,18 +115,31 @@ class ReserveRequest:
     cache: str
     revision: str
     bytes: int
+    #: The revision's objects, when the stager knows them: the agent then counts the blocks they
+    #: take (small files take far more than their bytes), not their bytes alone.
+    objects: int | None = None
+    #: True: a pre-stage pod's copy (spec.prestage). The agent evicts no other pre-staged copy and
+    #: no copy in use to make room for it: it refuses instead, and the pod's failure says why in the
+    #: cache's status (two pre-staged caches over one budget would otherwise evict each other forever).
+    prestage: bool | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
 
     @classmethod
     def from_json(cls, text: str) -> ReserveRequest:
         data = json.loads(text)
+        objects = data.get("objects")
         req = cls(
-            str(data["namespace"]), str(data["cache"]), validate_revision(str(data["revision"])), int(data["bytes"])
+            str(data["namespace"]),
+            str(data["cache"]),
+            validate_revision(str(data["revision"])),
+            int(data["bytes"]),
+            None if objects is None else int(objects),
+            True if data.get("prestage") is True else None,
         )
-        if req.bytes < 0:
-            raise ValueError("bytes must not be negative")
+        if req.bytes < 0 or (req.objects or 0) < 0:
+            raise ValueError("bytes and objects must not be negative")
         return req
 
 

@@ -57,6 +57,8 @@ MAX_WAIT_S = 20.0
 COHORT_WINDOW_S = 3.0
 #: A peer token is valid for the period it was made in and the next one.
 TOKEN_PERIOD_S = 6 * 3600
+#: A token's period is a number of this many digits at most (one period is 6 h: 20 digits last).
+MAX_PERIOD_DIGITS = 20
 #: The key of the token in the per-cache Secret, and where the webhook mounts it in the stager.
 PEER_TOKEN_KEY = "token"
 PEER_TOKEN_DIR = "/var/run/dscache-peer"
@@ -119,8 +121,12 @@ def check_peer_token(key: str, namespace: str, cache: str, token: str, now: floa
     if not key:
         return False
     period_text, _, mac = token.partition(".")
-    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
-    if not (period_text.isascii() and period_text.isdigit()) or not mac:
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses; and a bounded number of
+    # them (int() refuses more than 4300 digits with ValueError, and a period has 6). A token of
+    # any other shape is refused, never raised on.
+    if not (0 < len(period_text) <= MAX_PERIOD_DIGITS and period_text.isascii() and period_text.isdigit()):
+        return False
+    if len(mac) != 64:  # a SHA-256 HMAC in hex
         return False
     period, current = int(period_text), int((time.time() if now is None else now) // TOKEN_PERIOD_S)
     if period not in (current, current - 1):

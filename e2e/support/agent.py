@@ -78,9 +78,13 @@ def disagreement(kube: Kube, cache_root: str, node: str, max_labels: int = 16) -
     if inv is None:
         problems.append("no inventory annotation")
     else:
-        listed = {(r.namespace, r.cache, r.revision) for r in inv.revisions if r.complete}
-        if listed != disk and not inv.truncated:
-            problems.append(f"inventory {sorted(listed)} != disk {sorted(disk)}")
+        # The inventory names no cache (anyone who reads Nodes reads it): compare by digest.
+        listed = {
+            (r.digest or contract.cache_digest(r.namespace, r.cache), r.revision) for r in inv.revisions if r.complete
+        }
+        on_disk = {(contract.cache_digest(ns, c), r) for ns, c, r in disk}
+        if listed != on_disk and not inv.truncated:
+            problems.append(f"inventory {sorted(listed)} != disk {sorted(on_disk)}")
     return "; ".join(problems) if problems else None
 
 

@@ -6,13 +6,17 @@ import http.client
 import urllib.parse
 
 
-def post(agent: str, path: str, body: str, timeout: float) -> str:
-    """POST ``body`` to ``agent`` + ``path``; the answer's text. OSError when the agent does not
-    answer or answers anything but 200 (with the status and the start of its answer)."""
+def post(agent: str, path: str, body: str, timeout: float, token: str = "") -> str:
+    """POST ``body`` to ``agent`` + ``path``, with the cache's peer ``token`` (the agent writes to
+    its Node or its disk only for a stager that shows it); the answer's text. OSError when the agent
+    does not answer or answers anything but 200 (with the status and the start of its answer)."""
     url = urllib.parse.urlsplit(agent)
     conn = http.client.HTTPConnection(url.hostname or "localhost", url.port or 80, timeout=timeout)
     try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        conn.request("POST", path, body=body, headers=headers)
         resp = conn.getresponse()
         text = resp.read().decode(errors="replace")
     finally:

@@ -123,6 +123,7 @@ def _sync(ns: argparse.Namespace) -> StageSummary:
         cache=args.cache,
         bytes=args.bytes,
         peer_token_file=args.peer_token_file,
+        prestage=args.prestage,
     )
     return sync(opts, Progress())
 

@@ -267,7 +267,7 @@ def remove_tree(path: str) -> None:
 GONE_PREFIX = ".gone-"
 
 
-def discard(path: str) -> None:
+def discard(path: str, remove: Callable[[str], None] | None = None) -> None:
     """Remove a revision dir (or a cache dir) so that it is never seen half removed.
 
     It is first renamed to a sibling ``.gone-<name>-<nonce>`` (atomic, and no
@@ -275,7 +275,7 @@ def discard(path: str) -> None:
     A process killed in between leaves only a ``.gone-`` entry, which no reader
     takes for a revision and the node agent removes when it next reads the disk;
     without the rename, a kill could leave a revision whose completion marker
-    survived its data.
+    survived its data. Once renamed, nothing reads the tree: its removal may run later.
     """
     try:
         st = os.lstat(path)
@@ -287,7 +287,9 @@ def discard(path: str) -> None:
     parent, name = os.path.split(path.rstrip("/"))
     gone = os.path.join(parent, f"{GONE_PREFIX}{name}-{os.getpid()}-{time.monotonic_ns()}")
     os.rename(path, gone)
-    remove_tree(gone)
+    # ``remove``: who removes the renamed tree (the node agent does it on a thread of its own, so
+    # that its lock is not held while a large tree goes); here and now by default.
+    (remove or remove_tree)(gone)
 
 
 def _make_writable(directory: str) -> None:

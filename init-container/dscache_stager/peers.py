@@ -11,12 +11,27 @@ ETag of an unusual part size) are never taken from peers; see ``Digest`` for
 SSE-KMS.
 
 Failure costs a retry, never a wrong byte:
-- a peer that refuses the connection, stalls (no byte for ``READ_TIMEOUT_S``) or
-  drops it mid-body is skipped for the rest of the run; the next node of the
-  ranking is asked, and the bucket when this node's turn comes, so a dead peer's
-  objects are read from the bucket by one node each, not by every node;
-- a peer whose bytes do not match is never asked again, and the object is fetched
-  from the bucket at once.
+- a peer that refuses the connection, stalls (no byte for ``READ_TIMEOUT_S``, or a
+  body slower than ``MIN_RATE``) or drops it mid-body is skipped for the rest of the
+  run; the next node of the ranking is asked, and the bucket when this node's turn
+  comes, so a dead peer's objects are read from the bucket by one node each, not by
+  every node; so is a peer that breaks the protocol (an "unclaimed" answer to a
+  request that was no probe);
+- a peer still copying an object is asked again for it only after the ranking was
+  computed afresh (``RERANK_S``): the cohort may have changed meanwhile (a node
+  completed, a stale label went), and the object's new first choice is asked;
+  each peer gets ``PATIENCE_S`` per object in all; an earlier peer whose probe said it
+  is reading the object is asked again until it sends it (even after ``PROBE_S``);
+- a busy peer (429: its bound for this node) is asked again after ``BUSY_PAUSE_S``, for
+  ``BUSY_S`` per object; a kept-alive connection the peer closed while idle is opened
+  anew once: neither is a fault, and neither sends the object to the bucket;
+- a peer whose bytes do not match is suspected, and the object is fetched from the
+  bucket at once. The peer is written off only when the bucket's bytes differ from
+  its bytes: a multipart ETag's part size is a guess (a 20 MiB object in 6 MiB parts
+  has the part count of 5 MiB parts), and an SSE-KMS ETag is no MD5 at all, so a
+  mismatch alone proves nothing against the peer. Once the bucket showed that an
+  ETag of some form does not check its bytes, objects with ETags of that form come
+  from the bucket for the rest of the run, without asking any peer first.
 
 The requests are blocking http.client calls on a small thread pool (one keep-alive
 connection per peer and thread): the agents serve with sendfile, and a held request
@@ -30,10 +45,13 @@ import http.client
 import json
 import logging
 import os
+import random
 import re
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 
 from dscache_contract.peers import (
@@ -54,8 +72,18 @@ log = logging.getLogger("dscache-stage")
 
 #: A peer that sends no byte for this long is taken for stalled.
 READ_TIMEOUT_S = 30.0
-#: The longest this node waits for a peer still copying one object, before its next choice.
+#: A body slower than this (after READ_TIMEOUT_S of grace) is a stalled peer too: one byte every
+#: few seconds would otherwise hold a worker for as long as the peer likes.
+MIN_RATE = 1 << 20
+#: The longest this node waits for one peer still copying one object, in all.
 PATIENCE_S = 180.0
+#: How long one held request for an object in flight lasts; then the ranking is computed afresh.
+RERANK_S = 5.0
+#: A busy peer (429: its bound for this node's connections or requests) is asked again after this
+#: pause, for up to BUSY_S per object; only then does the object go to the next node or the bucket
+#: (a busy peer is no wrong one: reading the bucket instead fetches the object twice).
+BUSY_PAUSE_S = 0.25
+BUSY_S = 20.0
 #: How often the node agent is asked again who the peers are. A node that started before this one
 #: learns of it within this long; until then it may read objects now ranked to this one, which is
 #: why this node first looks at such earlier peers' claims for ``PROBE_S`` (longer than this).
@@ -74,8 +102,29 @@ PART_SIZES = tuple(n * MiB for n in (8, 5, 16, 10, 15, 32, 64, 50, 100, 128, 256
 
 class Outcome(Enum):
     PLACED = "placed"  # verified, in the temp file
-    NEXT = "next"  # not there (any more): ask the next in the ranking
-    BUCKET = "bucket"  # the bytes were wrong: fetch it from the bucket now
+    NEXT = "next"  # not there (any more), or busy: ask the next in the ranking
+    WAIT = "wait"  # the peer is still copying it: rank again, then ask the first choice
+    BUSY = "busy"  # the peer is over its bound for this node (429): ask it again in a moment
+    SUSPECT = "suspect"  # the bytes did not hash to the ETag: the bucket's copy decides who was wrong
+    BUCKET = "bucket"  # this node's turn: read the bucket
+
+
+@dataclass(frozen=True)
+class Obtained:
+    """What ``Peers.obtain`` got: PLACED (in ``tmp``) or BUCKET; ``suspect``: the peer and the MD5
+    of the body it sent, when that body did not hash to the ETag (``judge`` it against the
+    bucket's copy)."""
+
+    outcome: Outcome
+    tmp: str = ""
+    suspect: tuple[str, str] | None = None
+
+
+def etag_form(etag: str) -> str:
+    """``md5`` or ``multipart-<N>``: the objects whose ETags one bucket makes alike."""
+    etag = etag.strip('"').lower()
+    m = _MULTIPART.match(etag)
+    return f"multipart-{m.group(2)}" if m else "md5"
 
 
 def part_sizes(etag: str, size: int) -> tuple[int, ...] | None:
@@ -109,14 +158,16 @@ class Digest:
 
     def __init__(self, etag: str, size: int) -> None:
         self.want = etag.strip('"').lower()
+        # The body's own MD5, whatever the ETag: what the bucket's copy is compared with.
+        self.body = hashlib.md5(usedforsecurity=False)
         sizes = part_sizes(etag, size) or ()
-        self.whole = hashlib.md5(usedforsecurity=False) if not sizes else None
+        self.plain = not sizes
         # Per candidate part size: (part size, digests of the parts done, current part's hash, its length)
         self.parts = [(p, list[bytes](), hashlib.md5(usedforsecurity=False), 0) for p in sizes]
 
     def update(self, chunk: bytes | memoryview) -> None:
-        if self.whole is not None:
-            self.whole.update(chunk)
+        self.body.update(chunk)
+        if self.plain:
             return
         view = memoryview(chunk)
         for i, (p, done, cur, fill) in enumerate(self.parts):
@@ -131,8 +182,8 @@ class Digest:
             self.parts[i] = (p, done, cur, fill)
 
     def matches(self) -> bool:
-        if self.whole is not None:
-            return self.whole.hexdigest() == self.want
+        if self.plain:
+            return self.body.hexdigest() == self.want
         for _, done, cur, fill in self.parts:
             digests = done + ([cur.digest()] if fill else [])
             got = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest() + f"-{len(digests)}"
@@ -156,6 +207,9 @@ class Peers:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[http.client.HTTPConnection] = []
+        # ETag forms (etag_form) that the bucket showed do not check their bytes (SSE-KMS, a
+        # multipart ETag of an unusual part size): objects with them are not asked of peers.
+        self.unverifiable: set[str] = set()
 
     # --- who -----------------------------------------------------------------------------
 
@@ -174,8 +228,11 @@ class Peers:
         """Ask the node's agent (this also publishes this node as staging the revision).
         None: the agent did not answer (then this node reads the bucket for everything)."""
         body = PeersRequest(self.namespace, self.cache, self.revision).to_json()
+        token = self.token()
+        if not token:
+            return None  # the agent publishes nothing for a stager that cannot show the cache's token
         try:
-            answer = PeersAnswer.from_json(agentcall.post(self.agent, PEERS_PATH, body, 10))
+            answer = PeersAnswer.from_json(agentcall.post(self.agent, PEERS_PATH, body, 10, token))
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.debug(f"peers: the agent did not answer: {e}")
             return None
@@ -190,8 +247,13 @@ class Peers:
             return []
         return [p.addr for p in (*a.staging, *a.complete) if p.addr != a.me]
 
-    def ahead_of_me(self, key: str) -> list[str]:
-        """The live peers to ask for ``key`` before this node reads the bucket itself ([]: read it now)."""
+    def verifiable(self, etag: str, size: int) -> bool:
+        """Whether a peer's body of this object can be checked (else it comes from the bucket)."""
+        return verifiable(etag, size) and etag_form(etag) not in self.unverifiable
+
+    def ahead_of_me(self, key: str, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """The live peers to ask for ``key`` before this node reads the bucket itself ([]: read it now);
+        ``skip``: peers not to ask for this object again (they said no, or were busy)."""
         a = self.answer
         if a is None or not self.token():
             return []
@@ -199,7 +261,7 @@ class Peers:
         for addr in owner_ranking(key, a):
             if addr == a.me:
                 break
-            if addr not in self.failed:
+            if addr not in self.failed and addr not in skip:
                 out.append(addr)
         return out
 
@@ -222,45 +284,126 @@ class Peers:
                 self.failed[addr] = why
                 log.warning(f"peer {addr}: {why}; not asked again (its objects come from the next node or the bucket)")
 
+    def judge(self, addr: str, peer_md5: str, etag: str, path: str) -> None:
+        """After a suspect body from ``addr`` (its MD5 ``peer_md5``), the bucket's copy of the object
+        at ``path`` decides: other bytes, the peer lied (never asked again); the same bytes, the
+        ETag cannot check them (SSE-KMS, an unusual part size), and objects with ETags of its form
+        come from the bucket from now on. Blocking (reads the object once)."""
+        h = hashlib.md5(usedforsecurity=False)
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+        except OSError as e:
+            log.debug(f"peers: cannot read {path} back to judge {addr}: {e}")
+            return
+        if h.hexdigest() != peer_md5:
+            self._fail(addr, "sent bytes that do not match the revision's manifest (nor the bucket's copy)")
+            return
+        form = etag_form(etag)
+        with self._lock:
+            if form not in self.unverifiable:
+                self.unverifiable.add(form)
+                log.warning(
+                    f"peers: ETags like {etag} do not check their objects' bytes here (SSE-KMS, or multipart "
+                    f"parts of an unusual size); such objects come from the bucket for the rest of this copy"
+                )
+
     # --- taking an object ----------------------------------------------------------------
 
-    def take(self, addr: str, rel: str, size: int, etag: str, tmp: str, probe: bool = False) -> Outcome:
-        """Fetch ``rel`` from ``addr`` into ``tmp`` (created, FILE_MODE), verified; waits while the peer
-        is still copying it, up to PATIENCE_S (``probe``: only if it has it now). Blocking: run it on
-        a worker thread."""
-        deadline = time.monotonic() + PATIENCE_S
+    def obtain(self, key: str, rel: str, size: int, etag: str, tmp: Callable[[], str]) -> Obtained:
+        """Take ``key`` (``rel`` under data/) from the peers ranked before this node, verified, into a
+        temp file ``tmp()`` makes up; BUCKET when this node's turn comes. Each peer is asked again only
+        after the ranking was computed afresh (another may be first now), and is given PATIENCE_S per
+        object in all; one that says no (or is busy) is not asked for this object again. Blocking: run
+        it on a worker thread."""
+        probed: set[str] = set()
+        # Early peers whose probe said they are reading it now: asked again (a probe each time)
+        # until they send it, whether or not the probing window is still open. Reading it from the
+        # bucket instead would fetch it twice (the regression e2e/test_40 measured: 1.14-1.23x).
+        reading: list[str] = []
+        skip: set[str] = set()
+        patience: dict[str, float] = {}
+        busy: dict[str, float] = {}
         while True:
-            try:
-                status, state = self._get(
-                    addr,
-                    ObjectRequest(self.namespace, self.cache, self.revision, rel, MAX_WAIT_S, probe),
-                    size,
-                    etag,
-                    tmp,
-                )
-            except _Lied as e:
-                self._fail(addr, f"sent bytes that do not match the revision's manifest ({e})")
-                return Outcome.BUCKET
-            except _Local as e:
-                raise e.__cause__ or e from None
-            except (OSError, http.client.HTTPException, ValueError) as e:
-                self._fail(addr, f"failed mid-request ({type(e).__name__}: {e})")
-                return Outcome.NEXT
-            if status == 200:
-                return Outcome.PLACED
-            if status == 404 and state == RevisionState.UNCLAIMED:
-                return Outcome.NEXT  # a probe: nobody there reads it: this node's own turn
-            if status == 404 and state == RevisionState.STAGING and time.monotonic() < deadline:
-                continue  # the peer is still copying it: ask again (the request was held MAX_WAIT_S)
-            if status == 401:
-                self._fail(addr, "refused this cache's peer token")
-            elif status == 404 and state == RevisionState.STAGING:
-                self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
-            elif status == 404:
-                self._fail(addr, f"neither holds nor copies revision {self.revision} (any more)")
+            probe = False
+            if ahead := self.ahead_of_me(key, skip):
+                addr = ahead[0]
+            elif held := [p for p in reading if p not in skip and p not in self.failed]:
+                addr, probe = held[0], True
+            elif early := [p for p in self.early_peers() if p not in probed and p not in skip]:
+                # Peers that started before this node may have read it before they knew of it.
+                addr, probe = early[0], True
+                probed.add(addr)
             else:
-                self._fail(addr, f"answered HTTP {status}")
-            return Outcome.NEXT
+                return Obtained(Outcome.BUCKET)
+            now = time.monotonic()
+            deadline = patience.setdefault(addr, now + PATIENCE_S)
+            if now >= deadline:
+                self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
+                continue
+            path = tmp()
+            outcome, md5 = self.take(addr, rel, size, etag, path, probe, min(RERANK_S, deadline - now))
+            if outcome is Outcome.PLACED:
+                return Obtained(outcome, path)
+            if outcome is Outcome.SUSPECT:
+                return Obtained(Outcome.BUCKET, suspect=(addr, md5))
+            if outcome is Outcome.BUSY:
+                if time.monotonic() >= busy.setdefault(addr, time.monotonic() + BUSY_S):
+                    skip.add(addr)
+                else:
+                    time.sleep(
+                        BUSY_PAUSE_S * (0.5 + random.random())
+                    )  # jitter: the stagers of a node do not all ask again at once
+                continue
+            if outcome is Outcome.NEXT:
+                skip.add(addr)
+            elif probe and addr not in reading:
+                reading.append(addr)
+            # WAIT: rank again (the answer is refreshed every REFRESH_S) and ask the first choice.
+
+    def take(
+        self, addr: str, rel: str, size: int, etag: str, tmp: str, probe: bool = False, wait: float = RERANK_S
+    ) -> tuple[Outcome, str]:
+        """One request for ``rel`` to ``addr``, into ``tmp`` (created, FILE_MODE), verified; held up to
+        ``wait`` seconds while the peer is still copying it (``probe``: only if it has it now, or is
+        reading it). The second item: the MD5 of a SUSPECT body. Blocking."""
+        req = ObjectRequest(self.namespace, self.cache, self.revision, rel, max(0.0, min(wait, MAX_WAIT_S)), probe)
+        try:
+            status, state = self._get(addr, req, size, etag, tmp)
+        except _Suspect as e:
+            log.info(f"peer {addr}: {rel} does not hash to its ETag {etag}; the bucket's copy decides")
+            return Outcome.SUSPECT, e.md5
+        except _Lied as e:
+            self._fail(addr, f"sent bytes that do not match the revision's manifest ({e})")
+            return Outcome.NEXT, ""
+        except _Local as e:
+            raise e.__cause__ or e from None
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            self._fail(addr, f"failed mid-request ({type(e).__name__}: {e})")
+            return Outcome.NEXT, ""
+        if status == 200:
+            return Outcome.PLACED, ""
+        if status == 404 and state == RevisionState.UNCLAIMED:
+            if probe:
+                return Outcome.NEXT, ""  # nobody there reads it: this node's own turn
+            # Only a probe may be answered so: a peer that says it to a plain request would be asked
+            # again and again (a bug, another version, or a stall on purpose).
+            self._fail(addr, f"answered 'unclaimed' for {rel} to a request that was no probe")
+            return Outcome.NEXT, ""
+        if status == 404 and state == RevisionState.STAGING:
+            return Outcome.WAIT, ""
+        if status == 429:
+            return Outcome.BUSY, ""  # over its bound for this node now: asked again in a moment
+        if status == 503:
+            return Outcome.NEXT, ""  # cannot read it now: the next one for this object, asked again for others
+        if status == 401:
+            self._fail(addr, "refused this cache's peer token")
+        elif status == 404:
+            self._fail(addr, f"neither holds nor copies revision {self.revision} (any more)")
+        else:
+            self._fail(addr, f"answered HTTP {status}")
+        return Outcome.NEXT, ""
 
     def _conn(self, addr: str) -> http.client.HTTPConnection:
         conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
@@ -289,9 +432,24 @@ class Peers:
     def _get(self, addr: str, req: ObjectRequest, size: int, etag: str, tmp: str) -> tuple[int, str]:
         conn = self._conn(addr)
         path = req.target()
+        reused = conn.sock is not None
+        if reused:
+            conn.sock.settimeout(READ_TIMEOUT_S + MAX_WAIT_S)  # _receive shortened it for a body
         try:
-            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
-            resp = conn.getresponse()
+            try:
+                conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
+                resp = conn.getresponse()
+            except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+                if not reused:
+                    raise
+                # A kept-alive connection the peer closed while it was idle (its server closes idle
+                # ones after a while): no fault of the peer, and no byte of an answer was read.
+                # Once more on a new connection; only a failure there writes the peer off.
+                conn.close()
+                self._local.conns.pop(addr, None)
+                conn = self._conn(addr)
+                conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
+                resp = conn.getresponse()
             if resp.status != 200:
                 text = resp.read().decode(errors="replace")  # whole: the connection is reused
                 state = ""
@@ -304,15 +462,20 @@ class Peers:
             if length != size:
                 resp.close()
                 raise _Lied(f"{length} bytes where the manifest says {size}")
-            self._receive(resp, size, etag, tmp)
+            self._receive(conn, resp, size, etag, tmp)
             return 200, ""
         except BaseException:
             conn.close()
             self._local.conns.pop(addr, None)
             raise
 
-    def _receive(self, resp: http.client.HTTPResponse, size: int, etag: str, tmp: str) -> None:
+    def _receive(
+        self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, size: int, etag: str, tmp: str
+    ) -> None:
         digest = Digest(etag, size)
+        # The whole body within READ_TIMEOUT_S plus its size at MIN_RATE: each read waits at most
+        # what is left of that (a byte now and then does not keep a worker forever).
+        deadline = time.monotonic() + READ_TIMEOUT_S + size / MIN_RATE
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         except OSError as e:
@@ -321,7 +484,12 @@ class Peers:
             got = 0
             with os.fdopen(fd, "wb", closefd=False) as out:
                 while got < size:
-                    chunk = resp.read(min(CHUNK, size - got))
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"{got} of {size} bytes in {READ_TIMEOUT_S + size / MIN_RATE:.0f} s")
+                    if conn.sock is not None:
+                        conn.sock.settimeout(min(READ_TIMEOUT_S, left))
+                    chunk = resp.read1(min(CHUNK, size - got))  # what one recv gives: the deadline is checked between
                     if not chunk:
                         raise http.client.IncompleteRead(b"", size - got)
                     digest.update(chunk)
@@ -330,8 +498,9 @@ class Peers:
                     except OSError as e:
                         raise _Local() from e
                     got += len(chunk)
+            resp.read()  # b"": marks the response done (read1 does not), so the connection is reused
             if not digest.matches():
-                raise _Lied(f"their hash is not the listed ETag {etag}")
+                raise _Suspect(digest.body.hexdigest())
         except BaseException:
             os.close(fd)
             _unlink(tmp)
@@ -341,6 +510,14 @@ class Peers:
 
 class _Lied(Exception):
     """The peer's answer contradicts the manifest."""
+
+
+class _Suspect(Exception):
+    """The body does not hash to the ETag: a lie, or an ETag that cannot check it (judge)."""
+
+    def __init__(self, md5: str) -> None:
+        super().__init__(md5)
+        self.md5 = md5
 
 
 class _Local(OSError):

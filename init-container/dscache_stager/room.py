@@ -18,13 +18,22 @@ from .progress import Progress
 TIMEOUT_S = 30.0  # evicting a large copy takes a while
 
 
-def ask(agent: str, cache: str, revision: str, nbytes: int, progress: Progress) -> ReserveAnswer | None:
-    """Reserve ``nbytes`` for ``revision`` of ``cache`` (NAMESPACE/NAME); raise NoSpaceError if it
-    cannot fit even after eviction; None if the agent could not be asked."""
+def ask(
+    agent: str,
+    cache: str,
+    revision: str,
+    nbytes: int,
+    progress: Progress,
+    token: str = "",
+    prestage: bool = False,
+) -> ReserveAnswer | None:
+    """Reserve ``nbytes`` for ``revision`` of ``cache`` (NAMESPACE/NAME), showing the cache's peer
+    ``token`` (the agent evicts for no one else); raise NoSpaceError if it cannot fit even after
+    eviction (``prestage``: evicting no pre-staged copy); None if the agent could not be asked."""
     namespace, name = cache.split("/", 1)
-    body = ReserveRequest(namespace, name, revision, nbytes).to_json()
+    body = ReserveRequest(namespace, name, revision, nbytes, prestage=prestage or None).to_json()
     try:
-        answer = ReserveAnswer.from_json(agentcall.post(agent, RESERVE_PATH, body, TIMEOUT_S))
+        answer = ReserveAnswer.from_json(agentcall.post(agent, RESERVE_PATH, body, TIMEOUT_S, token))
     except (OSError, ValueError, TypeError) as e:
         progress.note(f"the node agent at {agent} did not answer ({e}); checking free space only")
         return None

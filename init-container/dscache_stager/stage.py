@@ -84,12 +84,31 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
         if opts.agent and opts.cache and opts.bytes is not None:
             from .room import ask
 
-            ask(opts.agent, opts.cache, opts.revision, opts.bytes, progress)
+            ask(
+                opts.agent,
+                opts.cache,
+                opts.revision,
+                opts.bytes,
+                progress,
+                _token(opts.peer_token_file),
+                prestage=opts.prestage,
+            )
         progress.note(
             f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
             f"({opts.concurrency} requests in flight)"
         )
         return cold(opts, rev, store, progress, listing if opts.as_of is None else None)
+
+
+def _token(path: str | None) -> str:
+    """The cache's peer token (the agent's reservations need it); "" without one."""
+    if not path:
+        return ""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _import_cold_path() -> None:

@@ -18,6 +18,7 @@ import asyncio
 import errno
 import heapq
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,7 @@ from .listing import (
     list_versions,
 )
 from .listpage import Started
-from .peers import REFRESH_S, Outcome, Peers, verifiable
+from .peers import REFRESH_S, Outcome, Peers
 from .progress import Progress
 from .source import S3Source, source_error
 from .sync_options import BUFFER_BYTES, SyncOptions
@@ -133,6 +134,7 @@ class _Run:
         self.peers_known = asyncio.Event()
         self.claims: IO[str] | None = None
         self._peer_seq = 0
+        self._peer_seq_lock = threading.Lock()
         self.started_listing = started
         self.started = time.monotonic()
         self.thread_started = time.thread_time()
@@ -527,7 +529,7 @@ class _Run:
         assert self.peers is not None and self.peer_queue is not None
         await self.peers_known.wait()
         obj = item[0]
-        if verifiable(obj.etag, obj.size) and (self.peers.ahead_of_me(obj.key) or self.peers.early_peers()):
+        if self.peers.verifiable(obj.etag, obj.size) and (self.peers.ahead_of_me(obj.key) or self.peers.early_peers()):
             await self.peer_queue.put(item)
             return True
         return False
@@ -538,36 +540,27 @@ class _Run:
         while (item := await peer_queue.get()) is not None:
             obj, rel, line = item
             self.tree.ensure_parent(rel)  # on the loop: LocalTree is not shared with threads
-            # Each failure takes that peer out of the ranking, so this ends; then the early peers
-            # are looked at once each (they may have read it before they knew of this node).
-            probed: set[str] = set()
-            while True:
-                probe = False
-                if ahead := peers.ahead_of_me(obj.key):
-                    addr = ahead[0]
-                elif early := [p for p in peers.early_peers() if p not in probed]:
-                    addr, probe = early[0], True
-                    probed.add(addr)
-                else:
-                    self._claim([item])
-                    await self._fetch_one(obj, rel)  # this node's turn: the bucket
-                    break
-                self._peer_seq += 1
-                tmp = os.path.join(self.rev.tmp, f"peer-{self._peer_seq}")
-                outcome = await loop.run_in_executor(pool, peers.take, addr, rel, obj.size, obj.etag, tmp, probe)
-                if outcome is Outcome.PLACED:
-                    self.tree.place(tmp, rel)
-                    self.journal.write(line)
-                    self.fetched_bytes += obj.size
-                    self.peer_bytes += obj.size
-                    self.progress.peer_bytes += obj.size
-                    self.progress.fetched_objects += 1
-                    self.progress.add_bytes(obj.size)
-                    break
-                if outcome is Outcome.BUCKET:
-                    self._claim([item])
-                    await self._fetch_one(obj, rel)
-                    break
+            got = await loop.run_in_executor(pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp)
+            if got.outcome is Outcome.PLACED:
+                self.tree.place(got.tmp, rel)
+                self.journal.write(line)
+                self.fetched_bytes += obj.size
+                self.peer_bytes += obj.size
+                self.progress.peer_bytes += obj.size
+                self.progress.fetched_objects += 1
+                self.progress.add_bytes(obj.size)
+                continue
+            self._claim([item])
+            await self._fetch_one(obj, rel)  # this node's turn: the bucket
+            if got.suspect is not None:
+                # A body that did not hash to the ETag: the bucket's copy says whether the peer lied.
+                await loop.run_in_executor(pool, peers.judge, *got.suspect, obj.etag, self.tree.path(rel))
+
+    def _peer_tmp(self) -> str:
+        """A fresh temp file name for a peer's body (called from the peer threads)."""
+        with self._peer_seq_lock:
+            self._peer_seq += 1
+            return os.path.join(self.rev.tmp, f"peer-{self._peer_seq}")
 
     def _list_entry(self, entry: ManifestEntry) -> str:
         line = entry.to_json() + "\n"

@@ -45,6 +45,8 @@ class SyncOptions:
     #: The cache's peer token (a file: the kubelet refreshes a rotated Secret): with the agent,
     #: objects come from other nodes where they can (peers.py).
     peer_token_file: str | None = None
+    #: A pre-stage pod's copy: the agent evicts no pre-staged copy and none in use for it.
+    prestage: bool = False
 
     @property
     def selection(self) -> Selection:

@@ -53,11 +53,16 @@ V1_LOCK = "lock"
 LEGACY_QUIET_S = 600.0
 
 
-def wipe(args: WipeArgs, before_remove: Callable[[str | None], None] | None = None) -> WipeSummary:
+def wipe(
+    args: WipeArgs,
+    before_remove: Callable[[str | None], None] | None = None,
+    remove: Callable[[str], None] | None = None,
+) -> WipeSummary:
     """``before_remove(revision)`` (None: the whole cache dir) runs under the lock right
     before a removal, once nothing holds it: the node agent takes the revision's warm
     label off its Node there, so the label never outlives the copy. If it raises,
-    nothing is removed."""
+    nothing is removed. ``remove``: removes a tree already renamed out of the way
+    (layout.discard); the node agent hands it to a thread of its own."""
     c = _inside_root(args.cache_dir, args.root)
     out = WipeSummary(cache=args.cache_dir, revision=args.revision, released=list(args.release), legacy=args.legacy)
     if c is None:
@@ -78,7 +83,7 @@ def wipe(args: WipeArgs, before_remove: Callable[[str | None], None] | None = No
                 if not out.leases and not out.stray:
                     if out.existed and before_remove is not None:
                         before_remove(args.revision)
-                    discard(rev_dir)
+                    discard(rev_dir, remove)
                     remove_tree(contract.lease_dir(c, args.revision))
                     out.removed = out.existed
             else:
@@ -89,7 +94,7 @@ def wipe(args: WipeArgs, before_remove: Callable[[str | None], None] | None = No
                     # (layout.cache_lock) and fails with CacheGone, never writes.
                     if before_remove is not None:
                         before_remove(None)
-                    discard(c)
+                    discard(c, remove)
                     out.removed = True
     except BlockingIOError:
         raise BusyError(

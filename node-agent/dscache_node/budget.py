@@ -33,7 +33,7 @@ def room(
 ) -> Room:
     """``reserved``: bytes promised to copies in progress (not yet complete), counted against the
     budget; ``reserved_fs``: the part of those counted against the filesystem's free space."""
-    held = sum(r.bytes for r in revisions if r.complete) + reserved
+    held = sum(r.held for r in revisions if r.complete) + reserved
     return Room(budget, held, fs_free - headroom - reserved_fs)
 
 
@@ -44,16 +44,22 @@ def evictable(revisions: Iterable[OnDisk], keep: frozenset[tuple[str, str]] = fr
     return sorted(out, key=lambda r: (r.released_at, r.namespace, r.cache, r.revision))
 
 
-def victims(need: int, current: Room, candidates: list[OnDisk]) -> list[OnDisk] | None:
-    """The shortest LRU prefix of ``candidates`` whose eviction leaves ``need`` bytes available;
-    None if even all of them would not."""
+def fits(need: int, current: Room, need_fs: int | None = None) -> bool:
+    """Whether ``need`` bytes fit the budget and ``need_fs`` (default: ``need``) the filesystem: a
+    copy resumed after an interruption has part of its bytes on the disk already."""
+    return current.budget - current.held >= need and current.fs_room >= (need if need_fs is None else need_fs)
+
+
+def victims(need: int, current: Room, candidates: list[OnDisk], need_fs: int | None = None) -> list[OnDisk] | None:
+    """The shortest LRU prefix of ``candidates`` whose eviction makes ``need`` (``need_fs`` on the
+    filesystem) fit; None if even all of them would not."""
     chosen: list[OnDisk] = []
     held, fs_room = current.held, current.fs_room
     for r in [None, *candidates]:
         if r is not None:
             chosen.append(r)
-            held -= r.bytes
-            fs_room += r.bytes
-        if min(current.budget - held, fs_room) >= need:
+            held -= r.held
+            fs_room += r.held
+        if fits(need, Room(current.budget, held, fs_room), need_fs):
             return chosen
     return None

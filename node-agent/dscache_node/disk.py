@@ -35,10 +35,21 @@ class OnDisk:
     released_at: float
     #: The completion marker's (mtime_ns, inode): a new copy under the same id is verified anew.
     sealed: tuple[int, int] | None
+    #: What a complete copy takes on the disk (``footprint``); its bytes when not known.
+    disk_bytes: int = -1
+
+    @property
+    def held(self) -> int:
+        """The bytes this copy counts for against the budget and the filesystem."""
+        return self.disk_bytes if self.disk_bytes >= 0 else self.bytes
 
     @property
     def cache_dir(self) -> tuple[str, str]:
         return (self.namespace, self.cache)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.namespace, self.cache, self.revision)
 
 
 def valid_name(name: str) -> bool:
@@ -64,8 +75,24 @@ def caches(root: str) -> Iterator[tuple[str, str]]:
                 yield ns, cache
 
 
+def block_size(root: str) -> int:
+    try:
+        return max(512, os.statvfs(root).f_frsize)
+    except OSError:
+        return 4096
+
+
+def footprint(nbytes: int, objects: int, block: int) -> int:
+    """What ``objects`` files of ``nbytes`` in all take on a filesystem of ``block``-byte blocks, at
+    most: each file is rounded up to whole blocks (up to a block less one each), and its share of
+    the directories and inodes is about one block more. 1M files of 1 KiB take 4 GiB of 4 KiB
+    blocks, not 1 GiB; for large files this adds nothing that matters."""
+    return nbytes + objects * block
+
+
 def scan(root: str) -> list[OnDisk]:
     out = []
+    block = block_size(root) if os.path.isdir(root) else 4096
     for ns, cache in caches(root):
         c = contract.cache_dir(root, ns, cache)
         for name in _dirs(contract.revisions_root(c)):
@@ -73,19 +100,32 @@ def scan(root: str) -> list[OnDisk]:
                 rev = contract.validate_revision(name)
             except ValueError:
                 continue
-            out.append(read_revision(c, ns, cache, rev))
+            out.append(read_revision(c, ns, cache, rev, block))
     return out
 
 
-def read_revision(c: str, ns: str, cache: str, rev: str) -> OnDisk:
+def scan_cache(c: str, ns: str, cache: str) -> list[OnDisk]:
+    """The revisions of one cache dir."""
+    out = []
+    for name in _dirs(contract.revisions_root(c)):
+        try:
+            rev = contract.validate_revision(name)
+        except ValueError:
+            continue
+        out.append(read_revision(c, ns, cache, rev))
+    return out
+
+
+def read_revision(c: str, ns: str, cache: str, rev: str, block: int = 4096) -> OnDisk:
     marker = contract.complete_path(c, rev)
-    nbytes, complete, sealed, sealed_at = 0, False, None, 0.0
+    nbytes, complete, sealed, sealed_at, on_disk = 0, False, None, 0.0, -1
     try:
         st = os.stat(marker)
         with open(marker) as f:
             summary = contract.StageSummary.from_message(f.read())
         if summary is not None:
             nbytes, complete = summary.bytes, True
+            on_disk = footprint(summary.bytes, summary.objects, block)
             sealed, sealed_at = (st.st_mtime_ns, st.st_ino), st.st_mtime
     except (OSError, ValueError):
         pass
@@ -95,7 +135,7 @@ def read_revision(c: str, ns: str, cache: str, rev: str) -> OnDisk:
         released_at = max(os.stat(lease_dir).st_mtime, sealed_at)
     except (FileNotFoundError, NotADirectoryError):
         leases, released_at = (), sealed_at
-    return OnDisk(ns, cache, rev, nbytes, complete, leases, released_at, sealed)
+    return OnDisk(ns, cache, rev, nbytes, complete, leases, released_at, sealed, on_disk)
 
 
 def verify(c: str, rev: str) -> str | None:
@@ -139,6 +179,28 @@ def finish_removals(root: str) -> int:
     for p in paths:
         remove_tree(p)
     return len(paths)
+
+
+def usage(path: str) -> int:
+    """The bytes the tree at ``path`` takes on the disk (its blocks), never following a symlink;
+    0 if it is not there."""
+    total = 0
+    stack = [path]
+    while stack:
+        top = stack.pop()
+        try:
+            with os.scandir(top) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(e.path)
+        except OSError:
+            continue
+    return total
 
 
 def filesystem(root: str) -> tuple[int, int]:

@@ -143,6 +143,29 @@ class Claims:
             return hash(path.encode()) in paths
 
 
+def poll_object(
+    c: str, rev: str, path: str, locked: Callable[[str], bool], claims: Claims, probe: bool = False
+) -> Opened | NotHere:
+    """One look: the object if it is whole here; raises NotHere when it will not come (absent,
+    or a probe for an object nobody here reads); returns NotHere(STAGING) while it may still come."""
+    try:
+        return open_object(c, rev, path)
+    except FileNotFoundError:
+        pass
+    state = revision_state(c, rev, locked(c))
+    if state is RevisionState.COMPLETE:
+        # Re-check: the last object may have been placed between the open and the marker.
+        try:
+            return open_object(c, rev, path)
+        except FileNotFoundError:
+            raise NotHere(RevisionState.ABSENT, f"{path} is not in revision {rev} on this node") from None
+    if state is RevisionState.ABSENT:
+        raise NotHere(RevisionState.ABSENT, f"revision {rev} is not on this node and no stager is copying it here")
+    if probe and not claims.claimed(c, rev, path):
+        raise NotHere(RevisionState.UNCLAIMED, f"no stager here has started to read {path}")
+    return NotHere(RevisionState.STAGING, f"{path} is not copied here yet (revision {rev} is in progress)")
+
+
 def wait_for_object(
     c: str, rev: str, path: str, wait: float, locked: Callable[[str], bool], claims: Claims, probe: bool = False
 ) -> Opened:
@@ -150,23 +173,11 @@ def wait_for_object(
     copying the revision (``probe``: only while the object is claimed here); NotHere otherwise."""
     deadline = time.monotonic() + wait
     while True:
-        try:
-            return open_object(c, rev, path)
-        except FileNotFoundError:
-            pass
-        state = revision_state(c, rev, locked(c))
-        if state is RevisionState.COMPLETE:
-            # Re-check: the last object may have been placed between the open and the marker.
-            try:
-                return open_object(c, rev, path)
-            except FileNotFoundError:
-                raise NotHere(RevisionState.ABSENT, f"{path} is not in revision {rev} on this node") from None
-        if state is RevisionState.ABSENT:
-            raise NotHere(RevisionState.ABSENT, f"revision {rev} is not on this node and no stager is copying it here")
-        if probe and not claims.claimed(c, rev, path):
-            raise NotHere(RevisionState.UNCLAIMED, f"no stager here has started to read {path}")
+        got = poll_object(c, rev, path, locked, claims, probe)
+        if isinstance(got, Opened):
+            return got
         if time.monotonic() >= deadline:
-            raise NotHere(RevisionState.STAGING, f"{path} is not copied here yet (revision {rev} is in progress)")
+            raise got
         time.sleep(POLL_S)
 
 

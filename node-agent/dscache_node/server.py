@@ -2,24 +2,50 @@
 
 GET  /healthz       200 while the disk was read lately
 GET  /metrics       Prometheus
-POST /v1/reserve    the stager: room for a copy (no token; see SECURITY.md)
-POST /v1/wipe       the controller: release leases, remove a revision (token required)
-POST /v1/peers      the stager: who else stages or holds its revision (no token: it must hold C's lock)
+POST /v1/reserve    the stager: room for a copy (the cache's peer token; a stager must hold C's lock)
+POST /v1/wipe       the controller: release leases, remove a revision (the agent token)
+POST /v1/peers      the stager: who else stages or holds its revision (the cache's peer token; it
+                    must hold C's lock and be copying that revision)
 GET  /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>
                     a peer's stager: one complete object, with the cache's peer token
+
+Every node's agent listens on the host network, reachable by any pod, so the server
+assumes hostile clients (aiohttp, asyncio: a connection costs a socket and a small
+object, not a thread):
+- connections: at most ``MAX_CONNECTIONS``, ``MAX_PER_CLIENT`` from one address; the
+  next ``BUSY_PER_CLIENT`` from that address get a 429 to their first request and are
+  closed (a stager told "busy" asks again soon; a reset connection would look like a
+  dead peer and be written off, its objects read from the bucket), any more are reset
+  at once; one without a whole request for ``IDLE_S`` (idle keep-alive, or headers
+  trickled in) is closed; a request body must arrive within ``BODY_S``, and an
+  object's body be taken at ``MIN_RATE`` at least;
+- work: the calls that read or change the disk or the Node run on a small pool
+  (``CONTROL_THREADS``), at most ``CONTROL_PER_CLIENT`` of them per address; held
+  object requests at most ``OBJECTS_PER_CLIENT`` per address and ``MAX_OBJECTS`` in
+  all. Past a bound the answer is 429 (the stager asks the next node or the
+  bucket), so healthz and wipes always find room;
+- every request that changes anything carries a token: the agent token for wipes,
+  the cache's peer token for reservations and the peers question (which labels the
+  Node); a malformed request is answered 4xx, never with a dropped connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import os
+import socket
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dscache_contract import RESERVE_PATH, WIPE_PATH, ArgsError, ReserveRequest, WipeRequest
@@ -35,115 +61,345 @@ from dscache_stager.errors import BusyError, UsageError
 
 from .agent import Agent, _locked
 from .kube import ApiError
-from .peers import Claims, NotHere, check_request, wait_for_object
+from .peers import Claims, NotHere, Opened, check_request, poll_object
 
 log = logging.getLogger("dscache-node")
+T = TypeVar("T")
+
 MAX_BODY = 1 << 20
+#: Open connections in all, and from one address. A stager uses up to 64 for a peer's objects, and
+#: a node's stagers all come from the node's address (hostNetwork, or pods masqueraded): room for
+#: two at once. Past that, BUSY_PER_CLIENT more are answered 429 (busy), not reset.
+MAX_CONNECTIONS = 512
+MAX_PER_CLIENT = 160
+BUSY_PER_CLIENT = 64
+#: A connection without a whole request for this long is closed (idle, or headers trickled in).
+IDLE_S = 15.0
+#: A request body (at most MAX_BODY) must arrive within this long.
+BODY_S = 10.0
+#: Threads for the calls that touch the disk or the API server, and how many one address may use.
+CONTROL_THREADS = 8
+CONTROL_PER_CLIENT = 4
+#: Object requests in progress (held or sending), in all and from one address (two stagers).
+MAX_OBJECTS = 256
+OBJECTS_PER_CLIENT = 128
+#: An object's body must be taken within READ_GRACE_S plus its size at MIN_RATE.
+READ_GRACE_S = 30.0
+MIN_RATE = 1 << 20
+#: How often a held request looks again for the object it waits for.
+POLL_S = 0.05
 
 
-def make_server(agent: Agent, token: Callable[[], str | None], port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
-    """``token()``: the token wipes must carry, read afresh per request (a rotated Secret
-    takes effect without a restart); also the key of every cache's peer token."""
+class _Limits:
+    """Per-address and overall counters (the event loop's thread only: no lock)."""
 
-    claims = Claims()
+    def __init__(self, total: int, per_client: int) -> None:
+        self.total, self.per_client = total, per_client
+        self.by_client: Counter[str] = Counter()
+        self.n = 0
 
-    class Handler(BaseHTTPRequestHandler):
-        # Keep-alive: a peer fetches many objects over one connection.
-        protocol_version = "HTTP/1.1"
+    def take(self, client: str) -> bool:
+        if self.n >= self.total or self.by_client[client] >= self.per_client:
+            return False
+        self.n += 1
+        self.by_client[client] += 1
+        return True
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug(format % args)
+    def give(self, client: str) -> None:
+        self.n -= 1
+        self.by_client[client] -= 1
+        if self.by_client[client] <= 0:
+            del self.by_client[client]
 
-        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
 
-        def _error(self, code: int, message: str) -> None:
-            self._send(code, json.dumps({"error": message}).encode())
+class _Server(web.Server):
+    """aiohttp's low-level server with a bound on connections, in all and per address."""
 
-        def do_GET(self) -> None:
-            if self.path == "/healthz":
-                stale = time.monotonic() - agent.last_refresh > max(60.0, 6 * agent.s.scan_interval)
-                self._send(503 if stale else 200, b"stale\n" if stale else b"ok\n", "text/plain")
-            elif self.path == "/metrics":
-                self._send(200, generate_latest(agent.metrics.registry), CONTENT_TYPE_LATEST)
-            elif self.path.startswith(OBJECTS_PATH):
-                self._object()
+    def __init__(self, handler: Any, limits: _Limits, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.limits = limits
+        self._admitted: dict[RequestHandler, str] = {}
+        #: Connections past their address's bound, answered 429 and closed (counted in all too).
+        self.busy = _Limits(limits.total, BUSY_PER_CLIENT)
+        self._busy: dict[RequestHandler, str] = {}
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        client = _peer(transport)
+        if self.limits.n + self.busy.n < self.limits.total:
+            if self.limits.take(client):
+                self._admitted[handler] = client
+                return
+            if self.busy.take(client):
+                self._busy[handler] = client
+                return
+        transport.abort()  # over every bound: closed before a byte is read
+
+    def is_busy(self, handler: RequestHandler | None) -> bool:
+        return handler in self._busy
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        client = self._admitted.pop(handler, None)
+        if client is not None:
+            self.limits.give(client)
+        client = self._busy.pop(handler, None)
+        if client is not None:
+            self.busy.give(client)
+        super().connection_lost(handler, exc)
+
+
+def _peer(transport: asyncio.BaseTransport) -> str:
+    peername = transport.get_extra_info("peername")
+    return str(peername[0]) if peername else "?"
+
+
+def _json(code: int, body: Any) -> web.Response:
+    return web.Response(status=code, text=json.dumps(body), content_type="application/json")
+
+
+def _peer_of(request: web.BaseRequest) -> str:
+    return _peer(request.transport) if request.transport else "?"
+
+
+def _error(code: int, message: str) -> web.Response:
+    return _json(code, {"error": message})
+
+
+def _bearer(request: web.BaseRequest) -> str:
+    return (request.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+
+
+class AgentServer:
+    """The agent's server on a socket bound at construction; ``serve_forever`` runs its event loop
+    in the calling thread until ``shutdown`` (from any thread)."""
+
+    def __init__(self, agent: Agent, token: Callable[[], str | None], port: int, addr: str = "0.0.0.0") -> None:
+        self.agent = agent
+        self.token = token
+        self.claims = Claims()
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((addr, port))
+        self.sock.listen(1024)
+        self.server_address = self.sock.getsockname()
+        self.connections = _Limits(MAX_CONNECTIONS, MAX_PER_CLIENT)
+        self.objects = _Limits(MAX_OBJECTS, OBJECTS_PER_CLIENT)
+        self.control = _Limits(CONTROL_THREADS * 4, CONTROL_PER_CLIENT)
+        self.pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="agent-call")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._server: _Server | None = None
+        self._stopped = threading.Event()
+
+    # --- running ------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        asyncio.run(self._serve())
+
+    def shutdown(self) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            loop.call_soon_threadsafe(stop.set)
+            self._stopped.wait(30)
+
+    def server_close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sock.close()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = _Server(
+            self._handle,
+            self.connections,
+            keepalive_timeout=IDLE_S,
+            # The agent's own log line per request would be noise at a peer's object rate.
+            access_log=None,
+            handler_cancellation=True,
+        )
+        self._server = server
+        runner = web.ServerRunner(server, handle_signals=False)
+        await runner.setup()
+        site = web.SockSite(runner, self.sock)
+        await site.start()
+        try:
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+            self._stopped.set()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if self._server is not None and self._server.is_busy(request.protocol):
+            busy = _error(429, f"too many connections from {_peer_of(request)}; ask again in a moment")
+            busy.force_close()  # this connection was one past the bound: it ends with this answer
+            return busy
+        try:
+            if request.method == "GET":
+                if request.path == "/healthz":
+                    agent = self.agent
+                    stale = time.monotonic() - agent.last_refresh > max(60.0, 6 * agent.s.scan_interval)
+                    return web.Response(status=503 if stale else 200, text="stale\n" if stale else "ok\n")
+                if request.path == "/metrics":
+                    body = generate_latest(self.agent.metrics.registry)
+                    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+                if request.path.startswith(OBJECTS_PATH):
+                    return await self._object(request)
+            elif request.method == "POST" and request.path in (RESERVE_PATH, PEERS_PATH, WIPE_PATH):
+                return await self._post(request)
+            return _error(404, f"no such path {request.method} {request.path}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never a dropped connection without an answer
+            log.warning(f"{request.method} {request.path}: {type(e).__name__}: {e}")
+            return _error(500, f"{type(e).__name__}: {e}")
+
+    async def _post(self, request: web.BaseRequest) -> web.Response:
+        if (request.content_length or 0) > MAX_BODY:
+            return _error(413, "request too large")
+        try:
+            async with asyncio.timeout(BODY_S):
+                raw = await request.read()
+        except TimeoutError:
+            return _error(408, f"the request body did not arrive within {BODY_S:.0f} s")
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, "request too large")
+        text = raw.decode(errors="replace")
+        given, path, agent = _bearer(request), request.path, self.agent
+        key = self.token() or ""
+        work: Callable[[], str]
+        try:
+            if path == WIPE_PATH:
+                if not key or not hmac.compare_digest(given.encode(), key.encode()):
+                    return _error(401, "a wipe needs the agent token (Authorization: Bearer ...)")
+                wipe = WipeRequest.from_json(text)
+                work = lambda: agent.wipe(wipe).to_json()  # noqa: E731
+            elif path == RESERVE_PATH:
+                reserve = ReserveRequest.from_json(text)
+                if not check_peer_token(key, reserve.namespace, reserve.cache, given):
+                    return _error(401, f"a reservation for {reserve.namespace}/{reserve.cache} needs its peer token")
+                work = lambda: agent.reserve(reserve).to_json()  # noqa: E731
             else:
-                self._error(404, f"no such path {self.path}")
+                peers = PeersRequest.from_json(text)
+                if not check_peer_token(key, peers.namespace, peers.cache, given):
+                    return _error(401, f"the peers of {peers.namespace}/{peers.cache} need its peer token")
 
-        def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
-                return self._error(413, "request too large")
-            text = self.rfile.read(length).decode(errors="replace")
-            try:
-                if self.path == RESERVE_PATH:
-                    self._send(200, agent.reserve(ReserveRequest.from_json(text)).to_json().encode())
-                elif self.path == PEERS_PATH:
-                    answer = agent.peers(PeersRequest.from_json(text))
+                def work() -> str:
+                    answer = agent.peers(peers)
                     if answer is None:
-                        return self._error(409, "no stager holds this cache's lock on this node: no copy to share")
-                    self._send(200, answer.to_json().encode())
-                elif self.path == WIPE_PATH:
-                    given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
-                    wanted = token()
-                    if not wanted or not hmac.compare_digest(given.encode(), wanted.encode()):
-                        return self._error(401, "a wipe needs the agent token (Authorization: Bearer ...)")
-                    summary = agent.wipe(WipeRequest.from_json(text))
-                    self._send(200, summary.to_json().encode())
-                else:
-                    self._error(404, f"no such path {self.path}")
-            except BusyError as e:
-                self._error(409, str(e))
-            except (ArgsError, UsageError, ValueError, KeyError, TypeError) as e:
-                self._error(400, f"bad request: {e}")
-            except (ApiError, OSError) as e:
-                # E.g. the API server refused to take a warm label off (then nothing was removed): say so,
-                # rather than drop the connection without an answer.
-                self._error(503, f"{self.path} failed: {e}")
+                        raise _Conflict("no stager here is copying this revision of that cache: no copy to share")
+                    return answer.to_json()
 
-        def _object(self) -> None:
-            """One complete object for a peer's stager, streamed from the page cache (sendfile)."""
+        except (ArgsError, UsageError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return _error(400, f"bad request: {e}")
+        try:
+            return _json_text(200, await self._call(request, work))
+        except _Busy as e:
+            return _error(429, str(e))
+        except (BusyError, _Conflict) as e:
+            return _error(409, str(e))
+        except (ArgsError, UsageError, ValueError) as e:
+            return _error(400, f"bad request: {e}")
+        except (ApiError, OSError) as e:
+            # E.g. the API server refused to take a warm label off (then nothing was removed): say so,
+            # rather than drop the connection without an answer.
+            return _error(503, f"{path} failed: {e}")
+
+    async def _call(self, request: web.BaseRequest, fn: Callable[[], T]) -> T:
+        """``fn`` on the control pool, within this address's share of it."""
+        client = _peer(request.transport) if request.transport else "?"
+        if not self.control.take(client):
+            raise _Busy(f"too many requests from {client} in progress; retry")
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.pool, fn)
+        finally:
+            self.control.give(client)
+
+    async def _object(self, request: web.BaseRequest) -> web.StreamResponse:
+        """One complete object for a peer's stager, streamed from the page cache (sendfile)."""
+        try:
+            req = ObjectRequest.parse(request.path_qs)
+            check_request(req.namespace, req.cache, req.path)
+        except (ValueError, ArgsError) as e:
+            return _error(400, f"bad request: {e}")
+        if not check_peer_token(self.token() or "", req.namespace, req.cache, _bearer(request)):
+            self.agent.metrics.peer_refused.inc()
+            return _error(401, f"objects of {req.namespace}/{req.cache} need that cache's peer token")
+        client = _peer(request.transport) if request.transport else "?"
+        if not self.objects.take(client):
+            return _error(429, f"too many object requests in progress (from {client} or in all); ask another")
+        try:
             try:
-                req = ObjectRequest.parse(self.path)
-                namespace, cache, revision, path = req.namespace, req.cache, req.revision, req.path
-                check_request(namespace, cache, path)
-            except (ValueError, ArgsError) as e:
-                return self._error(400, f"bad request: {e}")
-            given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
-            if not check_peer_token(token() or "", namespace, cache, given):
-                agent.metrics.peer_refused.inc()
-                return self._error(401, f"objects of {namespace}/{cache} need that cache's peer token")
-            c = agent.c(namespace, cache)
-            try:
-                opened = wait_for_object(c, revision, path, req.wait, _locked, claims, req.probe)
+                opened = await self._wait_for(req)
             except NotHere as e:
-                return self._send(404, json.dumps({"state": e.state.value, "error": str(e)}).encode())
+                return _json(404, {"state": e.state.value, "error": str(e)})
             except OSError as e:
-                return self._error(503, f"cannot read {path}: {e}")
+                return _error(503, f"cannot read {req.path}: {e}")
             try:
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(opened.size))
-                self.send_header(REVISION_HEADER, revision)
-                self.end_headers()
-                self.wfile.flush()
-                sent, sock = 0, self.connection.fileno()
-                while sent < opened.size:
-                    n = os.sendfile(sock, opened.fd, sent, opened.size - sent)
-                    if n == 0:
-                        break  # the file is shorter than it was: the peer sees a short body
-                    sent += n
-                agent.metrics.peer_served.inc(sent)
-                if sent < opened.size:
-                    self.close_connection = True
+                return await self._send(request, req.revision, opened)
             finally:
                 os.close(opened.fd)
+        finally:
+            self.objects.give(client)
 
-    server = ThreadingHTTPServer((addr, port), Handler)
-    server.daemon_threads = True
-    return server
+    async def _wait_for(self, req: ObjectRequest) -> Opened:
+        """The object once it is whole, waiting up to ``req.wait`` while a stager here copies it."""
+        c = self.agent.c(req.namespace, req.cache)
+        deadline = time.monotonic() + req.wait
+        loop = asyncio.get_running_loop()
+        while True:
+            # The claims file may be long (a large revision's paths): read off the loop.
+            got = await loop.run_in_executor(
+                None, poll_object, c, req.revision, req.path, _locked, self.claims, req.probe
+            )
+            if isinstance(got, Opened):
+                return got
+            if time.monotonic() >= deadline:
+                raise got
+            await asyncio.sleep(POLL_S)
+
+    async def _send(self, request: web.BaseRequest, revision: str, opened: Opened) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=200, headers={"Content-Type": "application/octet-stream", REVISION_HEADER: revision}
+        )
+        resp.content_length = opened.size
+        await resp.prepare(request)
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("the peer went away")
+        sent = 0
+        try:
+            async with asyncio.timeout(READ_GRACE_S + opened.size / MIN_RATE):
+                with open(opened.fd, "rb", closefd=False) as f:
+                    sent = await asyncio.get_running_loop().sendfile(transport, f, 0, opened.size)
+        except TimeoutError:
+            log.info(f"a peer at {_peer(transport)} took its object too slowly; connection closed")
+            transport.abort()
+            return resp
+        self.agent.metrics.peer_served.inc(sent)
+        if sent < opened.size:
+            transport.abort()  # the file is shorter than it was: the peer sees a short body
+            return resp
+        await resp.write_eof()
+        return resp
+
+
+def _json_text(code: int, text: str) -> web.Response:
+    return web.Response(status=code, text=text, content_type="application/json")
+
+
+class _Busy(Exception):
+    """Over a bound: answered 429."""
+
+
+class _Conflict(Exception):
+    """Answered 409."""
+
+
+def make_server(agent: Agent, token: Callable[[], str | None], port: int, addr: str = "0.0.0.0") -> AgentServer:
+    """``token()``: the token wipes must carry, read afresh per request (a rotated Secret
+    takes effect without a restart); also the key of every cache's peer token."""
+    return AgentServer(agent, token, port, addr)

@@ -96,7 +96,7 @@ def test_warm_label_only_for_a_copy_that_matches_its_manifest(kube_api, agents, 
     assert warm_labels(k, node) == {contract.warm_label(ns, "good", good)}
     inv = inventory(k, node)
     assert inv is not None and inv.node == node and inv.budget > 0
-    held = {r.cache: r for r in inv.revisions}
+    held = {name: r for r in inv.revisions for name in ("good", "missing", "short") if r.of(ns, name)}
     assert set(held) == {"good", "missing", "short"}
     assert (held["good"].revision, held["good"].bytes, held["good"].complete, held["good"].labelled) == (
         good,
@@ -106,7 +106,8 @@ def test_warm_label_only_for_a_copy_that_matches_its_manifest(kube_api, agents, 
     )
     assert held["missing"].complete and not held["missing"].labelled
     assert held["short"].complete and not held["short"].labelled
-    assert inv.held == 3 * 35
+    # Each copy: 35 bytes in 2 files, counted in the disk's blocks (disk.footprint).
+    assert inv.held == 3 * (35 + 2 * os.statvfs(root).f_frsize)
     log = agent.log()
     assert "sub/b.bin (manifest line 2) is missing" in log, log[-2000:]
     assert "a.bin (manifest line 1) is not a file of 10 bytes" in log, log[-2000:]
@@ -120,7 +121,7 @@ def test_warm_label_only_for_a_copy_that_matches_its_manifest(kube_api, agents, 
     k.wait_for(lambda: contract.warm_label(ns, "late", late) in warm_labels(k, node), what="the late copy labelled")
     assert warm_labels(k, node) == {contract.warm_label(ns, "good", good), contract.warm_label(ns, "late", late)}
     inv = inventory(k, node)
-    assert {r.cache: (r.complete, r.labelled) for r in inv.revisions}["unfinished"] == (False, False)
+    assert [(r.complete, r.labelled) for r in inv.revisions if r.of(ns, "unfinished")] == [(False, False)]
 
     # Repaired by hand (the missing file back, at its size): verified anew, then labelled.
     c = root / ns / "missing"
@@ -256,16 +257,21 @@ def test_a_killed_agent_finishes_the_removal_and_its_labels_match_the_disk(kube_
     k.merge_patch(f"/api/v1/nodes/{node}", {"metadata": {"labels": {stray: "true"}}})
 
     agent.start()  # ready = its first pass is done
-    assert not any(revs_root.glob(".gone-*")) and not (root / ns / ".gone-whole-4242-2").exists()
+    # The leftovers are removed off the agent's lock, by its remover: soon after its first pass.
+    k.wait_for(
+        lambda: not any(revs_root.glob(".gone-*")) and not (root / ns / ".gone-whole-4242-2").exists(),
+        timeout=20,
+        what="the leftovers removed",
+    )
     assert warm_labels(k, node) == {contract.warm_label(ns, "keep", keep), contract.warm_label(ns, "held", held)}
     assert os.path.exists(contract.lease_path(str(c_held), held, "pod-uid-1")), "a lease was lost"
     assert revision_on_disk(root, ns, "keep", keep) and revision_on_disk(root, ns, "held", held)
     inv = inventory(k, node)
-    assert {(r.cache, r.revision, r.leases, r.labelled) for r in inv.revisions} == {
-        ("keep", keep, 0, True),
-        ("held", held, 1, True),
+    assert {(r.of(ns, "keep"), r.revision, r.leases, r.labelled) for r in inv.revisions} == {
+        (True, keep, 0, True),
+        (False, held, 1, True),
     }
-    assert "finished 2 removal(s) a killed process had left" in agent.log()
+    assert "finishing 2 removal(s) a killed process had left" in agent.log()
     # The controller asks again: nothing is left, and it is told so.
     code, text = agent.wipe(contract.WipeRequest(ns, "going", revision=going))
     assert code == 200 and not contract.WipeSummary.from_dict(json.loads(text)).existed, text
@@ -296,8 +302,11 @@ def test_the_budget_evicts_the_least_recently_released_copy_never_a_leased_one(k
     stage_copy(root, ns, "lru-b", r["lru-b"], blob, released_at=now - 200)
     stage_copy(root, ns, "lru-a", r["lru-a"], blob, released_at=now - 300)
     stage_copy(root, ns, "lru-c", r["lru-c"], blob, released_at=now - 100)
-    agent = agents.start(node, env_extra={"DSCACHE_NODE_BUDGET": "4Mi"})
-    assert inventory(k, node).held == 4 * MiB and inventory(k, node).budget == 4 * MiB
+    # Four copies of one file of 1 MiB each, in the disk's blocks (disk.footprint): the budget is full.
+    root.mkdir(parents=True, exist_ok=True)
+    each = MiB + os.statvfs(root).f_frsize
+    agent = agents.start(node, env_extra={"DSCACHE_NODE_BUDGET": str(4 * each)})
+    assert inventory(k, node).held == 4 * each and inventory(k, node).budget == 4 * each
 
     # No stager holds the cache's lock: no copy in progress, nothing reserved or evicted.
     code, answer = agent.reserve(ns, "lru-new", r["lru-new"], MiB)
@@ -317,7 +326,7 @@ def test_the_budget_evicts_the_least_recently_released_copy_never_a_leased_one(k
         # Bigger than the whole budget: refused, naming both numbers; nothing else goes.
         code, answer = agent.reserve(ns, "lru-huge", r["lru-huge"], 5 * MiB)
         assert code == 200 and not answer.ok and answer.evicted == [], answer
-        assert str(5 * MiB) in answer.message and f"budget is {4 * MiB} bytes" in answer.message, answer.message
+        assert str(5 * MiB) in answer.message and f"budget is {4 * each} bytes" in answer.message, answer.message
         assert revision_on_disk(root, ns, "lru-c", r["lru-c"]) and revision_on_disk(root, ns, "lru-held", r["lru-held"])
         assert contract.warm_label(ns, "lru-a", r["lru-a"]) not in warm_labels(k, node)
 
@@ -370,4 +379,4 @@ def test_leases_of_finished_pods_are_released(kube_api, agents, ns):
     # Releasing is not wiping: the copy stays, labelled, for the controller to decide.
     assert revision_on_disk(root, ns, "shared", shared)
     assert contract.warm_label(ns, "shared", shared) in warm_labels(k, node)
-    assert {r.cache: r.leases for r in inventory(k, node).revisions} == {"shared": 1}
+    assert [(r.of(ns, "shared"), r.leases) for r in inventory(k, node).revisions] == [(True, 1)]

@@ -33,6 +33,13 @@ def stage_asking(
     return run_stage(server, *argv)
 
 
+def peer_token_file(agent, tmp_path: Path, cache: str) -> str:
+    """The cache's peer token, as the webhook mounts it: the agent reserves only for its holder."""
+    path = tmp_path / f"peer-token-{cache}"
+    path.write_text(agent.peer_token(NS, cache))
+    return str(path)
+
+
 @pytest.fixture
 def three_mib(s3_server: S3Server, bucket: str) -> tuple[str, str]:
     s3_server.put_tree(bucket, FILES)
@@ -58,6 +65,7 @@ def test_a_copy_the_budget_cannot_fit_fails_with_exit_4_naming_both_numbers(
         f"{NS}/big",
         3 * MiB,
         termination_log=str(tmp_path / "t"),
+        peer_token_file=peer_token_file(agent, tmp_path, "big"),
     )
     assert r.code == 4, r.stderr
     msg = (tmp_path / "t").read_text()
@@ -76,7 +84,16 @@ def test_the_agent_evicts_an_unused_copy_to_make_room_then_labels_the_new_one(
     old = "r-" + "0" * 20
     stage_copy(agent.cache_root, NS, "old", old, {"blob": b"o" * (2 * MiB)})
     cache = agent.cache_root / NS / "fresh"
-    r = stage_asking(s3_server, uri, cache, rev, agent.url, f"{NS}/fresh", 3 * MiB)
+    r = stage_asking(
+        s3_server,
+        uri,
+        cache,
+        rev,
+        agent.url,
+        f"{NS}/fresh",
+        3 * MiB,
+        peer_token_file=peer_token_file(agent, tmp_path, "fresh"),
+    )
     assert r.code == 0, r.stderr
     assert f"evicted 1 unused copy(ies) to make room: {NS}/old/{old}" in r.stderr, r.stderr
     assert not revision_on_disk(agent.cache_root, NS, "old", old)

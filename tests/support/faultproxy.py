@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import socket
 import struct
 import threading
@@ -78,6 +79,8 @@ class FaultProxy:
     #: Forwarded requests are held this long before going upstream, so that a
     #: client's requests in flight pile up where ``peak_in_flight`` sees them.
     hold_s: float = 0.0
+    #: Only requests whose line this regex matches are held ("": all of them).
+    hold_match: str = ""
     #: Requests arrived and not yet forwarded upstream, now and at most (counted
     #: while held, before any answer byte: a client that waits for one answer before
     #: sending another request is never counted twice, however fast it turns around).
@@ -145,7 +148,7 @@ class FaultProxy:
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                 try:
-                    if self.hold_s:
+                    if self.hold_s and (not self.hold_match or re.search(self.hold_match, line)):
                         await asyncio.sleep(self.hold_s)
                 finally:
                     self.in_flight -= 1

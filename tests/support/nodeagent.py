@@ -278,12 +278,19 @@ class NodeAgent:
     def metrics(self) -> str:
         return self._http("GET", "/metrics")[1]
 
-    def reserve(self, ns: str, cache: str, rev: str, nbytes: int) -> tuple[int, Any]:
+    def peer_token(self, ns: str, cache: str) -> str:
+        """The cache's peer token, as the controller writes it (the stager shows it to its agent)."""
+        return contract.peers.peer_token(self.token_file.read_text().strip(), ns, cache)
+
+    def reserve(self, ns: str, cache: str, rev: str, nbytes: int, token: str | None = None) -> tuple[int, Any]:
         code, text = self._http(
             "POST",
             contract.RESERVE_PATH,
             contract.ReserveRequest(ns, cache, rev, nbytes).to_json(),
-            {"Content-Type": "application/json"},
+            {
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {self.peer_token(ns, cache) if token is None else token}",
+            },
         )
         return code, contract.ReserveAnswer.from_json(text) if code == 200 else text
 

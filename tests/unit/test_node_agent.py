@@ -136,7 +136,7 @@ def test_labels_follow_verified_copies_and_go_before_the_copy(root):
     agent.refresh()
     assert set(kube.labels) == {contract.AGENT_LABEL, contract.warm_label("ml", "a", R1)}
     inv = contract.Inventory.from_json(kube.annotations[contract.INVENTORY_ANNOTATION])
-    assert {(r.cache, r.labelled) for r in inv.revisions} == {("a", True), ("b", False)}
+    assert {(r.of("ml", "a"), r.labelled) for r in inv.revisions} == {(True, True), (False, False)}
     # A wipe: the label comes off while the copy is still on disk, then the copy goes.
     summary = agent.wipe(contract.WipeRequest("ml", "a", revision=R1))
     assert summary.removed
@@ -154,7 +154,8 @@ def test_reserve_evicts_least_recently_released_never_leased(root):
     stage(root, "ml", "held", R3, 100, leases=("u1",), released=now - 1000)
     c = contract.cache_dir(str(root), "ml", "new")
     os.makedirs(c)
-    agent, kube = make_agent(root, 350)
+    each = disk.footprint(100, 1, disk.block_size(str(root)))  # one file of 100 bytes, in blocks
+    agent, kube = make_agent(root, 3 * each + 50)
     fd = os.open(contract.lock_path(c), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as a stager at work holds it
     try:
@@ -162,8 +163,9 @@ def test_reserve_evicts_least_recently_released_never_leased(root):
         assert answer.ok and answer.evicted == [f"ml/old/{R1}"], answer
         assert {r.cache for r in disk.scan(str(root))} == {"newer", "held"}
         assert [e["reason"] for e in kube.events] == ["Evicted"]
-        too_big = agent.reserve(contract.ReserveRequest("ml", "new", R1, 300))
-        assert not too_big.ok and "needs 300 bytes" in too_big.message and "budget is 350 bytes" in too_big.message
+        too_big = agent.reserve(contract.ReserveRequest("ml", "new", R1, 2 * each + 100))
+        assert not too_big.ok and f"needs {2 * each + 100} bytes" in too_big.message
+        assert f"budget is {3 * each + 50} bytes" in too_big.message
         assert {r.cache for r in disk.scan(str(root))} >= {"held"}  # in use: never evicted
     finally:
         os.close(fd)
@@ -176,12 +178,13 @@ def test_a_completed_copys_reservation_is_not_counted_besides_it(root):
     now = time.time()
     stage(root, "ml", "old", R1, 100, released=now - 300)
     stage(root, "ml", "newer", R2, 100, released=now - 200)
-    agent, _ = make_agent(root, 350)
+    each = disk.footprint(100, 1, disk.block_size(str(root)))  # one file of 100 bytes, in blocks
+    agent, _ = make_agent(root, 3 * each + 50)
     b = contract.cache_dir(str(root), "ml", "b")
     os.makedirs(b)
     fd = os.open(contract.lock_path(b), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    assert agent.reserve(contract.ReserveRequest("ml", "b", R3, 100)).ok
+    assert agent.reserve(contract.ReserveRequest("ml", "b", R3, 100, objects=1)).ok
     os.close(fd)  # b's stager is done: its copy is whole, and no pass of the agent ran since
     stage(root, "ml", "b", R3, 100, released=now - 100)
     d = contract.cache_dir(str(root), "ml", "d")
@@ -189,7 +192,7 @@ def test_a_completed_copys_reservation_is_not_counted_besides_it(root):
     fd = os.open(contract.lock_path(d), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        answer = agent.reserve(contract.ReserveRequest("ml", "d", R1, 100))
+        answer = agent.reserve(contract.ReserveRequest("ml", "d", R1, 100, objects=1))
         assert answer.ok and answer.evicted == [f"ml/old/{R1}"], answer
     finally:
         os.close(fd)

@@ -31,15 +31,35 @@ class FakeKube:
                 raise ApiError(409, "AlreadyExists")
             self.objects[name] = body
             return body
-        # A JSON patch: a test of the label, then the token (what the API server does with them).
+        # A JSON patch, applied as the API server does: every test first, then the changes.
         assert method == "PATCH" and content_type == "application/json-patch+json", (method, content_type)
+        if path not in self.objects:
+            raise ApiError(404, "NotFound")
         obj = self.objects[path]
-        test, add = body
-        label = test["path"].rsplit("/", 1)[1].replace("~1", "/").replace("~0", "~")
-        if (obj["metadata"].get("labels") or {}).get(label) != test["value"]:
-            raise ApiError(422, "the server rejected our request: test operation failed")
-        obj["data"][add["path"].rsplit("/", 1)[1]] = add["value"]
+        for op in body:
+            if op["op"] == "test" and _at(obj, op["path"]) != op["value"]:
+                raise ApiError(422, "the server rejected our request: test operation failed")
+        for op in body:
+            if op["op"] in ("add", "replace"):
+                *parents, last = _parts(op["path"])
+                target = obj
+                for p in parents:
+                    target = target.setdefault(p, {})
+                target[last] = op["value"]
         return obj
+
+
+def _parts(pointer: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in pointer.lstrip("/").split("/")]
+
+
+def _at(obj: Any, pointer: str) -> Any:
+    for p in _parts(pointer):
+        try:
+            obj = obj[int(p)] if isinstance(obj, list) else obj[p]
+        except (KeyError, IndexError, ValueError, TypeError):
+            return None
+    return obj
 
 
 def token_in(kube: FakeKube, ns: str, cache: str) -> str:
@@ -90,3 +110,25 @@ def test_a_secret_of_that_name_that_is_not_ours_is_not_changed():
     kube.objects[name] = {"metadata": {"name": peer_secret_name("c")}, "data": {PEER_TOKEN_KEY: "theirs"}}
     asyncio.run(tokens.ensure(kube, KEY, "ml", "c", "uid", 0.0))
     assert kube.objects[name]["data"][PEER_TOKEN_KEY] == "theirs"
+
+
+def test_recreated_cache_gets_its_token():
+    """A cache deleted and created again under the same name, while garbage collection has not yet
+    removed the old cache's Secret: the write finds the old Secret (409), and a patch of its token
+    alone kept the old owner, so the collector deleted the Secret soon after, and the period was
+    marked written: no token for up to 6 h. Now the Secret is moved to the new cache, and the
+    write is checked again shortly (the collector may have been quicker)."""
+    kube, tokens, t0 = FakeKube(), Tokens(), 1000 * TOKEN_PERIOD_S + 5.0
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "c", "uid-old", t0))
+    name = f"/api/v1/namespaces/ml/secrets/{peer_secret_name('c')}"
+    # Deleted and recreated (the controller may never see the deletion: two watch events apart).
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "c", "uid-new", t0 + 10))
+    owners = kube.objects[name]["metadata"]["ownerReferences"]
+    assert [o["uid"] for o in owners] == ["uid-new"], owners
+    # The collector deleted the Secret anyway (its graph had not seen the patch): written again soon.
+    del kube.objects[name]
+    later = t0 + 10 + 120
+    assert tokens.due("ml", "c", later, uid="uid-new"), "no token for the rest of the period"
+    asyncio.run(tokens.ensure(kube, KEY, "ml", "c", "uid-new", later))
+    assert check_peer_token(KEY, "ml", "c", token_in(kube, "ml", "c"), now=later)
+    assert not tokens.due("ml", "c", later + 60, uid="uid-new")

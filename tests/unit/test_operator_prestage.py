@@ -69,6 +69,7 @@ def test_the_prestage_pod_stages_like_a_job_but_takes_no_lease():
     init = pod["spec"]["initContainers"][0]
     args = StageArgs.from_argv(init["args"])
     assert args.pod_uid is None and args.revision == REV and args.bytes == 12345 and args.cache == "ml/c"
+    assert args.prestage, "the agent must know a pre-stage copy: it evicts no other pre-staged copy for it"
     assert pod["metadata"]["labels"][prestage.PRESTAGE_LABEL] == "true"
 
 

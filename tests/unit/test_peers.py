@@ -564,3 +564,19 @@ def test_a_revision_nobody_copies_says_absent_at_once(cache):
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, "r-" + "e" * 20, "a.bin", 5.0, _locked, Claims())
     assert e.value.state is RevisionState.ABSENT
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "9" * 5000 + "." + "a" * 64,  # int() refuses more than 4300 digits with ValueError
+        "1" * 21 + "." + "a" * 64,
+        "1." + "a" * 100_000,
+        "." * 10,
+        "1" + "\x00" * 10,
+    ],
+)
+def test_malformed_token_401(token):
+    """A malformed token is refused (the agent answers 401), never raised on (which dropped the
+    connection without an answer)."""
+    assert check_peer_token(KEY, "team-a", "imagenet", token, now=NOW) is False

@@ -294,10 +294,10 @@ def test_a_stager_waiting_behind_a_real_wipe_starts_over(root: Path, monkeypatch
     deleting, go_on = threading.Event(), threading.Event()
     real_discard = wipe_mod.discard
 
-    def slow_discard(path: str) -> None:
+    def slow_discard(path: str, remove=None) -> None:
         deleting.set()
         go_on.wait(10)
-        real_discard(path)
+        real_discard(path, remove)
 
     monkeypatch.setattr(wipe_mod, "discard", slow_discard)
     seen: dict = {}
@@ -331,10 +331,10 @@ def test_a_stager_waiting_behind_a_wipe_of_everything_gets_a_fresh_cache_dir(
     deleting, go_on = threading.Event(), threading.Event()
     real_discard = wipe_mod.discard
 
-    def slow_discard(path: str) -> None:
+    def slow_discard(path: str, remove=None) -> None:
         deleting.set()
         go_on.wait(10)
-        real_discard(path)
+        real_discard(path, remove)
 
     monkeypatch.setattr(wipe_mod, "discard", slow_discard)
     out: dict = {}

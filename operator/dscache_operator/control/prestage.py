@@ -128,7 +128,9 @@ def build_pod(
     # lasts while the pod runs, a second or so: the kubelet unpublishes a finished pod's volumes.)
     init = pod["spec"]["initContainers"][0]
     args = contract.StageArgs.from_argv(init["args"])
-    init["args"] = dataclasses.replace(args, pod_uid=None).to_argv()
+    # --prestage: the agent makes room for it by evicting no other pre-staged copy (nor one in use);
+    # it refuses instead, and the pod's failure is this cache's status (no two caches take turns).
+    init["args"] = dataclasses.replace(args, pod_uid=None, prestage=True).to_argv()
     return pod
 
 

@@ -117,7 +117,7 @@ async def reconcile(ctx: ControlContext, view: CacheView, out: Outbox) -> tuple[
     wanted = await _check_source(ctx, view, cache, current, out, now)
     if deleting:
         wanted["phase"] = Phase.DELETING
-    elif ctx.settings.peers and ctx.tokens.due(namespace, name, now.timestamp()):
+    elif ctx.settings.peers and ctx.tokens.due(namespace, name, now.timestamp(), view.uid):
         key = agentclient.read_token(ctx.settings)
         await ctx.tokens.ensure(ctx.api(), key, namespace, name, view.uid, now.timestamp())
 
@@ -192,9 +192,9 @@ def _quiet_until(
     t = now.timestamp()
     at = [t + QUIET_AT_MOST]
     if ctx.settings.peers:
-        if ctx.tokens.due(view.namespace, view.name, t):
+        if ctx.tokens.due(view.namespace, view.name, t, view.uid):
             return None
-        at.append(ctx.tokens.period_end(t))
+        at.append(ctx.tokens.next_due(view.namespace, view.name, t))
     listed = parse_time((current.get("revision") or {}).get("listedAt"))
     if cache.refresh.interval != "Never" and listed is not None:
         at.append(listed.timestamp() + parse_duration(cache.refresh.interval))
