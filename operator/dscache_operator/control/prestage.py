@@ -101,6 +101,12 @@ def build_pod(
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": 5,
+            # The chart's pull secrets (by name: a Secret of that name in the cache's namespace).
+            **(
+                {"imagePullSecrets": [{"name": n} for n in settings.image_pull_secrets]}
+                if settings.image_pull_secrets
+                else {}
+            ),
             "containers": [
                 {
                     "name": "prestaged",

@@ -6,6 +6,7 @@ the cache (``forget``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -13,6 +14,7 @@ from ..cluster.caches import Key, wants_reconcile
 from ..cluster.views import Views
 from ..context import Context
 from ..kube.events import Event, Poster
+from ..kube.leader import LeaderElector
 from ..kube.schedule import Scheduler
 from .peertoken import Tokens
 from .sourcecheck import SourceChecks
@@ -36,6 +38,10 @@ class ControlContext(Context):
     sources: SourceChecks = dataclasses.field(init=False)
     #: Which period each cache's peer token was written for (peertoken.py).
     tokens: Tokens = dataclasses.field(default_factory=Tokens)
+    #: The leader election (kube/leader.py); None: leader election is off, this replica leads.
+    elector: LeaderElector | None = None
+    #: The task that dispatches reconciliations; it runs only while this replica leads.
+    reconciling: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.sources = SourceChecks(self.metrics, self.settings.namespace)
@@ -49,6 +55,25 @@ class ControlContext(Context):
         """The caches' informer saw a change: reconcile now what is news (caches.wants_reconcile)."""
         if self.scheduler is not None and wants_reconcile(old, new):
             self.scheduler.touch(key)
+
+    def leading(self) -> bool:
+        """May this replica act now (write status, send wipes, create pods)?"""
+        return self.elector is None or self.elector.leading
+
+    def follow(self) -> None:
+        """Stop reconciling at once (leadership lost): cancel the dispatcher and every run in
+        flight, and drop what reconciliation noted, as the next leader may change anything."""
+        if self.reconciling is not None:
+            self.reconciling.cancel()
+            self.reconciling = None
+        if self.scheduler is not None:
+            self.scheduler.cancel()
+            self.scheduler = None
+        self.checked_at.clear()
+        self.deleting.clear()
+        self.quiet.clear()
+        self.tokens = Tokens()
+        self.metrics.leader.set(0)
 
     def forget(self, key: Key) -> None:
         """A cache is gone: drop what we kept about it."""

@@ -73,6 +73,9 @@ class Informer:
     def __len__(self) -> int:
         return len(self._by_uid)
 
+    def held_keys(self) -> list[Hashable]:
+        return list(self._by_key)
+
     # --- writing ----------------------------------------------------------------------
 
     def _upsert(self, body: dict[str, Any]) -> None:
@@ -302,3 +305,7 @@ class MultiInformer:
 
     def __len__(self) -> int:
         return sum(len(i) for i in self.informers.values())
+
+    def held_keys(self) -> list[Hashable]:
+        """Every key held (a new leader makes each cache due: the standby saw them come)."""
+        return [k for i in self.informers.values() for k in i.held_keys()]
