@@ -155,7 +155,9 @@ def test_a_leader_that_cannot_renew_stops_before_the_standby_starts():
         leases.down.add("a")
         last_renewal = vt.now  # a renewed at t=10 (every 2 s from 0) just before its calls failed
         both: list[float] = []
-        await vt.run_until(60.0, each_tick=lambda: both.append(vt.now) if a.elector.leading and b.elector.leading else None)
+        await vt.run_until(
+            60.0, each_tick=lambda: both.append(vt.now) if a.elector.leading and b.elector.leading else None
+        )
         assert both == []
         (stopped,) = [t for t, e in a.events if e == "stopped"]
         (started,) = [t for t, e in b.events if e == "started"]
