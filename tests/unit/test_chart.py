@@ -834,6 +834,7 @@ def test_prometheus_rule_and_dashboard_use_metrics_the_operator_exports(helm: st
     rules = [r for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
     assert {r["alert"] for r in rules} == {
         "DscacheControllerDown",
+        "DscacheControllerNoLeader",
         "DscacheWebhookDown",
         "DscacheNodeAgentDown",
         "DscacheNodeAgentsDown",

@@ -290,3 +290,39 @@ def test_two_candidates_for_a_missing_lease_one_wins():
             t.cancel()
 
     simulate(scenario)
+
+
+def test_losing_leadership_stops_every_run_in_flight_at_once():
+    """ControlContext.follow (the elector's on_stopped): the dispatcher and the runs already
+    going are cancelled synchronously, the queue is dropped (a new one is made on the next
+    lead), and the gauge reads 0; reconciling again needs a new lead."""
+    from dscache_operator.control.state import ControlContext
+    from dscache_operator.kube.schedule import Scheduler
+    from dscache_operator.settings import Settings
+
+    async def scenario() -> None:
+        ctx = ControlContext(settings=Settings(peers=False))
+        started, finished = asyncio.Event(), []
+
+        async def run(key: Any) -> float | None:
+            started.set()
+            await asyncio.sleep(30)  # a reconciliation waiting on the API server
+            finished.append(key)
+            return None
+
+        scheduler = Scheduler(run)
+        ctx.scheduler = scheduler
+        ctx.reconciling = asyncio.create_task(scheduler.run())
+        ctx.metrics.leader.set(1)
+        scheduler.touch(("ml", "c"))
+        await asyncio.wait_for(started.wait(), 5)
+        reconciling = ctx.reconciling
+        ctx.follow()
+        assert ctx.scheduler is None and ctx.reconciling is None
+        await asyncio.sleep(0)  # cancellation is delivered on the next loop turn
+        await asyncio.sleep(0)
+        assert reconciling.cancelled() and not scheduler._tasks and finished == []
+        assert ctx.metrics.registry.get_sample_value("dscache_controller_leader") == 0
+        ctx.on_cache(("ml", "c"), None, object())  # a change seen while standing by: nothing queued
+
+    simulate(scenario)

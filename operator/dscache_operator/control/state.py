@@ -69,6 +69,10 @@ class ControlContext(Context):
         if self.scheduler is not None:
             self.scheduler.cancel()
             self.scheduler = None
+        # Its per-cache series would be counted beside the new leader's: drop them.
+        for key in self.views.caches.held_keys() if self.views is not None else ():
+            if isinstance(key, tuple) and len(key) == 2:  # the caches' informer keys by (namespace, name)
+                self.metrics.forget_cache(str(key[0]), str(key[1]))
         self.checked_at.clear()
         self.deleting.clear()
         self.quiet.clear()
