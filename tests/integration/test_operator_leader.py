@@ -9,9 +9,15 @@ its own pod name (its identity in the Lease) and metrics port.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import http.client
+import json
+import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,14 +66,17 @@ def own_controllers(op: Operator) -> Iterator[callable]:
     op.stop("controller")  # SIGTERM: it releases the Lease
     started: list[Controller] = []
 
-    def start(name: str | None, **env: str) -> Controller:
+    def start(name: str | None, slow_stop: float | None = None, **env: str) -> Controller:
+        """A controller process; ``slow_stop``: kopf's shutdown takes that many seconds
+        more before dscache's cleanup handler runs (tests/support/slowstop.py)."""
         port = free_port()
         log = op.workdir / f"controller-{name or 'default'}.log"
         extra = {"DSCACHE_METRICS_PORT": str(port), "DSCACHE_HEALTH_PORT": "0", **env}
         if name is not None:
             extra["DSCACHE_POD_NAME"] = name
+        entry = ["dscache_operator"] if slow_stop is None else ["tests.support.slowstop", str(slow_stop)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dscache_operator", "controller"],
+            [sys.executable, "-m", *entry, "controller"],
             env={**op.env("controller"), **extra},
             stdout=open(log, "ab"),  # noqa: SIM115 (the process keeps it open)
             stderr=subprocess.STDOUT,
@@ -155,6 +164,94 @@ def test_two_controllers_one_leads_and_the_standby_takes_over(kube_api, dscache_
         b.proc.terminate()
         b.proc.wait(20)
         assert holder(k) == "", k.get(LEASE)
+
+
+class LeaseWatch(threading.Thread):
+    """Every version of the Lease from now on, as the API server sends them (a watch, so no
+    renewal is missed between two polls), each with when (monotonic) it arrived here."""
+
+    def __init__(self, k: KubeAPI) -> None:
+        super().__init__(daemon=True)
+        self.k = k
+        lease = k.get(LEASE)
+        self.seen: list[tuple[float, dict]] = [(time.monotonic(), lease["spec"])]
+        self._rv = lease["metadata"]["resourceVersion"]
+        self._conn = http.client.HTTPSConnection("127.0.0.1", k.port, context=k._ssl(), timeout=90)
+
+    def run(self) -> None:
+        query = urllib.parse.urlencode(
+            {
+                "watch": "1",
+                "fieldSelector": "metadata.name=dscache-controller",
+                "resourceVersion": self._rv,
+                "timeoutSeconds": "60",
+            }
+        )
+        self._conn.request("GET", f"{LEASE.rsplit('/', 1)[0]}?{query}", headers={"Accept": "application/json"})
+        resp = self._conn.getresponse()
+        with contextlib.suppress(OSError, ValueError):  # closed by stop()
+            for line in resp:
+                event = json.loads(line)
+                if event["type"] in ("ADDED", "MODIFIED"):
+                    self.seen.append((time.monotonic(), event["object"]["spec"]))
+
+    def stop(self) -> list[tuple[float, dict]]:
+        time.sleep(0.5)  # the last event on its way
+        with contextlib.suppress(OSError):
+            self._conn.sock.shutdown(2)  # type: ignore[union-attr]
+        self.join(5)
+        return list(self.seen)
+
+
+def _wall(micro_time: str) -> float:
+    return datetime.datetime.strptime(micro_time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
+def test_sigterm_releases_the_lease_before_a_slow_shutdown(kube_api, dscache_operator):
+    """SIGTERM during a shutdown that takes seconds (kopf's cleanup held 8 s): the leader
+    releases the Lease on the signal, not at the end of its shutdown, and never renews it
+    after SIGTERM; the standby leads within about one retry period (2 s), while the old
+    process is still shutting down."""
+    k = kube_api
+    with own_controllers(dscache_operator) as start:
+        a = start("ctl-a", slow_stop=8)
+        k.wait_for(lambda: holder(k) == "ctl-a", 20, what="ctl-a holds the Lease")
+        b = start("ctl-b")
+        k.wait_for(a.leads, 10, what="ctl-a's leader gauge")
+        time.sleep(2.5)  # a has renewed at least once: leading, not just acquired
+        watch = LeaseWatch(k)
+        watch.start()
+        time.sleep(0.5)
+
+        t0_wall, t0 = time.time(), time.monotonic()
+        a.proc.send_signal(signal.SIGTERM)
+        k.wait_for(lambda: holder(k) == "ctl-b", 10, interval=0.1, what="ctl-b takes the Lease")
+        led = time.monotonic() - t0
+        still_stopping = a.proc.poll() is None
+        a.proc.wait(30)
+        exited = time.monotonic() - t0
+        seen = watch.stop()
+
+        after = [(t - t0, spec) for t, spec in seen if t >= t0]
+        released = next((t for t, spec in after if not spec.get("holderIdentity")), None)
+        b_at = next((t for t, spec in after if spec.get("holderIdentity") == "ctl-b"), None)
+        print(
+            f"failover timeline: SIGTERM to ctl-a at 0 s; lease released at "
+            f"{'never' if released is None else f'{released:.2f} s'}; ctl-b leading at "
+            f"{'?' if b_at is None else f'{b_at:.2f} s'} (seen by a poll at {led:.2f} s); "
+            f"ctl-a exited at {exited:.2f} s"
+        )
+        # No renewal of a's after the signal: every version of the Lease a wrote carries a
+        # renewTime from before it (a renewal already in flight at t0 is still from before).
+        renewed_after = [
+            spec for _, spec in after if spec.get("holderIdentity") == "ctl-a" and _wall(spec["renewTime"]) > t0_wall
+        ]
+        assert not renewed_after, (renewed_after, a.log.read_text(errors="replace")[-3000:])
+        assert released is not None and released < 2.0, after
+        assert b_at is not None and b_at < 4.0, after
+        assert still_stopping, "ctl-a's shutdown was not slow: the test proves nothing"
+        assert exited >= 8.0, exited
+        assert b.leads()
 
 
 def test_prestage_pull_secrets(kube_api, dscache_operator, s3_server, bucket, opted_ns):

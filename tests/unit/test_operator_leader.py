@@ -256,6 +256,109 @@ def test_release_hands_over_within_a_retry_period():
     simulate(scenario)
 
 
+def test_release_while_still_running_closes_the_elector_for_good():
+    """SIGTERM releases before kopf's shutdown has cancelled anything: ``run`` is still
+    going, and must not renew (or campaign) again; it ends on its own."""
+    leases, vt = FakeLeases(), VirtualTime()
+
+    async def scenario() -> None:
+        a, b = Replica(leases, vt, "a"), Replica(leases, vt, "b")
+        ta, tb = a.start(), b.start()
+        await vt.run_until(30.0)
+        assert a.elector.leading
+        await a.elector.release()  # ta is not cancelled
+        writes = len(leases.writes)
+        assert leases.lease is not None and leases.lease["spec"]["holderIdentity"] == ""
+        assert leases.lease["spec"]["leaseDurationSeconds"] == 1
+        await vt.run_until(60.0)
+        assert "a" not in leases.writes[writes:], leases.writes[writes:]
+        assert not a.elector.leading and ta.done() and ta.exception() is None
+        (started,) = [t for t, e in b.events if e == "started"]
+        assert 30.0 < started <= 32.0 + 1e-9
+        assert [e for _, e in a.events] == ["started", "stopped"]
+        tb.cancel()
+
+    simulate(scenario)
+
+
+def test_a_try_that_has_read_the_lease_writes_nothing_once_released():
+    """A renewal whose read was in flight when release began must not write after it."""
+    leases, vt = FakeLeases(), VirtualTime()
+
+    async def scenario() -> None:
+        a = Replica(leases, vt, "a")
+        ta = a.start()
+        await vt.run_until(5.0)
+        api = a.elector.api
+        reading = asyncio.Event()
+        go_on = asyncio.Event()
+        plain_get = api.get
+
+        async def slow_get(path: str) -> dict[str, Any] | None:
+            got = await plain_get(path)
+            reading.set()
+            await go_on.wait()
+            return got
+
+        api.get = slow_get  # type: ignore[method-assign]
+        renewal = asyncio.create_task(vt.run_until(7.0))  # the next renewal (every 2 s) reads...
+        await reading.wait()
+        api.get = plain_get  # type: ignore[method-assign]
+        await a.elector.release()  # ...and meanwhile the process is told to stop
+        released = copy.deepcopy(leases.lease)
+        go_on.set()
+        await renewal
+        await vt.run_until(20.0)
+        assert leases.lease == released and released is not None
+        assert released["spec"]["holderIdentity"] == ""
+        ta.cancel()
+
+    simulate(scenario)
+
+
+def test_release_wins_over_a_renewal_that_landed_first():
+    """A renewal sent before release, landing after our last read: release gets 409, reads
+    again, and releases what is still ours."""
+    leases, vt = FakeLeases(), VirtualTime()
+
+    async def scenario() -> None:
+        a, b = Replica(leases, vt, "a"), Replica(leases, vt, "b")
+        ta, tb = a.start(), b.start()
+        await vt.run_until(9.0)
+        ta.cancel()  # a renewal whose answer a never read: the Lease moved on without a knowing
+        await vt.run_until(9.0)
+        assert leases.lease is not None
+        leases.version += 1
+        leases.lease["metadata"]["resourceVersion"] = str(leases.version)
+        leases.lease["spec"]["renewTime"] = "2026-01-01T00:00:09.000000Z"
+        await a.elector.release()
+        assert leases.lease["spec"]["holderIdentity"] == ""
+        await vt.run_until(12.0)
+        assert b.elector.leading
+        tb.cancel()
+
+    simulate(scenario)
+
+
+def test_release_leaves_a_lease_another_took_meanwhile():
+    leases, vt = FakeLeases(), VirtualTime()
+
+    async def scenario() -> None:
+        a = Replica(leases, vt, "a")
+        ta = a.start()
+        await vt.run_until(3.0)
+        ta.cancel()
+        await vt.run_until(3.0)
+        assert leases.lease is not None
+        leases.version += 1
+        leases.lease["metadata"]["resourceVersion"] = str(leases.version)
+        leases.lease["spec"]["holderIdentity"] = "b"
+        await a.elector.release()
+        assert leases.lease["spec"]["holderIdentity"] == "b"
+
+    simulate(scenario)
+
+
 def test_a_restarted_replica_takes_its_own_lease_back_at_once():
     """The identity is the pod's name: a restarted container of that pod does not wait out
     its own lease (its old process is dead)."""

@@ -60,6 +60,14 @@ class ControlContext(Context):
         """May this replica act now (write status, send wipes, create pods)?"""
         return self.elector is None or self.elector.leading
 
+    async def before_stop(self) -> None:
+        """SIGTERM: stop acting and hand the Lease over now, not after kopf's shutdown (which
+        waits for its root tasks, then runs the cleanup handlers: seconds, during which the
+        elector would keep renewing and the standby could only wait)."""
+        self.follow()
+        if self.elector is not None:
+            await self.elector.release()  # closes the elector: no renewal from here on
+
     def follow(self) -> None:
         """Stop reconciling at once (leadership lost): cancel the dispatcher and every run in
         flight, and drop what reconciliation noted, as the next leader may change anything."""

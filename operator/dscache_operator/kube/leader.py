@@ -14,8 +14,12 @@ Why it is safe (never two leaders acting):
   renew deadline (10 s), which is shorter than the lease (15 s) the others wait out; a
   renewal hung in the API server is bounded by the same deadline. ``leading`` itself is
   computed from the last renewal, so even a starved event loop never reads a stale True.
-- On a clean shutdown the leader releases the Lease (holder emptied), so a rolling update
-  hands over in about one retry period instead of a lease duration.
+- On SIGTERM the leader releases the Lease *first*, before anything else of the shutdown
+  (client-go's ReleaseOnCancel): it stops acting, empties the holder with a 1 s lease, and
+  from then on never writes the Lease again (``release`` closes the elector: a try already
+  past its read writes nothing, a renewal in flight that wins the race is released over).
+  So a rolling update or a drain hands over in about one retry period, however long the
+  rest of the process's shutdown takes, instead of a lease duration.
 
 The identity is the pod's name: a restarted container of the same pod takes its own Lease
 back at once (the old container is dead; the kubelet starts a new one only then).
@@ -102,6 +106,8 @@ class LeaderElector:
         self._renewed_at: float | None = None
         #: Who holds the Lease, as last read (for logs and status).
         self.holder: str | None = None
+        #: Set by ``release``: this elector never writes the Lease again (shutting down).
+        self.closed = False
 
     @property
     def leading(self) -> bool:
@@ -111,32 +117,60 @@ class LeaderElector:
     async def run(self) -> None:
         """Campaign, lead until a renewal fails for the renew deadline, campaign again; forever."""
         try:
-            while True:
+            while not self.closed:
                 await self._acquire()
+                if self.closed:
+                    return
                 self._start()
                 await self._renew()
-                self._stop("could not renew the lease within the renew deadline")
+                if self._renewed_at is not None:  # (release has stopped it already)
+                    self._stop("could not renew the lease within the renew deadline")
         finally:
             if self._renewed_at is not None:
                 self._stop("shutting down")
 
-    async def release(self) -> None:
-        """Give the Lease up (a clean shutdown, after ``run`` has been cancelled): the other
-        replica takes it on its next try. A Lease another holds meanwhile is left alone (409)."""
-        if self.holder != self.config.identity or self._observed is None:
-            return
+    async def release(self, attempts: int = 3) -> None:
+        """Give the Lease up for good (the process is stopping): stop acting at once, then
+        empty the holder with a 1 s lease so the other replica takes it on its next try.
+
+        From the first line on, the elector is closed: ``run`` (if not cancelled yet) makes no
+        further write. A renewal already sent may still land before ours, and our write then
+        gets 409: read the Lease again and release what is still ours. A Lease another holds
+        by then is left alone."""
+        self.closed = True
         if self._renewed_at is not None:
             self._stop("releasing the lease")
-        spec = dict(self._observed, holderIdentity="", leaseDurationSeconds=1, renewTime=self._now())
-        try:
-            await self._write(spec)
-        except (ApiError, OSError, TimeoutError) as e:
-            logger.warning(f"could not release lease {self.config.name}: {e}")
+        for _ in range(attempts):
+            if self.holder != self.config.identity or self._observed is None:
+                return
+            spec = dict(self._observed, holderIdentity="", leaseDurationSeconds=1, renewTime=self._now())
+            try:
+                await self._write(spec)
+                logger.info(f"released lease {self.config.namespace}/{self.config.name}")
+                return
+            except ApiError as e:
+                if e.status != 409:
+                    logger.warning(f"could not release lease {self.config.name}: {e}")
+                    return
+            except (OSError, TimeoutError) as e:
+                logger.warning(f"could not release lease {self.config.name}: {e!r}")
+                return
+            # 409: a renewal of ours (or another's takeover) landed first; see which.
+            try:
+                lease = await self.api.get(self.config.path)
+            except (ApiError, OSError, TimeoutError) as e:
+                logger.warning(f"could not release lease {self.config.name}: {e!r}")
+                return
+            if lease is None:
+                return
+            self._observe(lease)
 
     # --- the state machine ---------------------------------------------------------------
 
     async def _acquire(self) -> None:
         while not await self._try():
+            if self.closed:
+                return
             await self.clock.sleep(self.config.retry_period)
 
     async def _renew(self) -> None:
@@ -144,7 +178,8 @@ class LeaderElector:
         cfg = self.config
         while True:
             await self.clock.sleep(cfg.retry_period)
-            assert self._renewed_at is not None
+            if self._renewed_at is None:
+                return  # released meanwhile
             left = cfg.renew_deadline - (self.clock.monotonic() - self._renewed_at)
             if left <= 0:
                 return
@@ -158,8 +193,12 @@ class LeaderElector:
     async def _try(self) -> bool:
         """One try to acquire or renew (client-go's tryAcquireOrRenew). True: we hold it now."""
         cfg = self.config
+        if self.closed:
+            return False
         try:
             lease = await self.api.get(cfg.path)
+            if self.closed:  # released while we read: never write after release
+                return False
             if lease is None:
                 spec = self._spec(None)
                 created = await self.api.request(
