@@ -3,8 +3,9 @@ Job's copy is still wiped when it completes, and a cache created during the fail
 its revision (issue 29: two replicas, Lease leader election).
 
 The delete is an ordinary `kubectl delete pod` (what a drain or a rollout does): the
-leader gets SIGTERM and releases the Lease, so the standby takes it on its next try
-(every 2 s). A leader that dies without releasing (SIGKILL, a lost node) is the
+leader gets SIGTERM and releases the Lease first, before the rest of its shutdown
+(operator __main__.operate), so the standby takes it on its next try (every 2 s). The
+webhook is its own Deployment: it admits Jobs all through the handover. A leader that dies without releasing (SIGKILL, a lost node) is the
 integration test's case (tests/integration/test_operator_leader.py): ~15 s.
 """
 
@@ -37,6 +38,14 @@ def _two_ready(kube) -> list[dict] | None:
     return pods if len(pods) == 2 else None
 
 
+def _admitted(kube, cfg, ns: str, cache: str, dataset) -> bool:
+    """A server-side dry run of a Job naming ``cache``: the webhook injected the stager."""
+    job = w.training_job("failover-probe", ns, cache, cfg.stager_image, dataset)
+    out = kube.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(job)).stdout
+    inits = json.loads(out)["spec"]["template"]["spec"].get("initContainers") or []
+    return any(c["name"] == w.INIT_NAME for c in inits)
+
+
 def test_controller_failover(cfg, kube, cache_factory, dataset):
     cache = cache_factory("failover")
     ns, name = cache["namespace"], cache["name"]
@@ -54,6 +63,8 @@ def test_controller_failover(cfg, kube, cache_factory, dataset):
 
     t0 = time.monotonic()
     kube.kubectl("delete", "pod", leader, "-n", RELEASE_NS, "--wait=false")
+    # The webhook keeps admitting while the leadership changes hands.
+    assert _admitted(kube, cfg, ns, name, dataset), "a Job was not injected during the failover"
     # A cache created while the leadership changes hands.
     during = cache_factory("failover-new", ready=False)
 
@@ -65,6 +76,7 @@ def test_controller_failover(cfg, kube, cache_factory, dataset):
         describe=lambda: json.dumps(kube.get("lease", "dscache-controller", RELEASE_NS), indent=1),
     )
     took_over = time.monotonic() - t0
+    assert _admitted(kube, cfg, ns, name, dataset), "a Job was not injected right after the failover"
 
     # The Job completes under the new leader: its copy is wiped.
     send_go(kube, ns, pod["metadata"]["name"])
