@@ -359,6 +359,26 @@ def test_release_leaves_a_lease_another_took_meanwhile():
     simulate(scenario)
 
 
+def test_a_stopping_standby_never_takes_the_lease():
+    """SIGTERM on the standby: it writes nothing, and does not grab the Lease the leader
+    releases later while its own shutdown is still going."""
+    leases, vt = FakeLeases(), VirtualTime()
+
+    async def scenario() -> None:
+        a, b = Replica(leases, vt, "a"), Replica(leases, vt, "b")
+        ta, tb = a.start(), b.start()
+        await vt.run_until(10.0)
+        await b.elector.release()
+        assert leases.lease is not None and leases.lease["spec"]["holderIdentity"] == "a"
+        await vt.run_until(12.0)
+        await a.elector.release()
+        await vt.run_until(40.0)
+        assert "b" not in leases.writes and b.events == [] and tb.done()
+        assert leases.lease["spec"]["holderIdentity"] == "" and ta.done()
+
+    simulate(scenario)
+
+
 def test_a_restarted_replica_takes_its_own_lease_back_at_once():
     """The identity is the pod's name: a restarted container of that pod does not wait out
     its own lease (its old process is dead)."""
