@@ -256,7 +256,8 @@ def test_sigterm_releases_the_lease_before_a_slow_shutdown(kube_api, dscache_ope
 
 def test_prestage_pull_secrets(kube_api, dscache_operator, s3_server, bucket, opted_ns):
     """Issue 29: a pre-stage pod the controller creates carries the chart's pull secrets
-    (DSCACHE_IMAGE_PULL_SECRETS), so a private stager image can be pulled."""
+    (DSCACHE_IMAGE_PULL_SECRETS), then the cache's own (spec.prestage.imagePullSecrets, a
+    name both give once), so a private stager image can be pulled."""
     k, ns = kube_api, opted_ns
     s3_server.put_tree(bucket, {"data/a.bin": b"a" * 10})
     make_secret(k, ns, "s3-keys", ACCESS_KEY, SECRET_KEY)
@@ -274,7 +275,11 @@ def test_prestage_pull_secrets(kube_api, dscache_operator, s3_server, bucket, op
             "s3-keys",
             # Tolerate all: the API server's TaintNodesByCondition taints a new Node not-ready,
             # and no node controller runs here to lift it.
-            prestage={"nodeSelector": {"dscache-test/prestage": ns}, "tolerations": [{"operator": "Exists"}]},
+            prestage={
+                "nodeSelector": {"dscache-test/prestage": ns},
+                "tolerations": [{"operator": "Exists"}],
+                "imagePullSecrets": [{"name": "team-registry"}, {"name": "mirror"}],
+            },
         )
 
         def prestage_pods() -> list[dict]:
@@ -286,5 +291,5 @@ def test_prestage_pull_secrets(kube_api, dscache_operator, s3_server, bucket, op
         except AssertionError:
             raise AssertionError(f"no pre-stage pod; the cache: {k.get(DSC.format(ns=ns, name='pre'))}") from None
         assert pod["spec"]["nodeName"] == node
-        assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}, {"name": "team-registry"}]
         assert pod["spec"]["initContainers"][0]["image"] == "dscache-stager:test"
