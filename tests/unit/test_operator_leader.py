@@ -340,6 +340,43 @@ def test_release_wins_over_a_renewal_that_landed_first():
     simulate(scenario)
 
 
+def test_a_renewal_answered_after_release_is_released_over_and_does_not_lead():
+    """The renewal was written by the API server, its answer still on its way, when release
+    begins: release's write is 409, it reads the Lease again and releases it; the late answer
+    does not make the elector lead again."""
+    leases, vt = FakeLeases(), VirtualTime()
+
+    async def scenario() -> None:
+        a = Replica(leases, vt, "a")
+        ta = a.start()
+        await vt.run_until(5.0)
+        api = a.elector.api
+        written = asyncio.Event()
+        answer = asyncio.Event()
+        plain_request = api.request
+
+        async def late_answer(method: str, path: str, body: Any = None) -> dict[str, Any]:
+            got = await plain_request(method, path, body)
+            written.set()
+            await answer.wait()
+            return got
+
+        api.request = late_answer  # type: ignore[method-assign]
+        renewal = asyncio.create_task(vt.run_until(7.0))
+        await written.wait()
+        api.request = plain_request  # type: ignore[method-assign]
+        await a.elector.release()
+        assert leases.lease is not None and leases.lease["spec"]["holderIdentity"] == ""
+        answer.set()
+        await renewal
+        await vt.run_until(20.0)
+        assert not a.elector.leading and leases.lease["spec"]["holderIdentity"] == ""
+        assert [e for _, e in a.events] == ["started", "stopped"]
+        ta.cancel()
+
+    simulate(scenario)
+
+
 def test_release_leaves_a_lease_another_took_meanwhile():
     leases, vt = FakeLeases(), VirtualTime()
 

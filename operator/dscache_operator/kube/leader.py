@@ -265,7 +265,8 @@ class LeaderElector:
 
     def _took(self, lease: dict[str, Any]) -> None:
         self._observe(lease)
-        self._renewed_at = self.clock.monotonic()
+        if not self.closed:  # a renewal answered after release: release writes over it, we do not lead
+            self._renewed_at = self.clock.monotonic()
 
     def _start(self) -> None:
         logger.info(f"leading: holding lease {self.config.namespace}/{self.config.name} as {self.config.identity}")
