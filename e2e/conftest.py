@@ -327,6 +327,34 @@ def cache_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
     return obj.get("status") or {}
 
 
+CONTROLLER_SELECTOR = "app.kubernetes.io/component=controller"
+
+
+def controller_pods(kube: Kube) -> list[dict[str, Any]]:
+    """The controller's pods that are not being deleted (2 replicas: a leader and a standby)."""
+    return [
+        p
+        for p in kube.items("pods", namespace=RELEASE_NS, selector=CONTROLLER_SELECTOR)
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def lease_holder(kube: Kube) -> str | None:
+    """The pod that holds the controller's leader-election Lease (its name is its identity)."""
+    lease = kube.get("lease", f"{RELEASE}-controller", RELEASE_NS) or {}
+    return (lease.get("spec") or {}).get("holderIdentity") or None
+
+
+def leader_pod(kube: Kube, timeout: float = 60) -> dict[str, Any]:
+    """The controller pod that leads (the only one that reconciles)."""
+
+    def find() -> dict[str, Any] | None:
+        holder = lease_holder(kube)
+        return next((p for p in controller_pods(kube) if p["metadata"]["name"] == holder), None)
+
+    return wait_for("a live controller pod holding the Lease", find, timeout=timeout)
+
+
 def node_entry(kube: Kube, ns: str, name: str) -> dict[str, Any]:
     nodes = cache_status(kube, ns, name).get("nodes") or []
     return nodes[0] if nodes else {}

@@ -7,7 +7,8 @@ def test_chart_installed(kube, release):
     deps = {d["metadata"]["name"]: d for d in kube.items("deployments", namespace=RELEASE_NS)}
     assert set(deps) >= {"dscache-controller", "dscache-webhook"}, sorted(deps)
     ctl, wh = deps["dscache-controller"], deps["dscache-webhook"]
-    assert ctl["spec"]["replicas"] == 1 and ctl["spec"]["strategy"]["type"] == "Recreate"
+    # Two replicas, one leading by Lease (test_13_failover.py), so RollingUpdate is safe.
+    assert ctl["spec"]["replicas"] == 2 and ctl["spec"]["strategy"]["type"] == "RollingUpdate"
     assert wh["spec"]["replicas"] == 2
     for d in (ctl, wh):
         assert d["status"].get("readyReplicas") == d["spec"]["replicas"], d["status"]

@@ -8,22 +8,24 @@ container in the same pod; its lastState shows exit 137 (128 + SIGKILL).
 
 import json
 
-from conftest import RELEASE_NS, assert_complete, cache_status, host_copy, node_entry, send_go, wait_verified
+from conftest import (
+    RELEASE_NS,
+    assert_complete,
+    cache_status,
+    host_copy,
+    leader_pod,
+    node_entry,
+    send_go,
+    wait_verified,
+)
 from support import revs
 from support import workloads as w
 from support.kube import node_path_exists, node_pids_of_container, node_sh, wait_for
 
-CONTROLLER = "app.kubernetes.io/component=controller"
-
 
 def _controller_pod(kube) -> dict:
-    pods = [
-        p
-        for p in kube.items("pods", namespace=RELEASE_NS, selector=CONTROLLER)
-        if not p["metadata"].get("deletionTimestamp")
-    ]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
+    # The leader: the replica that would send the wipe (the standby takes over if it stays down).
+    return leader_pod(kube)
 
 
 def _status(pod: dict) -> dict:

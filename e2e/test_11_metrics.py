@@ -10,7 +10,16 @@ from __future__ import annotations
 import re
 import tomllib
 
-from conftest import RELEASE_NS, REPO, assert_complete, cache_status, describe_pods, init_summary, job_pods
+from conftest import (
+    RELEASE_NS,
+    REPO,
+    assert_complete,
+    cache_status,
+    describe_pods,
+    init_summary,
+    job_pods,
+    leader_pod,
+)
 from support import workloads as w
 from support.kube import wait_for
 
@@ -31,7 +40,7 @@ def sample(text: str, name: str, **labels: str) -> float | None:
 
 
 def scrape_controller(kube) -> str:
-    (pod,) = kube.items("pod", RELEASE_NS, "app.kubernetes.io/component=controller")
+    pod = leader_pod(kube)  # the standby reconciles nothing: its per-cache series stay empty
     path = f"/api/v1/namespaces/{RELEASE_NS}/pods/{pod['metadata']['name']}:{METRICS_PORT}/proxy/metrics"
     return kube.kubectl("get", "--raw", path).stdout
 

@@ -8,10 +8,20 @@ python -m dscache_operator uninstall    # the chart's pre-delete hook: delete ev
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
+import signal
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .context import Context
+
+#: How long SIGTERM's first step (the controller's Lease release) may take before kopf's
+#: shutdown starts anyway: well inside the pod's terminationGracePeriodSeconds.
+HANDOVER_TIMEOUT = 5.0
 
 
 def limit_malloc_arenas(arenas: int = 2) -> None:
@@ -57,6 +67,50 @@ def configure_logging(level: str, fmt: str) -> None:
     logging.getLogger().setLevel(level)
 
 
+async def operate(ctx: Context, **kopf_args: Any) -> None:
+    """``kopf.operator()``, but SIGTERM and SIGINT first run ``ctx.before_stop()`` (the
+    controller stops acting and releases its Lease), and only then start kopf's shutdown.
+
+    kopf's own handler ends the operator this way: the signal stops its root tasks (watchers,
+    probes, the admission server), it waits for all of them to exit, stops its core tasks
+    (up to 10 s each), and only then runs the ``on.cleanup`` handlers; the tasks we started
+    (the Lease elector among them) are cancelled after that. A release in a cleanup handler
+    therefore came seconds after SIGTERM, the elector renewing all along, and not at all if
+    the kubelet's SIGKILL came first: the standby then waited out the whole lease.
+    ``spawn_tasks`` installs kopf's signal handlers; ours replace them right after it.
+    """
+    import kopf
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    existing = asyncio.all_tasks()  # as kopf.operator(): not the operator's, never cancelled by it
+    tasks = await kopf.spawn_tasks(stop_flag=stop, **kopf_args)
+    handing_over: list[asyncio.Task[None]] = []
+
+    async def hand_over(sig: signal.Signals) -> None:
+        log = logging.getLogger("dscache")
+        log.info(f"{sig.name}: handing over before stopping")
+        try:
+            await asyncio.wait_for(ctx.before_stop(), HANDOVER_TIMEOUT)
+        except Exception as e:  # the shutdown goes on whatever happened: kopf's cleanup retries the release
+            log.warning(f"handing over on {sig.name} failed: {e!r}")
+        finally:
+            stop.set()  # kopf's stop-flag: its shutdown starts now
+
+    def on_signal(sig: signal.Signals) -> None:
+        if handing_over:  # a second signal: stop without waiting for the handover
+            stop.set()
+            return
+        handing_over.append(loop.create_task(hand_over(sig), name="dscache handover"))
+
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread: kopf's (or no) handlers stay
+        pass
+    await kopf.run_tasks(tasks, ignored=existing)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     role = argv[0] if argv else ""
@@ -76,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     limit_malloc_arenas()
     if os.environ.get("DSCACHE_DEBUG_MEMORY"):
         debug_memory_on_signal()
-    import kopf
-
     from .context import Context, memo_for
     from .settings import Settings
 
@@ -102,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         from .admission.webhook import make_registry
     namespaces = list(settings.watch_namespaces)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
-    kopf.run(
+    coro = operate(
+        ctx,
         registry=make_registry(settings),
         standalone=True,
         clusterwide=not namespaces,
@@ -110,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         liveness_endpoint=liveness,
         memo=memo_for(ctx),
     )
+    try:
+        asyncio.run(coro)
+    except asyncio.CancelledError:  # as kopf.run()
+        pass
     return 0
 
 

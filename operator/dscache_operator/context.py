@@ -35,6 +35,10 @@ class Context:
     metrics_runner: Any = None
     background: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
+    async def before_stop(self) -> None:
+        """What SIGTERM does first, before kopf's own shutdown starts (``__main__.operate``).
+        Nothing for the webhook; the controller stops acting and releases its Lease."""
+
     def ensure_kube(self) -> Kube:
         """Our client, logging in by ourselves if kopf has not done so yet."""
         if self.kube is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from typing import Any
 
 from .api.models import VolumeMode
@@ -162,6 +163,24 @@ class Settings:
     """``DSCACHE_PLACEMENT_WEIGHT``: weight (1-100) of the preferred node affinity the webhook
     adds toward nodes that hold a pod's revision."""
 
+    image_pull_secrets: tuple[str, ...] = ()
+    """``DSCACHE_IMAGE_PULL_SECRETS``: comma-separated names of pull secrets put on the
+    pre-stage pods the controller creates (the chart's ``imagePullSecrets``). A pull secret
+    works only in its own namespace and pre-stage pods run in the cache's: a Secret of that
+    name must exist there (a missing one is skipped by the kubelet, with a warning Event)."""
+
+    leader_election: bool = True
+    """``DSCACHE_LEADER_ELECTION``: the controller reconciles only while it holds a Lease
+    (``DSCACHE_LEASE_NAME`` in ``DSCACHE_NAMESPACE``), so that two replicas can run;
+    ``false``: it reconciles at once, and exactly one replica may run."""
+
+    lease_name: str = "dscache-controller"
+    """``DSCACHE_LEASE_NAME``: name of the controller's leader-election Lease."""
+
+    pod_name: str = dataclasses.field(default_factory=socket.gethostname)
+    """``DSCACHE_POD_NAME``: this replica's identity in the Lease (the chart sets the pod's
+    name; default: the host name, which in a pod is its name)."""
+
     log_level: str = "INFO"
     """``DSCACHE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR."""
 
@@ -205,6 +224,10 @@ class Settings:
             peers=(opt("DSCACHE_PEERS") or "true").lower() not in ("false", "0", "no"),
             volume_type=_choice("DSCACHE_VOLUME_TYPE", opt("DSCACHE_VOLUME_TYPE") or d.volume_type, VOLUME_TYPES),
             placement_weight=_weight(opt("DSCACHE_PLACEMENT_WEIGHT") or str(d.placement_weight)),
+            image_pull_secrets=tuple(_csv(get("DSCACHE_IMAGE_PULL_SECRETS", ""))),
+            leader_election=(opt("DSCACHE_LEADER_ELECTION") or "true").lower() not in ("false", "0", "no"),
+            lease_name=opt("DSCACHE_LEASE_NAME") or d.lease_name,
+            pod_name=opt("DSCACHE_POD_NAME") or d.pod_name,
             log_level=_choice("DSCACHE_LOG_LEVEL", (opt("DSCACHE_LOG_LEVEL") or d.log_level).upper(), LOG_LEVELS),
             log_format=_choice("DSCACHE_LOG_FORMAT", (opt("DSCACHE_LOG_FORMAT") or d.log_format).lower(), LOG_FORMATS),
         )

@@ -370,9 +370,29 @@ def test_cert_manager_mode(helm: str):
 def test_controller_deployment(default_docs):
     deploy = one(default_docs, "Deployment", "dscache-controller")
     spec = deploy["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # Issue 29: two replicas, one leading by Lease; overlap in a rollout is safe.
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
     pod = spec["template"]["spec"]
+    (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    pdb = one(default_docs, "PodDisruptionBudget", "dscache-controller")
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"] == spec["selector"]
+    env = env_of(pod["containers"][0])
+    assert env["DSCACHE_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["DSCACHE_IMAGE_PULL_SECRETS"] == ""
+    # The Lease it elects on is the one its Role lets it get and update, in the release namespace only.
+    role = one(default_docs, "Role", "dscache-controller-leader-election")
+    assert role["metadata"]["namespace"] == NS
+    assert [(r["verbs"], r.get("resourceNames")) for r in role["rules"]] == [
+        (["create"], None),
+        (["get", "update"], [env["DSCACHE_LEASE_NAME"]]),
+    ]
+    assert all(r["apiGroups"] == ["coordination.k8s.io"] and r["resources"] == ["leases"] for r in role["rules"])
+    binding = one(default_docs, "RoleBinding", "dscache-controller-leader-election")
+    assert binding["metadata"]["namespace"] == NS
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dscache-controller", "namespace": NS}]
     assert pod["serviceAccountName"] == "dscache-controller"
     (c,) = pod["containers"]
     assert c["command"] + c["args"] == ["python", "-m", "dscache_operator", "controller"]
@@ -423,9 +443,14 @@ def test_env_names_are_the_operator_settings(default_docs):
         "DSCACHE_WEBHOOK_KEY",
         "DSCACHE_PLACEMENT_WEIGHT",
     }
-    controller_only = {"DSCACHE_AGENT_TOKEN_FILE"}  # the webhook never wipes: it does not get the token
+    controller_only = {
+        "DSCACHE_AGENT_TOKEN_FILE",  # the webhook never wipes: it does not get the token
+        "DSCACHE_LEASE_NAME",  # leader election and pre-stage pods are the controller's
+        "DSCACHE_POD_NAME",
+        "DSCACHE_IMAGE_PULL_SECRETS",
+    }
     optional = {"DSCACHE_STAGER_CONCURRENCY"}  # set only when given
-    unused: set[str] = set()
+    unused: set[str] = {"DSCACHE_LEADER_ELECTION"}  # the chart always elects (its default)
     for name, wanted, never in (
         ("dscache-controller", known - webhook_only - optional - unused, webhook_only | unused),
         ("dscache-webhook", known - controller_only - optional - unused, controller_only | unused),
@@ -474,6 +499,9 @@ def test_values_reach_the_env(helm: str):
     assert agent["tolerations"] == values["nodeAgent"]["tolerations"]
     assert "priorityClassName" not in agent
     assert agent["imagePullSecrets"] == [{"name": "regcred"}]
+    # ...and their names reach the controller for its pre-stage pods (issue 29).
+    (c,) = one(docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]["containers"]
+    assert env_of(c)["DSCACHE_IMAGE_PULL_SECRETS"] == "regcred"
     assert one(docs, "Deployment", "dscache-webhook")["spec"]["replicas"] == 3
     assert one(docs, "ServiceMonitor")["metadata"]["labels"]["release"] == "prom"
     # product command: cacheRoot as given.
@@ -505,7 +533,9 @@ def test_operator_pods_run_restricted(helm: str):
 
 def _rules(doc: dict[str, Any]) -> list[tuple]:
     return sorted(
-        (tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in doc["rules"]
+        (tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(sorted(r["verbs"])))
+        + ((tuple(r["resourceNames"]),) if "resourceNames" in r else ())
+        for r in doc["rules"]
     )
 
 
@@ -804,6 +834,7 @@ def test_prometheus_rule_and_dashboard_use_metrics_the_operator_exports(helm: st
     rules = [r for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
     assert {r["alert"] for r in rules} == {
         "DscacheControllerDown",
+        "DscacheControllerNoLeader",
         "DscacheWebhookDown",
         "DscacheNodeAgentDown",
         "DscacheNodeAgentsDown",
@@ -1083,8 +1114,10 @@ def test_node_agent_rbac(default_docs):
     ]
     crb = one(default_docs, "ClusterRoleBinding", "dscache-prestage")
     assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "dscache-controller", "namespace": NS}]
-    # No more wipe helper pods in the release namespace.
-    assert not find(default_docs, "Role") and not find(default_docs, "RoleBinding")
+    # No more wipe helper pods in the release namespace: its only Role is the leader election's, on leases.
+    assert [r["metadata"]["name"] for r in find(default_docs, "Role")] == ["dscache-controller-leader-election"]
+    assert {res for r in find(default_docs, "Role") for rule in r["rules"] for res in rule["resources"]} == {"leases"}
+    assert [b["metadata"]["name"] for b in find(default_docs, "RoleBinding")] == ["dscache-controller-leader-election"]
     # The webhook: its node index, read-only.
     webhook = _rules(one(default_docs, "ClusterRole", "dscache-webhook"))
     assert (("",), ("nodes",), ("list", "watch")) in webhook

@@ -73,6 +73,26 @@ def test_the_prestage_pod_stages_like_a_job_but_takes_no_lease():
     assert pod["metadata"]["labels"][prestage.PRESTAGE_LABEL] == "true"
 
 
+def test_the_prestage_pod_carries_the_charts_pull_secrets():
+    """Issue 29: with a private registry, a pre-stage pod without them never pulls the stager."""
+    s = spec()
+    assert "imagePullSecrets" not in prestage.build_pod("ml", "c", "u", "g1", s, S, RevisionRef(REV), 1)["spec"]
+    named = Settings.from_env({"DSCACHE_IMAGE_PULL_SECRETS": " regcred, mirror ,"})
+    assert named.image_pull_secrets == ("regcred", "mirror")
+    pod = prestage.build_pod("ml", "c", "u", "g1", s, named, RevisionRef(REV), 1)
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+
+
+def test_the_prestage_pod_carries_the_caches_pull_secrets_after_the_charts():
+    """The cache may name its own (its namespace's Secrets); one the chart names too comes once."""
+    s = spec(imagePullSecrets=[{"name": "team-registry"}, {"name": "mirror"}])
+    pod = prestage.build_pod("ml", "c", "u", "g1", s, S, RevisionRef(REV), 1)
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "team-registry"}, {"name": "mirror"}]
+    named = Settings.from_env({"DSCACHE_IMAGE_PULL_SECRETS": "regcred,mirror"})
+    pod = prestage.build_pod("ml", "c", "u", "g1", s, named, RevisionRef(REV), 1)
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}, {"name": "team-registry"}]
+
+
 def test_a_prestaged_revision_is_not_wiped_when_its_pod_finished():
     prior = [
         NodeStatus(node="g1", state=NodeState.READY, revisions=[NodeRevision(id=REV, lastUsed="2026-11-25T11:00:00Z")])

@@ -37,6 +37,18 @@ def test_from_env():
     assert s.reconcile_interval == 2.5 and s.stager_concurrency == 64
 
 
+def test_leader_election_settings():
+    import socket
+
+    d = Settings.from_env({})
+    assert d.leader_election and d.lease_name == "dscache-controller" and d.pod_name == socket.gethostname()
+    assert d.image_pull_secrets == ()
+    s = Settings.from_env(
+        {"DSCACHE_LEADER_ELECTION": "false", "DSCACHE_LEASE_NAME": "x-ctl", "DSCACHE_POD_NAME": "x-ctl-abc"}
+    )
+    assert not s.leader_election and s.lease_name == "x-ctl" and s.pod_name == "x-ctl-abc"
+
+
 def test_include_exclude_match_the_stager_rule():
     assert sourcecheck.selected("a/b.tar", ["*.tar"], [])
     assert not sourcecheck.selected("a/b.txt", ["*.tar"], [])

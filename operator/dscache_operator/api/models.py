@@ -246,6 +246,17 @@ class Toleration(_Model):
     tolerationSeconds: int | None = Field(default=None, description="With NoExecute: how long the pod stays.")
 
 
+class PullSecretRef(_Model):
+    """A core/v1 LocalObjectReference to an image pull Secret."""
+
+    name: str = Field(
+        description="Name of a Secret of type kubernetes.io/dockerconfigjson in the DatasetCache's namespace.",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+    )
+
+
 class Prestage(_Model):
     nodeSelector: dict[str, str] = Field(
         default_factory=dict,
@@ -262,6 +273,12 @@ class Prestage(_Model):
         ge=1,
         description="How many of the matching nodes hold the revision (nodes that already hold it "
         "count first). Omit for every matching node.",
+    )
+    imagePullSecrets: list[PullSecretRef] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Pull secrets for the stager image on the pre-stage pods, after those the chart "
+        "names (its imagePullSecrets): Secrets of this namespace, as a pod's own imagePullSecrets.",
     )
 
 

@@ -128,7 +128,7 @@ class Views:
         # A workload that finishes (or goes) releases its pods' caches: theirs are due now too.
         if self._touch is None or (old is not None and new is not None and old.finished == new.finished):
             return
-        for cache in self.pods.keys(key[0]):
+        for cache in self.pods.keys_in(key[0]):
             self._touch(cache)
 
     def _node(self, _key: Any, old: NodeInfo | None, new: NodeInfo | None) -> None:

@@ -70,6 +70,13 @@ def choose(prestage: Prestage, nodes: Iterable[NodeInfo], namespace: str, cache:
     return eligible[: prestage.nodes] if prestage.nodes else eligible
 
 
+def _pull_secrets(settings: Settings, prestage: Prestage) -> dict[str, Any]:
+    """The chart's pull secrets, then the cache's, each once: all by name, Secrets of the
+    cache's namespace (a pod can use no other), so the cache's own are its tenant's."""
+    names = dict.fromkeys([*settings.image_pull_secrets, *(r.name for r in prestage.imagePullSecrets)])
+    return {"imagePullSecrets": [{"name": n} for n in names]} if names else {}
+
+
 def build_pod(
     namespace: str,
     cache: str,
@@ -101,6 +108,7 @@ def build_pod(
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": 5,
+            **_pull_secrets(settings, spec.prestage),
             "containers": [
                 {
                     "name": "prestaged",

@@ -41,6 +41,7 @@ from ..cluster.nodes import NodeInfo
 from ..cluster.views import Views
 from ..kube.client import ApiError
 from ..kube.events import Event, Poster
+from ..kube.leader import LeaderElector, LeaseConfig
 from ..kube.schedule import Scheduler
 from . import agentclient, prestage, sourcecheck
 from . import status as st
@@ -359,6 +360,8 @@ async def _gone_nodes(kube: Any, nodes: list[str]) -> set[str]:
 async def run_once(ctx: ControlContext, key: Key) -> float | None:
     """Reconcile the cache ``key`` and carry out what that decided: the status patch, its
     Events, our finalizer. Returns when it is due again (None: it is gone)."""
+    if not ctx.leading():
+        return None  # leadership just lost: follow() drops this queue, the new leader acts
     views = ctx.views
     view = views.cache(key) if views is not None else None
     if view is None:  # deleted (its finalizer already removed), or not ours
@@ -418,13 +421,24 @@ async def _finalize(ctx: ControlContext, view: CacheView, result: tuple[int, int
     return None
 
 
-async def _reconcile_once_listed(ctx: ControlContext) -> None:
+async def _reconcile_once_listed(ctx: ControlContext, scheduler: Scheduler) -> None:
     """Start reconciling once the views have listed: a cache reconciled before its pods
     are known gets its status written twice (without nodes, then with them), and at
     10,000 caches the API server's time is what convergence waits on."""
-    assert ctx.views is not None and ctx.scheduler is not None
+    assert ctx.views is not None
     await ctx.views.listed(VIEWS_LIST_WAIT)
-    await ctx.scheduler.run()
+    await scheduler.run()
+
+
+def _lead(ctx: ControlContext) -> None:
+    """This replica now holds the Lease: a fresh queue, every cache known due at once."""
+    assert ctx.views is not None
+    scheduler = Scheduler(lambda key: run_once(ctx, key), workers=RECONCILE_WORKERS)  # type: ignore[arg-type]
+    for key in ctx.views.caches.held_keys():
+        scheduler.touch(key)
+    ctx.scheduler = scheduler
+    ctx.reconciling = asyncio.create_task(_reconcile_once_listed(ctx, scheduler))
+    ctx.metrics.leader.set(1)
 
 
 def cache_path(view: CacheView) -> str:
@@ -443,10 +457,19 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
         context.configure_kopf(settings)
         kube = ctx.ensure_kube()
         ctx.poster = Poster(kube)
-        ctx.scheduler = Scheduler(lambda key: run_once(ctx, key), workers=RECONCILE_WORKERS)  # type: ignore[arg-type]
         ctx.views = Views(kube, ctx.settings.watch_namespaces, on_cache=ctx.on_cache, touch=ctx.touch)
         ctx.views.start()
-        ctx.background = [asyncio.create_task(ctx.poster.run()), asyncio.create_task(_reconcile_once_listed(ctx))]
+        ctx.background = [asyncio.create_task(ctx.poster.run())]
+        s = ctx.settings
+        if s.leader_election:
+            # A standby keeps its views warm and reconciles nothing until it holds the Lease.
+            ctx.elector = LeaderElector(
+                kube, LeaseConfig(s.namespace, s.lease_name, s.pod_name), lambda: _lead(ctx), ctx.follow
+            )
+            ctx.metrics.leader.set(0)
+            ctx.background.append(asyncio.create_task(ctx.elector.run()))
+        else:
+            _lead(ctx)
         await context.start_metrics(ctx)
 
     @kopf.on.login(registry=registry)
@@ -463,11 +486,22 @@ def make_registry(settings: Any) -> kopf.OperatorRegistry:
             raise RuntimeError(f"the API server has refused our credentials for {failing:.0f} s")
         return bool(views is not None and views.ready())
 
+    @kopf.on.probe(id="leader", registry=registry)
+    async def leader_probe(memo: Any, **_: Any) -> str:
+        # Shown in /healthz (and dscache_controller_leader): never fails readiness, or a
+        # standby would never be Ready and a rolling update would stall on it.
+        ctx = control_ctx(memo)
+        return "leader" if ctx.leading() else f"standby (leader: {ctx.elector.holder if ctx.elector else '?'})"
+
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
         ctx = control_ctx(memo)
+        ctx.follow()
         for task in ctx.background:
             task.cancel()
+        await asyncio.gather(*ctx.background, return_exceptions=True)
+        if ctx.elector is not None:
+            await ctx.elector.release()  # the standby takes over on its next try, not in 15 s
         if ctx.scheduler is not None:
             await ctx.scheduler.stop()
         if ctx.views is not None:

@@ -6,6 +6,7 @@ the cache (``forget``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from ..cluster.caches import Key, wants_reconcile
 from ..cluster.views import Views
 from ..context import Context
 from ..kube.events import Event, Poster
+from ..kube.leader import LeaderElector
 from ..kube.schedule import Scheduler
 from .peertoken import Tokens
 from .sourcecheck import SourceChecks
@@ -43,6 +45,10 @@ class ControlContext(Context):
     #: Per cache: the resourceVersion our last status write made, and until when (monotonic) we
     #: wait for the view to show it (``written_shown``).
     written: dict[Key, tuple[str, float]] = dataclasses.field(default_factory=dict)
+    #: The leader election (kube/leader.py); None: leader election is off, this replica leads.
+    elector: LeaderElector | None = None
+    #: The task that dispatches reconciliations; it runs only while this replica leads.
+    reconciling: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.sources = SourceChecks(self.metrics, self.settings.namespace)
@@ -86,6 +92,38 @@ class ControlContext(Context):
         """A change to a cache's users (its pods, their workloads): reconcile it now."""
         if self.scheduler is not None:
             self.scheduler.touch(key)
+
+    def leading(self) -> bool:
+        """May this replica act now (write status, send wipes, create pods)?"""
+        return self.elector is None or self.elector.leading
+
+    async def before_stop(self) -> None:
+        """SIGTERM: stop acting and hand the Lease over now, not after kopf's shutdown (which
+        waits for its root tasks, then runs the cleanup handlers: seconds, during which the
+        elector would keep renewing and the standby could only wait)."""
+        self.follow()
+        if self.elector is not None:
+            await self.elector.release()  # closes the elector: no renewal from here on
+
+    def follow(self) -> None:
+        """Stop reconciling at once (leadership lost): cancel the dispatcher and every run in
+        flight, and drop what reconciliation noted, as the next leader may change anything."""
+        if self.reconciling is not None:
+            self.reconciling.cancel()
+            self.reconciling = None
+        if self.scheduler is not None:
+            self.scheduler.cancel()
+            self.scheduler = None
+        # Its per-cache series would be counted beside the new leader's: drop them.
+        for key in self.views.caches.held_keys() if self.views is not None else ():
+            if isinstance(key, tuple) and len(key) == 2:  # the caches' informer keys by (namespace, name)
+                self.metrics.forget_cache(str(key[0]), str(key[1]))
+        self.checked_at.clear()
+        self.deleting.clear()
+        self.quiet.clear()
+        self.written.clear()
+        self.tokens = Tokens()
+        self.metrics.leader.set(0)
 
     def forget(self, key: Key) -> None:
         """A cache is gone: drop what we kept about it."""

@@ -303,7 +303,7 @@ class MultiInformer:
         informer = self.informers.get(key[0]) or self.informers.get(None)
         return informer.get(key) if informer is not None else []
 
-    def keys(self, namespace: str) -> list[Any]:
+    def keys_in(self, namespace: str) -> list[Any]:
         """The keys (namespace, ...) this view holds objects under in ``namespace``."""
         informer = self.informers.get(namespace) or self.informers.get(None)
         return (
@@ -314,3 +314,7 @@ class MultiInformer:
 
     def __len__(self) -> int:
         return sum(len(i) for i in self.informers.values())
+
+    def held_keys(self) -> list[Hashable]:
+        """Every key held (a new leader makes each cache due: the standby saw them come)."""
+        return [k for i in self.informers.values() for k in i.held_keys()]

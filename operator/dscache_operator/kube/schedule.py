@@ -114,7 +114,11 @@ class Scheduler:
             delay = 0.0
         self.touch(key, delay)
 
-    async def stop(self) -> None:
+    def cancel(self) -> None:
+        """Cancel the runs in flight now, without waiting (leadership lost: stop acting at once)."""
         for task in list(self._tasks):
             task.cancel()
+
+    async def stop(self) -> None:
+        self.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

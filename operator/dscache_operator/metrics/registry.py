@@ -91,6 +91,11 @@ class Metrics:
             ["namespace", "cache", "node"],
             registry=ctl,
         )
+        self.leader = Gauge(
+            "dscache_controller_leader",
+            "1 while this controller replica holds the leader-election Lease and reconciles; 0 on a standby.",
+            registry=ctl,
+        )
         #: cache -> the nodes it has a dscache_prestaged_bytes series for
         self._prestaged_nodes: dict[tuple[str, str], set[str]] = {}
         #: cache -> the stager runs already counted: (pod uid, init container startedAt)
