@@ -162,6 +162,16 @@ class Settings:
     """``DSCACHE_PLACEMENT_WEIGHT``: weight (1-100) of the preferred node affinity the webhook
     adds toward nodes that hold a pod's revision."""
 
+    sts_endpoint: str | None = None
+    """``DSCACHE_STS_ENDPOINT`` (chart value ``podIdentity.stsEndpoint``): the STS that exchanges
+    ServiceAccount tokens for S3 credentials (AssumeRoleWithWebIdentity), for caches with
+    ``spec.source.serviceAccountName``: the controller's source check uses it, and injected stagers
+    get it as ``AWS_ENDPOINT_URL_STS``. Unset: AWS's regional STS."""
+
+    sts_audience: str = "sts.amazonaws.com"
+    """``DSCACHE_STS_AUDIENCE`` (chart value ``podIdentity.audience``): the audience of the
+    ServiceAccount tokens the controller requests and the stagers' projected tokens carry."""
+
     log_level: str = "INFO"
     """``DSCACHE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR."""
 
@@ -205,6 +215,8 @@ class Settings:
             peers=(opt("DSCACHE_PEERS") or "true").lower() not in ("false", "0", "no"),
             volume_type=_choice("DSCACHE_VOLUME_TYPE", opt("DSCACHE_VOLUME_TYPE") or d.volume_type, VOLUME_TYPES),
             placement_weight=_weight(opt("DSCACHE_PLACEMENT_WEIGHT") or str(d.placement_weight)),
+            sts_endpoint=opt("DSCACHE_STS_ENDPOINT"),
+            sts_audience=opt("DSCACHE_STS_AUDIENCE") or d.sts_audience,
             log_level=_choice("DSCACHE_LOG_LEVEL", (opt("DSCACHE_LOG_LEVEL") or d.log_level).upper(), LOG_LEVELS),
             log_format=_choice("DSCACHE_LOG_FORMAT", (opt("DSCACHE_LOG_FORMAT") or d.log_format).lower(), LOG_FORMATS),
         )
