@@ -44,6 +44,8 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 NS = "https://sts.amazonaws.com/doc/2011-06-15/"
+#: The API server serves the JWKS as application/jwk-set+json only (406 for application/json alone).
+ACCEPT = "application/json, application/jwk-set+json"
 SKEW = 30.0
 #: DER prefix of a SHA-256 DigestInfo (RFC 8017, 9.2): what an RS256 signature wraps.
 _SHA256_INFO = bytes.fromhex("3031300d060960864801650304020105000420")
@@ -269,9 +271,8 @@ def in_cluster_fetch() -> Callable[[str], bytes]:
     def fetch(path: str) -> bytes:
         with open(f"{sa}/token") as f:
             token = f.read().strip()
-        req = urllib.request.Request(
-            f"https://kubernetes.default.svc{path}", headers={"Authorization": f"Bearer {token}"}
-        )
+        headers = {"Authorization": f"Bearer {token}", "Accept": ACCEPT}
+        req = urllib.request.Request(f"https://kubernetes.default.svc{path}", headers=headers)
         with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
             body: bytes = resp.read()
             return body

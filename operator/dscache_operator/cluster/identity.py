@@ -104,6 +104,12 @@ def _refused(exc: BaseException, namespace: str, name: str, role: str, audience:
     if isinstance(exc, ClientError):
         err = exc.response.get("Error", {})
         code, text = err.get("Code", ""), err.get("Message", "")
+        if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 400) >= 500:
+            return IdentityError(
+                "STSError",
+                f"STS at {where} failed exchanging ServiceAccount {namespace}/{name}'s token ({code}: {text}); "
+                f"the check is retried on its own.",
+            )
         return IdentityError(
             "IdentityRefused",
             f"STS at {where} refused ServiceAccount {namespace}/{name}'s token for role {role} "
