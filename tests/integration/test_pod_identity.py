@@ -240,7 +240,9 @@ def test_the_stager_uses_its_pods_web_identity(kube_api, iam_s3, sts, ident_ns, 
     assert ok.code == 0, ok.stderr
     assert data_tree(data_dir(tmp_path / "reader", revision)) == expected_tree(FILES, "data/")
     refused = results["intruder"]
-    assert refused.code != 0 and "AccessDenied" in refused.stderr, refused.stderr
+    # Exit code 3 (access), naming STS's refusal and whom the role trusts.
+    assert refused.code == 3 and "STS refused this pod's web identity" in refused.stderr, refused.stderr
+    assert "AccessDenied" in refused.stderr and subject(ident_ns, "reader") in refused.stderr
     assert not data_dir(tmp_path / "intruder", revision).exists() or not any(
         data_dir(tmp_path / "intruder", revision).iterdir()
     )

@@ -332,7 +332,7 @@ async def mutate(
         if revision is None:
             raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
     web_identity, identity_notes = await webidentity.stager_identity(
-        ctx.ensure_kube(), ctx.settings, namespace, raw, kind, view.spec
+        ctx.ensure_kube, ctx.settings, namespace, raw, kind, view.spec
     )
     try:
         changed = inject_object(

@@ -10,6 +10,7 @@ AWS_ENDPOINT_URL_STS when the chart names an STS).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dscache_contract import STAGER_CONTAINER_NAME
@@ -35,10 +36,10 @@ def injected(pod_spec: dict[str, Any]) -> bool:
 
 
 async def stager_identity(
-    kube: Kube, settings: Settings, namespace: str, obj: dict[str, Any], kind: str, spec: DatasetCacheSpec
+    kube: Callable[[], Kube], settings: Settings, namespace: str, obj: dict[str, Any], kind: str, spec: DatasetCacheSpec
 ) -> tuple[WebIdentity | None, list[str]]:
     """(the stager's web identity or None, warnings for kubectl). None for caches with keys,
-    and for pods injected already."""
+    and for pods injected already. ``kube``: the webhook's client, made only when needed."""
     if spec.source.secret_name or not spec.source.serviceAccountName:
         return None, []
     pod_spec = pod_spec_of(obj, kind)
@@ -46,7 +47,7 @@ async def stager_identity(
         return None, []
     account = pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount") or "default"
     try:
-        sa = await kube.get(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}")
+        sa = await kube().get(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}")
     except ApiError as e:
         if e.status != 403:
             raise
