@@ -189,3 +189,18 @@ def test_settings_read_the_sts_endpoint_and_audience():
     assert (s.sts_endpoint, s.sts_audience) == ("http://sts:8080", "aud")
     d = Settings.from_env({"DSCACHE_STS_ENDPOINT": ""})
     assert (d.sts_endpoint, d.sts_audience) == (None, "sts.amazonaws.com")
+
+
+def test_a_pod_identity_caches_prestage_pod_runs_as_its_service_account():
+    from dscache_operator.control import prestage
+
+    spec = sa_spec(endpoint="http://s3:9000")
+    spec = spec.model_copy(update={"prestage": prestage.Prestage()})
+    web = WebIdentity(ROLE, "sts.amazonaws.com", "http://sts")
+    pod = prestage.build_pod(
+        "ml", "c", "uid-1", "g1", spec, Settings(stager_image="s:t"), RevisionRef("r-0123456789abcdef0123"), 1, web
+    )
+    assert pod["spec"]["serviceAccountName"] == "reader"
+    stager = pod["spec"]["initContainers"][0]
+    assert {e["name"]: e.get("value") for e in stager["env"]}["AWS_ROLE_ARN"] == ROLE
+    assert any(v["name"] == WEB_IDENTITY_VOLUME for v in pod["spec"]["volumes"])

@@ -139,6 +139,22 @@ class Identities:
     async def credentials(self, kube: Kube, namespace: str, name: str, region: str) -> Credentials:
         """Credentials of ServiceAccount ``namespace/name``'s role; IdentityError says what is wrong.
         Another API error is raised as is: the scheduler retries the cache after a backoff."""
+        role = await self.role(kube, namespace, name)
+        key = (namespace, name, role)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            held = self._held.get(key)
+            if held is not None and held.expires - RENEW_BEFORE > time.time():
+                return held
+            got = await self._exchange(kube, namespace, name, role, region)
+            if len(self._held) >= MOST:
+                now = time.time()
+                self._held = {k: v for k, v in self._held.items() if v.expires - RENEW_BEFORE > now}
+            self._held[key] = got
+            return got
+
+    async def role(self, kube: Kube, namespace: str, name: str) -> str:
+        """The role ServiceAccount ``namespace/name`` names; IdentityError says what is wrong."""
         try:
             sa = await kube.get(f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
         except ApiError as e:
@@ -162,18 +178,7 @@ class Identities:
                 f"ServiceAccount {namespace}/{name} (spec.source.serviceAccountName) has no annotation "
                 f"{ROLE_ARN_ANNOTATION}; annotate it with the IAM role that may list and read the bucket.",
             )
-        key = (namespace, name, role)
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            held = self._held.get(key)
-            if held is not None and held.expires - RENEW_BEFORE > time.time():
-                return held
-            got = await self._exchange(kube, namespace, name, role, region)
-            if len(self._held) >= MOST:
-                now = time.time()
-                self._held = {k: v for k, v in self._held.items() if v.expires - RENEW_BEFORE > now}
-            self._held[key] = got
-            return got
+        return role
 
     async def _exchange(self, kube: Kube, namespace: str, name: str, role: str, region: str) -> Credentials:
         path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token"
