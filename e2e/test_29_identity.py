@@ -10,7 +10,7 @@ and the stagers at it (podIdentity.stsEndpoint, conftest.py).
 import json
 
 import pytest
-from conftest import assert_complete, cache_status, describe_pods, job_pods, wait_job
+from conftest import RELEASE_NS, assert_complete, cache_status, describe_pods, job_pods, wait_job
 from support import sts
 from support import workloads as w
 from support.kube import wait_for
@@ -68,7 +68,7 @@ def _stager_message(pod: dict) -> str:
 def test_pod_identity_cache(cfg, kube, dataset, identity_sts):
     ns = identity_sts
     controller_env = kube.kubectl(
-        "get", "deploy", "-n", "dscache-system", "-o", "jsonpath={.items[*].spec.template.spec.containers[*].env}"
+        "get", "deploy", "-n", RELEASE_NS, "-o", "jsonpath={.items[*].spec.template.spec.containers[*].env}"
     ).stdout
     assert sts.endpoint(ns) in controller_env, "the release was installed without podIdentity.stsEndpoint"
 
