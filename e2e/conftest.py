@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import sts
 from support import workloads as w
 from support.kube import Kube, node_path_exists, wait_for
 
@@ -254,6 +255,8 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
         "controller.reconcileIntervalSeconds=2",
         "sourceCheck.retryIntervalSeconds=5",
         "sourceCheck.secretNamespaces={" + ",".join(namespaces.values()) + "}",
+        # Pod identity's STS: the checking one test_29_identity.py runs in the main namespace.
+        f"podIdentity.stsEndpoint={sts.endpoint(namespaces['main'])}",
     ]
     chart = [
         RELEASE,

@@ -165,6 +165,14 @@ def source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
     """An obstore failure as the stager reports it: access (3), or S3 kept failing (7)."""
     text = (str(e) or type(e).__name__).split("\n")[0]
     where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
+    if "AssumeRoleWithWebIdentity" in text:
+        # Pod identity: STS refused this pod's projected token, before any request to S3.
+        return SourceError(
+            f"STS refused this pod's web identity for {where} (role {os.environ.get('AWS_ROLE_ARN')}, "
+            f"token {os.environ.get('AWS_WEB_IDENTITY_TOKEN_FILE')}): the role's trust policy must allow "
+            f"the pod's ServiceAccount (system:serviceaccount:NAMESPACE:NAME) with the token's audience "
+            f"({text})"
+        )
     # "403" as a word: the message holds the endpoint's URL, whose port may be 41403.
     if (
         isinstance(e, (PermissionDeniedError, UnauthenticatedError))

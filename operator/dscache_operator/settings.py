@@ -181,6 +181,16 @@ class Settings:
     """``DSCACHE_POD_NAME``: this replica's identity in the Lease (the chart sets the pod's
     name; default: the host name, which in a pod is its name)."""
 
+    sts_endpoint: str | None = None
+    """``DSCACHE_STS_ENDPOINT`` (chart value ``podIdentity.stsEndpoint``): the STS that exchanges
+    ServiceAccount tokens for S3 credentials (AssumeRoleWithWebIdentity), for caches with
+    ``spec.source.serviceAccountName``: the controller's source check uses it, and injected stagers
+    get it as ``AWS_ENDPOINT_URL_STS``. Unset: AWS's regional STS."""
+
+    sts_audience: str = "sts.amazonaws.com"
+    """``DSCACHE_STS_AUDIENCE`` (chart value ``podIdentity.audience``): the audience of the
+    ServiceAccount tokens the controller requests and the stagers' projected tokens carry."""
+
     log_level: str = "INFO"
     """``DSCACHE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR."""
 
@@ -228,6 +238,8 @@ class Settings:
             leader_election=(opt("DSCACHE_LEADER_ELECTION") or "true").lower() not in ("false", "0", "no"),
             lease_name=opt("DSCACHE_LEASE_NAME") or d.lease_name,
             pod_name=opt("DSCACHE_POD_NAME") or d.pod_name,
+            sts_endpoint=opt("DSCACHE_STS_ENDPOINT"),
+            sts_audience=opt("DSCACHE_STS_AUDIENCE") or d.sts_audience,
             log_level=_choice("DSCACHE_LOG_LEVEL", (opt("DSCACHE_LOG_LEVEL") or d.log_level).upper(), LOG_LEVELS),
             log_format=_choice("DSCACHE_LOG_FORMAT", (opt("DSCACHE_LOG_FORMAT") or d.log_format).lower(), LOG_FORMATS),
         )

@@ -443,16 +443,17 @@ def test_endpoint_unreachable(kube_api, dscache_operator, opted_ns):
     assert condition(c)["reason"] == "EndpointUnreachable"
 
 
-def test_pod_identity_without_operator_identity_is_not_verifiable(
-    kube_api, dscache_operator, s3_server, s3_bucket, opted_ns
-):
+def test_no_secret_and_no_service_account_is_not_ready(kube_api, dscache_operator, s3_server, s3_bucket, opted_ns):
     make_cache(kube_api, opted_ns, "irsa", f"s3://{s3_bucket}/data/", s3_server.endpoint)
-    c = wait_phase(kube_api, opted_ns, "irsa", "Ready")
-    assert (condition(c)["status"], condition(c)["reason"]) == ("Unknown", "NotVerifiable")
+    c = wait_phase(kube_api, opted_ns, "irsa", "Failed")
+    got = condition(c)
+    assert (got["status"], got["reason"]) == ("False", "NoIdentity"), got
+    assert "spec.source.serviceAccountName" in got["message"] and "secretRef" in got["message"]
+    assert not (c.get("status") or {}).get("revision")
     # No revision can be pinned without listing the source: refused, saying why and how to fix it.
     with pytest.raises(ApiError) as e:
         create_job(kube_api, opted_ns, job_body("train", "irsa"))
-    assert "no pinned revision" in e.value.body and "secretRef" in e.value.body
+    assert "NoIdentity" in e.value.body and "spec.source.serviceAccountName" in e.value.body, e.value.body
 
 
 def test_secret_without_rolebinding_is_forbidden(kube_api, dscache_operator, s3_server, s3_bucket, opted_ns):

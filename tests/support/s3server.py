@@ -36,6 +36,8 @@ class S3Server:
     port: int = 0
     #: Where versitygw keeps old versions; set: buckets may turn versioning on.
     versioning_dir: Path | None = None
+    #: Where versitygw keeps its internal IAM; set: add_user() makes users (tests of pod identity).
+    iam_dir: Path | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -54,6 +56,8 @@ class S3Server:
 
     def start(self) -> S3Server:
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.iam_dir:
+            self.iam_dir.mkdir(parents=True, exist_ok=True)
         if self.versioning_dir:
             self.versioning_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
@@ -72,6 +76,7 @@ class S3Server:
                 # Real S3 keeps connections alive; versitygw does not by default.
                 "--keep-alive",
                 "--quiet",
+                *(["--iam-dir", str(self.iam_dir)] if self.iam_dir else []),
                 "posix",
                 *(["--versioning-dir", str(self.versioning_dir)] if self.versioning_dir else []),
                 str(self.root),
@@ -101,6 +106,17 @@ class S3Server:
             aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY,
         )
+
+    def admin(self, *args: str) -> None:
+        """``versitygw admin`` against this server, as its root user (needs iam_dir)."""
+        binary = tool_bin("s3") / "versitygw"
+        root = ["-a", ACCESS_KEY, "-s", SECRET_KEY, "--er", self.endpoint]
+        subprocess.run([str(binary), "admin", *root, *args], check=True, capture_output=True, timeout=30)
+
+    def add_user(self, access: str, secret: str, owns: str) -> None:
+        """A versitygw IAM user (role user) that owns bucket ``owns``, so it may list and read it."""
+        self.admin("create-user", "-a", access, "-s", secret, "-r", "user")
+        self.admin("change-bucket-owner", "--bucket", owns, "--owner", access)
 
     def make_bucket(self, name: str, versioned: bool = False) -> None:
         self.client().create_bucket(Bucket=name)

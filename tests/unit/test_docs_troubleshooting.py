@@ -33,7 +33,11 @@ def test_every_source_check_reason_is_documented():
     # Every CheckResult(ok, "Reason", ...) the source check builds, over line breaks too.
     code = (OPERATOR / "control" / "sourcecheck.py").read_text()
     reasons = set(re.findall(r'CheckResult\(\s*(?:True|False|None)\s*,\s*"([A-Za-z]+)"', code))
-    assert {"Listed", "NotVerifiable", "SecretForbidden", "SecretNotFound", "SourceError"} <= reasons
+    # Pod identity's reasons (cluster/identity.py) become the check's reason as they are.
+    identity = (OPERATOR / "cluster" / "identity.py").read_text()
+    reasons.update(re.findall(r'IdentityError\(\s*"([A-Za-z]+)"', identity))
+    assert {"Listed", "NoIdentity", "SecretForbidden", "SecretNotFound", "SourceError"} <= reasons
+    assert {"RoleNotAnnotated", "IdentityRefused", "STSUnreachable", "ServiceAccountNotFound"} <= reasons
     section = troubleshooting()
     assert [r for r in sorted(reasons) if f"`{r}`" not in section] == []
 

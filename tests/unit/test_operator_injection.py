@@ -485,11 +485,12 @@ def test_reinjection_keeps_the_original_mode():
 
 
 def test_unpinned_cache_is_refused_with_the_reason(monkeypatch):
-    kube = _api_returns(monkeypatch, "Ready", "NotVerifiable", "pod identity")
+    kube = _api_returns(monkeypatch, "Ready", "Listed", "no revision recorded yet")
     monkeypatch.setattr(webhook, "FIRST_REVISION_WAIT", 0.3)
     with pytest.raises(kopf.AdmissionError) as e:
         run_mutate(job(), FakeIndex(), kube=kube)
     assert "no pinned revision" in str(e.value) and "secretRef" in str(e.value)
+    assert "spec.source.serviceAccountName" in str(e.value)
 
 
 def test_job_pods_keep_the_template_revision_after_a_refresh():

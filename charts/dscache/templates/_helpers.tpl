@@ -191,6 +191,10 @@ agents. What only one of them needs is in its Deployment: the agent token
   value: {{ .Values.controller.reconcileIntervalSeconds | toString | quote }}
 - name: DSCACHE_SOURCE_RETRY_INTERVAL
   value: {{ .Values.sourceCheck.retryIntervalSeconds | toString | quote }}
+- name: DSCACHE_STS_ENDPOINT
+  value: {{ .Values.podIdentity.stsEndpoint | quote }}
+- name: DSCACHE_STS_AUDIENCE
+  value: {{ .Values.podIdentity.audience | quote }}
 - name: DSCACHE_HEALTH_PORT
   value: {{ .Values.health.port | int | toString | quote }}
 - name: DSCACHE_METRICS_PORT

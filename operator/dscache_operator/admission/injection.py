@@ -24,6 +24,7 @@ Job's pod passing through the webhook again never injects twice.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import posixpath
 from typing import Any
 
@@ -59,6 +60,46 @@ INJECTED_AS = {"csi": VolumeMode.CSI, "hostPath": VolumeMode.HOST_PATH, "emptyDi
 
 class InjectionError(Exception):
     """The pod cannot get the cache; the message names the cache and the fix."""
+
+
+#: The stager's own projected ServiceAccount token (pod identity), and where it reads it.
+WEB_IDENTITY_VOLUME = "dscache-web-identity"
+WEB_IDENTITY_DIR = "/var/run/secrets/dscache.io/web-identity"
+WEB_IDENTITY_FILE = f"{WEB_IDENTITY_DIR}/token"
+#: Its lifetime; the kubelet renews a projected token at 80% of it.
+WEB_IDENTITY_SECONDS = 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class WebIdentity:
+    """What the stager of a pod-identity cache needs to be its pod (IRSA's variables, which
+    boto3 and obstore's boto3 provider read): the role of the pod's own ServiceAccount, the
+    audience of the token the kubelet projects for it, and the STS to exchange it at.
+
+    dscache mounts its own token rather than copying EKS's webhook's: that webhook injects pods,
+    not Jobs' templates, and clusters without it (or with another STS) get the same stager."""
+
+    role_arn: str
+    audience: str
+    sts_endpoint: str | None = None
+
+    def env(self) -> list[dict[str, Any]]:
+        env = [
+            {"name": "AWS_ROLE_ARN", "value": self.role_arn},
+            {"name": "AWS_WEB_IDENTITY_TOKEN_FILE", "value": WEB_IDENTITY_FILE},
+        ]
+        if self.sts_endpoint:
+            env.append({"name": "AWS_ENDPOINT_URL_STS", "value": self.sts_endpoint})
+        return env
+
+    def volume(self) -> dict[str, Any]:
+        # 0444: the stager of a CSI volume runs as NONROOT_UID and the kubelet writes the file
+        # root-owned; only the stager mounts this volume.
+        token = {"audience": self.audience, "expirationSeconds": WEB_IDENTITY_SECONDS, "path": "token"}
+        return {
+            "name": WEB_IDENTITY_VOLUME,
+            "projected": {"defaultMode": 0o444, "sources": [{"serviceAccountToken": token}]},
+        }
 
 
 def manifest_path(mount_path: str | None = None) -> str:
@@ -143,6 +184,7 @@ def init_container(
     mode: VolumeMode,
     revision: RevisionRef,
     nbytes: int | None = None,
+    web_identity: WebIdentity | None = None,
 ) -> dict[str, Any]:
     host_path = mode == VolumeMode.HOST_PATH
     on_node = mode in NODE_MODES
@@ -162,6 +204,8 @@ def init_container(
             ("AWS_SESSION_TOKEN", True),
         ):
             env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}})
+    if web_identity is not None and not secret:
+        env.extend(web_identity.env())
     if spec.source.region:
         env.append({"name": "AWS_REGION", "value": spec.source.region})
     resources = (
@@ -180,6 +224,11 @@ def init_container(
         + (
             [{"name": PEER_VOLUME_NAME, "mountPath": PEER_TOKEN_DIR, "readOnly": True}]
             if on_node and settings.peers
+            else []
+        )
+        + (
+            [{"name": WEB_IDENTITY_VOLUME, "mountPath": WEB_IDENTITY_DIR, "readOnly": True}]
+            if web_identity is not None and not secret
             else []
         ),
         "resources": resources,
@@ -285,6 +334,7 @@ def inject(
     mode: VolumeMode,
     revision: RevisionRef,
     nbytes: int | None = None,
+    web_identity: WebIdentity | None = None,
 ) -> bool:
     """Mutate ``pod_spec`` in place; return True if anything changed."""
     check_clashes(pod_spec, name, spec.mountPath)
@@ -297,11 +347,18 @@ def inject(
     if mode in NODE_MODES and settings.peers and not any(v.get("name") == PEER_VOLUME_NAME for v in volumes):
         volumes.append(peer_token_volume(name))
         changed = True
+    if (
+        web_identity is not None
+        and not spec.source.secret_name
+        and not any(v.get("name") == WEB_IDENTITY_VOLUME for v in volumes)
+    ):
+        volumes.append(web_identity.volume())
+        changed = True
 
     inits = pod_spec.setdefault("initContainers", [])
     ours = next((c for c in inits if c.get("name") == STAGER_CONTAINER_NAME), None)
     if ours is None:
-        ours = init_container(namespace, name, spec, settings, mode, revision, nbytes)
+        ours = init_container(namespace, name, spec, settings, mode, revision, nbytes, web_identity)
         inits.insert(0, ours)
         changed = True
     elif inits[0] is not ours:
@@ -352,6 +409,7 @@ def inject_object(
     mode: VolumeMode,
     revision: RevisionRef,
     nbytes: int | None = None,
+    web_identity: WebIdentity | None = None,
 ) -> bool:
     """Inject into a Job's pod template or a Pod; mutate ``obj`` in place.
 
@@ -386,6 +444,7 @@ def inject_object(
         mode=mode,
         revision=revision,
         nbytes=nbytes,
+        web_identity=web_identity,
     )
     # The pods carry the cache name (for the controller's consumer index), the
     # mode and the revision (for wipe planning per node and revision).

@@ -58,7 +58,7 @@ from ..cluster.caches import owner_pin_ref, revision_ref
 from ..context import Context, ctx_of
 from ..kube.client import ApiError
 from ..kube.informer import MultiInformer
-from . import placement, server
+from . import placement, server, webidentity
 from .injection import InjectionError, direct_owner_uid, inject_object, requested_cache
 
 #: kopf's index id: the kwarg name the startup handler receives it under.
@@ -124,12 +124,8 @@ FIRST_REVISION_WAIT = 3.0
 def _settled(view: CacheView) -> bool:
     """Enough to decide: broken or being deleted, or checked with a revision pinned."""
     checked = view.phase not in (None, Phase.PENDING)
-    # NotVerifiable: checked, but the operator cannot list the source, so no revision will come.
-    return (
-        view.phase == Phase.FAILED
-        or view.deleting
-        or (checked and (view.revision is not None or view.reason == "NotVerifiable"))
-    )
+    # A cache the operator cannot list (no identity) is Failed (NoIdentity), so it settles above.
+    return view.phase == Phase.FAILED or view.deleting or (checked and view.revision is not None)
 
 
 async def lookup(
@@ -277,8 +273,9 @@ def no_revision(namespace: str, name: str, view: CacheView) -> str:
     why = f"{view.reason}: {view.message}" if view.reason else "the source has not been listed yet"
     return (
         f"DatasetCache {namespace}/{name} has no pinned revision yet ({why}). Every pod stages the "
-        f"revision the operator pinned by listing the source, so the operator itself must be able to "
-        f"list it: set spec.source.credentials.secretRef (or give the operator an S3 identity), or "
+        f"revision the operator pinned by listing the source, so the operator must be able to list "
+        f"it: set spec.source.serviceAccountName (a ServiceAccount of {namespace} whose "
+        f"eks.amazonaws.com/role-arn may read the bucket) or spec.source.credentials.secretRef, or "
         f"retry in a few seconds if the cache was just created."
     )
 
@@ -334,6 +331,9 @@ async def mutate(
             raise kopf.AdmissionError(f"DatasetCache {namespace}/{cache_name}: {e}", code=503) from e
         if revision is None:
             raise kopf.AdmissionError(no_revision(namespace, cache_name, view), code=400)
+    web_identity, identity_notes = await webidentity.stager_identity(
+        ctx.ensure_kube, ctx.settings, namespace, raw, kind, view.spec
+    )
     try:
         changed = inject_object(
             raw,
@@ -346,6 +346,7 @@ async def mutate(
             revision=revision,
             # Its size, for the stager's request for room on its node: known for the pinned revision.
             nbytes=view.revision_bytes if view.revision is not None and revision.id == view.revision.id else None,
+            web_identity=web_identity,
         )
     except InjectionError as e:
         raise kopf.AdmissionError(str(e), code=400) from e
@@ -362,7 +363,7 @@ async def mutate(
         )
     except placement.PlacementError as e:
         raise kopf.AdmissionError(f"DatasetCache {namespace}/{cache_name}: {e}", code=400) from e
-    return changed or placed, notes
+    return changed or placed, identity_notes + notes
 
 
 def claim_cache(watched: tuple[str, ...], namespace: str, obj: dict[str, Any]) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Annotated, Any, Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 GROUP = "dscache.io"
@@ -122,12 +123,31 @@ class SecretRef(_Model):
 class Credentials(_Model):
     secretRef: SecretRef | None = Field(
         default=None,
-        description="Secret holding static S3 keys. Omit to use the pod's own "
-        "identity (IRSA, workload identity or an instance role).",
+        description="Secret holding static S3 keys. Omit for pod identity, and name the "
+        "ServiceAccount in spec.source.serviceAccountName.",
     )
 
 
+#: On a ServiceAccount: the IAM role its tokens are exchanged for (EKS IRSA's annotation).
+ROLE_ARN_ANNOTATION = "eks.amazonaws.com/role-arn"
+
+
 class Source(_Model):
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        use_enum_values=True,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.serviceAccountName) && has(self.credentials) && "
+                    "has(self.credentials.secretRef))",
+                    "message": "set either spec.source.credentials.secretRef (static keys) or "
+                    "spec.source.serviceAccountName (pod identity), not both",
+                }
+            ]
+        },
+    )
     uri: str = Field(
         description="Where the dataset lives: s3://BUCKET/PREFIX/. Everything "
         "under PREFIX is staged (after include/exclude).",
@@ -148,7 +168,20 @@ class Source(_Model):
         "client's default.",
     )
     credentials: Credentials | None = Field(
-        default=None, description="How the stager authenticates. Omit (or leave secretRef empty) for pod identity."
+        default=None,
+        description="How the stager authenticates with static keys. Omit for pod identity "
+        "(spec.source.serviceAccountName).",
+    )
+    serviceAccountName: str | None = Field(
+        default=None,
+        description="Pod identity: a ServiceAccount of the DatasetCache's namespace whose IAM role "
+        "(annotation eks.amazonaws.com/role-arn) may list and read the bucket. The operator lists the "
+        "source as that ServiceAccount (a TokenRequest, then STS AssumeRoleWithWebIdentity) to pin a "
+        "revision; the training pods' stagers use their own pods' identity. Not with "
+        "credentials.secretRef.",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
     )
     include: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
         default_factory=list,
@@ -175,6 +208,16 @@ class Source(_Model):
         if self.credentials and self.credentials.secretRef:
             return self.credentials.secretRef.name
         return None
+
+    @pydantic.model_validator(mode="after")
+    def _one_identity(self) -> Source:
+        # The CRD's CEL rule says the same to kubectl; this says it to the webhook and the tests.
+        if self.serviceAccountName and self.secret_name:
+            raise ValueError(
+                "set either spec.source.credentials.secretRef (static keys) or "
+                "spec.source.serviceAccountName (pod identity), not both"
+            )
+        return self
 
 
 class Retention(_Model):

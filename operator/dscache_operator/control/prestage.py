@@ -23,7 +23,7 @@ import dscache_contract as contract
 from dscache_contract import LABEL_CONSUMER, RevisionRef
 from dscache_contract.clock import parse_time
 
-from ..admission.injection import inject_object, stager_security_context
+from ..admission.injection import WebIdentity, inject_object, stager_security_context
 from ..api.models import (
     GROUP,
     KIND,
@@ -35,6 +35,7 @@ from ..api.models import (
     VolumeMode,
 )
 from ..cluster.caches import CacheView
+from ..cluster.identity import IdentityError
 from ..cluster.nodes import NodeInfo, schedulable_for
 from ..cluster.workloads import InitState, PodInfo
 from ..kube.client import ApiError
@@ -42,6 +43,7 @@ from ..settings import Settings
 
 if TYPE_CHECKING:
     from ..context import Context
+    from .state import ControlContext
 
 PRESTAGE_LABEL = f"{GROUP}/prestage"
 POD_PREFIX = "dscache-prestage-"
@@ -86,7 +88,10 @@ def build_pod(
     settings: Settings,
     revision: RevisionRef,
     nbytes: int | None,
+    web_identity: WebIdentity | None = None,
 ) -> dict[str, Any]:
+    """``web_identity``: a pod-identity cache's (its ServiceAccount's role): the pod runs as that
+    ServiceAccount, whose role the source check proved may read the bucket."""
     assert spec.prestage is not None
     pod: dict[str, Any] = {
         "apiVersion": "v1",
@@ -131,7 +136,10 @@ def build_pod(
         mode=settings.node_mode,
         revision=revision,
         nbytes=nbytes,
+        web_identity=web_identity,
     )
+    if web_identity is not None and spec.source.serviceAccountName:
+        pod["spec"]["serviceAccountName"] = spec.source.serviceAccountName
     # No lease once it is done: nothing on this pod reads the copy. (A CSI volume's lease
     # lasts while the pod runs, a second or so: the kubelet unpublishes a finished pod's volumes.)
     init = pod["spec"]["initContainers"][0]
@@ -146,7 +154,7 @@ def build_pod(
 
 
 async def keep(
-    ctx: Context,
+    ctx: ControlContext,
     view: CacheView,
     cache: DatasetCacheSpec,
     revision: RevisionRef,
@@ -164,6 +172,13 @@ async def keep(
     namespace, name = view.key
     key = contract.warm_label(namespace, name, revision.id)
     mine = {p.name: p for p in pods if p.name.startswith(POD_PREFIX)}
+    web_identity = None
+    if cache.source.serviceAccountName and not cache.source.secret_name:
+        try:
+            role = await ctx.sources.identities.role(kube, namespace, cache.source.serviceAccountName)
+        except IdentityError as e:
+            return PrestageStatus(wanted=len(chosen), ready=0, message=e.message[:4000]).model_dump(exclude_none=True)
+        web_identity = WebIdentity(role, ctx.settings.sts_audience, ctx.settings.sts_endpoint)
     wanted_names = set()
     ready, problems = 0, []
     for node in chosen:
@@ -174,7 +189,7 @@ async def keep(
             continue
         pod = mine.get(wanted)
         if pod is None:
-            body = build_pod(namespace, name, view.uid, node.name, cache, ctx.settings, revision, nbytes)
+            body = build_pod(namespace, name, view.uid, node.name, cache, ctx.settings, revision, nbytes, web_identity)
             try:
                 if await kube.create_pod(namespace, body) is not None:
                     logger.info(f"{namespace}/{name}: pre-staging {revision.id} onto node {node.name} (pod {wanted})")

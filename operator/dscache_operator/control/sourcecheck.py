@@ -1,12 +1,15 @@
 """Check a DatasetCache's source before any Job runs: list it, count it.
 
 The controller lists the bucket itself (boto3, in a worker thread), with the
-keys from the Secret named in the spec, or with its own identity when the
-spec names none. The outcome is either object/byte counts or one precise
-reason: NoSuchBucket, AccessDenied, EndpointUnreachable, SecretNotFound,
-SecretKeyMissing, SecretForbidden, NoObjects or SourceError. With pod identity
-(no Secret) and no S3 identity of the operator's own, the result is
-NotVerifiable: SourceReady=Unknown and the cache is usable (the stager checks).
+keys from the Secret named in the spec, as the ServiceAccount named in the spec
+(pod identity: cluster/identity.py exchanges its token at STS), or with its own
+identity when the spec names neither. The outcome is either object/byte counts
+or one precise reason: NoSuchBucket, AccessDenied, EndpointUnreachable,
+SecretNotFound, SecretKeyMissing, SecretForbidden, ServiceAccountNotFound,
+ServiceAccountForbidden, RoleNotAnnotated, IdentityRefused, STSUnreachable,
+NoObjects or SourceError. With neither and no S3 identity of the operator's own,
+the result is NoIdentity: SourceReady=False, phase Failed, and the message says
+what to add (no revision can be pinned, so no Job could be admitted).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import dscache_contract as contract
 from dscache_contract.clock import parse_time
 
 from ..api.models import DatasetCacheSpec, Phase, Source, parse_duration
+from ..cluster.identity import DEFAULT_AUDIENCE, Identities, IdentityError
 from ..kube.client import ApiError, Kube
 from ..kube.coalesce import Coalescer
 from ..metrics.registry import Metrics
@@ -34,6 +38,7 @@ from ..metrics.registry import Metrics
 KEY_ID = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
 TOKEN = "AWS_SESSION_TOKEN"
+OWN_IDENTITY = "the operator's own identity"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,19 @@ def secret_forbidden(namespace: str, name: str, operator_namespace: str) -> Chec
     )
 
 
+def no_identity() -> CheckResult:
+    """Neither a Secret nor a ServiceAccount, and the operator has no S3 identity of its own."""
+    return CheckResult(
+        False,
+        "NoIdentity",
+        "the cache names no identity to list its source with, so no revision can be pinned and no "
+        "Job can use it: add spec.source.serviceAccountName (pod identity: a ServiceAccount of this "
+        "namespace annotated eks.amazonaws.com/role-arn with a role that may list and read the "
+        "bucket) or spec.source.credentials.secretRef (a Secret with AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY).",
+    )
+
+
 def selected(rel: str, include: list[str], exclude: list[str]) -> bool:
     """The contract's include/exclude rule (the stager uses the same code)."""
     return contract.selected(rel, include, exclude)
@@ -109,15 +127,9 @@ def _classify(exc: BaseException, source: Source, identity: str) -> CheckResult:
             f"and that the operator can reach it.",
         )
     if isinstance(exc, NoCredentialsError):
-        # Pod identity (IRSA, instance role) belongs to the training pods, not to
-        # us: say so instead of refusing workloads that may well have access.
-        return CheckResult(
-            None,
-            "NotVerifiable",
-            "spec.source.credentials is empty (pod identity) and the operator has no "
-            "S3 identity of its own, so the source was not listed; the stager checks "
-            "access when a pod starts. Set a secretRef to get the check here.",
-        )
+        # Without a listing there is no revision to pin, and without one no Job can be
+        # admitted: the cache is not usable, so say so now and name the fix.
+        return no_identity()
     if isinstance(exc, ClientError):
         code = exc.response.get("Error", {}).get("Code", "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -141,7 +153,12 @@ def _classify(exc: BaseException, source: Source, identity: str) -> CheckResult:
                 False,
                 "AccessDenied",
                 f"access denied listing {source.uri} at {where} with {identity} "
-                f"({code or status}); grant s3:ListBucket and s3:GetObject, or fix the keys.",
+                f"({code or status}); grant s3:ListBucket and s3:GetObject, or fix the keys"
+                + (
+                    ", or name a ServiceAccount whose role may (spec.source.serviceAccountName)."
+                    if identity == OWN_IDENTITY
+                    else "."
+                ),
             )
         return CheckResult(False, "SourceError", f"listing {source.uri} failed: {code or status}: {exc}")
     return CheckResult(False, "SourceError", f"listing {source.uri} failed: {type(exc).__name__}: {exc}")
@@ -193,8 +210,10 @@ def _client(source: Source, creds: dict[str, str] | None, timeout: float) -> Any
         return client
 
 
-def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> CheckResult:
-    identity = "the Secret's keys" if creds else "the operator's own identity"
+def _list_sync(
+    source: Source, creds: dict[str, str] | None, timeout: float, identity: str | None = None
+) -> CheckResult:
+    identity = identity or ("the Secret's keys" if creds else OWN_IDENTITY)
     # contract.pin streams the listing page by page into the contract's hasher,
     # never holding it: memory stays flat at millions of keys, and the digest is
     # the very one the stager recomputes to prove it copies this revision. In a
@@ -225,11 +244,15 @@ def _list_sync(source: Source, creds: dict[str, str] | None, timeout: float) -> 
 
 
 async def check(
-    executor: concurrent.futures.Executor, source: Source, creds: dict[str, str] | None, timeout: float = 20.0
+    executor: concurrent.futures.Executor,
+    source: Source,
+    creds: dict[str, str] | None,
+    timeout: float = 20.0,
+    identity: str | None = None,
 ) -> CheckResult:
     """List the source in one of ``executor``'s threads (boto3 blocks)."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, _list_sync, source, creds, timeout)
+    return await loop.run_in_executor(executor, _list_sync, source, creds, timeout, identity)
 
 
 # --- the controller's glue: credentials from the spec's Secret, and when to check -------------
@@ -260,13 +283,22 @@ class SourceChecks:
     """The controller's source checks: credentials from the spec's Secret, then a listing in
     one of a few threads, shared by equal checks in flight (kube/coalesce.py)."""
 
-    def __init__(self, metrics: Metrics, operator_namespace: str, threads: int = 4) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        operator_namespace: str,
+        threads: int = 4,
+        sts_endpoint: str | None = None,
+        audience: str = DEFAULT_AUDIENCE,
+    ) -> None:
         self.metrics, self.operator_namespace = metrics, operator_namespace
         #: Secrets read in the last few seconds.
         self.secrets = SecretReads()
         #: Listings are I/O-bound; each thread costs memory (see __main__).
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sourcecheck")
         self.listings: Coalescer[CheckResult] = Coalescer()
+        #: ServiceAccounts' credentials (pod identity), renewed before they expire.
+        self.identities = Identities(self.executor, audience=audience, sts_endpoint=sts_endpoint)
 
     async def check(self, kube: Kube, namespace: str, spec: DatasetCacheSpec, not_before: float) -> CheckResult:
         """Read the spec's Secret (if any) with the operator's client, then list the source, with
@@ -285,14 +317,33 @@ class SourceChecks:
             if isinstance(got, CheckResult):
                 return got
             creds = got
+        identity = None
+        account = spec.source.serviceAccountName
+        if account:
+            try:
+                held = await self.identities.credentials(
+                    kube, namespace, account, contract.resolve_region(spec.source.region)
+                )
+            except IdentityError as e:
+                return CheckResult(False, e.reason, e.message)
+            creds = {KEY_ID: held.access_key_id, SECRET_KEY: held.secret_access_key, TOKEN: held.session_token}
+            identity = f"ServiceAccount {namespace}/{account}'s role"
         # Equal listings share one trip to S3 (coalesce.py: never one begun before not_before),
         # but only with the same credentials, Secret and namespace: a cache must never see a
         # listing made with keys it was not given.
-        key = (namespace, secret_name, _digest(creds), spec.source.model_dump_json())
+        # The key holds the ServiceAccount too, not its credentials' digest (which change at each
+        # renewal): equal listings in flight share one trip only within one identity.
+        key = (
+            namespace,
+            secret_name,
+            account,
+            None if account else _digest(creds),
+            spec.source.model_dump_json(),
+        )
 
         async def listing() -> CheckResult:
             self.metrics.source_listed()
-            return await check(self.executor, spec.source, creds)
+            return await check(self.executor, spec.source, creds, identity=identity)
 
         return await self.listings.run(key, listing, not_before)
 

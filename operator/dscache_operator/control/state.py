@@ -51,7 +51,12 @@ class ControlContext(Context):
     reconciling: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
-        self.sources = SourceChecks(self.metrics, self.settings.namespace)
+        self.sources = SourceChecks(
+            self.metrics,
+            self.settings.namespace,
+            sts_endpoint=self.settings.sts_endpoint,
+            audience=self.settings.sts_audience,
+        )
 
     def post(self, event: Event) -> None:
         """Post an Event about a cache (queued; the poster runs from the controller's start-up)."""
