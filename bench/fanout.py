@@ -71,6 +71,14 @@ phase: ``lone_s`` (median, without peers), ``lone_peers_s`` (median, with),
 link's pairs (medians): ``lone_open_mbit`` (0: unshaped), ``lone_open_s``,
 ``lone_open_peers_s``, ``lone_open_ratio``, ``lone_open_cpu_s``,
 ``lone_open_peers_cpu_s``. Needs root (netns, tc).
+
+``--nodes 4,8,16,32`` (issue 30) adds fan-out past three nodes, after the phases above:
+every simulated node in its own network namespace with its own tbf-shaped link to a shared
+bridge, a real agent and a real stager inside it, and a seeded start skew per node. The
+``fanout`` object then gains ``by_nodes`` (keyed by N: ``bucket_ratio``,
+``all_ready_over_one``, ``p99_object_s``, ``agent_cpu_s``, ...), ``small_files`` and the
+figures they rest on; see bench/fanout_scale.py and bench/netsim.py. ``--phases=`` (none)
+with ``--nodes`` runs only those.
 """
 
 from __future__ import annotations
@@ -535,7 +543,9 @@ def run_scale_phases(kube: KubeAPI, token_file: Path, work: Path, node_counts: l
         mtu=args.mtu,
     )
     _links.append(net)
-    s = fanout_scale.Scale(kube, work, stager_path(), stage_env, verify_copy, drop_page_cache, log, net, token_file)
+    s = fanout_scale.Scale(
+        kube, work, stager_path(), stage_env, verify_copy, drop_page_cache, log, net, token_file, procs=_procs
+    )
     s.up(_children)
     return fanout_scale.run_scale(s, node_counts, args, revision_of)
 

@@ -30,6 +30,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -40,7 +41,15 @@ from typing import Any
 
 import dscache_contract as contract
 from bench import netsim
-from bench.fanout_stats import birth_and_mtime, percentile, predict, propagation, ratio
+from bench.fanout_stats import (
+    access_get,
+    birth_and_mtime,
+    bucket_reads,
+    percentile,
+    predict,
+    propagation,
+    ratio,
+)
 from dscache_contract import peers
 from tests.support.kubeapi import KubeAPI
 from tests.support.nodeagent import NodeAgent, register_node
@@ -120,6 +129,9 @@ class StageRun:
     latencies: list[float] = field(default_factory=list)
     writes: list[float] = field(default_factory=list)
     loadavg: list[float] = field(default_factory=list)
+    rx_bytes: dict[str, int] = field(default_factory=dict)  # each node's veth, during the run
+    served_bytes: dict[str, float] = field(default_factory=dict)  # each agent's /metrics, during the run
+    bucket: dict[str, Any] = field(default_factory=dict)  # fanout_stats.bucket_reads, from the server's log
 
     @property
     def own_s(self) -> dict[str, float]:
@@ -145,9 +157,23 @@ class Scale:
     log: Callable[[str], None]
     net: netsim.Net
     token_file: Path
+    #: every stager started, for the bench's clean-up to kill if it ends early
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
     agents: list[NetnsAgent] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)  # rel path -> bytes, of the dataset being staged
     server: S3Server | None = None
     fwd: netsim.KubeForwarder | None = None
+
+    @property
+    def access_log(self) -> Path:
+        return (self.work / "s3-access.log").resolve()
+
+    def served(self, agents: list[NetnsAgent]) -> dict[str, float]:
+        out = {}
+        for a in agents:
+            m = re.search(r"^dscache_node_peer_served_bytes_total (\S+)$", a.metrics(), re.M)
+            out[a.node] = float(m.group(1)) if m else 0.0
+        return out
 
     def up(self, stops: list[Callable[[], None]]) -> None:
         """The namespaces, the server in its own, the forwarder and an agent per node."""
@@ -155,8 +181,14 @@ class Scale:
         assert self.net.server is not None
         self.server = S3Server(root=self.work / "s3root-scale", host=self.net.server.ip, port=S3_PORT)
         stops.append(self.server.stop)
-        with netsim.inside(self.net.server.netns):
-            self.server.start()
+        # The server's own access log says which node (by address) read which key from the bucket.
+        self.access_log.touch()
+        os.environ["VGW_ACCESS_LOG"] = str(self.access_log)
+        try:
+            with netsim.inside(self.net.server.netns):
+                self.server.start()
+        finally:
+            del os.environ["VGW_ACCESS_LOG"]
         self.fwd = netsim.KubeForwarder(self.kube.port)
         stops.append(self.fwd.close)
         for i, h in enumerate(self.net.hosts):
@@ -168,6 +200,39 @@ class Scale:
         for a in self.agents:
             a.wait_ready(timeout=180)
         self.log(f"{len(self.agents)} agents in their namespaces; links: {self.net.qdiscs()}")
+
+    def link_check(self, nbytes: int = 4 << 20) -> dict[str, float]:
+        """The same file over plain HTTP, from the server's namespace and from a peer's, to node 0:
+        both paths must carry it at the same rate (the harness favours neither)."""
+        assert self.net.server is not None and len(self.net.hosts) >= 2
+        d = self.work / "linkcheck"
+        d.mkdir(exist_ok=True)
+        (d / "blob").write_bytes(os.urandom(nbytes))
+        port = 9555
+        servers = [
+            subprocess.Popen(
+                h.argv(_python(), "-m", "http.server", str(port), "--bind", h.ip, "--directory", str(d)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for h in (self.net.server, self.net.hosts[1])
+        ]
+        try:
+            out = {}
+            for label, h in (("from_bucket_ns_mbit", self.net.server), ("from_peer_ns_mbit", self.net.hosts[1])):
+                url = f"http://{h.ip}:{port}/blob"
+                argv = self.net.hosts[0].argv(
+                    "curl", "-sS", "--retry", "20", "--retry-connrefused", "--retry-delay", "0", "-o", "/dev/null",
+                    "-w", "%{speed_download}", url,
+                )  # fmt: skip
+                bps = float(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+                out[label] = round(bps * 8 / 1e6, 2)
+            self.log(f"link check, {nbytes} B to node 0 over plain HTTP: {out}")
+            return out
+        finally:
+            for p in servers:
+                p.terminate()
+                p.wait()
 
     def upload(self, files: dict[str, bytes], bucket: str) -> None:
         """Unshaped (the upload is not measured), then every link shaped again."""
@@ -215,6 +280,9 @@ class Scale:
         self.drop_cache()
         tx0, rx0 = self.net.server.tx_bytes(), self.net.server.host_rx_bytes()
         cpu0 = {a.node: proc_cpu_s(a.proc.pid) if a.proc else 0.0 for a in agents}
+        node_rx0 = {a.node: a.host.rx_bytes() for a in agents if a.host}
+        served0 = self.served(agents)
+        log_at = self.access_log.stat().st_size
         outs: dict[str, str] = {}
         codes: dict[str, int] = {}
         t0 = time.time()
@@ -224,6 +292,7 @@ class Scale:
             with open(logs / f"{name}-{node}.log", "w") as err:
                 r.starts[node] = time.time()
                 p = subprocess.Popen(argvs[node], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+                self.procs.append(p)
             assert p.stdout is not None
             outs[node] = p.stdout.read()
             p.stdout.close()
@@ -242,6 +311,15 @@ class Scale:
         time.sleep(0.2)  # the last segments are counted
         r.bucket_bytes = self.net.server.tx_bytes() - tx0
         r.bucket_host_rx_bytes = self.net.server.host_rx_bytes() - rx0
+        r.rx_bytes = {a.node: a.host.rx_bytes() - node_rx0[a.node] for a in agents if a.host}
+        r.served_bytes = {n: v - served0[n] for n, v in self.served(agents).items()}
+        with open(self.access_log, "rb") as f:
+            f.seek(log_at)
+            lines = f.read().decode(errors="replace").splitlines()
+        gets = [g for g in map(access_get, lines) if g is not None]
+        prefix = uri.split("/", 3)[3]
+        sizes = {f"{prefix}{rel}": size for rel, size in self.sizes.items()}
+        r.bucket = bucket_reads(gets, {a.host.ip: a.node for a in agents if a.host}, sizes)
         for node, code in codes.items():
             if code != 0:
                 tail = (logs / f"{name}-{node}.log").read_text(errors="replace")[-3000:]
@@ -269,7 +347,9 @@ class Scale:
             f"{sum(int(s.get('bucket_bytes', 0)) for s in r.summaries.values()) / 1e6:.1f} MB, peers "
             f"{sum(int(s.get('peer_bytes', 0)) for s in r.summaries.values()) / 1e6:.1f} MB; p99 object "
             f"{percentile(r.latencies, 0.99):.2f}s; agents CPU {sum(r.agent_cpu_s.values()):.1f}s; "
-            f"stagers CPU {sum(r.cpu_s.values()):.1f}s; load {r.loadavg}; every byte verified"
+            f"stagers CPU {sum(r.cpu_s.values()):.1f}s; load {r.loadavg}; every byte verified; the server's log: "
+            f"{len(r.bucket.get('per_node') or {})} nodes read the bucket, {r.bucket.get('keys_read_twice_or_more')} "
+            f"keys by more than one ({r.bucket.get('extra_bytes', 0) / 1e6:.1f} MB extra)"
         )
         return r
 
@@ -287,12 +367,16 @@ def run_to_dict(r: StageRun, dataset_bytes: int) -> dict[str, Any]:
                 "peer_bytes": s.get("peer_bytes"),
                 "cpu_s": round(r.cpu_s[n], 3),
                 "agent_cpu_s": round(r.agent_cpu_s[n], 3),
+                "rx_mbit": round(r.rx_bytes.get(n, 0) * 8 / 1e6 / r.own_s[n], 2),
+                "served_bytes": int(r.served_bytes.get(n, 0)),
+                "bucket_objects_by_server_log": (r.bucket.get("per_node") or {}).get(n, {}).get("objects", 0),
             }
             for n, s in sorted(r.summaries.items())
         },
         "p50_object_s": round(percentile(r.latencies, 0.5), 3),
         "p99_write_s": round(percentile(r.writes, 0.99), 3),
         "loadavg": r.loadavg,
+        "bucket_reads": r.bucket,
     }
 
 
@@ -325,8 +409,10 @@ def run_scale(s: Scale, ns_list: list[int], args: Any, revision_of: Callable[...
     files |= make_files("ds/small", args.scale_small_count, args.scale_small_size, b"S")
     dataset_bytes = sum(len(b) for b in files.values())
     want = {k[len("ds/") :]: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+    s.sizes = {k[len("ds/") :]: len(v) for k, v in files.items()}
     s.upload(files, bucket)
     del files
+    check = s.link_check() if len(s.net.hosts) >= 2 else {}
     uri = f"s3://{bucket}/ds/"
     info = revision_of(s.server, uri)
     rev = info["revision"]
@@ -348,6 +434,7 @@ def run_scale(s: Scale, ns_list: list[int], args: Any, revision_of: Callable[...
         "scale_bucket_mbit": args.scale_bucket_mbit,
         "skew_max_s": args.skew_max_s,
         "skew_seed": args.skew_seed,
+        "link_check": check,
         "one_alone_s": round(one_s, 3),
         "one_alone_runs": [run_to_dict(r, dataset_bytes) for r in ones],
         "one_alone_bucket_ratio": ratio(ones[0].bucket_bytes, dataset_bytes),
@@ -384,6 +471,7 @@ def run_small(s: Scale, args: Any, revision_of: Callable[..., dict[str, Any]]) -
     files = make_files("sf", args.small_files, args.small_files_size, b"F")
     nbytes = sum(len(b) for b in files.values())
     want = {k[len("sf/") :]: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+    s.sizes = {k[len("sf/") :]: len(v) for k, v in files.items()}
     t = time.time()
     s.upload(files, bucket)
     del files

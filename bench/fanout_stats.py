@@ -17,6 +17,7 @@ import ctypes
 import math
 import os
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 AT_FDCWD = -100
 STATX_MTIME = 0x40
@@ -77,3 +78,47 @@ def predict(by_nodes: Mapping[int, Mapping[str, float]], key: str, at: int) -> f
     y1, y2 = by_nodes[n1][key], by_nodes[n2][key]
     slope = (y2 - y1) / (math.log2(n2) - math.log2(n1))
     return round(y2 + slope * (math.log2(at) - math.log2(n2)), 3)
+
+
+def access_get(line: str) -> tuple[str, str] | None:
+    """(client IP, key) of a GetObject line of versitygw's access log (S3's server access log
+    format: owner, bucket, [time], remote IP, requester, request id, operation, key, ...)."""
+    head, sep, rest = line.partition("] ")
+    if not sep or "[" not in head:
+        return None
+    fields = rest.split(" ")
+    if len(fields) < 5 or fields[3] != "s3_GetObject":
+        return None
+    return fields[0], fields[4]
+
+
+def bucket_reads(
+    gets: Iterable[tuple[str, str]], node_of_ip: Mapping[str, str], sizes: Mapping[str, int]
+) -> dict[str, Any]:
+    """Who read what from the bucket, from the server's own log: per node the keys and bytes it
+    read, and the keys more than one node read (each extra read is bytes the bucket sent twice)."""
+    readers: dict[str, set[str]] = {}
+    for ip, key in gets:
+        readers.setdefault(key, set()).add(node_of_ip.get(ip, ip))
+    per_node: dict[str, dict[str, int]] = {}
+    for key, nodes in readers.items():
+        for n in nodes:
+            d = per_node.setdefault(n, {"objects": 0, "bytes": 0})
+            d["objects"] += 1
+            d["bytes"] += sizes.get(key, 0)
+    dup = {k: sorted(v) for k, v in readers.items() if len(v) > 1}
+    return {
+        "keys_read": len(readers),
+        "per_node": dict(sorted(per_node.items())),
+        "keys_read_twice_or_more": len(dup),
+        "extra_bytes": sum(sizes.get(k, 0) * (len(v) - 1) for k, v in dup.items()),
+        "extra_reads_by_pair": _pairs(dup),
+    }
+
+
+def _pairs(dup: Mapping[str, list[str]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for nodes in dup.values():
+        key = "+".join(nodes)
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:10])

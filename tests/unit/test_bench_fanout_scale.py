@@ -97,3 +97,29 @@ def test_names_fit_an_interface_name() -> None:
     assert len(net.bridge) <= 15
     assert len(f"{netsim.PREFIX}{net.tag}n199") <= 15
     assert net.subnet.startswith("10.232.")
+
+
+GET = (
+    "dscache-test bkt [26/November/2026:20:55:20 +0000] 10.232.23.11 dscache-test DDO0RV5TALDSM809 "
+    "s3_GetObject ds/small/d01/f000001.bin /bkt/ds/small/d01/f000001.bin 200 - 0 0 0 0 - Boto3/1.44.5 - x SigV4"
+)
+
+
+def test_access_get_reads_ip_and_key_of_gets_only() -> None:
+    assert stats.access_get(GET) == ("10.232.23.11", "ds/small/d01/f000001.bin")
+    assert stats.access_get(GET.replace("s3_GetObject", "s3_ListObjectsV2")) is None
+    assert stats.access_get("AuthHeader s3.us-east-1.amazonaws.com - arn:aws:s3:::/bkt Yes") is None
+    assert stats.access_get("") is None
+
+
+def test_bucket_reads_finds_keys_read_twice() -> None:
+    gets = [("ip-a", "k1"), ("ip-b", "k1"), ("ip-a", "k2"), ("ip-a", "k2"), ("ip-c", "k3")]
+    out = stats.bucket_reads(gets, {"ip-a": "a", "ip-b": "b"}, {"k1": 10, "k2": 20, "k3": 5})
+    assert out["per_node"] == {
+        "a": {"objects": 2, "bytes": 30},
+        "b": {"objects": 1, "bytes": 10},
+        "ip-c": {"objects": 1, "bytes": 5},
+    }
+    assert out["keys_read_twice_or_more"] == 1  # k2 twice by the same node is one reader (a ranged GET, a retry)
+    assert out["extra_bytes"] == 10
+    assert out["extra_reads_by_pair"] == {"a+b": 1}
