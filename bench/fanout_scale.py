@@ -129,6 +129,7 @@ class StageRun:
     latencies: list[float] = field(default_factory=list)
     writes: list[float] = field(default_factory=list)
     loadavg: list[float] = field(default_factory=list)
+    objects: int = 0  # in the dataset
     rx_bytes: dict[str, int] = field(default_factory=dict)  # each node's veth, during the run
     served_bytes: dict[str, float] = field(default_factory=dict)  # each agent's /metrics, during the run
     bucket: dict[str, Any] = field(default_factory=dict)  # fanout_stats.bucket_reads, from the server's log
@@ -262,6 +263,7 @@ class Scale:
         logs = self.work / "logs"
         logs.mkdir(exist_ok=True)
         r = StageRun(name, [a.node for a in agents], {a.node: s for a, s in zip(agents, skew, strict=True)})
+        r.objects = len(want)
         argvs: dict[str, list[str]] = {}
         for a in agents:
             assert a.host is not None
@@ -392,6 +394,13 @@ def by_n_entry(r: StageRun, one_s: float, dataset_bytes: int) -> dict[str, Any]:
         "stager_bucket_bytes": sum(int(s.get("bucket_bytes", 0)) for s in r.summaries.values()),
         "peer_bytes": sum(int(s.get("peer_bytes", 0)) for s in r.summaries.values()),
         "nodes_reading_bucket": sum(1 for s in r.summaries.values() if int(s.get("bucket_bytes", 0)) > 0),
+        # Where the load went: the nodes that served peers, the busiest one's bytes, and the nodes
+        # the server's log saw read every object (each is a whole extra copy from the bucket).
+        "serving_nodes": sum(1 for v in r.served_bytes.values() if v > 0),
+        "top_served_bytes": int(max(r.served_bytes.values(), default=0)),
+        "whole_dataset_readers": sorted(
+            n for n, d in (r.bucket.get("per_node") or {}).items() if d.get("objects") == r.objects
+        ),
         "run": run_to_dict(r, dataset_bytes),
     }
 
