@@ -48,6 +48,11 @@ PROGRESS_S = 0.5
 #: before issue 30, instead of an unnamed file (O_TMPFILE) linked into its directory.
 TMPFILE_ENV = "DSCACHE_NATIVE_TMPFILE"
 
+#: "0": small objects' files are written and placed on the runtime's worker threads, between
+#: their GETs, as before issue 30's second round, instead of on tokio's blocking threads
+#: (native/src/copy.rs, place_body). bench/stager.py can measure both (dscache_inline).
+OFFLOAD_ENV = "DSCACHE_NATIVE_OFFLOAD"
+
 #: (key, final path, ETag, versionId, listed size) as dscache_native.Copier.fetch takes them.
 Item = tuple[str, str, str, str | None, int]
 
@@ -113,7 +118,9 @@ class NativeFetcher:
             splice=(source.endpoint_url or "").startswith("http://") if splice is None else splice,
             # Small objects into unnamed files (O_TMPFILE) linked into place; "0": temp + rename
             # in tmp/ (bench/stager.py measures both).
-            tmpfile=os.environ.get(TMPFILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
+            tmpfile=_on(TMPFILE_ENV),
+            # File creation off the workers that carry the GETs (copy.rs, place_body).
+            offload=_on(OFFLOAD_ENV),
         )
         self.workers: int = self.copier.workers
         self.reported = 0  # large parts' bytes handed to on_bytes so far
@@ -163,6 +170,11 @@ class NativeFetcher:
         self.closed = True
         self.copier.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _on(env: str) -> bool:
+    """A switch that is on unless ``env`` says 0/false/no/off."""
+    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _exception(kind: str, errno: int, message: str, key: str) -> BaseException:

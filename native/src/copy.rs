@@ -56,6 +56,12 @@ pub struct Shared {
     pub timeout: Duration,
     /// Small objects into unnamed files linked into place (write_unnamed), not temp + rename.
     pub tmpfile: bool,
+    /// Small objects' files written and placed on tokio's blocking threads, not on the
+    /// runtime's workers (see ``place_body``).
+    pub offload: bool,
+    /// Writes of small objects running on blocking threads at once: a few, so files are
+    /// not created by hundreds of threads in the same directories (their locks).
+    pub writers: Semaphore,
 }
 
 /// Why an object failed, in the terms fetch.py's callers understand.
@@ -116,13 +122,30 @@ pub fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
 pub type Outcome = (Vec<(usize, u64, String)>, Option<(Failure, String)>);
 
 /// A batch's results, filled in by its objects' tasks as they end.
+///
+/// The batch is answered when the last reference to its Gather goes: every object's
+/// Slot, and every file write still running on a blocking thread (``place_body``), which
+/// holds one too. So a cancelled batch answers only once no thread of it can still
+/// create or link a file: NativeFetcher.close relies on that before the revision is removed.
 struct Gather {
     keys: Vec<String>,
     done: Vec<(usize, u64, String)>,
     failure: Option<(Failure, String)>,
-    left: usize,
     reply: Option<tokio::sync::oneshot::Sender<Outcome>>,
 }
+
+impl Drop for Gather {
+    fn drop(&mut self) {
+        let out = (std::mem::take(&mut self.done), self.failure.take());
+        if let Some(reply) = self.reply.take() {
+            let _ = reply.send(out);
+        }
+    }
+}
+
+/// What a write on a blocking thread holds: its batch's Gather, so the batch is not
+/// answered before the write has ended.
+type Hold = Arc<std::sync::Mutex<Gather>>;
 
 /// One object's slot in its batch. Its Drop records the result, so a task
 /// that panics or is dropped (the runtime shutting down) still counts, and
@@ -156,13 +179,6 @@ impl Drop for Slot {
                 }
             }
         }
-        g.left -= 1;
-        if g.left == 0 {
-            let out = (std::mem::take(&mut g.done), g.failure.take());
-            if let Some(reply) = g.reply.take() {
-                let _ = reply.send(out);
-            }
-        }
     }
 }
 
@@ -183,7 +199,6 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
         keys,
         done: Vec::with_capacity(n),
         failure: None,
-        left: n,
         reply: Some(reply),
     }));
     for (index, item) in items.into_iter().enumerate() {
@@ -194,7 +209,7 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
             let result = tokio::select! {
                 biased;
                 _ = stop.cancelled() => Err(Failure::Cancelled),
-                r = object(&shared, &tmp_dir, &item) => r,
+                r = object(&shared, &tmp_dir, &item, &slot.gather) => r,
             };
             slot.result = Some(result);
             drop(slot); // records the result (Slot's Drop)
@@ -202,7 +217,7 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
     }
 }
 
-async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, String), Failure> {
+async fn object(shared: &Shared, tmp_dir: &str, item: &Item, hold: &Hold) -> Result<(u64, String), Failure> {
     let (key, dest, etag, version, size) = item;
     // Held until the body is written (also across retries): what bounds memory.
     let units = size.div_ceil(BUFFER_UNIT).clamp(1, u64::from(shared.buffer_units)) as u32;
@@ -211,7 +226,7 @@ async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, Str
         Path::parse(key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
     let mut attempt = 1;
     loop {
-        match once(shared, tmp_dir, &path, dest, etag, version).await {
+        match once(shared, tmp_dir, &path, dest, etag, version, hold).await {
             Ok(got) => return Ok(got),
             Err(f) if f.fatal() || attempt >= shared.attempts => return Err(f),
             Err(_) => {
@@ -231,6 +246,7 @@ async fn once(
     dest: &str,
     etag: &str,
     version: &Option<String>,
+    hold: &Hold,
 ) -> Result<(u64, String), Failure> {
     let options = GetOptions {
         // If-Match pins the bytes to the listed revision (fetch._pinned).
@@ -244,19 +260,49 @@ async fn once(
         let got_etag = result.meta.e_tag.clone().unwrap_or_default();
         (result.bytes().await.map_err(store_failure)?, got_etag)
     };
-    // From here on nothing awaits: a cancelled task is dropped either before
-    // its temp file exists or after its rename, never between.
-    if shared.tmpfile {
-        match write_unnamed(dest, &body) {
-            Ok(()) => return Ok((body.len() as u64, got_etag.trim_matches('"').to_string())),
+    let got_etag = got_etag.trim_matches('"').to_string();
+    let size = body.len() as u64;
+    if !shared.offload {
+        // Nothing awaits from here on: a cancelled task is dropped either before
+        // its temp file exists or after its rename, never between.
+        let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        place_body(shared.tmpfile, tmp_dir, shared.pid, seq, dest, &body)?;
+        return Ok((size, got_etag));
+    }
+    // On a blocking thread, so a file creation that waits on the disk (a busy disk, inode
+    // tables read back after the page cache was dropped, a directory's lock) never holds a
+    // runtime worker, and with it the GETs and bodies of every other object. The write runs
+    // to its end even if this task is cancelled meanwhile; ``hold`` keeps the batch
+    // unanswered until then (Gather).
+    let (tmpfile, tmp_dir, pid, dest, hold) =
+        (shared.tmpfile, tmp_dir.to_string(), shared.pid, dest.to_string(), hold.clone());
+    let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
+    // Held while the write runs (released early only if this task is cancelled meanwhile).
+    let _writer = shared.writers.acquire().await.expect("the writers semaphore is never closed");
+    tokio::task::spawn_blocking(move || {
+        let _hold = hold;
+        place_body(tmpfile, &tmp_dir, pid, seq, &dest, &body)
+    })
+    .await
+    .map_err(|e| Failure::Store { kind: "generic", message: format!("a write's thread failed: {e}") })??;
+    Ok((size, got_etag))
+}
+
+/// The body into place under ``dest``, whole or not at all: an unnamed file linked into
+/// place, or (``tmpfile`` off, or a filesystem without O_TMPFILE) a temp file in
+/// ``tmp_dir`` renamed over it.
+/// ``seq`` names the temp file (unique within the copier).
+fn place_body(tmpfile: bool, tmp_dir: &str, pid: u32, seq: u64, dest: &str, body: &[u8]) -> Result<(), Failure> {
+    if tmpfile {
+        match write_unnamed(dest, body) {
+            Ok(()) => return Ok(()),
             // A filesystem without O_TMPFILE: the named temp file below.
             Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)) => {}
             Err(e) => return Err(os_failure(e, "placing", dest)),
         }
     }
-    let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
-    let tmp = format!("{tmp_dir}/{}-n{seq}", shared.pid);
-    if let Err(e) = write_new(&tmp, &body) {
+    let tmp = format!("{tmp_dir}/{pid}-n{seq}");
+    if let Err(e) = write_new(&tmp, body) {
         let _ = fs::remove_file(&tmp);
         return Err(os_failure(e, "writing", &tmp));
     }
@@ -264,7 +310,7 @@ async fn once(
         let _ = fs::remove_file(&tmp);
         return Err(os_failure(e, "placing", dest));
     }
-    Ok((body.len() as u64, got_etag.trim_matches('"').to_string()))
+    Ok(())
 }
 
 /// The body into an unnamed file (O_TMPFILE) in ``dest``'s own directory, then linked
