@@ -72,8 +72,8 @@ DSCACHE_TOOLS = ("dscache", "dscache_python")
 # Opt-in variants of the native plane, named as peers (--peers s5cmd,dscache_rename):
 # "dscache_rename" places small objects by temp file + rename in tmp/, as before issue 30
 # (DSCACHE_NATIVE_TMPFILE=0), for a same-run comparison with what ships.
-# "dscache_inline" writes small objects' files on the runtime's workers, between their GETs,
-# as before issue 30's second round (DSCACHE_NATIVE_OFFLOAD=0), instead of on blocking threads.
+# "dscache_inline" writes small objects' files holding the runtime's worker, as before issue 30's
+# second round (DSCACHE_NATIVE_OFFLOAD=0), instead of with the worker handed over (block_in_place).
 DSCACHE_VARIANTS = ("dscache_rename", "dscache_inline")
 STAGED = (*DSCACHE_TOOLS, *DSCACHE_VARIANTS)
 

@@ -9,12 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import prefetch
-
-# First, before the imports below load them: read the Rust extensions' shared objects ahead (prefetch.py).
-prefetch.start()
-
-from dscache_contract import (  # noqa: E402 (after the prefetch starts)
+from dscache_contract import (
     ENV_POD_UID,
     TERMINATION_LOG,
     ArgsError,
@@ -26,9 +21,9 @@ from dscache_contract import (  # noqa: E402 (after the prefetch starts)
     build_parser,
 )
 
-from .errors import StageError, UsageError  # noqa: E402
-from .progress import Progress  # noqa: E402
-from .source import S3Source  # noqa: E402
+from .errors import StageError, UsageError
+from .progress import Progress
+from .source import S3Source
 
 T = TypeVar("T")
 

@@ -17,6 +17,14 @@ presigned URL on a plain-HTTP endpoint, else streamed and written with
 pwritev), then renamed; a failed or short part is tried again on its own. fetch.py's ranged
 parts (splice on plain HTTP) stay the fallback when the extension is absent.
 
+A small object's file is created, written and linked with its worker thread handed
+over (tokio's block_in_place: the runtime moves the worker's other tasks to another
+thread meanwhile; at most twice the workers such writes at once), so a file creation
+that waits on the disk (inode tables read back, a busy disk, a directory's lock) holds
+back no other object's GET or body. DSCACHE_NATIVE_OFFLOAD=0 writes as before, holding
+the worker (bench/stager.py's dscache_inline). Either way nothing awaits between the
+write and the link: a cancelled object leaves no file, or a whole one.
+
 The extension is optional: when it is not installed (a venv without cargo),
 or DSCACHE_NATIVE=0, the stager runs fetch.py's path, which stays the
 reference: the test suite runs against both.
@@ -48,9 +56,9 @@ PROGRESS_S = 0.5
 #: before issue 30, instead of an unnamed file (O_TMPFILE) linked into its directory.
 TMPFILE_ENV = "DSCACHE_NATIVE_TMPFILE"
 
-#: "0": small objects' files are written and placed on the runtime's worker threads, between
-#: their GETs, as before issue 30's second round, instead of on tokio's blocking threads
-#: (native/src/copy.rs, place_body). bench/stager.py can measure both (dscache_inline).
+#: "0": small objects' files are written and placed holding the runtime's worker, as before issue
+#: 30's second round, instead of with the worker handed over (block_in_place; native/src/copy.rs,
+#: ``once``). bench/stager.py measures both (dscache_inline).
 OFFLOAD_ENV = "DSCACHE_NATIVE_OFFLOAD"
 
 #: (key, final path, ETag, versionId, listed size) as dscache_native.Copier.fetch takes them.

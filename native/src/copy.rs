@@ -56,11 +56,11 @@ pub struct Shared {
     pub timeout: Duration,
     /// Small objects into unnamed files linked into place (write_unnamed), not temp + rename.
     pub tmpfile: bool,
-    /// Small objects' files written and placed on tokio's blocking threads, not on the
-    /// runtime's workers (see ``place_body``).
+    /// Small objects' files written with the worker handed over to the runtime's other tasks
+    /// meanwhile (block_in_place), not while it holds them up (see ``once``).
     pub offload: bool,
-    /// Writes of small objects running on blocking threads at once: a few, so files are
-    /// not created by hundreds of threads in the same directories (their locks).
+    /// Such writes at once: a few, so files are not created by many threads in the same
+    /// directories (their locks).
     pub writers: Semaphore,
 }
 
@@ -122,30 +122,13 @@ pub fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
 pub type Outcome = (Vec<(usize, u64, String)>, Option<(Failure, String)>);
 
 /// A batch's results, filled in by its objects' tasks as they end.
-///
-/// The batch is answered when the last reference to its Gather goes: every object's
-/// Slot, and every file write still running on a blocking thread (``place_body``), which
-/// holds one too. So a cancelled batch answers only once no thread of it can still
-/// create or link a file: NativeFetcher.close relies on that before the revision is removed.
 struct Gather {
     keys: Vec<String>,
     done: Vec<(usize, u64, String)>,
     failure: Option<(Failure, String)>,
+    left: usize,
     reply: Option<tokio::sync::oneshot::Sender<Outcome>>,
 }
-
-impl Drop for Gather {
-    fn drop(&mut self) {
-        let out = (std::mem::take(&mut self.done), self.failure.take());
-        if let Some(reply) = self.reply.take() {
-            let _ = reply.send(out);
-        }
-    }
-}
-
-/// What a write on a blocking thread holds: its batch's Gather, so the batch is not
-/// answered before the write has ended.
-type Hold = Arc<std::sync::Mutex<Gather>>;
 
 /// One object's slot in its batch. Its Drop records the result, so a task
 /// that panics or is dropped (the runtime shutting down) still counts, and
@@ -179,6 +162,13 @@ impl Drop for Slot {
                 }
             }
         }
+        g.left -= 1;
+        if g.left == 0 {
+            let out = (std::mem::take(&mut g.done), g.failure.take());
+            if let Some(reply) = g.reply.take() {
+                let _ = reply.send(out);
+            }
+        }
     }
 }
 
@@ -199,6 +189,7 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
         keys,
         done: Vec::with_capacity(n),
         failure: None,
+        left: n,
         reply: Some(reply),
     }));
     for (index, item) in items.into_iter().enumerate() {
@@ -209,7 +200,7 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
             let result = tokio::select! {
                 biased;
                 _ = stop.cancelled() => Err(Failure::Cancelled),
-                r = object(&shared, &tmp_dir, &item, &slot.gather) => r,
+                r = object(&shared, &tmp_dir, &item) => r,
             };
             slot.result = Some(result);
             drop(slot); // records the result (Slot's Drop)
@@ -217,7 +208,7 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
     }
 }
 
-async fn object(shared: &Shared, tmp_dir: &str, item: &Item, hold: &Hold) -> Result<(u64, String), Failure> {
+async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, String), Failure> {
     let (key, dest, etag, version, size) = item;
     // Held until the body is written (also across retries): what bounds memory.
     let units = size.div_ceil(BUFFER_UNIT).clamp(1, u64::from(shared.buffer_units)) as u32;
@@ -226,7 +217,7 @@ async fn object(shared: &Shared, tmp_dir: &str, item: &Item, hold: &Hold) -> Res
         Path::parse(key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
     let mut attempt = 1;
     loop {
-        match once(shared, tmp_dir, &path, dest, etag, version, hold).await {
+        match once(shared, tmp_dir, &path, dest, etag, version).await {
             Ok(got) => return Ok(got),
             Err(f) if f.fatal() || attempt >= shared.attempts => return Err(f),
             Err(_) => {
@@ -246,7 +237,6 @@ async fn once(
     dest: &str,
     etag: &str,
     version: &Option<String>,
-    hold: &Hold,
 ) -> Result<(u64, String), Failure> {
     let options = GetOptions {
         // If-Match pins the bytes to the listed revision (fetch._pinned).
@@ -269,29 +259,20 @@ async fn once(
         place_body(shared.tmpfile, tmp_dir, shared.pid, seq, dest, &body)?;
         return Ok((size, got_etag));
     }
-    // On a blocking thread, so a file creation that waits on the disk (a busy disk, inode
-    // tables read back after the page cache was dropped, a directory's lock) never holds a
-    // runtime worker, and with it the GETs and bodies of every other object. The write runs
-    // to its end even if this task is cancelled meanwhile; ``hold`` keeps the batch
-    // unanswered until then (Gather).
-    let (tmpfile, tmp_dir, pid, dest, hold) =
-        (shared.tmpfile, tmp_dir.to_string(), shared.pid, dest.to_string(), hold.clone());
+    // block_in_place: this worker becomes a blocking thread for the write, and the runtime
+    // hands its other tasks to another thread meanwhile, so a file creation that waits on the
+    // disk (inode tables read back, a busy disk, a directory's lock) holds back no other
+    // object's GET or body. Still nothing awaits between the write and the link: a cancelled
+    // task is dropped before its file exists or after it is in place, as inline.
     let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
-    // Held while the write runs (released early only if this task is cancelled meanwhile).
     let _writer = shared.writers.acquire().await.expect("the writers semaphore is never closed");
-    tokio::task::spawn_blocking(move || {
-        let _hold = hold;
-        place_body(tmpfile, &tmp_dir, pid, seq, &dest, &body)
-    })
-    .await
-    .map_err(|e| Failure::Store { kind: "generic", message: format!("a write's thread failed: {e}") })??;
+    tokio::task::block_in_place(|| place_body(shared.tmpfile, tmp_dir, shared.pid, seq, dest, &body))?;
     Ok((size, got_etag))
 }
 
 /// The body into place under ``dest``, whole or not at all: an unnamed file linked into
 /// place, or (``tmpfile`` off, or a filesystem without O_TMPFILE) a temp file in
-/// ``tmp_dir`` renamed over it.
-/// ``seq`` names the temp file (unique within the copier).
+/// ``tmp_dir`` renamed over it, named by ``seq`` (unique within the copier).
 fn place_body(tmpfile: bool, tmp_dir: &str, pid: u32, seq: u64, dest: &str, body: &[u8]) -> Result<(), Failure> {
     if tmpfile {
         match write_unnamed(dest, body) {
