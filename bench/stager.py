@@ -72,9 +72,7 @@ DSCACHE_TOOLS = ("dscache", "dscache_python")
 # Opt-in variants of the native plane, named as peers (--peers s5cmd,dscache_rename):
 # "dscache_rename" places small objects by temp file + rename in tmp/, as before issue 30
 # (DSCACHE_NATIVE_TMPFILE=0), for a same-run comparison with what ships.
-# "dscache_inline" writes small objects' files holding the runtime's worker, as before issue 30's
-# second round (DSCACHE_NATIVE_OFFLOAD=0), instead of with the worker handed over (block_in_place).
-DSCACHE_VARIANTS = ("dscache_rename", "dscache_inline")
+DSCACHE_VARIANTS = ("dscache_rename",)
 STAGED = (*DSCACHE_TOOLS, *DSCACHE_VARIANTS)
 
 
@@ -90,8 +88,6 @@ def tool_env(tool: str, env: dict[str, str], workers: int | None = None) -> dict
         return {**env, "DSCACHE_NATIVE": "0"}
     if tool == "dscache_rename":
         return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_NATIVE_TMPFILE": "0"}
-    if tool == "dscache_inline":
-        return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_NATIVE_OFFLOAD": "0"}
     if tool in ("dscache", "warm"):
         out = {**env, "DSCACHE_NATIVE": "1"}
         if workers:

@@ -30,7 +30,6 @@ class Copier:
         parts: int = 16,
         splice: bool = False,
         tmpfile: bool = True,
-        offload: bool = True,
     ) -> None: ...
     @property
     def workers(self) -> int: ...

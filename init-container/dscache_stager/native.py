@@ -17,13 +17,14 @@ presigned URL on a plain-HTTP endpoint, else streamed and written with
 pwritev), then renamed; a failed or short part is tried again on its own. fetch.py's ranged
 parts (splice on plain HTTP) stay the fallback when the extension is absent.
 
-A small object's file is created, written and linked with its worker thread handed
-over (tokio's block_in_place: the runtime moves the worker's other tasks to another
-thread meanwhile; at most twice the workers such writes at once), so a file creation
-that waits on the disk (inode tables read back, a busy disk, a directory's lock) holds
-back no other object's GET or body. DSCACHE_NATIVE_OFFLOAD=0 writes as before, holding
-the worker (bench/stager.py's dscache_inline). Either way nothing awaits between the
-write and the link: a cancelled object leaves no file, or a whole one.
+Small objects' files are written on the runtime's workers, between their GETs.
+Handing the write off measured no faster and cost CPU (issue 30's second round,
+3,000-5,000 x 64 KiB, bench/stager.py in the same run): on tokio's blocking
+threads (spawn_blocking, at most twice the workers at once) 2.95 s against
+3.16 s inline at 249 against 205 ms of CPU per 1,000 objects; with the worker
+handed over (block_in_place) 2.78 against 2.79 s at 283 against 196 ms. On
+these 2 shared cores the client's and the server's CPU is the bound, so the
+writes stay inline.
 
 The extension is optional: when it is not installed (a venv without cargo),
 or DSCACHE_NATIVE=0, the stager runs fetch.py's path, which stays the
@@ -55,11 +56,6 @@ PROGRESS_S = 0.5
 #: "0": small objects are written to a named temp file in tmp/ and renamed into place, as
 #: before issue 30, instead of an unnamed file (O_TMPFILE) linked into its directory.
 TMPFILE_ENV = "DSCACHE_NATIVE_TMPFILE"
-
-#: "0": small objects' files are written and placed holding the runtime's worker, as before issue
-#: 30's second round, instead of with the worker handed over (block_in_place; native/src/copy.rs,
-#: ``once``). bench/stager.py measures both (dscache_inline).
-OFFLOAD_ENV = "DSCACHE_NATIVE_OFFLOAD"
 
 #: (key, final path, ETag, versionId, listed size) as dscache_native.Copier.fetch takes them.
 Item = tuple[str, str, str, str | None, int]
@@ -126,9 +122,7 @@ class NativeFetcher:
             splice=(source.endpoint_url or "").startswith("http://") if splice is None else splice,
             # Small objects into unnamed files (O_TMPFILE) linked into place; "0": temp + rename
             # in tmp/ (bench/stager.py measures both).
-            tmpfile=_on(TMPFILE_ENV),
-            # File creation off the workers that carry the GETs (copy.rs, place_body).
-            offload=_on(OFFLOAD_ENV),
+            tmpfile=os.environ.get(TMPFILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
         )
         self.workers: int = self.copier.workers
         self.reported = 0  # large parts' bytes handed to on_bytes so far
@@ -178,11 +172,6 @@ class NativeFetcher:
         self.closed = True
         self.copier.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _on(env: str) -> bool:
-    """A switch that is on unless ``env`` says 0/false/no/off."""
-    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _exception(kind: str, errno: int, message: str, key: str) -> BaseException:

@@ -56,12 +56,6 @@ pub struct Shared {
     pub timeout: Duration,
     /// Small objects into unnamed files linked into place (write_unnamed), not temp + rename.
     pub tmpfile: bool,
-    /// Small objects' files written with the worker handed over to the runtime's other tasks
-    /// meanwhile (block_in_place), not while it holds them up (see ``once``).
-    pub offload: bool,
-    /// Such writes at once: a few, so files are not created by many threads in the same
-    /// directories (their locks).
-    pub writers: Semaphore,
 }
 
 /// Why an object failed, in the terms fetch.py's callers understand.
@@ -250,40 +244,19 @@ async fn once(
         let got_etag = result.meta.e_tag.clone().unwrap_or_default();
         (result.bytes().await.map_err(store_failure)?, got_etag)
     };
-    let got_etag = got_etag.trim_matches('"').to_string();
-    let size = body.len() as u64;
-    if !shared.offload {
-        // Nothing awaits from here on: a cancelled task is dropped either before
-        // its temp file exists or after its rename, never between.
-        let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        place_body(shared.tmpfile, tmp_dir, shared.pid, seq, dest, &body)?;
-        return Ok((size, got_etag));
-    }
-    // block_in_place: this worker becomes a blocking thread for the write, and the runtime
-    // hands its other tasks to another thread meanwhile, so a file creation that waits on the
-    // disk (inode tables read back, a busy disk, a directory's lock) holds back no other
-    // object's GET or body. Still nothing awaits between the write and the link: a cancelled
-    // task is dropped before its file exists or after it is in place, as inline.
-    let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
-    let _writer = shared.writers.acquire().await.expect("the writers semaphore is never closed");
-    tokio::task::block_in_place(|| place_body(shared.tmpfile, tmp_dir, shared.pid, seq, dest, &body))?;
-    Ok((size, got_etag))
-}
-
-/// The body into place under ``dest``, whole or not at all: an unnamed file linked into
-/// place, or (``tmpfile`` off, or a filesystem without O_TMPFILE) a temp file in
-/// ``tmp_dir`` renamed over it, named by ``seq`` (unique within the copier).
-fn place_body(tmpfile: bool, tmp_dir: &str, pid: u32, seq: u64, dest: &str, body: &[u8]) -> Result<(), Failure> {
-    if tmpfile {
-        match write_unnamed(dest, body) {
-            Ok(()) => return Ok(()),
+    // From here on nothing awaits: a cancelled task is dropped either before
+    // its temp file exists or after its rename, never between.
+    if shared.tmpfile {
+        match write_unnamed(dest, &body) {
+            Ok(()) => return Ok((body.len() as u64, got_etag.trim_matches('"').to_string())),
             // A filesystem without O_TMPFILE: the named temp file below.
             Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)) => {}
             Err(e) => return Err(os_failure(e, "placing", dest)),
         }
     }
-    let tmp = format!("{tmp_dir}/{pid}-n{seq}");
-    if let Err(e) = write_new(&tmp, body) {
+    let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
+    let tmp = format!("{tmp_dir}/{}-n{seq}", shared.pid);
+    if let Err(e) = write_new(&tmp, &body) {
         let _ = fs::remove_file(&tmp);
         return Err(os_failure(e, "writing", &tmp));
     }
@@ -291,7 +264,7 @@ fn place_body(tmpfile: bool, tmp_dir: &str, pid: u32, seq: u64, dest: &str, body
         let _ = fs::remove_file(&tmp);
         return Err(os_failure(e, "placing", dest));
     }
-    Ok(())
+    Ok((body.len() as u64, got_etag.trim_matches('"').to_string()))
 }
 
 /// The body into an unnamed file (O_TMPFILE) in ``dest``'s own directory, then linked

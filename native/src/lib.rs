@@ -52,8 +52,7 @@ impl Copier {
     #[new]
     #[pyo3(signature = (bucket, config, *, access_key_id=None, secret_access_key=None, session_token=None,
                         skip_signature=false, credential_provider=None, workers=1, concurrency=64,
-                        buffer_bytes=64 << 20, attempts=5, parts=16, splice=false, tmpfile=true,
-                        offload=true))]
+                        buffer_bytes=64 << 20, attempts=5, parts=16, splice=false, tmpfile=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bucket: &str,
@@ -70,7 +69,6 @@ impl Copier {
         parts: usize,
         splice: bool,
         tmpfile: bool,
-        offload: bool,
     ) -> PyResult<Self> {
         let timeout = std::time::Duration::from_millis(
             config.get("timeout_ms").and_then(|t| t.parse().ok()).unwrap_or(60_000),
@@ -118,9 +116,6 @@ impl Copier {
             timeout,
             // The link goes through /proc (write_unnamed): without it, temp + rename.
             tmpfile: tmpfile && std::path::Path::new("/proc/self/fd").is_dir(),
-            offload,
-            // Twice the workers: a write that waits on the disk leaves others going.
-            writers: tokio::sync::Semaphore::new(2 * workers),
         });
         Ok(Copier { runtime, shared, workers })
     }

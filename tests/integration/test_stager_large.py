@@ -229,23 +229,14 @@ def test_a_run_killed_mid_object_resumes_to_the_exact_bytes(
     assert not tmp.exists()
 
 
-@pytest.mark.parametrize("offload", ["1", "0"], ids=["handed-over", "inline"])
 @pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["unnamed-file", "temp-rename"])
 def test_small_objects_replace_what_a_killed_run_left_and_leave_tmp_empty(
-    s3_server: S3Server,
-    bucket: str,
-    tmp_path: Path,
-    env: None,
-    monkeypatch: pytest.MonkeyPatch,
-    tmpfile: str,
-    offload: str,
+    s3_server: S3Server, bucket: str, tmp_path: Path, env: None, monkeypatch: pytest.MonkeyPatch, tmpfile: str
 ):
     """Small objects go into unnamed files linked into place (O_TMPFILE), or by temp file + rename
-    (DSCACHE_NATIVE_TMPFILE=0), written with the worker handed over (block_in_place) or,
-    DSCACHE_NATIVE_OFFLOAD=0, holding it: either way a stale file, or a stale directory where the bucket now has a
-    file, is replaced by the object's bytes, read-only, and nothing is left in tmp/."""
+    (DSCACHE_NATIVE_TMPFILE=0): either way a stale file, or a stale directory where the bucket now
+    has a file, is replaced by the object's bytes, read-only, and nothing is left in tmp/."""
     monkeypatch.setenv(native.TMPFILE_ENV, tmpfile)
-    monkeypatch.setenv(native.OFFLOAD_ENV, offload)
     files = {f"d/f{i}": os.urandom(1000 + i) for i in range(20)}
     s3_server.put_tree(bucket, files)
     out = tmp_path / "out"
@@ -268,14 +259,14 @@ def test_small_objects_replace_what_a_killed_run_left_and_leave_tmp_empty(
     assert os.listdir(tmp_path / "tmp") == []
 
 
-@pytest.mark.parametrize("offload", ["1", "0"], ids=["handed-over", "inline"])
+@pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["unnamed-file", "temp-rename"])
 def test_after_close_no_file_is_written_and_none_is_partial(
-    s3_server: S3Server, bucket: str, tmp_path: Path, env: None, monkeypatch: pytest.MonkeyPatch, offload: str
+    s3_server: S3Server, bucket: str, tmp_path: Path, env: None, monkeypatch: pytest.MonkeyPatch, tmpfile: str
 ):
     """A batch cancelled mid-way (the run failed elsewhere): once close() returns, no thread of the
-    copier creates or links a file any more (sync.py removes the revision right after), also when
-    the writes hand their worker over; and every file that was placed is whole."""
-    monkeypatch.setenv(native.OFFLOAD_ENV, offload)
+    copier creates or links a file any more (sync.py removes the revision right after); every file
+    that was placed is whole, and nothing is left in tmp/."""
+    monkeypatch.setenv(native.TMPFILE_ENV, tmpfile)
     files = {f"c/f{i:03d}": os.urandom(64 << 10) for i in range(300)}
     s3_server.put_tree(bucket, files)
     out = tmp_path / "out"
@@ -287,8 +278,7 @@ def test_after_close_no_file_is_written_and_none_is_partial(
         job = asyncio.ensure_future(fetcher.fetch(items))
         while not os.listdir(out / "c") and not job.done():
             await asyncio.sleep(0.001)
-        # The run fails elsewhere: close() from the loop's thread pool, as sync.py's finally does.
-        await asyncio.get_running_loop().run_in_executor(None, fetcher.close)
+        fetcher.close()  # the run failed elsewhere: on the loop's thread, as sync.py's finally does
         await asyncio.wait_for(job, 60)
 
     asyncio.run(go())
