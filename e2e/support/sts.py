@@ -20,8 +20,16 @@ SOURCE = Path(__file__).resolve().parents[2] / "tests" / "support" / "sts.py"
 AUDIENCE = "sts.amazonaws.com"
 
 
+#: The Service's fixed ClusterIP: the kind cluster runs no DNS (e2e/kind), and the release
+#: must name the endpoint before the STS exists. In the service range's lower band, which
+#: Kubernetes keeps for addresses chosen by hand (dynamic ones come from above it).
+CLUSTER_IP = "10.96.0.229"
+
+
 def endpoint(namespace: str) -> str:
-    return f"http://{NAME}.{namespace}.svc:{PORT}"
+    """The STS's URL as the controller and the stagers reach it (one per cluster: ``namespace``
+    is where it runs, not part of the address)."""
+    return f"http://{CLUSTER_IP}:{PORT}"
 
 
 def manifests(namespace: str, image: str, pull_policy: str, roles: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
@@ -68,7 +76,7 @@ def manifests(namespace: str, image: str, pull_policy: str, roles: dict[str, dic
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": meta,
-            "spec": {"selector": {"app": NAME}, "ports": [{"port": PORT, "targetPort": PORT}]},
+            "spec": {"selector": {"app": NAME}, "clusterIP": CLUSTER_IP, "ports": [{"port": PORT, "targetPort": PORT}]},
         },
     ]
 
