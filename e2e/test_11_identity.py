@@ -88,7 +88,13 @@ def test_pod_identity_cache(cfg, kube, dataset, identity_sts):
     )
     assert st["objects"] == len(dataset.files), st
     subject = f"system:serviceaccount:{ns}:e2e-reader"
-    assert [ROLE, subject, "ok"] in sts.decisions(_sts_log(kube, ns))
+    # The STS prints its decisions every half second: the exchange just made may be a moment behind.
+    wait_for(
+        "the STS's decision on the reader's exchange",
+        lambda: [ROLE, subject, "ok"] in sts.decisions(_sts_log(kube, ns)),
+        timeout=20,
+        describe=lambda: _sts_log(kube, ns)[-2000:],
+    )
 
     # 2. A Job running as that ServiceAccount: admitted, its stager staged with the pod's own projected token.
     job = "train-podid"

@@ -203,11 +203,13 @@ def _credentials() -> dict[str, Any]:
             c = provider()
             expires = c.get("expires_at")
             valid = (expires - datetime.now(UTC)).total_seconds() if expires else 3600.0
-            return c["access_key_id"], c["secret_access_key"], c.get("token"), valid
+            # An empty session token is none (an STS may answer <SessionToken/>): botocore then
+            # sends no x-amz-security-token, and so must we, or the server refuses with a 400.
+            return c["access_key_id"], c["secret_access_key"], c.get("token") or None, valid
 
         return {"credential_provider": call}
     return {
         "access_key_id": creds["access_key_id"],
         "secret_access_key": creds["secret_access_key"],
-        "session_token": creds.get("session_token"),
+        "session_token": creds.get("session_token") or None,
     }

@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import http.server
 import json
+import os
 import ssl
 import threading
 import time
@@ -272,7 +273,13 @@ def in_cluster_fetch() -> Callable[[str], bytes]:
         with open(f"{sa}/token") as f:
             token = f.read().strip()
         headers = {"Authorization": f"Bearer {token}", "Accept": ACCEPT}
-        req = urllib.request.Request(f"https://kubernetes.default.svc{path}", headers=headers)
+        # The Service's address from the pod's environment, not its DNS name: a cluster may run
+        # no DNS (e2e/kind has none), and the API server's certificate names the address too.
+        host, port = (
+            os.environ.get("KUBERNETES_SERVICE_HOST", "kubernetes.default.svc"),
+            os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
+        )
+        req = urllib.request.Request(f"https://{host}:{port}{path}", headers=headers)
         with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
             body: bytes = resp.read()
             return body

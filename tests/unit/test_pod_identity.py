@@ -204,3 +204,23 @@ def test_a_pod_identity_caches_prestage_pod_runs_as_its_service_account():
     stager = pod["spec"]["initContainers"][0]
     assert {e["name"]: e.get("value") for e in stager["env"]}["AWS_ROLE_ARN"] == ROLE
     assert any(v["name"] == WEB_IDENTITY_VOLUME for v in pod["spec"]["volumes"])
+
+
+def test_an_empty_session_token_is_none_on_the_native_plane(monkeypatch):
+    """An STS may answer <SessionToken/>: botocore then sends no x-amz-security-token; the
+    native plane must not send an empty one either (versitygw answers 400, seen in e2e)."""
+    import datetime as dt
+
+    from dscache_stager import native
+
+    def provider() -> dict:
+        expires = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+        return {"access_key_id": "AK", "secret_access_key": "SK", "token": "", "expires_at": expires}
+
+    monkeypatch.setattr(native, "credentials_for_store", lambda: {"credential_provider": provider})
+    key, secret, token, valid = native._credentials()["credential_provider"]()
+    assert (key, secret, token) == ("AK", "SK", None) and valid > 3000
+    monkeypatch.setattr(
+        native, "credentials_for_store", lambda: {"access_key_id": "AK", "secret_access_key": "SK", "session_token": ""}
+    )
+    assert native._credentials()["session_token"] is None
