@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import dscache_contract as contract
-from dscache_contract.peers import PeersRequest, parse_staging_label, peer_token
+from dscache_contract.peers import PeersRequest, parse_staging_label
 from dscache_node import disk
 from dscache_node import server as server_mod
 from dscache_node.agent import Agent
@@ -27,8 +27,18 @@ from dscache_node.server import make_server
 from dscache_node.settings import AgentSettings, Size
 from tests.support.s3server import free_port
 from tests.unit.test_node_agent import R1, R2, R3, FakeKube, stage
+from tests.unit.test_node_auth import FakeReviews, jwt
 
-KEY = "agent-token-0123456789abcdef"
+
+def gate():
+    """The agent's gate on a fake API server: the stager of ml/c on n1 (``jwt("stager")``) and the controller."""
+    return FakeReviews.gate(
+        "n1",
+        tokens={"stager": ("ml", "stager-pod", "uid-1"), "other": ("ml", "other-pod", "uid-2")},
+        pods={"uid-1": ("c", "n1"), "uid-2": ("other", "n1")},
+    )
+
+
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -94,7 +104,7 @@ def served(root, monkeypatch):
     agent, _kube = make_agent(root)
     agent.last_refresh = time.monotonic()
     port = free_port()
-    srv = make_server(agent, lambda: KEY, port, addr="127.0.0.1")
+    srv = make_server(agent, gate(), port, addr="127.0.0.1")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield agent, port
     srv.shutdown()
@@ -154,7 +164,7 @@ def test_connections_past_the_bound_are_told_busy(root, monkeypatch):
     agent, _kube = make_agent(root)
     agent.last_refresh = time.monotonic()
     port = free_port()
-    srv = make_server(agent, lambda: KEY, port, addr="127.0.0.1")
+    srv = make_server(agent, gate(), port, addr="127.0.0.1")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     conns = []
     try:
@@ -193,8 +203,8 @@ def test_connections_past_the_bound_are_told_busy(root, monkeypatch):
 
 
 def test_a_malformed_request_is_answered_4xx(served):
-    """A malformed token (an overlong period made int() raise) got a dropped connection; now 401. A
-    malformed body is 400, an unauthenticated reservation or peers question 401."""
+    """A malformed token got a dropped connection; now 401. A malformed body is 400, an
+    unauthenticated reservation or peers question 401, one of another cache's pod 403."""
     _agent, port = served
 
     def ask(method: str, path: str, body: str | None = None, token: str | None = None) -> int:
@@ -216,8 +226,9 @@ def test_a_malformed_request_is_answered_4xx(served):
     assert ask("POST", contract.peers.PEERS_PATH, PeersRequest("ml", "c", R1).to_json(), token="1.x") == 401
     assert ask("POST", contract.WIPE_PATH, contract.WipeRequest("ml", "c", revision=R1).to_json()) == 401
     # With the cache's own token: answered (no stager holds the lock: refused, not failed).
-    assert ask("POST", contract.RESERVE_PATH, req, token=peer_token(KEY, "ml", "c")) == 200
-    assert ask("POST", contract.RESERVE_PATH, req, token=peer_token(KEY, "ml", "other")) == 401
+    assert ask("POST", contract.RESERVE_PATH, req, token=jwt("stager")) == 200
+    assert ask("POST", contract.RESERVE_PATH, req, token=jwt("other")) == 403
+    assert ask("POST", contract.WIPE_PATH, contract.WipeRequest("ml", "c", revision=R1).to_json(), jwt("stager")) == 401
 
 
 # --- #7: the budget counts blocks, and survives a restart -----------------------------------------
