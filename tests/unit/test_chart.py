@@ -585,9 +585,8 @@ def test_rbac_least_privilege(helm: str):
             for rule in doc["rules"]:
                 assert "*" not in rule["verbs"] and "*" not in rule["resources"], (name, rule)
                 if "secrets" in rule["resources"]:
-                    # Reading by name; writing only the peer tokens (their own role).
-                    peer_tokens = doc["metadata"]["name"].endswith("-peer-tokens")
-                    assert rule["verbs"] == (["create", "patch"] if peer_tokens else ["get"]), (name, rule)
+                    # Reading by name only; no Secret is written (no peer tokens since issue 29).
+                    assert rule["verbs"] == ["get"], (name, rule)
         # Secrets cluster-wide only in the cluster-wide default (readSecrets, no
         # secretNamespaces): never when Secret reading is narrowed, off, or scoped.
         sc = values.get("sourceCheck", {})
@@ -596,9 +595,6 @@ def test_rbac_least_privilege(helm: str):
         )
         for crb in find(docs, "ClusterRoleBinding"):
             role = roles[("ClusterRole", crb["roleRef"]["name"])]
-            if crb["roleRef"]["name"].endswith("-peer-tokens"):
-                assert not values.get("watchNamespaces"), (name, crb)  # cluster-wide only when serving it all
-                continue
             if any("secrets" in r["resources"] for r in role["rules"]):
                 assert clusterwide_ok, (name, crb)
                 assert [(s["kind"], s["name"]) for s in crb["subjects"]] == [
