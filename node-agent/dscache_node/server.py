@@ -198,6 +198,8 @@ class AgentServer:
         self._stop: asyncio.Event | None = None
         self._server: _Server | None = None
         self._stopped = threading.Event()
+        #: Token checks in progress (event loop only), by the question they answer.
+        self._checks: dict[tuple[str, ...], asyncio.Future[Refusal | None]] = {}
 
     # --- running ------------------------------------------------------------------------------
 
@@ -277,20 +279,24 @@ class AgentServer:
         given, path, agent, gate = _bearer(request), request.path, self.agent, self.gate
         work: Callable[[], str]
         check: Callable[[bool], Refusal | None]
+        key: tuple[str, ...]
         try:
             if path == WIPE_PATH:
                 wipe = WipeRequest.from_json(text)
                 check = lambda offline: gate.controller(given, offline)  # noqa: E731
+                key = (path, given)
                 work = lambda: agent.wipe(wipe).to_json()  # noqa: E731
             elif path == RESERVE_PATH:
                 reserve = ReserveRequest.from_json(text)
                 ns, cache = reserve.namespace, reserve.cache
                 check = lambda offline: gate.consumer(given, ns, cache, True, offline)  # noqa: E731
+                key = (path, given, ns, cache)
                 work = lambda: agent.reserve(reserve).to_json()  # noqa: E731
             else:
                 peers = PeersRequest.from_json(text)
                 ns, cache = peers.namespace, peers.cache
                 check = lambda offline: gate.consumer(given, ns, cache, True, offline)  # noqa: E731
+                key = (path, given, ns, cache)
 
                 def work() -> str:
                     answer = agent.peers(peers)
@@ -301,7 +307,7 @@ class AgentServer:
         except (ArgsError, UsageError, ValueError, KeyError, TypeError, AttributeError) as e:
             return _error(400, f"bad request: {e}")
         try:
-            refused = await self._check(request, check)
+            refused = await self._check(request, key, check)
             if refused is not None:
                 return _error(refused.status, refused.message)
             return _json_text(200, await self._call(request, work))
@@ -316,13 +322,24 @@ class AgentServer:
             # rather than drop the connection without an answer.
             return _error(503, f"{path} failed: {e}")
 
-    async def _check(self, request: web.BaseRequest, check: Callable[[bool], Refusal | None]) -> Refusal | None:
+    async def _check(
+        self, request: web.BaseRequest, key: tuple[str, ...], check: Callable[[bool], Refusal | None]
+    ) -> Refusal | None:
         """``check`` from what is known (a cached token: no thread, no API call), else on the control
-        pool (a TokenReview, a pod's GET). _Busy, ApiError or OSError when it cannot be told."""
+        pool (a TokenReview, a pod's GET), once for all the requests that ask the same question
+        (``key``) meanwhile: a stager opens up to 64 connections at once with a token the agent has
+        not seen, and one per address may use only CONTROL_PER_CLIENT threads (the rest would be
+        told "busy"). _Busy, ApiError or OSError when it cannot be told."""
         try:
             return check(True)
         except NeedsApi:
-            return await self._call(request, lambda: check(False))
+            pass
+        pending = self._checks.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._call(request, lambda: check(False)))
+            self._checks[key] = pending
+            pending.add_done_callback(lambda _: self._checks.pop(key, None))
+        return await asyncio.shield(pending)
 
     async def _call(self, request: web.BaseRequest, fn: Callable[[], T]) -> T:
         """``fn`` on the control pool, within this address's share of it."""
@@ -345,7 +362,9 @@ class AgentServer:
         given = _bearer(request)
         try:
             refused = await self._check(
-                request, lambda offline: self.gate.consumer(given, req.namespace, req.cache, False, offline)
+                request,
+                (OBJECTS_PATH, given, req.namespace, req.cache),
+                lambda offline: self.gate.consumer(given, req.namespace, req.cache, False, offline),
             )
         except _Busy as e:
             return _error(429, str(e))

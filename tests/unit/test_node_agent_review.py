@@ -425,3 +425,46 @@ def test_prestaged_caches_do_not_thrash(root):
     assert prestage("a", R1).ok
     assert not prestage("b", R2).ok
     assert {r.cache for r in disk.scan(str(root)) if r.complete} == {"a"}
+
+
+def test_a_new_token_on_many_connections_at_once_is_checked_once(root):
+    """A stager opens up to 64 connections at once with a token the agent has not seen. Each used to
+    need its own TokenReview on the control pool, of which one address gets CONTROL_PER_CLIENT: the
+    rest were told "busy", and the stager read those objects from the bucket (found by
+    test_staggered_nodes_read_each_object_from_the_bucket_once). Now one check answers them all."""
+    agent, _kube = make_agent(root)
+    agent.last_refresh = time.monotonic()
+    stage(str(root), "ml", "c", R1, 100)
+    g = FakeReviews.gate("n1", {"stager": ("ml", "s", "u1")}, {"u1": ("c", "n2")})
+    kube: FakeReviews = g.kube  # type: ignore[assignment]
+    real_post = kube.post
+
+    def slow_post(path: str, body: dict) -> dict:
+        time.sleep(0.3)  # the API server under load: every request arrives while the first is checked
+        return real_post(path, body)
+
+    kube.post = slow_post  # type: ignore[method-assign]
+    port = free_port()
+    srv = make_server(agent, g, port, addr="127.0.0.1")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def fetch(_: int) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("GET", f"/v1/objects/ml/c/{R1}/blob", headers={"Authorization": f"Bearer {jwt('stager')}"})
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(48) as pool:
+            statuses = list(pool.map(fetch, range(48)))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert statuses == [200] * 48, sorted(set(statuses))
+    assert kube.reviews == ["stager"]
