@@ -31,7 +31,13 @@ def test_the_stager_alone_gets_its_pods_projected_token(kube_api, ready_cache, d
     assert vol["projected"] == {
         "defaultMode": 0o444,
         "sources": [
-            {"serviceAccountToken": {"audience": PEER_AUDIENCE, "expirationSeconds": PEER_TOKEN_EXPIRY_S, "path": "token"}}
+            {
+                "serviceAccountToken": {
+                    "audience": PEER_AUDIENCE,
+                    "expirationSeconds": PEER_TOKEN_EXPIRY_S,
+                    "path": "token",
+                }
+            }
         ],
     }
     (init,) = spec["initContainers"]

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -168,6 +169,8 @@ class NodeAgent:
     #: certificate) or a path to a bearer-token file (a ServiceAccount's token).
     kube_token_file: Path | None = None
     port: int = 0
+    #: (ca.crt, tls.crt, tls.key) (tests.support.tlscerts): serve TLS with that certificate.
+    tls: tuple[Path, Path, Path] | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
     starts: int = 0
     _tokens: dict[tuple[str, str], str] = field(default_factory=dict, repr=False)
@@ -188,7 +191,7 @@ class NodeAgent:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KUBECONFIG", "DSCACHE_"))}
@@ -212,6 +215,8 @@ class NodeAgent:
             env.update({"DSCACHE_KUBE_CERT": str(certs / "admin.crt"), "DSCACHE_KUBE_KEY": str(certs / "admin.key")})
         else:
             env["DSCACHE_KUBE_TOKEN_FILE"] = str(self.kube_token_file)
+        if self.tls is not None:
+            env.update({"DSCACHE_AGENT_TLS_CERT": str(self.tls[1]), "DSCACHE_AGENT_TLS_KEY": str(self.tls[2])})
         env.update(self.env_extra)
         return env
 
@@ -266,8 +271,12 @@ class NodeAgent:
         req = urllib.request.Request(
             self.url + path, data=body.encode() if body is not None else None, method=method, headers=headers or {}
         )
+        ctx = None
+        if self.tls is not None:  # its CA, for the name on its certificate (not 127.0.0.1)
+            ctx = ssl.create_default_context(cafile=str(self.tls[0]))
+            ctx.check_hostname = False
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
+            with urllib.request.urlopen(req, timeout=60, context=ctx) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()

@@ -184,6 +184,8 @@ def test_init_container_args_credentials_and_privileges():
     }
     # No CA configured: plain HTTP to the agent, and no CA in the stager's env.
     assert "DSCACHE_PEER_CA" not in {e["name"] for e in init["env"]}
+    # The API server refuses a projected token in a pod (template) that names no ServiceAccount: the default.
+    assert pod_spec(obj)["serviceAccountName"] == "default"
 
 
 def test_emptydir_mode_runs_non_root():

@@ -381,6 +381,15 @@ def inject(
         volumes.append(peer_token_volume())
         changed = True
     if (
+        mode in NODE_MODES
+        and settings.peers
+        and not (pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount"))
+    ):
+        # A projected token needs a named ServiceAccount (API validation, for a Job's pod template too,
+        # where the ServiceAccount admission plugin has not defaulted it yet): the one it gets anyway.
+        pod_spec["serviceAccountName"] = "default"
+        changed = True
+    if (
         web_identity is not None
         and not spec.source.secret_name
         and not any(v.get("name") == WEB_IDENTITY_VOLUME for v in volumes)
