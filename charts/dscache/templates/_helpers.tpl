@@ -155,8 +155,8 @@ Environment of both processes (operator/dscache_operator/settings.py). The
 controller and the webhook get the same settings: the webhook injects the
 stager with them (the stager asks its node's agent on DSCACHE_AGENT_PORT for
 room) and the controller builds pre-stage pods with them and sends wipes to the
-agents. What only one of them needs is in its Deployment: the agent token
-(controller) and the placement weight (webhook).
+agents. What only one of them needs is in its Deployment: its ServiceAccount
+for the agents' tokens (controller) and the placement weight (webhook).
 */}}
 {{- define "dscache.env" -}}
 - name: DSCACHE_CACHE_ROOT
