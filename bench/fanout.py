@@ -18,8 +18,8 @@ not the stagers' own report; their report is in the JSON too, as a cross-check.
 Phases, in one run, through the same link, the same server and the same dataset:
  - ``independent``: 3 stagers without ``--peer-token-file``, started together: each
    copies everything from the bucket itself (today's behaviour);
- - ``fanout``: 3 stagers with ``--peer-token-file`` (the cache's peer token,
-   ``dscache_contract.peers.peer_token`` of the agents' token), started together:
+ - ``fanout``: 3 stagers with ``--peer-token-file`` (a token of a stager pod of
+   the cache on each node, checked by the agents with TokenReview), started together:
    they split the objects and take the rest from each other's agents.
 The lone node ("never slower for the lone node"): ``lone`` stages the dataset on ONE
 node, nobody else staging, through the same shaped link, once with
