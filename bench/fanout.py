@@ -71,6 +71,14 @@ phase: ``lone_s`` (median, without peers), ``lone_peers_s`` (median, with),
 link's pairs (medians): ``lone_open_mbit`` (0: unshaped), ``lone_open_s``,
 ``lone_open_peers_s``, ``lone_open_ratio``, ``lone_open_cpu_s``,
 ``lone_open_peers_cpu_s``. Needs root (netns, tc).
+
+``--nodes 4,8,16,32`` (issue 30) adds fan-out past three nodes, after the phases above:
+every simulated node in its own network namespace with its own tbf-shaped link to a shared
+bridge, a real agent and a real stager inside it, and a seeded start skew per node. The
+``fanout`` object then gains ``by_nodes`` (keyed by N: ``bucket_ratio``,
+``all_ready_over_one``, ``p99_object_s``, ``agent_cpu_s``, ...), ``small_files`` and the
+figures they rest on; see bench/fanout_scale.py and bench/netsim.py. ``--phases=`` (none)
+with ``--nodes`` runs only those.
 """
 
 from __future__ import annotations
@@ -101,6 +109,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import dscache_contract as contract  # noqa: E402
+from bench import fanout_scale, netsim  # noqa: E402
 from tests.support.kubeapi import OPERATOR_NS, KubeAPI, load_yaml_docs  # noqa: E402
 from tests.support.nodeagent import NodeAgent  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
@@ -304,7 +313,7 @@ def drop_page_cache() -> None:
 # --- the cluster: kube-apiserver, agents -----------------------------------------------------------
 
 
-def start_cluster(work: Path) -> tuple[KubeAPI, list[NodeAgent], Path]:
+def start_cluster(work: Path, nodes: int = NODES) -> tuple[KubeAPI, list[NodeAgent], Path]:
     kube = KubeAPI(workdir=work / "kube")
     _children.append(kube.stop)
     kube.start()
@@ -314,11 +323,11 @@ def start_cluster(work: Path) -> tuple[KubeAPI, list[NodeAgent], Path]:
     token_file = work / "agent-token"
     token_file.write_text(secrets.token_hex(16) + "\n")
     agents = []
-    for i in range(NODES):
+    for i in range(nodes):
         agent = NodeAgent(kube, f"fanout-node-{i}", work / "agents" / f"node-{i}", token_file, tls=TLS)
         _children.append(agent.stop)
         agents.append(agent.start())
-    log(f"{NODES} node agents on {', '.join(a.url for a in agents)}")
+    log(f"{nodes} node agents on {', '.join(a.url for a in agents)}")
     return kube, agents, token_file
 
 
@@ -503,7 +512,7 @@ def run_phase(
 
 _children: list[Any] = []  # stop() callables: agents, the kube API, the server (reverse order)
 _procs: list[subprocess.Popen[str]] = []  # the stagers
-_links: list[Link] = []
+_links: list[Any] = []  # Link, netsim.Net: anything with down()
 
 
 def cleanup() -> None:
@@ -524,6 +533,26 @@ def cleanup() -> None:
 
 def on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+# --- fan-out at scale (issue 30): a network namespace per node ---------------------------------------
+
+
+def run_scale_phases(kube: KubeAPI, token_file: Path, work: Path, node_counts: list[int], args: Any) -> dict[str, Any]:
+    net = netsim.Net(
+        max([*node_counts, args.small_files_nodes if args.small_files > 0 else 1]),
+        args.node_mbit,
+        args.scale_bucket_mbit,
+        burst=args.tbf_burst,
+        latency_ms=args.tbf_latency_ms,
+        mtu=args.mtu,
+    )
+    _links.append(net)
+    s = fanout_scale.Scale(
+        kube, work, stager_path(), stage_env, verify_copy, drop_page_cache, log, net, token_file, procs=_procs
+    )
+    s.up(_children)
+    return fanout_scale.run_scale(s, node_counts, args, revision_of)
 
 
 # --- main --------------------------------------------------------------------------------------------
@@ -556,13 +585,30 @@ def main() -> int:
     )
     ap.add_argument("--tls", choices=("on", "off"), default="off", help="agents serve TLS (the chart's default)")
     ap.add_argument("--workdir", type=Path, help="default: a temp dir under build/ (removed at the end)")
+    scale = ap.add_argument_group("fan-out at scale (issue 30; bench/fanout_scale.py): a netns per node")
+    scale.add_argument("--nodes", default="", help="comma list of node counts, e.g. 4,8,16,32 (default: none)")
+    scale.add_argument("--node-mbit", type=float, default=16.0, help="each node's link, both ways (tbf)")
+    scale.add_argument("--scale-bucket-mbit", type=float, default=16.0, help="the S3 server's link, both ways")
+    scale.add_argument("--skew-max-s", type=float, default=5.0, help="each node starts 0..this late (seeded)")
+    scale.add_argument("--skew-seed", type=int, default=30)
+    scale.add_argument("--scale-large-count", type=int, default=8)
+    scale.add_argument("--scale-large-size", type=int, default=1 << 20)
+    scale.add_argument("--scale-small-count", type=int, default=256)
+    scale.add_argument("--scale-small-size", type=int, default=32 << 10)
+    scale.add_argument("--one-rounds", type=int, default=1, help="runs of one node alone (median)")
+    scale.add_argument("--small-files", type=int, default=100_000, help="small-file profile objects (0: skip)")
+    scale.add_argument("--small-files-size", type=int, default=16 << 10)
+    scale.add_argument("--small-files-nodes", type=int, default=4)
     args = ap.parse_args()
     phases = [p for p in args.phases.split(",") if p]
-    if not set(phases) <= {"independent", "fanout", "lone"} or not phases:
-        ap.error("--phases: any of independent, fanout, lone")
+    node_counts = sorted({int(n) for n in args.nodes.split(",") if n.strip()})
+    if not set(phases) <= {"independent", "fanout", "lone"} or not (phases or node_counts):
+        ap.error("--phases: any of independent, fanout, lone (none only with --nodes)")
+    if node_counts and (min(node_counts) < 1 or max(node_counts) > 200):
+        ap.error("--nodes: 1..200")
     if os.geteuid() != 0:
         ap.error("needs root (a network namespace, a veth pair and tc)")
-    if {"fanout", "lone"} & set(phases) and not has_peer_flag():
+    if ({"fanout", "lone"} & set(phases) or node_counts) and not has_peer_flag():
         ap.error("this dscache-stage has no --peer-token-file yet: run --phases=independent")
     large_count = args.large_count if args.large_count is not None else (16 if args.quick else 64)
     small_count = args.small_count if args.small_count is not None else (200 if args.quick else 500)
@@ -570,6 +616,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     atexit.register(cleanup)
     remove_stale_links()
+    netsim.remove_stale(log)
     (REPO / "build").mkdir(exist_ok=True)
     work = args.workdir.resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="fanout-", dir=REPO / "build"))
     if args.tls == "on":
@@ -581,77 +628,87 @@ def main() -> int:
     load: dict[str, list[float]] = {"start": loadavg()}
     runs: dict[str, list[Phase]] = {}  # by phase name: lone runs as "lone" and "lone-peers" (+ "-open")
     ran: list[Phase] = []  # in the order they ran
+    scaled: dict[str, Any] = {}
+    dataset_bytes, want = 0, {}
     try:
-        link = Link(args.bucket_mbit, args.tbf_burst, args.tbf_latency_ms, args.mtu)
-        _links.append(link)
-        link.up()
-        server = S3Server(root=work / "s3root", host=link.server_ip, port=S3_PORT)
-        _children.append(server.stop)
-        with link.inside():
-            server.start()
-        server.make_bucket(BUCKET)
-        files = make_dataset(large_count, args.large_size, small_count, args.small_size)
-        dataset_bytes = sum(len(b) for b in files.values())
-        want = {k[len(PREFIX) + 1 :]: hashlib.sha256(v).hexdigest() for k, v in files.items()}
-        t = time.perf_counter()
-        upload(server, files)
-        del files
-        log(
-            f"uploaded {large_count} x {args.large_size} B + {small_count} x {args.small_size} B "
-            f"({dataset_bytes / 2**20:.0f} MiB) in {time.perf_counter() - t:.1f}s (the upload is not shaped)"
-        )
-        uri = f"s3://{BUCKET}/{PREFIX}/"
-        info = revision_of(server, uri)
-        revision = info["revision"]
-        if info.get("objects") != len(want):
-            raise RuntimeError(f"the revision lists {info.get('objects')} objects, {len(want)} uploaded")
-        _kube, agents, token_file = start_cluster(work)
-        one_copy_s = dataset_bytes * 8 / (args.bucket_mbit * 1e6)
-        log(f"revision {revision}; one copy through {args.bucket_mbit:g} mbit takes >= {one_copy_s:.1f}s")
-
-        def stage(name: str, r: int, with_peers: bool, nodes: list[NodeAgent]) -> None:
-            phase = run_phase(
-                name,
-                r,
-                with_peers,
-                nodes,
-                server,
-                link,
-                token_file,
-                uri,
-                revision,
-                dataset_bytes,
-                want,
-                work,
-                args.stagger if name == "fanout" else 0.0,
+        if phases:
+            link = Link(args.bucket_mbit, args.tbf_burst, args.tbf_latency_ms, args.mtu)
+            _links.append(link)
+            link.up()
+            server = S3Server(root=work / "s3root", host=link.server_ip, port=S3_PORT)
+            _children.append(server.stop)
+            with link.inside():
+                server.start()
+            server.make_bucket(BUCKET)
+            files = make_dataset(large_count, args.large_size, small_count, args.small_size)
+            dataset_bytes = sum(len(b) for b in files.values())
+            want = {k[len(PREFIX) + 1 :]: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+            t = time.perf_counter()
+            upload(server, files)
+            del files
+            log(
+                f"uploaded {large_count} x {args.large_size} B + {small_count} x {args.small_size} B "
+                f"({dataset_bytes / 2**20:.0f} MiB) in {time.perf_counter() - t:.1f}s (the upload is not shaped)"
             )
-            runs.setdefault(name, []).append(phase)
-            ran.append(phase)
+            uri = f"s3://{BUCKET}/{PREFIX}/"
+            info = revision_of(server, uri)
+            revision = info["revision"]
+            if info.get("objects") != len(want):
+                raise RuntimeError(f"the revision lists {info.get('objects')} objects, {len(want)} uploaded")
+            _kube, agents, token_file = start_cluster(work)
+            one_copy_s = dataset_bytes * 8 / (args.bucket_mbit * 1e6)
+            log(f"revision {revision}; one copy through {args.bucket_mbit:g} mbit takes >= {one_copy_s:.1f}s")
 
-        def lone_pair(r: int, suffix: str = "") -> None:
-            # One node, nobody else staging: without and with the peer token, the first of the
-            # two alternating from round to round (neither always gets the other's leftovers).
-            pair = [(f"lone{suffix}", False), (f"lone-peers{suffix}", True)]
-            for name, with_peers in pair if r % 2 == 0 else pair[::-1]:
-                stage(name, r, with_peers, agents[:1])
+            def stage(name: str, r: int, with_peers: bool, nodes: list[NodeAgent]) -> None:
+                phase = run_phase(
+                    name,
+                    r,
+                    with_peers,
+                    nodes,
+                    server,
+                    link,
+                    token_file,
+                    uri,
+                    revision,
+                    dataset_bytes,
+                    want,
+                    work,
+                    args.stagger if name == "fanout" else 0.0,
+                )
+                runs.setdefault(name, []).append(phase)
+                ran.append(phase)
 
-        for r in range(args.rounds):
-            for name in phases:
-                if name == "lone":
-                    lone_pair(r)
-                else:
-                    stage(name, r, name == "fanout", agents)
-            load[f"round{r}"] = loadavg()
-        if "lone" in phases:
-            # Again with the link opened (the shaped link hides a small cost in wall time), as many
-            # rounds, alternating too: the first run of a lone pair was the slower one either way.
-            link.shape(args.lone_mbit)
-            try:
-                for r in range(args.rounds):
-                    lone_pair(r, "-open")
-            finally:
-                link.shape(args.bucket_mbit)
-            load["lone-open"] = loadavg()
+            def lone_pair(r: int, suffix: str = "") -> None:
+                # One node, nobody else staging: without and with the peer token, the first of the
+                # two alternating from round to round (neither always gets the other's leftovers).
+                pair = [(f"lone{suffix}", False), (f"lone-peers{suffix}", True)]
+                for name, with_peers in pair if r % 2 == 0 else pair[::-1]:
+                    stage(name, r, with_peers, agents[:1])
+
+            for r in range(args.rounds):
+                for name in phases:
+                    if name == "lone":
+                        lone_pair(r)
+                    else:
+                        stage(name, r, name == "fanout", agents)
+                load[f"round{r}"] = loadavg()
+            if "lone" in phases:
+                # Again with the link opened (the shaped link hides a small cost in wall time), as many
+                # rounds, alternating too: the first run of a lone pair was the slower one either way.
+                link.shape(args.lone_mbit)
+                try:
+                    for r in range(args.rounds):
+                        lone_pair(r, "-open")
+                finally:
+                    link.shape(args.bucket_mbit)
+                load["lone-open"] = loadavg()
+        if node_counts:
+            for a in agents if phases else []:
+                a.stop()  # the 3-node phases are over: their agents' CPU is not the scale runs'
+            if not phases:
+                _kube, _, token_file = start_cluster(work, nodes=0)
+            scaled = run_scale_phases(_kube, token_file, work, node_counts, args)
+            load["scale"] = loadavg()
     finally:
         cleanup()
         if not args.workdir:
@@ -722,6 +779,7 @@ def main() -> int:
             f"({args.lone_mbit:g} mbit, 0: unshaped): {out['lone_open_s']}s vs {out['lone_open_peers_s']}s "
             f"({out['lone_open_ratio']}x; CPU {out['lone_open_cpu_s']}s vs {out['lone_open_peers_cpu_s']}s)"
         )
+    out.update(scaled)  # by_nodes, small_files, ... (issue 30)
     out["runs"] = [p.to_dict() for p in ran]
     out["loadavg"] = load
     log(f"load averages (1, 5, 15 min): {load} (noise from other work on the machine)")

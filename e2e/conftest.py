@@ -255,7 +255,7 @@ def release(cfg: Config, kube: Kube, namespaces: dict[str, str]) -> dict[str, An
         "controller.reconcileIntervalSeconds=2",
         "sourceCheck.retryIntervalSeconds=5",
         "sourceCheck.secretNamespaces={" + ",".join(namespaces.values()) + "}",
-        # Pod identity's STS: the checking one test_29_identity.py runs in the main namespace.
+        # Pod identity's STS: the checking one test_11_identity.py runs in the main namespace.
         f"podIdentity.stsEndpoint={sts.endpoint(namespaces['main'])}",
     ]
     chart = [

@@ -43,6 +43,9 @@ jobset() {
   "$KUBECTL" kustomize "$(moddir sigs.k8s.io/jobset "$v")/config/default" |
     sed -E "s#image: [^ ]*/jobset/jobset:.*#image: $ref#" |
     "$KUBECTL" apply --server-side --force-conflicts -f - >/dev/null
+  # Its manifest requests half a core: on a 2-core kind node that, with the control plane and
+  # dscache's two controller replicas, leaves no room for a 500m pre-stage pod there (OutOfcpu).
+  "$KUBECTL" -n jobset-system set resources deploy/jobset-controller-manager --requests=cpu=50m >/dev/null
   "$KUBECTL" -n jobset-system rollout status deploy/jobset-controller-manager --timeout=180s >&2
   log "JobSet $v ready"
 }

@@ -1,4 +1,4 @@
-"""The checking STS of tests/support/sts.py, run in the cluster for test_29_identity.py.
+"""The checking STS of tests/support/sts.py, run in the cluster for test_11_identity.py.
 
 A pod of the stager image (it has python3; the STS is stdlib only) in the main test
 namespace, behind Service ``e2e-sts``: it reads the cluster's issuer and JWKS with its own

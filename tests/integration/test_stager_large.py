@@ -257,3 +257,34 @@ def test_small_objects_replace_what_a_killed_run_left_and_leave_tmp_empty(
         assert stat.S_IMODE((out / key).stat().st_mode) == 0o444
     assert sorted(os.listdir(out / "d")) == sorted(k.split("/")[1] for k in files)
     assert os.listdir(tmp_path / "tmp") == []
+
+
+@pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["unnamed-file", "temp-rename"])
+def test_after_close_no_file_is_written_and_none_is_partial(
+    s3_server: S3Server, bucket: str, tmp_path: Path, env: None, monkeypatch: pytest.MonkeyPatch, tmpfile: str
+):
+    """A batch cancelled mid-way (the run failed elsewhere): once close() returns, no thread of the
+    copier creates or links a file any more (sync.py removes the revision right after); every file
+    that was placed is whole, and nothing is left in tmp/."""
+    monkeypatch.setenv(native.TMPFILE_ENV, tmpfile)
+    files = {f"c/f{i:03d}": os.urandom(64 << 10) for i in range(300)}
+    s3_server.put_tree(bucket, files)
+    out = tmp_path / "out"
+    (out / "c").mkdir(parents=True)
+    fetcher = copier(s3_server, bucket, tmp_path / "tmp")
+    items = [(key, str(out / key), "", None, len(body)) for key, body in files.items()]
+
+    async def go() -> None:
+        job = asyncio.ensure_future(fetcher.fetch(items))
+        while not os.listdir(out / "c") and not job.done():
+            await asyncio.sleep(0.001)
+        fetcher.close()  # the run failed elsewhere: on the loop's thread, as sync.py's finally does
+        await asyncio.wait_for(job, 60)
+
+    asyncio.run(go())
+    after_close = sorted(os.listdir(out / "c"))
+    time.sleep(0.5)
+    assert sorted(os.listdir(out / "c")) == after_close
+    for name in after_close:
+        assert (out / "c" / name).read_bytes() == files[f"c/{name}"], name
+    assert os.listdir(tmp_path / "tmp") == []

@@ -79,6 +79,10 @@ def test_a_workload_finishing_makes_its_pods_caches_due(ctx):
 
 
 def test_no_run_on_a_view_that_does_not_show_our_write(ctx, monkeypatch):
+    # Our write coming back is no news by itself (nothing waited for it).
+    ctx.wrote(KEY, "9")
+    ctx.on_cache(KEY, cache_view(cache_body("8")), cache_view(cache_body("9")))
+    assert ctx.scheduler.touched == []  # type: ignore[union-attr]
     ctx.wrote(KEY, "12")
     assert not ctx.written_shown(KEY, "11")  # the view is one version behind our write
     # The write's own watch event: due at once, and the next run goes ahead.

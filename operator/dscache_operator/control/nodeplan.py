@@ -144,6 +144,10 @@ def plan_node(
     entry = prior.model_copy() if prior is not None else NodeStatus(node=node, state=NodeState.STAGING)
     if relevant:
         _set_state(entry, consumers, relevant)
+        if entry.message is None and prior is not None and any(r.keptAt for r in entry.revisions):
+            # A wipe's "kept: ..." (what holds the copy, e.g. an entry to remove by hand) stays
+            # while the revision waits to be asked again, not only until the next reconciliation.
+            entry.message = prior.message
     if len(consumers) != entry.consumers or (prior is None and relevant):
         entry.lastUsed = fmt_time(scope.now)
     entry.consumers = len(consumers)

@@ -45,6 +45,8 @@ class ControlContext(Context):
     #: Per cache: the resourceVersion our last status write made, and until when (monotonic) we
     #: wait for the view to show it (``written_shown``).
     written: dict[Key, tuple[str, float]] = dataclasses.field(default_factory=dict)
+    #: The caches whose run waits for the view to show that write.
+    deferred: set[Key] = dataclasses.field(default_factory=set)
     #: The leader election (kube/leader.py); None: leader election is off, this replica leads.
     elector: LeaderElector | None = None
     #: The task that dispatches reconciliations; it runs only while this replica leads.
@@ -69,7 +71,9 @@ class ControlContext(Context):
         shown = new is not None and key in self.written and self.written[key][0] == new.resource_version
         if shown:
             del self.written[key]
-        if self.scheduler is not None and (shown or wants_reconcile(old, new)):
+        waited = shown and key in self.deferred
+        self.deferred.discard(key)
+        if self.scheduler is not None and (waited or wants_reconcile(old, new)):
             self.scheduler.touch(key)
 
     def wrote(self, key: Key, resource_version: str | None) -> None:
@@ -90,7 +94,9 @@ class ControlContext(Context):
         rv, until = self.written.get(key, ("", 0.0))
         if not rv or rv == resource_version or time.monotonic() >= until:
             self.written.pop(key, None)
+            self.deferred.discard(key)
             return True
+        self.deferred.add(key)  # on_cache makes it due when the write shows
         return False
 
     def touch(self, key: Key) -> None:
@@ -127,6 +133,7 @@ class ControlContext(Context):
         self.deleting.clear()
         self.quiet.clear()
         self.written.clear()
+        self.deferred.clear()
         self.metrics.leader.set(0)
 
     def forget(self, key: Key) -> None:
@@ -135,6 +142,7 @@ class ControlContext(Context):
         self.deleting.pop(key, None)
         self.quiet.pop(key, None)
         self.written.pop(key, None)
+        self.deferred.discard(key)
         self.metrics.forget_cache(*key)
 
 

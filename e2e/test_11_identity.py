@@ -1,4 +1,5 @@
-"""29. Pod identity: a cache with spec.source.serviceAccountName and no Secret.
+"""11. Pod identity: a cache with spec.source.serviceAccountName and no Secret (before test_12,
+whose README release replaces the session's and has no podIdentity.stsEndpoint).
 
 The STS is the checking one of tests/support/sts.py, in a pod of this namespace
 (e2e/support/sts.py): it verifies every token's signature against the cluster's JWKS,
