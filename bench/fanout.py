@@ -18,8 +18,8 @@ not the stagers' own report; their report is in the JSON too, as a cross-check.
 Phases, in one run, through the same link, the same server and the same dataset:
  - ``independent``: 3 stagers without ``--peer-token-file``, started together: each
    copies everything from the bucket itself (today's behaviour);
- - ``fanout``: 3 stagers with ``--peer-token-file`` (the cache's peer token,
-   ``dscache_contract.peers.peer_token`` of the agents' token), started together:
+ - ``fanout``: 3 stagers with ``--peer-token-file`` (a token of a stager pod of
+   the cache on each node, checked by the agents with TokenReview), started together:
    they split the objects and take the rest from each other's agents.
 The lone node ("never slower for the lone node"): ``lone`` stages the dataset on ONE
 node, nobody else staging, through the same shaped link, once with
@@ -110,7 +110,6 @@ sys.path.insert(0, str(REPO))
 
 import dscache_contract as contract  # noqa: E402
 from bench import fanout_scale, netsim  # noqa: E402
-from dscache_contract import peers  # noqa: E402
 from tests.support.kubeapi import OPERATOR_NS, KubeAPI, load_yaml_docs  # noqa: E402
 from tests.support.nodeagent import NodeAgent  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
@@ -119,6 +118,8 @@ BUCKET = "bench"
 PREFIX = "ds"
 NS = "fanout-bench"
 NODES = 3
+#: --tls on: (ca.crt, tls.crt, tls.key) the agents serve with (tests.support.tlscerts), as the chart's.
+TLS: tuple[Path, Path, Path] | None = None
 S3_PORT = 9000
 CLONE_NEWNET = 0x40000000
 #: The issue's targets (reported, and logged; the bench fails only on a wrong byte or a broken counter).
@@ -323,7 +324,7 @@ def start_cluster(work: Path, nodes: int = NODES) -> tuple[KubeAPI, list[NodeAge
     token_file.write_text(secrets.token_hex(16) + "\n")
     agents = []
     for i in range(nodes):
-        agent = NodeAgent(kube, f"fanout-node-{i}", work / "agents" / f"node-{i}", token_file)
+        agent = NodeAgent(kube, f"fanout-node-{i}", work / "agents" / f"node-{i}", token_file, tls=TLS)
         _children.append(agent.stop)
         agents.append(agent.start())
     log(f"{nodes} node agents on {', '.join(a.url for a in agents)}")
@@ -341,7 +342,8 @@ def has_peer_flag() -> bool:
 
 def stage_env(server: S3Server) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != contract.ENV_POD_UID}
-    return {**env, **server.env, "PYTHONUNBUFFERED": "1"}
+    ca = {contract.peers.PEER_CA_ENV: TLS[0].read_text()} if TLS else {}  # --tls on: the stagers trust it
+    return {**env, **server.env, **ca, "PYTHONUNBUFFERED": "1"}
 
 
 def revision_of(server: S3Server, uri: str) -> dict[str, Any]:
@@ -440,8 +442,8 @@ def run_phase(
             "--progress-interval", "60",
         ]  # fmt: skip
         if with_peers:
-            peer_token = work / f"peer-token-{cache}"
-            peer_token.write_text(peers.peer_token(token_file.read_text().strip(), NS, cache))
+            peer_token = work / f"peer-token-{cache}-{agent.node}"
+            peer_token.write_text(agent.peer_token(NS, cache))  # its node's stager pod's token (issue 29)
             argv += ["--peer-token-file", str(peer_token)]
         argvs[agent.node] = argv
     env = stage_env(server)
@@ -581,6 +583,7 @@ def main() -> int:
     ap.add_argument(
         "--stagger", type=float, default=0.0, help="seconds between the fanout stagers' starts (default 0: together)"
     )
+    ap.add_argument("--tls", choices=("on", "off"), default="off", help="agents serve TLS (the chart's default)")
     ap.add_argument("--workdir", type=Path, help="default: a temp dir under build/ (removed at the end)")
     scale = ap.add_argument_group("fan-out at scale (issue 30; bench/fanout_scale.py): a netns per node")
     scale.add_argument("--nodes", default="", help="comma list of node counts, e.g. 4,8,16,32 (default: none)")
@@ -616,6 +619,11 @@ def main() -> int:
     netsim.remove_stale(log)
     (REPO / "build").mkdir(exist_ok=True)
     work = args.workdir.resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="fanout-", dir=REPO / "build"))
+    if args.tls == "on":
+        global TLS
+        from tests.support.tlscerts import agent_certs
+
+        TLS = agent_certs(work / "agent-tls")
     work.mkdir(parents=True, exist_ok=True)
     load: dict[str, list[float]] = {"start": loadavg()}
     runs: dict[str, list[Phase]] = {}  # by phase name: lone runs as "lone" and "lone-peers" (+ "-open")

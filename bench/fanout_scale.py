@@ -50,7 +50,6 @@ from bench.fanout_stats import (
     propagation,
     ratio,
 )
-from dscache_contract import peers
 from tests.support.kubeapi import KubeAPI
 from tests.support.nodeagent import NodeAgent, register_node
 from tests.support.s3server import S3Server
@@ -274,8 +273,8 @@ class Scale:
                 "--progress-interval", "60",
             ]  # fmt: skip
             if with_peers:
-                tok = self.work / f"peer-token-{name}"
-                tok.write_text(peers.peer_token(self.token_file.read_text().strip(), NS, name))
+                tok = self.work / f"peer-token-{name}-{a.node}"
+                tok.write_text(a.peer_token(NS, name))  # its node's stager pod's token (issue 29)
                 argv += ["--peer-token-file", str(tok)]
             argvs[a.node] = a.host.argv(*argv)
         env = self.stage_env(self.server)

@@ -15,18 +15,14 @@ whose lease is the mount (NodePublishVolume takes it, NodeUnpublishVolume releas
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 import time
-import urllib.error
-import urllib.request
 import uuid
 from typing import Any
 
 import pytest
 from conftest import (
-    RELEASE_NS,
     assert_complete,
     cache_status,
     host_copy,
@@ -42,7 +38,6 @@ from support.s3link import bucket_link, s3_sent_bytes
 
 import dscache_contract as contract
 from dscache_contract import csi
-from dscache_contract.peers import peer_secret_name
 
 pytestmark = pytest.mark.multinode
 
@@ -103,7 +98,6 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
     cache = cache_factory("rst", namespace=ns, ds=csi_dataset, extra=STAGER, retention=retain)
     name = cache["name"]
     rev = cache_status(kube, ns, name)["revision"]["id"]
-    wait_for("the cache's peer token", lambda: kube.get("secret", peer_secret_name(name), ns), timeout=60)
 
     # Job 1: two pods on each node, one copy per node, the bucket serving each object about once.
     first = f"rst-{uuid.uuid4().hex[:6]}"
@@ -173,29 +167,14 @@ def test_restricted_namespace_full_features(cfg, kube, cache_factory, csi_datase
         revs.wait_revision_wiped(kube, ns, name, c, rev, node, timeout=180)
 
 
-def _agent_url(kube, node: str) -> str:
-    obj = kube.get("node", node) or {}
-    ip = next(a["address"] for a in obj["status"]["addresses"] if a["type"] == "InternalIP")
-    return f"http://{ip}:{obj['metadata']['labels'][contract.AGENT_LABEL]}"
-
-
 def _wipe(kube, node: str, req: contract.WipeRequest) -> dict[str, Any]:
-    """POST a wipe to the node's agent as the controller does (with the agent token)."""
-    secret = next(
-        s for s in kube.items("secrets", namespace=RELEASE_NS) if s["metadata"]["name"].endswith("agent-token")
+    """POST a wipe to the node's agent as the controller does (its token for that node, over TLS)."""
+    code, body = agent.agent_call(
+        kube, node, "POST", contract.WIPE_PATH, agent.controller_token(kube, node), req.to_json()
     )
-    token = base64.b64decode(secret["data"]["token"]).decode()
-    http = urllib.request.Request(
-        _agent_url(kube, node) + contract.WIPE_PATH,
-        data=req.to_json().encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(http, timeout=30) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return {"http": e.code, "body": e.read().decode(errors="replace")}
+    if code != 200:
+        return {"http": code, "body": body.decode(errors="replace")}
+    return dict(json.loads(body))
 
 
 def _lease_mount(cfg, ns: str, name: str, rev: str, uid: str, node: str) -> str | None:

@@ -9,28 +9,22 @@ is read from its own interface counter: the bucket's side, not the stagers' word
   1.1x the dataset (3x without peers);
 - test_fanout_peer_dies: the same, with the agent serving the other nodes killed mid-transfer (the DaemonSet
   restarts it): every node still ends exact, and the bucket serves well under 3x;
-- test_fanout_no_token: an agent serves a cache's objects only with that cache's token: not
-  without one, not with another namespace's cache's token, not for another namespace's path.
+(Who an agent serves: e2e/test_29_agent_identity.py.)
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import random
-import urllib.error
-import urllib.request
 import uuid
 from typing import Any
 
 import pytest
-from conftest import cache_status, describe_pods, init_summary, job_pods, send_go, wait_verified
+from conftest import describe_pods, init_summary, job_pods
 from support import workloads as w
+from support.agent import agent_call
 from support.kube import node_sh, schedulable_nodes, wait_for
 from support.s3link import bucket_link, s3_sent_bytes
-
-import dscache_contract as contract
-from dscache_contract.peers import ObjectRequest, peer_secret_name
 
 pytestmark = pytest.mark.multinode
 
@@ -136,12 +130,6 @@ def write_report(cfg, name: str, ds: w.Dataset, sent: int, by_node: dict[str, An
 def test_fanout_single_egress(cfg, kube, cache_factory, fan_dataset, nodes):
     cache = cache_factory("fan", ds=fan_dataset, extra=_small_stager())
     ns, name = cache["namespace"], cache["name"]
-    wait_for(
-        "the cache's peer token Secret",
-        lambda: kube.get("secret", peer_secret_name(name), ns),
-        timeout=60,
-        describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
-    )
     sent, pods = run_spread(cfg, kube, ns, name, fan_dataset)
     by_node = summaries(pods)
     report = write_report(cfg, "fanout-e2e.json", fan_dataset, sent, by_node)
@@ -153,8 +141,9 @@ def test_fanout_single_egress(cfg, kube, cache_factory, fan_dataset, nodes):
 
 def _served_bytes(kube, node: str) -> float:
     """What this node's agent has served to other nodes' stagers so far (its own metric)."""
-    with urllib.request.urlopen(_agent_url(kube, node) + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+    code, body = agent_call(kube, node, "GET", "/metrics")
+    assert code == 200, (code, body[:200])
+    text = body.decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -195,7 +184,6 @@ def _kill_agent_when_copying(kube, ns: str, job: str, killed: list[dict[str, Any
 def test_fanout_peer_dies(cfg, kube, cache_factory, fan_dataset, nodes):
     cache = cache_factory("fandie", ds=fan_dataset, extra=_small_stager())
     ns, name = cache["namespace"], cache["name"]
-    wait_for("the cache's peer token Secret", lambda: kube.get("secret", peer_secret_name(name), ns), timeout=60)
     killed: list[dict[str, Any]] = []
     sent, pods = run_spread(
         cfg, kube, ns, name, fan_dataset, lambda job: _kill_agent_when_copying(kube, ns, job, killed)
@@ -210,51 +198,3 @@ def test_fanout_peer_dies(cfg, kube, cache_factory, fan_dataset, nodes):
     # HTTP/TCP headers (~2%, see test_fanout_single_egress).
     assert sum(s["bucket_bytes"] for s in by_node.values()) <= 2 * fan_dataset.bytes, report
     assert sent <= 2.1 * fan_dataset.bytes, report
-
-
-def _agent_url(kube, node: str) -> str:
-    obj = kube.get("node", node) or {}
-    ip = next(a["address"] for a in obj["status"]["addresses"] if a["type"] == "InternalIP")
-    port = obj["metadata"]["labels"][contract.AGENT_LABEL]
-    return f"http://{ip}:{port}"
-
-
-def _token(kube, ns: str, cache: str) -> str:
-    secret = wait_for(
-        f"{ns}/{peer_secret_name(cache)}", lambda: kube.get("secret", peer_secret_name(cache), ns), timeout=60
-    )
-    return base64.b64decode(secret["data"][contract.peers.PEER_TOKEN_KEY]).decode()
-
-
-def _get(url: str, token: str | None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token is not None else {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def test_fanout_no_token(cfg, kube, cache_factory, dataset, namespaces, nodes):
-    cache = cache_factory("fantok")
-    ns, name = cache["namespace"], cache["name"]
-    job = f"tok-{uuid.uuid4().hex[:6]}"
-    kube.create(w.training_job(job, ns, name, cfg.stager_image, dataset, wait=True))
-    pod = wait_verified(kube, ns, job)
-    try:
-        rev = cache_status(kube, ns, name)["revision"]["id"]
-        key = "labels.json"
-        url = _agent_url(kube, pod["spec"]["nodeName"]) + ObjectRequest(ns, name, rev, key).target()
-        token = _token(kube, ns, name)
-        assert _get(url, token) == (200, dataset.files[key]), "the cache's own token must open its objects"
-        # Another namespace's cache of the same name has a token of its own, which opens nothing here.
-        other = cache_factory("fantok", namespace=namespaces["baseline"])
-        other_token = _token(kube, other["namespace"], other["name"])
-        for bad in (None, "", "0.00", other_token, token + "0"):
-            code, body = _get(url, bad)
-            assert code == 401 and dataset.files[key] not in body, (bad, code, body[:200])
-        # This cache's token does not open the other namespace's path either.
-        there = ObjectRequest(other["namespace"], name, rev, key).target()
-        assert _get(_agent_url(kube, pod["spec"]["nodeName"]) + there, token)[0] == 401
-    finally:
-        send_go(kube, ns, pod["metadata"]["name"])

@@ -83,10 +83,10 @@ def opted_ns(kube_api) -> str:
 @pytest.fixture
 def agents(kube_api, dscache_operator, tmp_path):
     """Node agents (dscache-node processes) this test starts, one per fake Node: ``agents.start(node)``.
-    They read the controller's agent token; all are stopped when the test ends."""
+    They trust the controller's ServiceAccount; all are stopped when the test ends."""
     from tests.support.nodeagent import NodeAgents
 
-    pool = NodeAgents(kube_api, tmp_path / "agents", dscache_operator.agent_token_file)
+    pool = NodeAgents(kube_api, tmp_path / "agents")
     yield pool
     pool.stop_all()
 

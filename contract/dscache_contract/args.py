@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--peer-token-file",
         metavar="PATH",
-        help="the cache's peer token (needs --agent): objects other nodes hold or are copying are taken "
+        help="the pod's projected token for the agents (needs --agent): objects other nodes hold or are copying are taken "
         "from them, verified, and the bucket serves each object once per cluster; missing or empty file: "
         "everything comes from the bucket",
     )

@@ -7,14 +7,16 @@ Four parties meet here:
 - the node agent publishes a *staging label* on its Node while a stager copies a
   revision there (value: when it started), serves the complete objects of its
   copies, and answers the peers question from Node labels;
-- the operator gives each DatasetCache a *peer token* (a Secret in the cache's
-  namespace, ``peer_secret_name``), which the webhook mounts into the stager;
-- every agent checks that token without any API call: it is an HMAC of the
-  namespace, the cache and a time period, keyed with the agent token the chart
-  already shares between the controller and the agents. A token for one cache
-  opens nothing of another, and none crosses namespaces; a token stops working
-  one to two periods after it was made, and the operator makes a fresh one every
-  period (rotation).
+- the stager shows every agent its pod's projected ServiceAccount token (audience
+  ``PEER_AUDIENCE``, short-lived, mounted by the webhook into the stager only); an
+  agent checks it with a TokenReview and serves only a pod of the cache's namespace
+  that names the cache (``dscache.io/cache``), and takes a reservation or a peers
+  question only from such a pod on its own node. No node holds a key that opens
+  another node or another namespace (docs/security.md);
+- the controller's calls (wipes) carry its own ServiceAccount token for the audience
+  ``agent_audience(node)``: one node's token is worth nothing on another node;
+- agents serve TLS (``PEER_CA_ENV``: the CA the clients trust, ``AGENT_TLS_NAME``:
+  the name its certificate is checked against, whatever IP it is reached at).
 
 Who fetches what from the bucket (``owner_ranking``): the stagers that started
 within ``COHORT_WINDOW_S`` of the first one are the *cohort*; each object is
@@ -29,7 +31,6 @@ Nodes that hold the revision complete are asked first.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import math
 import os
@@ -45,26 +46,40 @@ from .paths import tmp_dir, validate_revision
 #: ``<prefix><cache digest>.<revision>`` on a Node while a stager copies that revision there;
 #: the value is the copy's start (epoch seconds), which orders the cohort.
 STAGING_LABEL_PREFIX = "staging.dscache.io/"
-#: The stager asks its own agent who its peers are (no token: the agent checks that a stager
-#: holds the cache's lock, as for a reservation).
+#: The stager asks its own agent who its peers are (with its pod's token: a consumer pod of the
+#: cache on that node; the agent also checks that a stager holds the cache's lock).
 PEERS_PATH = "/v1/peers"
-#: ``GET /v1/objects/<namespace>/<cache>/<revision>/<path under data/>?wait=<s>`` with the peer token.
+#: ``GET /v1/objects/<namespace>/<cache>/<revision>/<path under data/>?wait=<s>`` with the pod's token.
 OBJECTS_PATH = "/v1/objects/"
 #: The longest a peer holds a request for an object it is still fetching (``?wait=``).
 MAX_WAIT_S = 20.0
 #: Stagers that start this close to the first one split the bucket's objects between them;
 #: later ones take from the cohort (the bucket is read once either way).
 COHORT_WINDOW_S = 3.0
-#: A peer token is valid for the period it was made in and the next one.
-TOKEN_PERIOD_S = 6 * 3600
-#: A token's period is a number of this many digits at most (one period is 6 h: 20 digits last).
-MAX_PERIOD_DIGITS = 20
-#: The key of the token in the per-cache Secret, and where the webhook mounts it in the stager.
-PEER_TOKEN_KEY = "token"
+#: The audience of the stager's projected token (what it shows agents), and its lifetime: the
+#: kubelet renews it at 80 % of that, and the stager reads the file again (TOKEN_TTL_S).
+PEER_AUDIENCE = "dscache-peer"
+PEER_TOKEN_EXPIRY_S = 600
 PEER_TOKEN_DIR = "/var/run/dscache-peer"
+PEER_TOKEN_KEY = "token"
 PEER_TOKEN_FILE = f"{PEER_TOKEN_DIR}/{PEER_TOKEN_KEY}"
-#: The stager's volume for the token (a Secret volume, optional: no Secret, no peers).
+#: The stager's projected volume for that token.
 PEER_VOLUME_NAME = "dscache-peer-token"
+#: The audience prefix of the controller's tokens: one audience per node (``agent_audience``).
+AGENT_AUDIENCE_PREFIX = "dscache-agent/"
+#: Env var of the stager (and the controller): the PEM of the CA that signed the agents' serving
+#: certificate; unset: the agents speak plain HTTP (tests, or TLS turned off in the chart).
+PEER_CA_ENV = "DSCACHE_PEER_CA"
+#: The name every agent's serving certificate carries (a DNS SAN), checked by every client in place
+#: of the node IP it connects to (the chart makes one certificate for all agents: docs/security.md).
+AGENT_TLS_NAME = "dscache-node.dscache.internal"
+
+
+def agent_audience(node: str) -> str:
+    """The audience of the controller's tokens for the agent of ``node``."""
+    return f"{AGENT_AUDIENCE_PREFIX}{node}"
+
+
 #: Answer header of an object: the revision it comes from (the receiver checks it).
 REVISION_HEADER = "X-Dscache-Revision"
 #: ``C/revs/<rev>/tmp/claims``: the paths (one per line) a stager has started to read from the
@@ -94,44 +109,6 @@ def staging_label(namespace: str, cache: str, revision: str) -> str:
 def parse_staging_label(key: str) -> tuple[str, str] | None:
     m = _STAGING_RE.match(key)
     return (m.group(1), m.group(2)) if m else None
-
-
-def peer_secret_name(cache: str) -> str:
-    """The Secret holding ``cache``'s peer token, in the cache's namespace (at most 253 characters)."""
-    name = f"dscache-peer-{cache}"
-    if len(name) <= 253:
-        return name
-    # Cut where a DNS-1123 name may go on: not after a '.' or '-'.
-    return f"dscache-peer-{cache[:200].rstrip('.-')}-{hashlib.sha256(cache.encode()).hexdigest()[:16]}"
-
-
-def _mac(key: str, namespace: str, cache: str, period: int) -> str:
-    msg = f"dscache-peer\n{namespace}\n{cache}\n{period}".encode()
-    return hmac.new(key.encode(), msg, hashlib.sha256).hexdigest()
-
-
-def peer_token(key: str, namespace: str, cache: str, now: float | None = None) -> str:
-    """The token of ``namespace/cache`` for the current period: ``<period>.<hmac>``."""
-    period = int((time.time() if now is None else now) // TOKEN_PERIOD_S)
-    return f"{period}.{_mac(key, namespace, cache, period)}"
-
-
-def check_peer_token(key: str, namespace: str, cache: str, token: str, now: float | None = None) -> bool:
-    """Whether ``token`` opens ``namespace/cache`` now (made this period or the one before)."""
-    if not key:
-        return False
-    period_text, _, mac = token.partition(".")
-    # ASCII digits only: str.isdigit() also takes "²", which int() refuses; and a bounded number of
-    # them (int() refuses more than 4300 digits with ValueError, and a period has 6). A token of
-    # any other shape is refused, never raised on.
-    if not (0 < len(period_text) <= MAX_PERIOD_DIGITS and period_text.isascii() and period_text.isdigit()):
-        return False
-    if len(mac) != 64:  # a SHA-256 HMAC in hex
-        return False
-    period, current = int(period_text), int((time.time() if now is None else now) // TOKEN_PERIOD_S)
-    if period not in (current, current - 1):
-        return False
-    return hmac.compare_digest(mac.encode(), _mac(key, namespace, cache, period).encode())
 
 
 def claims_path(c: str, rev: str) -> str:

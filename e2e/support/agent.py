@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
 import shlex
+import ssl
 from typing import Any
 
 import dscache_contract as contract
+from dscache_contract.peers import AGENT_TLS_NAME, agent_audience
 from support.kube import Kube, NodeExecError, node_sh
 
 AGENT_SELECTOR = "app.kubernetes.io/name=dscache-node"
@@ -105,3 +109,47 @@ def describe(kube: Kube, cache_root: str, node: str) -> str:
         indent=1,
         default=str,
     )
+
+
+# --- its HTTP API, as the controller and the stagers call it (issue 29) ------------------------
+
+
+class _AgentHTTPS(http.client.HTTPSConnection):
+    """HTTPS to a node IP whose certificate names AGENT_TLS_NAME (as the stagers connect)."""
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=AGENT_TLS_NAME)  # type: ignore[attr-defined]
+
+
+def agent_call(
+    kube: Kube, node: str, method: str, path: str, token: str | None = None, body: str = ""
+) -> tuple[int, bytes]:
+    """One request to ``node``'s agent at its InternalIP: TLS checked against the chart's CA (Secret
+    dscache-agent-tls) unless the install turned TLS off. (status, body)."""
+    obj = node_obj(kube, node)
+    ip = next(a["address"] for a in obj["status"]["addresses"] if a["type"] == "InternalIP")
+    port = int(obj["metadata"]["labels"][contract.AGENT_LABEL])
+    secret = kube.get("secret", "dscache-agent-tls", RELEASE_NS)
+    conn: http.client.HTTPConnection
+    if secret is None:
+        conn = http.client.HTTPConnection(ip, port, timeout=30)
+    else:
+        ctx = ssl.create_default_context(cadata=base64.b64decode(secret["data"]["ca.crt"]).decode())
+        conn = _AgentHTTPS(ip, port, timeout=30, context=ctx)
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        conn.request(method, path, body=body or None, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def controller_token(kube: Kube, node: str) -> str:
+    """A token of the controller's ServiceAccount for ``node``'s agent, as the controller asks for one."""
+    return kube.kubectl(
+        "create", "token", "dscache-controller", "-n", RELEASE_NS, "--audience", agent_audience(node)
+    ).stdout.strip()

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import http.client
 import urllib.parse
+
+from . import agenttls
 
 
 def post(agent: str, path: str, body: str, timeout: float, token: str = "") -> str:
-    """POST ``body`` to ``agent`` + ``path``, with the cache's peer ``token`` (the agent writes to
-    its Node or its disk only for a stager that shows it); the answer's text. OSError when the agent
+    """POST ``body`` to ``agent`` + ``path``, with the pod's projected ``token`` (the agent writes to
+    its Node or its disk only for a consumer pod of the cache on its node); the answer's text.
+    ``https://``: TLS, checked against the agents' CA (agenttls.py). OSError when the agent
     does not answer or answers anything but 200 (with the status and the start of its answer)."""
     url = urllib.parse.urlsplit(agent)
-    conn = http.client.HTTPConnection(url.hostname or "localhost", url.port or 80, timeout=timeout)
+    tls = url.scheme == "https"
+    conn = agenttls.connection(url.hostname or "localhost", url.port or (443 if tls else 80), timeout, tls)
     try:
         headers = {"Content-Type": "application/json"}
         if token:

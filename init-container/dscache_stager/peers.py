@@ -65,7 +65,7 @@ from dscache_contract.peers import (
     owner_ranking,
 )
 
-from . import agentcall
+from . import agentcall, agenttls
 from .fetch import FILE_MODE
 
 log = logging.getLogger("dscache-stage")
@@ -89,7 +89,7 @@ BUSY_S = 20.0
 #: why this node first looks at such earlier peers' claims for ``PROBE_S`` (longer than this).
 REFRESH_S = 1.0
 PROBE_S = 2.5
-#: The token file is read again this often (the kubelet updates a rotated Secret in place).
+#: The token file is read again this often (the kubelet renews the projected token in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
 
@@ -397,8 +397,8 @@ class Peers:
             return Outcome.BUSY, ""  # over its bound for this node now: asked again in a moment
         if status == 503:
             return Outcome.NEXT, ""  # cannot read it now: the next one for this object, asked again for others
-        if status == 401:
-            self._fail(addr, "refused this cache's peer token")
+        if status in (401, 403):
+            self._fail(addr, f"refused this pod's token (HTTP {status})")
         elif status == 404:
             self._fail(addr, f"neither holds nor copies revision {self.revision} (any more)")
         else:
@@ -412,7 +412,7 @@ class Peers:
             host, _, port = addr.rpartition(":")
             # A held request answers within MAX_WAIT_S; past that, and between two reads of a body,
             # silence means a stalled peer.
-            conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=READ_TIMEOUT_S + MAX_WAIT_S)
+            conn = agenttls.connection(host.strip("[]"), int(port), READ_TIMEOUT_S + MAX_WAIT_S)
             conns[addr] = conn
             with self._lock:
                 self._all.append(conn)

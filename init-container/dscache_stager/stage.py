@@ -112,7 +112,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
 
 
 def _token(path: str | None) -> str:
-    """The cache's peer token (the agent's reservations need it); "" without one."""
+    """The pod's projected token for the agents (reservations need it); "" without one."""
     if not path:
         return ""
     try:

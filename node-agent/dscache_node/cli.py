@@ -9,10 +9,11 @@ import threading
 from typing import Any
 
 from .agent import Agent
+from .auth import Gate
 from .kube import Kube
 from .metrics import AgentMetrics
 from .pods import watch_forever
-from .server import make_server
+from .server import make_server, tls_context
 from .settings import AgentSettings
 
 log = logging.getLogger("dscache-node")
@@ -26,17 +27,6 @@ def main() -> int:
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
 
-    def token() -> str | None:
-        if not settings.token_file:
-            return None
-        try:
-            with open(settings.token_file) as f:
-                return f.read().strip() or None
-        except OSError:
-            return None
-
-    if token() is None:
-        log.warning("no agent token (DSCACHE_AGENT_TOKEN_FILE): every wipe request will be refused")
     kube = Kube.from_env()
     agent = Agent(settings, kube, AgentMetrics())
     stop = threading.Event()
@@ -58,7 +48,12 @@ def main() -> int:
                 log.warning(f"refresh failed: {e}")
 
     threading.Thread(target=loop, daemon=True).start()
-    server = make_server(agent, token, settings.port)
+    tls = tls_context(settings.tls_cert, settings.tls_key or settings.tls_cert) if settings.tls_cert else None
+    if tls is None:
+        log.warning("no serving certificate (DSCACHE_AGENT_TLS_CERT): peers' bytes and tokens go in clear HTTP")
+    gate = Gate(kube, settings.node, settings.controller_user)
+    gate.reviews.on_review = agent.metrics.token_reviews.inc
+    server = make_server(agent, gate, settings.port, tls=tls)
 
     def on_term(*_: object) -> None:
         stop.set()

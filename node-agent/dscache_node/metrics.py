@@ -32,8 +32,11 @@ class AgentMetrics:
         )
         self.peer_refused = Counter(
             "dscache_node_peer_refused_requests",
-            "Object requests refused for a missing or wrong peer token",
+            "Object requests refused: no token, or not a consumer pod of that cache",
             registry=r,
+        )
+        self.token_reviews = Counter(
+            "dscache_node_token_reviews", "TokenReviews sent to the API server (a verified token is kept)", registry=r
         )
 
     def observe(self, node: str, room: Room, revs: Iterable[OnDisk], evicted: int) -> None:

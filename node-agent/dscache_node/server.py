@@ -2,12 +2,16 @@
 
 GET  /healthz       200 while the disk was read lately
 GET  /metrics       Prometheus
-POST /v1/reserve    the stager: room for a copy (the cache's peer token; a stager must hold C's lock)
-POST /v1/wipe       the controller: release leases, remove a revision (the agent token)
-POST /v1/peers      the stager: who else stages or holds its revision (the cache's peer token; it
-                    must hold C's lock and be copying that revision)
+POST /v1/reserve    the stager: room for a copy (a consumer pod of the cache on this node; a
+                    stager must hold C's lock)
+POST /v1/wipe       the controller: release leases, remove a revision (its token for this node)
+POST /v1/peers      the stager: who else stages or holds its revision (a consumer pod of the cache
+                    on this node; it must hold C's lock and be copying that revision)
 GET  /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>
-                    a peer's stager: one complete object, with the cache's peer token
+                    a peer's stager: one complete object (a consumer pod of the cache, any node)
+
+Who is who: Kubernetes ServiceAccount tokens, checked by TokenReview (auth.py); with
+a certificate, the server speaks TLS (docs/security.md).
 
 Every node's agent listens on the host network, reachable by any pod, so the server
 assumes hostile clients (aiohttp, asyncio: a connection costs a socket and a small
@@ -24,19 +28,19 @@ object, not a thread):
   object requests at most ``OBJECTS_PER_CLIENT`` per address and ``MAX_OBJECTS`` in
   all. Past a bound the answer is 429 (the stager asks the next node or the
   bucket), so healthz and wipes always find room;
-- every request that changes anything carries a token: the agent token for wipes,
-  the cache's peer token for reservations and the peers question (which labels the
-  Node); a malformed request is answered 4xx, never with a dropped connection.
+- every request but healthz and metrics carries a token: the controller's for wipes,
+  a consumer pod's for the rest (auth.py); a malformed request is answered 4xx, never
+  with a dropped connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from collections import Counter
@@ -55,11 +59,11 @@ from dscache_contract.peers import (
     REVISION_HEADER,
     ObjectRequest,
     PeersRequest,
-    check_peer_token,
 )
 from dscache_stager.errors import BusyError, UsageError
 
 from .agent import Agent, _locked
+from .auth import Gate, NeedsApi, Refusal
 from .kube import ApiError
 from .peers import Claims, NotHere, Opened, check_request, poll_object
 
@@ -173,9 +177,12 @@ class AgentServer:
     """The agent's server on a socket bound at construction; ``serve_forever`` runs its event loop
     in the calling thread until ``shutdown`` (from any thread)."""
 
-    def __init__(self, agent: Agent, token: Callable[[], str | None], port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(
+        self, agent: Agent, gate: Gate, port: int, addr: str = "0.0.0.0", tls: ssl.SSLContext | None = None
+    ) -> None:
         self.agent = agent
-        self.token = token
+        self.gate = gate
+        self.tls = tls
         self.claims = Claims()
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -191,6 +198,8 @@ class AgentServer:
         self._stop: asyncio.Event | None = None
         self._server: _Server | None = None
         self._stopped = threading.Event()
+        #: Token checks in progress (event loop only), by the question they answer.
+        self._checks: dict[tuple[str, ...], asyncio.Future[Refusal | None]] = {}
 
     # --- running ------------------------------------------------------------------------------
 
@@ -221,7 +230,7 @@ class AgentServer:
         self._server = server
         runner = web.ServerRunner(server, handle_signals=False)
         await runner.setup()
-        site = web.SockSite(runner, self.sock)
+        site = web.SockSite(runner, self.sock, ssl_context=self.tls)
         await site.start()
         try:
             await self._stop.wait()
@@ -267,24 +276,27 @@ class AgentServer:
         except web.HTTPRequestEntityTooLarge:
             return _error(413, "request too large")
         text = raw.decode(errors="replace")
-        given, path, agent = _bearer(request), request.path, self.agent
-        key = self.token() or ""
+        given, path, agent, gate = _bearer(request), request.path, self.agent, self.gate
         work: Callable[[], str]
+        check: Callable[[bool], Refusal | None]
+        key: tuple[str, ...]
         try:
             if path == WIPE_PATH:
-                if not key or not hmac.compare_digest(given.encode(), key.encode()):
-                    return _error(401, "a wipe needs the agent token (Authorization: Bearer ...)")
                 wipe = WipeRequest.from_json(text)
+                check = lambda offline: gate.controller(given, offline)  # noqa: E731
+                key = (path, given)
                 work = lambda: agent.wipe(wipe).to_json()  # noqa: E731
             elif path == RESERVE_PATH:
                 reserve = ReserveRequest.from_json(text)
-                if not check_peer_token(key, reserve.namespace, reserve.cache, given):
-                    return _error(401, f"a reservation for {reserve.namespace}/{reserve.cache} needs its peer token")
+                ns, cache = reserve.namespace, reserve.cache
+                check = lambda offline: gate.consumer(given, ns, cache, True, offline)  # noqa: E731
+                key = (path, given, ns, cache)
                 work = lambda: agent.reserve(reserve).to_json()  # noqa: E731
             else:
                 peers = PeersRequest.from_json(text)
-                if not check_peer_token(key, peers.namespace, peers.cache, given):
-                    return _error(401, f"the peers of {peers.namespace}/{peers.cache} need its peer token")
+                ns, cache = peers.namespace, peers.cache
+                check = lambda offline: gate.consumer(given, ns, cache, True, offline)  # noqa: E731
+                key = (path, given, ns, cache)
 
                 def work() -> str:
                     answer = agent.peers(peers)
@@ -295,6 +307,9 @@ class AgentServer:
         except (ArgsError, UsageError, ValueError, KeyError, TypeError, AttributeError) as e:
             return _error(400, f"bad request: {e}")
         try:
+            refused = await self._check(request, key, check)
+            if refused is not None:
+                return _error(refused.status, refused.message)
             return _json_text(200, await self._call(request, work))
         except _Busy as e:
             return _error(429, str(e))
@@ -306,6 +321,25 @@ class AgentServer:
             # E.g. the API server refused to take a warm label off (then nothing was removed): say so,
             # rather than drop the connection without an answer.
             return _error(503, f"{path} failed: {e}")
+
+    async def _check(
+        self, request: web.BaseRequest, key: tuple[str, ...], check: Callable[[bool], Refusal | None]
+    ) -> Refusal | None:
+        """``check`` from what is known (a cached token: no thread, no API call), else on the control
+        pool (a TokenReview, a pod's GET), once for all the requests that ask the same question
+        (``key``) meanwhile: a stager opens up to 64 connections at once with a token the agent has
+        not seen, and one per address may use only CONTROL_PER_CLIENT threads (the rest would be
+        told "busy"). _Busy, ApiError or OSError when it cannot be told."""
+        try:
+            return check(True)
+        except NeedsApi:
+            pass
+        pending = self._checks.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._call(request, lambda: check(False)))
+            self._checks[key] = pending
+            pending.add_done_callback(lambda _: self._checks.pop(key, None))
+        return await asyncio.shield(pending)
 
     async def _call(self, request: web.BaseRequest, fn: Callable[[], T]) -> T:
         """``fn`` on the control pool, within this address's share of it."""
@@ -325,9 +359,20 @@ class AgentServer:
             check_request(req.namespace, req.cache, req.path)
         except (ValueError, ArgsError) as e:
             return _error(400, f"bad request: {e}")
-        if not check_peer_token(self.token() or "", req.namespace, req.cache, _bearer(request)):
+        given = _bearer(request)
+        try:
+            refused = await self._check(
+                request,
+                (OBJECTS_PATH, given, req.namespace, req.cache),
+                lambda offline: self.gate.consumer(given, req.namespace, req.cache, False, offline),
+            )
+        except _Busy as e:
+            return _error(429, str(e))
+        except (ApiError, OSError) as e:
+            return _error(503, f"cannot check the token: {e}")
+        if refused is not None:
             self.agent.metrics.peer_refused.inc()
-            return _error(401, f"objects of {req.namespace}/{req.cache} need that cache's peer token")
+            return _error(refused.status, refused.message)
         client = _peer(request.transport) if request.transport else "?"
         if not self.objects.take(client):
             return _error(429, f"too many object requests in progress (from {client} or in all); ask another")
@@ -399,7 +444,16 @@ class _Conflict(Exception):
     """Answered 409."""
 
 
-def make_server(agent: Agent, token: Callable[[], str | None], port: int, addr: str = "0.0.0.0") -> AgentServer:
-    """``token()``: the token wipes must carry, read afresh per request (a rotated Secret
-    takes effect without a restart); also the key of every cache's peer token."""
-    return AgentServer(agent, token, port, addr)
+def make_server(
+    agent: Agent, gate: Gate, port: int, addr: str = "0.0.0.0", tls: ssl.SSLContext | None = None
+) -> AgentServer:
+    """``gate``: who may call what (auth.py); ``tls``: serve TLS with that context (None: plain HTTP)."""
+    return AgentServer(agent, gate, port, addr, tls)
+
+
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server context of the agent's serving certificate (the chart's Secret)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    return ctx

@@ -56,7 +56,11 @@ class AgentSettings:
     cache_root: str
     namespace: str = "dscache-system"
     port: int = AGENT_PORT
-    token_file: str | None = None
+    #: The controller's ServiceAccount (in ``namespace``): the only caller whose wipes are taken.
+    controller_service_account: str = "dscache-controller"
+    #: The serving certificate and key (PEM files): TLS on the agent's port; unset: plain HTTP.
+    tls_cert: str | None = None
+    tls_key: str | None = None
     #: The most bytes all copies under cacheRoot may take together.
     budget: Size = Size(percent=80.0)
     #: Free space always left on the cacheRoot filesystem (the kubelet's DiskPressure
@@ -77,6 +81,10 @@ class AgentSettings:
     #: The release, as the CSI driver reports it (GetPluginInfo's vendor_version).
     version: str = "dev"
 
+    @property
+    def controller_user(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.controller_service_account}"
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> AgentSettings:
         env = dict(os.environ if env is None else env)
@@ -92,7 +100,9 @@ class AgentSettings:
             cache_root=root,
             namespace=env.get("DSCACHE_NAMESPACE") or d.namespace,
             port=int(env.get("DSCACHE_AGENT_PORT") or d.port),
-            token_file=env.get("DSCACHE_AGENT_TOKEN_FILE") or None,
+            controller_service_account=env.get("DSCACHE_CONTROLLER_SERVICE_ACCOUNT") or d.controller_service_account,
+            tls_cert=env.get("DSCACHE_AGENT_TLS_CERT") or None,
+            tls_key=env.get("DSCACHE_AGENT_TLS_KEY") or None,
             budget=Size.parse("DSCACHE_NODE_BUDGET", env["DSCACHE_NODE_BUDGET"])
             if env.get("DSCACHE_NODE_BUDGET")
             else d.budget,

@@ -144,15 +144,20 @@ class Settings:
     """``DSCACHE_AGENT_PORT``: port of the node agents (``dscache-node``, host network): the
     controller sends wipes there, the stager asks it for room under the node's byte budget."""
 
-    agent_token_file: str | None = None
-    """``DSCACHE_AGENT_TOKEN_FILE``: file holding the token the node agents require on wipe
-    requests (a Secret of the chart, mounted in the controller and in every agent)."""
+    service_account: str = "dscache-controller"
+    """``DSCACHE_SERVICE_ACCOUNT``: the controller's own ServiceAccount (in ``namespace``): it asks
+    for a token of it per node (audience ``dscache-agent/<node>``) to call that node's agent."""
+
+    agent_ca_file: str | None = None
+    """``DSCACHE_AGENT_CA_FILE``: the CA (PEM) of the agents' serving certificate: the controller
+    calls them over TLS, and the webhook gives it to the stagers (``DSCACHE_PEER_CA``). Unset:
+    plain HTTP."""
 
     peers: bool = True
-    """``DSCACHE_PEERS``: fetch once per cluster: the controller writes each cache's peer token
-    (a Secret in its namespace) and the webhook mounts it into the stager, which then takes
-    objects other nodes hold or copy from their agents (hostPath mode). ``false``: every node
-    reads the bucket itself, and the controller writes no Secret."""
+    """``DSCACHE_PEERS``: fetch once per cluster: the webhook gives the stager its pod's projected
+    ServiceAccount token (audience ``dscache-peer``), which other nodes' agents check, and the
+    stager takes objects other nodes hold or copy from their agents. ``false``: every node
+    reads the bucket itself."""
 
     volume_type: str = "csi"
     """``DSCACHE_VOLUME_TYPE`` (chart value ``volume.type``): how pre-staging pods get the node's
@@ -230,7 +235,8 @@ class Settings:
             health_port=int(opt("DSCACHE_HEALTH_PORT") or d.health_port),
             metrics_port=int(opt("DSCACHE_METRICS_PORT") or d.metrics_port),
             agent_port=int(opt("DSCACHE_AGENT_PORT") or d.agent_port),
-            agent_token_file=opt("DSCACHE_AGENT_TOKEN_FILE"),
+            service_account=opt("DSCACHE_SERVICE_ACCOUNT") or d.service_account,
+            agent_ca_file=opt("DSCACHE_AGENT_CA_FILE"),
             peers=(opt("DSCACHE_PEERS") or "true").lower() not in ("false", "0", "no"),
             volume_type=_choice("DSCACHE_VOLUME_TYPE", opt("DSCACHE_VOLUME_TYPE") or d.volume_type, VOLUME_TYPES),
             placement_weight=_weight(opt("DSCACHE_PLACEMENT_WEIGHT") or str(d.placement_weight)),

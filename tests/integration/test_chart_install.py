@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "dscache"
 NS = "dscache-system"
 SECRET = f"/api/v1/namespaces/{NS}/secrets/dscache-webhook-tls"
-AGENT_TOKEN = f"/api/v1/namespaces/{NS}/secrets/dscache-agent-token"
+AGENT_TLS = f"/api/v1/namespaces/{NS}/secrets/dscache-agent-tls"
 MWC = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/dscache"
 
 
@@ -124,16 +124,18 @@ def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: 
     assert len(bundles) == 5 and all(b == data["ca.crt"] for b in bundles)
     verify(tmp_path, data["ca.crt"], data["tls.crt"])
     assert api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/datasetcaches.dscache.io")
-    token = api.get(AGENT_TOKEN)["data"]["token"]
-    assert len(base64.b64decode(token)) == 48
+    # No shared agent token any more (issue 29); the agents' serving certificate, signed by its CA.
+    assert api.get(f"/api/v1/namespaces/{NS}/secrets/dscache-agent-token") is None
+    agents = api.get(AGENT_TLS)["data"]
+    verify(tmp_path, base64.b64decode(agents["ca.crt"]), base64.b64decode(agents["tls.crt"]))
 
-    # Upgrades (changed values, and --reuse-values) keep the certificate and the agent token as is.
+    # Upgrades (changed values, and --reuse-values) keep the certificates as they are.
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--reuse-values", "--set", "webhook.timeoutSeconds=7")
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--set", "cacheRoot=/mnt/nvme/dscache")
     data2, bundles2 = tls_state(api)
     assert data2 == data
     assert bundles2 == bundles
-    assert api.get(AGENT_TOKEN)["data"]["token"] == token
+    assert api.get(AGENT_TLS)["data"] == agents
     assert api.get(MWC)["webhooks"][0]["timeoutSeconds"] == 5  # the last upgrade reset it
 
     # Near expiry: renewed, and the bundle trusts old and new CA until the next upgrade.
@@ -148,11 +150,11 @@ def test_install_and_certificates_survive_upgrade(api: KubeAPI, helm, tmp_path: 
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--reuse-values")
     data4, bundles4 = tls_state(api)
     assert data4 == data3 and all(b == data3["ca.crt"] for b in bundles4)
-    assert api.get(AGENT_TOKEN)["data"]["token"] == token
-    # Rotating the agent token: delete the Secret, upgrade.
-    api.delete(AGENT_TOKEN)
+    assert api.get(AGENT_TLS)["data"] == agents
+    # Renewing the agents' certificate: delete the Secret, upgrade (then restart the agents).
+    api.delete(AGENT_TLS)
     helm("upgrade", "dscache", str(CHART), "-n", NS, "--reuse-values")
-    assert api.get(AGENT_TOKEN)["data"]["token"] != token
+    assert api.get(AGENT_TLS)["data"]["tls.crt"] != agents["tls.crt"]
 
     # Uninstall: the CRD stays (deleting it would delete every DatasetCache). No kubelet
     # here to run the pre-delete hook's Job: test_operator_runs_with_the_charts_rbac runs its command.

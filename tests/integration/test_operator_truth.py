@@ -655,7 +655,7 @@ def test_relist_never_releases_a_live_lease(kube_api, dscache_operator, ready_ca
         certificate_path=str(k.certs / "admin.crt"),
         private_key_path=str(k.certs / "admin.key"),
     )
-    settings = Settings(agent_token_file=str(dscache_operator.agent_token_file), peers=False, reconcile_interval=1)
+    settings = Settings(peers=False, reconcile_interval=1)
 
     async def scenario() -> list[str]:
         kube = Kube(info)

@@ -34,7 +34,8 @@ def stage_asking(
 
 
 def peer_token_file(agent, tmp_path: Path, cache: str) -> str:
-    """The cache's peer token, as the webhook mounts it: the agent reserves only for its holder."""
+    """A stager pod's projected token, as the webhook mounts it: the agent reserves only for a pod
+    of the cache on its node."""
     path = tmp_path / f"peer-token-{cache}"
     path.write_text(agent.peer_token(NS, cache))
     return str(path)

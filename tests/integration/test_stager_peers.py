@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 import dscache_contract as contract
-from dscache_contract.peers import ObjectRequest, peer_token
+from dscache_contract.peers import ObjectRequest
+from tests.support.agentauth import stager_token
 from tests.support.faultproxy import FaultProxy
 from tests.support.nodeagent import NodeAgent, service_account_token
 from tests.support.s3server import S3Server
@@ -79,7 +80,7 @@ def node_sa(kube_api, dscache_operator, tmp_path: Path) -> Path:
 
 def token_file(agent: NodeAgent, tmp_path: Path, ns: str = NS, cache: str = CACHE) -> Path:
     path = tmp_path / f"token-{agent.node}-{ns}-{cache}"
-    path.write_text(peer_token(agent.token_file.read_text().strip(), ns, cache))
+    path.write_text(agent.peer_token(ns, cache))  # a stager pod of the cache on that agent's node
     return path
 
 
@@ -207,12 +208,11 @@ def test_a_lying_peer_is_caught_and_the_object_refetched_from_the_bucket(
     assert summary["bucket_bytes"] + summary["peer_bytes"] == DATASET, summary
 
 
-def test_objects_need_the_caches_own_token(s3_server: S3Server, counted, agents, tmp_path: Path):
+def test_objects_need_the_caches_own_token(s3_server: S3Server, counted, agents, kube_api, tmp_path: Path):
     uri, rev, proxy, _ = counted
     a = agents.start("guarded-a")
     r = stage_on(s3_server, proxy, a, uri, rev, token_file(a, tmp_path))
     assert r.code == 0, r.stderr
-    key = a.token_file.read_text().strip()
     path = ObjectRequest(NS, CACHE, rev, "000.bin").target()
 
     def get(target: str, token: str | None) -> tuple[int, bytes]:
@@ -224,20 +224,24 @@ def test_objects_need_the_caches_own_token(s3_server: S3Server, counted, agents,
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    assert get(path, peer_token(key, NS, CACHE)) == (200, FILES["d/000.bin"])
-    # No token, a made-up one, another cache's, another namespace's, or the agent's own key: nothing.
-    for token in (None, "", "0.abc", peer_token(key, NS, "other"), peer_token(key, "other-ns", CACHE), key):
+    good = stager_token(kube_api, NS, CACHE, "guarded-b")  # a stager of the cache on another node
+    assert get(path, good) == (200, FILES["d/000.bin"])
+    # No token, a made-up one, another cache's pod, another namespace's: nothing (tests of every
+    # identity: test_agent_identity.py).
+    for token in (
+        None,
+        "",
+        "0.abc",
+        stager_token(kube_api, NS, "other", "guarded-b"),
+        stager_token(kube_api, "other-ns", CACHE, "guarded-b"),
+    ):
         code, body = get(path, token)
-        assert code == 401 and FILES["d/000.bin"][:64] not in body, (token, code)
-    # A token from two periods ago no longer opens anything (rotation).
-    stale = peer_token(key, NS, CACHE, now=time.time() - 2 * contract.peers.TOKEN_PERIOD_S)
-    assert get(path, stale)[0] == 401
-    # Another namespace's cache of the same name, on the same node: its own token only.
+        assert code in (401, 403) and FILES["d/000.bin"][:64] not in body, (token, code)
+    # Another namespace's cache of the same name, on the same node: its own pods' tokens only.
     other = a.cache_root / "other-ns" / CACHE
     other.mkdir(parents=True)
-    assert get(ObjectRequest("other-ns", CACHE, rev, "000.bin").target(), peer_token(key, NS, CACHE))[0] == 401
+    assert get(ObjectRequest("other-ns", CACHE, rev, "000.bin").target(), good)[0] == 403
     # Nothing outside the revision's data dir, with a valid token.
-    good = peer_token(key, NS, CACHE)
     for target in (
         f"{contract.peers.OBJECTS_PATH}{NS}/{CACHE}/{rev}/..%2F..%2Fmeta%2Fmanifest.jsonl",
         f"{contract.peers.OBJECTS_PATH}{NS}/{CACHE}/{rev}/..%2Fmeta%2Fmanifest.jsonl",
@@ -245,7 +249,11 @@ def test_objects_need_the_caches_own_token(s3_server: S3Server, counted, agents,
         f"{contract.peers.OBJECTS_PATH}..%2F..%2F/{CACHE}/{rev}/000.bin",
     ):
         code, body = get(target, good)
-        assert code in (400, 401, 404) and b"root:" not in body and b'"key"' not in body, (target, code, body[:200])
+        assert code in (400, 401, 403, 404) and b"root:" not in body and b'"key"' not in body, (
+            target,
+            code,
+            body[:200],
+        )
     # A symlink planted in the data dir is not followed.
     data = data_dir(a.cache_root / NS / CACHE, rev)
     os.chmod(data, 0o755)

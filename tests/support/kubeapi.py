@@ -466,16 +466,8 @@ class Operator:
     health_ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
 
-    @property
-    def agent_token_file(self) -> Path:
-        """The token the node agents require on wipes (the chart's Secret, mounted in both)."""
-        return self.workdir / "agent-token"
-
     def install(self) -> Operator:
         k = self.kube
-        import secrets
-
-        self.agent_token_file.write_text(secrets.token_hex(16) + "\n")
         k.apply_yaml_docs(load_yaml_docs(REPO / "crds" / "datasetcache.yaml"))
         k.wait_for(
             lambda: any(
@@ -548,7 +540,6 @@ class Operator:
                 "DSCACHE_WEBHOOK_PORT": str(self.webhook_port),
                 "DSCACHE_WEBHOOK_CERT": str(self.kube.certs / "webhook.crt"),
                 "DSCACHE_WEBHOOK_KEY": str(self.kube.certs / "webhook.key"),
-                "DSCACHE_AGENT_TOKEN_FILE": str(self.agent_token_file),
                 "PYTHONUNBUFFERED": "1",
             }
         )

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from typing import Any
 
 import dscache_contract as contract
 
+from .agentauth import controller_token, stager_token
 from .kubeapi import OPERATOR_NS, REPO, ApiError, KubeAPI
 from .s3server import free_port
 
@@ -159,14 +161,19 @@ class NodeAgent:
     kube: KubeAPI
     node: str
     workdir: Path
-    token_file: Path  # the token the controller sends on wipes
+    #: Unused since issue 29 (no shared key: the agent checks Kubernetes tokens); kept so callers
+    #: that still pass it positionally keep working.
+    token_file: Path | None = None
     env_extra: dict[str, str] = field(default_factory=dict)
     #: The agent's own credentials for the API server: "cert" (the admin client
     #: certificate) or a path to a bearer-token file (a ServiceAccount's token).
     kube_token_file: Path | None = None
     port: int = 0
+    #: (ca.crt, tls.crt, tls.key) (tests.support.tlscerts): serve TLS with that certificate.
+    tls: tuple[Path, Path, Path] | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
     starts: int = 0
+    _tokens: dict[tuple[str, str], str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +191,7 @@ class NodeAgent:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KUBECONFIG", "DSCACHE_"))}
@@ -194,7 +201,6 @@ class NodeAgent:
                 "DSCACHE_NODE_NAME": self.node,
                 "DSCACHE_CACHE_ROOT": str(self.cache_root),
                 "DSCACHE_AGENT_PORT": str(self.port),
-                "DSCACHE_AGENT_TOKEN_FILE": str(self.token_file),
                 "DSCACHE_NAMESPACE": OPERATOR_NS,
                 "DSCACHE_KUBE_SERVER": self.kube.server,
                 "DSCACHE_KUBE_CA": str(certs / "ca.crt"),
@@ -209,6 +215,8 @@ class NodeAgent:
             env.update({"DSCACHE_KUBE_CERT": str(certs / "admin.crt"), "DSCACHE_KUBE_KEY": str(certs / "admin.key")})
         else:
             env["DSCACHE_KUBE_TOKEN_FILE"] = str(self.kube_token_file)
+        if self.tls is not None:
+            env.update({"DSCACHE_AGENT_TLS_CERT": str(self.tls[1]), "DSCACHE_AGENT_TLS_KEY": str(self.tls[2])})
         env.update(self.env_extra)
         return env
 
@@ -263,8 +271,12 @@ class NodeAgent:
         req = urllib.request.Request(
             self.url + path, data=body.encode() if body is not None else None, method=method, headers=headers or {}
         )
+        ctx = None
+        if self.tls is not None:  # its CA, for the name on its certificate (not 127.0.0.1)
+            ctx = ssl.create_default_context(cafile=str(self.tls[0]))
+            ctx.check_hostname = False
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
+            with urllib.request.urlopen(req, timeout=60, context=ctx) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
@@ -279,8 +291,11 @@ class NodeAgent:
         return self._http("GET", "/metrics")[1]
 
     def peer_token(self, ns: str, cache: str) -> str:
-        """The cache's peer token, as the controller writes it (the stager shows it to its agent)."""
-        return contract.peers.peer_token(self.token_file.read_text().strip(), ns, cache)
+        """A token of a stager of ``ns/cache`` on this node (a pod naming the cache, its bound token)."""
+        key = (ns, cache)
+        if key not in self._tokens:
+            self._tokens[key] = stager_token(self.kube, ns, cache, self.node)
+        return self._tokens[key]
 
     def reserve(self, ns: str, cache: str, rev: str, nbytes: int, token: str | None = None) -> tuple[int, Any]:
         code, text = self._http(
@@ -295,7 +310,7 @@ class NodeAgent:
         return code, contract.ReserveAnswer.from_json(text) if code == 200 else text
 
     def wipe(self, req: contract.WipeRequest, token: str | None = None) -> tuple[int, str]:
-        token = self.token_file.read_text().strip() if token is None else token
+        token = controller_token(self.kube, self.node) if token is None else token
         return self._http(
             "POST",
             contract.WIPE_PATH,
@@ -307,7 +322,7 @@ class NodeAgent:
 class NodeAgents:
     """The agents a test started, one per Node name; all stopped when the test ends."""
 
-    def __init__(self, kube: KubeAPI, workdir: Path, token_file: Path) -> None:
+    def __init__(self, kube: KubeAPI, workdir: Path, token_file: Path | None = None) -> None:
         self.kube, self.workdir, self.token_file = kube, workdir, token_file
         self.agents: dict[str, NodeAgent] = {}
 

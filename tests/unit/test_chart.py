@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
+from dscache_contract.peers import AGENT_TLS_NAME
 from tests.support.tools import tool_bin
 
 REPO = Path(__file__).resolve().parents[2]
@@ -331,7 +332,7 @@ def test_generated_certificate_is_consistent(default_docs, tmp_path: Path):
     assert pub[0] == pub[1]
     # The webhook pods mount this Secret and point the process at it.
     deploy = one(default_docs, "Deployment", "dscache-webhook")
-    (vol,) = [v for v in deploy["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    (vol,) = [v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
     assert vol["secret"]["secretName"] == "dscache-webhook-tls"
     env = env_of(deploy["spec"]["template"]["spec"]["containers"][0])
     assert env["DSCACHE_WEBHOOK_CERT"].endswith("/tls.crt") and env["DSCACHE_WEBHOOK_KEY"].endswith("/tls.key")
@@ -341,7 +342,10 @@ def test_cert_manager_mode(helm: str):
     namespace, values, extra = VALUE_SETS["cert-manager"]
     docs = docs_of(template(helm, namespace, values, extra).stdout)
     assert not find(docs, "Secret", "dscache-webhook-tls"), "cert-manager writes the serving Secret, not the chart"
-    assert [d["metadata"]["name"] for d in find(docs, "Secret")] == ["dscache-agent-token"]
+    assert not find(docs, "Secret"), "cert-manager writes the agents' Secret too"
+    agents = one(docs, "Certificate", "dscache-agent-tls")["spec"]
+    assert (agents["secretName"], agents["dnsNames"]) == ("dscache-agent-tls", [AGENT_TLS_NAME])
+    assert agents["issuerRef"]["name"] == "dscache-ca"
     mwc = one(docs, "MutatingWebhookConfiguration")
     assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NS}/dscache-webhook"
     assert all("caBundle" not in h["clientConfig"] for h in mwc["webhooks"]), (
@@ -358,7 +362,8 @@ def test_cert_manager_mode(helm: str):
     namespace, values, extra = VALUE_SETS["minimal"]
     docs = docs_of(template(helm, namespace, values, extra).stdout)
     assert not find(docs, "Issuer")
-    assert one(docs, "Certificate")["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
+    for name in ("dsc-webhook", "dsc-agent-tls"):
+        assert one(docs, "Certificate", name)["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
     # Without cert-manager in the cluster: a clear refusal.
     proc = template(helm, NS, {"certManager": {"enabled": True}}, check=False)
     assert proc.returncode != 0 and "does not serve cert-manager.io/v1" in proc.stderr
@@ -444,7 +449,7 @@ def test_env_names_are_the_operator_settings(default_docs):
         "DSCACHE_PLACEMENT_WEIGHT",
     }
     controller_only = {
-        "DSCACHE_AGENT_TOKEN_FILE",  # the webhook never wipes: it does not get the token
+        "DSCACHE_SERVICE_ACCOUNT",  # the webhook never calls an agent: it asks for no token
         "DSCACHE_LEASE_NAME",  # leader election and pre-stage pods are the controller's
         "DSCACHE_POD_NAME",
         "DSCACHE_IMAGE_PULL_SECRETS",
@@ -580,9 +585,8 @@ def test_rbac_least_privilege(helm: str):
             for rule in doc["rules"]:
                 assert "*" not in rule["verbs"] and "*" not in rule["resources"], (name, rule)
                 if "secrets" in rule["resources"]:
-                    # Reading by name; writing only the peer tokens (their own role).
-                    peer_tokens = doc["metadata"]["name"].endswith("-peer-tokens")
-                    assert rule["verbs"] == (["create", "patch"] if peer_tokens else ["get"]), (name, rule)
+                    # Reading by name only; no Secret is written (no peer tokens since issue 29).
+                    assert rule["verbs"] == ["get"], (name, rule)
         # Secrets cluster-wide only in the cluster-wide default (readSecrets, no
         # secretNamespaces): never when Secret reading is narrowed, off, or scoped.
         sc = values.get("sourceCheck", {})
@@ -591,9 +595,6 @@ def test_rbac_least_privilege(helm: str):
         )
         for crb in find(docs, "ClusterRoleBinding"):
             role = roles[("ClusterRole", crb["roleRef"]["name"])]
-            if crb["roleRef"]["name"].endswith("-peer-tokens"):
-                assert not values.get("watchNamespaces"), (name, crb)  # cluster-wide only when serving it all
-                continue
             if any("secrets" in r["resources"] for r in role["rules"]):
                 assert clusterwide_ok, (name, crb)
                 assert [(s["kind"], s["name"]) for s in crb["subjects"]] == [
@@ -959,7 +960,7 @@ def test_node_agent_daemonset(default_docs):
     assert c["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
     assert c["ports"] == [{"name": "http", "containerPort": 9477, "protocol": "TCP"}]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTPS"}, probe
     # The CSI driver: the one privileged pod of the product (bind mounts into the kubelet's pods).
     sc = c["securityContext"]
     assert (sc["privileged"], sc["runAsUser"], sc["readOnlyRootFilesystem"]) == (True, 0, True)
@@ -1065,40 +1066,68 @@ def test_node_agent_values(helm: str):
     ]
 
 
-def test_agent_token_secret_mounted_in_the_agents_and_the_controller(default_docs):
-    secret = one(default_docs, "Secret", "dscache-agent-token")
-    assert secret["type"] == "Opaque"
-    token = base64.b64decode(secret["data"]["token"]).decode()
-    assert re.fullmatch(r"[A-Za-z0-9]{48}", token), token
-    path = "/var/run/dscache-agent/token"
-    for kind, name in (("DaemonSet", "dscache-node"), ("Deployment", "dscache-controller")):
-        pod = one(default_docs, kind, name)["spec"]["template"]["spec"]
-        (vol,) = [v for v in pod["volumes"] if v["name"] == "agent-token"]
-        assert vol["secret"] == {"secretName": "dscache-agent-token", "defaultMode": 0o440}, name
-        (c,) = pod["containers"]
-        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "agent-token"]
-        assert (mount["mountPath"], mount["readOnly"]) == ("/var/run/dscache-agent", True), name
-        assert env_of(c)["DSCACHE_AGENT_TOKEN_FILE"] == path, name
-    # The webhook never wipes: it has no token.
-    hook = one(default_docs, "Deployment", "dscache-webhook")["spec"]["template"]["spec"]
-    assert all("agent-token" not in json.dumps(v) for v in hook["volumes"])
-    assert "DSCACHE_AGENT_TOKEN_FILE" not in env_of(hook["containers"][0])
+def test_no_shared_agent_key_and_the_agents_tls(default_docs, tmp_path: Path):
+    """Issue 29: no token Secret shared by the nodes; the agents serve TLS with a certificate for
+    AGENT_TLS_NAME that the generated CA signed; the controller and the webhook get ca.crt only."""
+    assert not find(default_docs, "Secret", "dscache-agent-token")
+    assert "DSCACHE_AGENT_TOKEN_FILE" not in json.dumps(default_docs)
+    secret = one(default_docs, "Secret", "dscache-agent-tls")
+    for key in ("ca.crt", "tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    subprocess.run(
+        ["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt")],
+        check=True,
+        capture_output=True,
+    )
+    text = subprocess.run(
+        ["openssl", "x509", "-in", str(tmp_path / "tls.crt"), "-noout", "-text"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert f"DNS:{AGENT_TLS_NAME}" in text
+    ds = one(default_docs, "DaemonSet", "dscache-node")["spec"]["template"]["spec"]
+    (vol,) = [v for v in ds["volumes"] if v["name"] == "agent-tls"]
+    assert vol["secret"] == {"secretName": "dscache-agent-tls", "defaultMode": 0o400}
+    (c,) = ds["containers"]
+    env = env_of(c)
+    assert (env["DSCACHE_AGENT_TLS_CERT"], env["DSCACHE_AGENT_TLS_KEY"]) == (
+        "/etc/dscache/agent-tls/tls.crt",
+        "/etc/dscache/agent-tls/tls.key",
+    )
+    assert env["DSCACHE_CONTROLLER_SERVICE_ACCOUNT"] == "dscache-controller"
+    for name in ("dscache-controller", "dscache-webhook"):
+        pod = one(default_docs, "Deployment", name)["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "agent-ca"]
+        assert vol["secret"] == {"secretName": "dscache-agent-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+        assert env_of(pod["containers"][0])["DSCACHE_AGENT_CA_FILE"] == "/etc/dscache/agent-ca/ca.crt", name
+    controller = one(default_docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]
+    assert env_of(controller["containers"][0])["DSCACHE_SERVICE_ACCOUNT"] == "dscache-controller"
 
 
-def test_agent_token_is_kept_across_upgrades():
-    """The token is read back with `lookup` (as the webhook certificate is) and made only when missing."""
-    text = (CHART / "templates" / "agent-token.yaml").read_text()
-    assert 'lookup "v1" "Secret" .Release.Namespace $name' in text
-    assert "randAlphaNum 48" in text
-    assert re.search(r"if not \$token \}\}\s*\{\{- \$token = randAlphaNum 48", text)
+def test_agent_tls_off(helm: str):
+    docs = docs_of(template(helm, values={"nodeAgent": {"tls": {"enabled": False}}}).stdout)
+    assert not find(docs, "Secret", "dscache-agent-tls")
+    assert "agent-ca" not in json.dumps(docs) and "DSCACHE_AGENT_CA_FILE" not in json.dumps(docs)
+    (c,) = one(docs, "DaemonSet", "dscache-node")["spec"]["template"]["spec"]["containers"]
+    assert "DSCACHE_AGENT_TLS_CERT" not in env_of(c)
+    assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTP"
+
+
+def test_agent_certificate_is_kept_across_upgrades():
+    """Read back with `lookup` (as the webhook certificate is) and made only when missing or expiring."""
+    text = (CHART / "templates" / "agent-tls.yaml").read_text()
+    assert 'lookup "v1" "Secret" $ns $secretName' in text
+    assert "if and $complete (gt $notAfter $renewBy)" in text
 
 
 def test_node_agent_rbac(default_docs):
     rules = _rules(one(default_docs, "ClusterRole", "dscache-node"))
     assert rules == [
         (("",), ("nodes",), ("get", "list", "patch")),
-        (("",), ("pods",), ("list", "watch")),
+        (("",), ("pods",), ("get", "list", "watch")),
         (("", "events.k8s.io"), ("events",), ("create", "patch")),
+        (("authentication.k8s.io",), ("tokenreviews",), ("create",)),
         (("dscache.io",), ("datasetcaches",), ("get", "list")),
     ]
     crb = one(default_docs, "ClusterRoleBinding", "dscache-node")
@@ -1131,22 +1160,27 @@ def test_node_agent_disabled(helm: str):
     assert not find(docs, "ClusterRole", "dscache-node") and not find(docs, "ClusterRoleBinding", "dscache-node")
     assert not find(docs, "ServiceAccount", "dscache-node")
     assert not find(docs, "Service", "dscache-node-metrics")
-    # The token is still there, for agents run some other way, and the controller still sends it.
-    assert one(docs, "Secret", "dscache-agent-token")
+    # The certificate is still there, for agents run some other way, and the controller trusts its CA.
+    assert one(docs, "Secret", "dscache-agent-tls")
     (c,) = one(docs, "Deployment", "dscache-controller")["spec"]["template"]["spec"]["containers"]
-    assert env_of(c)["DSCACHE_AGENT_TOKEN_FILE"] == "/var/run/dscache-agent/token"
+    assert env_of(c)["DSCACHE_AGENT_CA_FILE"] == "/etc/dscache/agent-ca/ca.crt"
 
 
 def test_node_agent_metrics_service(default_docs, helm: str):
     svc = one(default_docs, "Service", "dscache-node-metrics")
     ds = one(default_docs, "DaemonSet", "dscache-node")
     assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
-    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9477, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [{"name": "agent-metrics", "port": 9477, "targetPort": "http", "protocol": "TCP"}]
     # The operator's metrics Service does not select the agents, and the ServiceMonitor selects both Services.
     operator_svc = one(default_docs, "Service", "dscache-metrics")
     assert not operator_svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
     docs = docs_of(template(helm, values={"metrics": {"serviceMonitor": {"enabled": True}}}).stdout)
-    selector = one(docs, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    monitor = one(docs, "ServiceMonitor")["spec"]
+    selector = monitor["selector"]["matchLabels"]
+    # The agents serve TLS: scraped over https, checked against their CA for their certificate's name.
+    (agents,) = [e for e in monitor["endpoints"] if e["port"] == "agent-metrics"]
+    assert agents["scheme"] == "https" and agents["tlsConfig"]["serverName"] == AGENT_TLS_NAME
+    assert agents["tlsConfig"]["ca"] == {"secret": {"name": "dscache-agent-tls", "key": "ca.crt"}}
     for name in ("dscache-metrics", "dscache-node-metrics"):
         assert selector.items() <= one(docs, "Service", name)["metadata"]["labels"].items(), name
     docs = docs_of(template(helm, values={"metrics": {"enabled": False}}).stdout)
@@ -1185,27 +1219,6 @@ def test_tenants_get_datasetcaches_through_the_builtin_roles(default_docs, helm:
     assert not bound & {"dscache-edit", "dscache-view"}
     docs = docs_of(template(helm, values={"rbac": {"aggregateToDefaultRoles": False}}).stdout)
     assert not find(docs, "ClusterRole", "dscache-edit") and not find(docs, "ClusterRole", "dscache-view")
-
-
-def test_agent_token_existing_secret(helm: str):
-    """agentToken.existingSecret: no Secret rendered (nothing random in the output: `helm template`
-    renders the same twice, so Argo CD sees no drift), and the named one mounted where the token was."""
-    values = {"agentToken": {"existingSecret": "my-agent-token"}}
-    first, second = (template(helm, values=values).stdout for _ in range(2))
-    docs = docs_of(first)
-    assert not find(docs, "Secret", "dscache-agent-token")
-    for kind, name in (("DaemonSet", "dscache-node"), ("Deployment", "dscache-controller")):
-        pod = one(docs, kind, name)["spec"]["template"]["spec"]
-        (vol,) = [v for v in pod["volumes"] if v["name"] == "agent-token"]
-        assert vol["secret"]["secretName"] == "my-agent-token", name
-    # Without the generated certificate (cert-manager), the output is the same on every render.
-    values["certManager"] = {"enabled": True}
-    extra = ["--api-versions", "cert-manager.io/v1"]
-    assert template(helm, values=values, extra=extra).stdout == template(helm, values=values, extra=extra).stdout
-    del values["certManager"]
-    assert normalise(first) == normalise(second)
-    bad = template(helm, values={"agentToken": {"existingSecret": "Not_A_Name"}}, check=False)
-    assert bad.returncode != 0 and "at '/agentToken/existingSecret'" in bad.stderr
 
 
 def hook_docs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import dscache_contract as contract
-from dscache_contract.peers import PeersRequest, parse_staging_label, peer_token
+from dscache_contract.peers import PeersRequest, parse_staging_label
 from dscache_node import disk
 from dscache_node import server as server_mod
 from dscache_node.agent import Agent
@@ -27,8 +27,18 @@ from dscache_node.server import make_server
 from dscache_node.settings import AgentSettings, Size
 from tests.support.s3server import free_port
 from tests.unit.test_node_agent import R1, R2, R3, FakeKube, stage
+from tests.unit.test_node_auth import FakeReviews, jwt
 
-KEY = "agent-token-0123456789abcdef"
+
+def gate():
+    """The agent's gate on a fake API server: the stager of ml/c on n1 (``jwt("stager")``) and the controller."""
+    return FakeReviews.gate(
+        "n1",
+        tokens={"stager": ("ml", "stager-pod", "uid-1"), "other": ("ml", "other-pod", "uid-2")},
+        pods={"uid-1": ("c", "n1"), "uid-2": ("other", "n1")},
+    )
+
+
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -94,7 +104,7 @@ def served(root, monkeypatch):
     agent, _kube = make_agent(root)
     agent.last_refresh = time.monotonic()
     port = free_port()
-    srv = make_server(agent, lambda: KEY, port, addr="127.0.0.1")
+    srv = make_server(agent, gate(), port, addr="127.0.0.1")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield agent, port
     srv.shutdown()
@@ -154,7 +164,7 @@ def test_connections_past_the_bound_are_told_busy(root, monkeypatch):
     agent, _kube = make_agent(root)
     agent.last_refresh = time.monotonic()
     port = free_port()
-    srv = make_server(agent, lambda: KEY, port, addr="127.0.0.1")
+    srv = make_server(agent, gate(), port, addr="127.0.0.1")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     conns = []
     try:
@@ -193,8 +203,8 @@ def test_connections_past_the_bound_are_told_busy(root, monkeypatch):
 
 
 def test_a_malformed_request_is_answered_4xx(served):
-    """A malformed token (an overlong period made int() raise) got a dropped connection; now 401. A
-    malformed body is 400, an unauthenticated reservation or peers question 401."""
+    """A malformed token got a dropped connection; now 401. A malformed body is 400, an
+    unauthenticated reservation or peers question 401, one of another cache's pod 403."""
     _agent, port = served
 
     def ask(method: str, path: str, body: str | None = None, token: str | None = None) -> int:
@@ -216,8 +226,9 @@ def test_a_malformed_request_is_answered_4xx(served):
     assert ask("POST", contract.peers.PEERS_PATH, PeersRequest("ml", "c", R1).to_json(), token="1.x") == 401
     assert ask("POST", contract.WIPE_PATH, contract.WipeRequest("ml", "c", revision=R1).to_json()) == 401
     # With the cache's own token: answered (no stager holds the lock: refused, not failed).
-    assert ask("POST", contract.RESERVE_PATH, req, token=peer_token(KEY, "ml", "c")) == 200
-    assert ask("POST", contract.RESERVE_PATH, req, token=peer_token(KEY, "ml", "other")) == 401
+    assert ask("POST", contract.RESERVE_PATH, req, token=jwt("stager")) == 200
+    assert ask("POST", contract.RESERVE_PATH, req, token=jwt("other")) == 403
+    assert ask("POST", contract.WIPE_PATH, contract.WipeRequest("ml", "c", revision=R1).to_json(), jwt("stager")) == 401
 
 
 # --- #7: the budget counts blocks, and survives a restart -----------------------------------------
@@ -414,3 +425,46 @@ def test_prestaged_caches_do_not_thrash(root):
     assert prestage("a", R1).ok
     assert not prestage("b", R2).ok
     assert {r.cache for r in disk.scan(str(root)) if r.complete} == {"a"}
+
+
+def test_a_new_token_on_many_connections_at_once_is_checked_once(root):
+    """A stager opens up to 64 connections at once with a token the agent has not seen. Each used to
+    need its own TokenReview on the control pool, of which one address gets CONTROL_PER_CLIENT: the
+    rest were told "busy", and the stager read those objects from the bucket (found by
+    test_staggered_nodes_read_each_object_from_the_bucket_once). Now one check answers them all."""
+    agent, _kube = make_agent(root)
+    agent.last_refresh = time.monotonic()
+    stage(str(root), "ml", "c", R1, 100)
+    g = FakeReviews.gate("n1", {"stager": ("ml", "s", "u1")}, {"u1": ("c", "n2")})
+    kube: FakeReviews = g.kube  # type: ignore[assignment]
+    real_post = kube.post
+
+    def slow_post(path: str, body: dict) -> dict:
+        time.sleep(0.3)  # the API server under load: every request arrives while the first is checked
+        return real_post(path, body)
+
+    kube.post = slow_post  # type: ignore[method-assign]
+    port = free_port()
+    srv = make_server(agent, g, port, addr="127.0.0.1")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def fetch(_: int) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("GET", f"/v1/objects/ml/c/{R1}/blob", headers={"Authorization": f"Bearer {jwt('stager')}"})
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(48) as pool:
+            statuses = list(pool.map(fetch, range(48)))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert statuses == [200] * 48, sorted(set(statuses))
+    assert kube.reviews == ["stager"]

@@ -167,7 +167,7 @@ def test_init_container_args_credentials_and_privileges():
     sc = init["securityContext"]
     assert sc["runAsUser"] == 0 and sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
-    # The cache's peer token (fetch once per cluster), read-only, from an optional Secret volume.
+    # The pod's own projected token for the agents (fetch once per cluster), read-only, stager only.
     assert init["volumeMounts"] == [
         {"name": VOLUME_NAME, "mountPath": "/dscache"},
         {"name": "dscache-peer-token", "mountPath": "/var/run/dscache-peer", "readOnly": True},
@@ -175,8 +175,17 @@ def test_init_container_args_credentials_and_privileges():
     vol = next(v for v in pod_spec(obj)["volumes"] if v["name"] == "dscache-peer-token")
     assert vol == {
         "name": "dscache-peer-token",
-        "secret": {"secretName": "dscache-peer-imagenet", "optional": True, "defaultMode": 0o444},
+        "projected": {
+            "defaultMode": 0o444,
+            "sources": [
+                {"serviceAccountToken": {"audience": "dscache-peer", "expirationSeconds": 600, "path": "token"}}
+            ],
+        },
     }
+    # No CA configured: plain HTTP to the agent, and no CA in the stager's env.
+    assert "DSCACHE_PEER_CA" not in {e["name"] for e in init["env"]}
+    # The API server refuses a projected token in a pod (template) that names no ServiceAccount: the default.
+    assert pod_spec(obj)["serviceAccountName"] == "default"
 
 
 def test_emptydir_mode_runs_non_root():
@@ -231,9 +240,9 @@ def test_csi_mode_gives_the_node_copy_with_no_privilege():
     assert args.pod_uid is None  # NodePublishVolume took the lease
     assert args.cache == "ml/imagenet" and args.agent is not None  # the node's budget and peers, as with hostPath
     assert "DSCACHE_POD_UID" not in {e["name"] for e in init["env"]}
-    # The stager (uid 65532) reads the cache's peer token: fetch once per cluster works non-root.
+    # The stager (uid 65532) reads the pod's projected token: fetch once per cluster works non-root.
     (peer,) = [v for v in ps["volumes"] if v["name"] == "dscache-peer-token"]
-    assert peer["secret"]["defaultMode"] & 0o004, peer
+    assert peer["projected"]["defaultMode"] & 0o004, peer
     assert {"name": "dscache-peer-token", "mountPath": "/var/run/dscache-peer", "readOnly": True} in init[
         "volumeMounts"
     ]
@@ -737,3 +746,28 @@ def test_the_registered_indexes_are_the_ones_the_server_reads():
     assert registry._watching.get_all_handlers() == [] and registry._changing.get_all_handlers() == []
     # No kopf admission handler is left: kopf would start its own webhook server for one.
     assert registry._webhooks.get_all_handlers() == []
+
+
+def test_with_the_agents_ca_the_stager_speaks_tls_and_trusts_that_ca(tmp_path):
+    """The chart's agent TLS: the webhook gives the stager the CA (PEM, in its env) and an https
+    --agent; no other container gets either."""
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    settings = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:test", agent_ca_file=str(ca))
+    obj = job()
+    inject_object(
+        obj,
+        kind="Job",
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=settings,
+        mode="HostPath",
+        revision=RevisionRef(REV),
+    )
+    (init,) = pod_spec(obj)["initContainers"]
+    assert StageArgs.from_argv(init["args"]).agent == "https://$(DSCACHE_NODE_IP):9477"
+    env = {e["name"]: e.get("value") for e in init["env"]}
+    assert env["DSCACHE_PEER_CA"] == ca.read_text().strip()
+    for c in pod_spec(obj)["containers"]:
+        assert "DSCACHE_PEER_CA" not in {e["name"] for e in c.get("env") or []}

@@ -1,8 +1,10 @@
 """The controller's wipe, end to end against a real node agent on loopback: the request
 (agentclient), what its answer means (nodeplan.judge_wipe) and what it records (nodeplan.record_wipe).
 
-The agent runs in-process (no API server: it labels nothing), on a real
-cacheRoot in a temp dir; the wipe itself is the stager's, under the flock.
+The agent runs in-process (no API server: it labels nothing; a fake one answers
+its TokenReviews and the controller's TokenRequests), on a real cacheRoot in a temp
+dir; the wipe itself is the stager's, under the flock. ``tls_agent``: the same over
+TLS, with a CA and certificate as the chart makes them.
 """
 
 from __future__ import annotations
@@ -19,18 +21,30 @@ import pytest
 import dscache_contract as contract
 from dscache_node.agent import Agent
 from dscache_node.metrics import AgentMetrics
-from dscache_node.server import make_server
+from dscache_node.server import make_server, tls_context
 from dscache_node.settings import AgentSettings
 from dscache_operator.api.models import NodeState, NodeStatus
 from dscache_operator.cluster.nodes import NodeInfo
 from dscache_operator.control import agentclient
 from dscache_operator.control import nodeplan as wipe
 from dscache_operator.control.nodeplan import LEGACY, Release
+from dscache_operator.control.peertoken import AgentTokens
 from dscache_operator.settings import Settings
 from tests.support.s3server import free_port
+from tests.support.tlscerts import agent_certs
+from tests.unit.test_node_auth import FakeReviews, jwt
 
 REV = "r-0123456789abcdef0123"
-TOKEN = "t0ken-for-tests"
+
+
+class ControllerKube:
+    """The controller's API server: a TokenRequest gives ``token`` (the fake agent knows "controller")."""
+
+    def __init__(self, token: str = "controller") -> None:
+        self.token = token
+
+    async def request(self, method: str, path: str, body: object = None, **_: object) -> dict:
+        return {"status": {"token": jwt(self.token)}}
 
 
 NOW = datetime.datetime(2026, 11, 21, 12, 0, 0, tzinfo=datetime.UTC)
@@ -44,23 +58,38 @@ def events():
     return _events
 
 
-@pytest.fixture
-def agent(tmp_path):
+def _serve(tmp_path, tls: bool):
     root = tmp_path / "root"
     root.mkdir()
     port = free_port()
     a = Agent(AgentSettings(node="n1", cache_root=str(root), port=port), None, AgentMetrics())
-    server = make_server(a, lambda: TOKEN, port, addr="127.0.0.1")
+    ctx = None
+    if tls:
+        _ca, cert, key = agent_certs(tmp_path / "pki")
+        ctx = tls_context(str(cert), str(key))
+    server = make_server(a, FakeReviews.gate("n1", {}, {}), port, addr="127.0.0.1", tls=ctx)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return a, server
+
+
+@pytest.fixture
+def agent(tmp_path):
+    a, server = _serve(tmp_path, tls=False)
     yield a
     server.shutdown()
     server.server_close()
 
 
-def settings(agent: Agent, tmp_path) -> Settings:
-    token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
-    return Settings(cache_root=agent.s.cache_root, agent_token_file=str(token), agent_port=agent.s.port)
+@pytest.fixture
+def tls_agent(tmp_path):
+    a, server = _serve(tmp_path, tls=True)
+    yield a
+    server.shutdown()
+    server.server_close()
+
+
+def settings(agent: Agent, tmp_path, ca: str | None = None) -> Settings:
+    return Settings(cache_root=agent.s.cache_root, agent_port=agent.s.port, agent_ca_file=ca)
 
 
 def node(agent: Agent | None) -> NodeInfo:
@@ -80,9 +109,17 @@ def staged(agent: Agent, leases: tuple[str, ...] = ()) -> str:
     return c
 
 
-def drive(s: Settings, info: NodeInfo | None, step: Release, entry: NodeStatus | None = None):
+def drive(
+    s: Settings,
+    info: NodeInfo | None,
+    step: Release,
+    entry: NodeStatus | None = None,
+    kube: ControllerKube | None = None,
+):
     entry = entry or NodeStatus(node="n1", state=NodeState.READY)
-    answer = asyncio.run(agentclient.wipe(info, s, wipe.request_for("ml", "c", step)))
+    kube = kube or ControllerKube()
+    req = wipe.request_for("ml", "c", step)
+    answer = asyncio.run(agentclient.wipe(info, s, req, kube, AgentTokens()))  # type: ignore[arg-type]
     result = wipe.judge_wipe(entry, step, answer, s.namespace)
     wipe.record_wipe(entry, step, result, NOW)
     if result.event is not None:
@@ -129,10 +166,25 @@ def test_no_agent_on_the_node_says_so_once(agent, tmp_path, events):
 
 def test_a_wrong_token_is_refused(agent, tmp_path, events):
     c = staged(agent)
-    s = Settings(cache_root=agent.s.cache_root, agent_token_file=None)
-    outcome, _, entry = drive(s, node(agent), Release(REV, ()))
+    outcome, _, entry = drive(settings(agent, tmp_path), node(agent), Release(REV, ()), kube=ControllerKube("nobody"))
     assert outcome is wipe.Outcome.IN_PROGRESS and "401" in (entry.message or "")
     assert os.path.isdir(contract.revision_dir(c, REV))
+
+
+def test_over_tls_with_the_agents_ca(tls_agent, tmp_path, events):
+    """The chart's TLS: the agent serves its certificate (named AGENT_TLS_NAME, reached at an IP);
+    the controller checks it against the CA. Without the CA, or plain HTTP, no wipe."""
+    c = staged(tls_agent, leases=("u1",))
+    ca = str(tmp_path / "pki" / "ca.crt")
+    outcome, _, entry = drive(settings(tls_agent, tmp_path), node(tls_agent), Release(REV, ("u1",)))
+    assert outcome is wipe.Outcome.IN_PROGRESS and os.path.isdir(contract.revision_dir(c, REV))  # plain HTTP to TLS
+    _other_ca, _, _ = agent_certs(tmp_path / "other")
+    outcome, _, entry = drive(settings(tls_agent, tmp_path, str(_other_ca)), node(tls_agent), Release(REV, ("u1",)))
+    assert outcome is wipe.Outcome.IN_PROGRESS and "certificate" in (entry.message or ""), entry.message
+    assert os.path.isdir(contract.revision_dir(c, REV))
+    outcome, _, entry = drive(settings(tls_agent, tmp_path, ca), node(tls_agent), Release(REV, ("u1",)))
+    assert outcome is wipe.Outcome.REMOVED, entry.message
+    assert not os.path.exists(contract.revision_dir(c, REV))
 
 
 def test_whole_cache_and_legacy_requests():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import re
 import threading
 import time
 from collections import Counter
@@ -22,17 +21,13 @@ from dscache_contract.peers import (
     COHORT_WINDOW_S,
     MAX_WAIT_S,
     OBJECTS_PATH,
-    TOKEN_PERIOD_S,
     ObjectRequest,
     Peer,
     PeersAnswer,
     RevisionState,
-    check_peer_token,
     claims_path,
     owner_ranking,
     parse_staging_label,
-    peer_secret_name,
-    peer_token,
     staging_label,
 )
 from dscache_node.agent import _locked
@@ -40,61 +35,7 @@ from dscache_node.peers import Claims, NotHere, check_request, open_object, wait
 from dscache_stager.peers import Digest, verifiable
 
 REV = "r-" + "0123456789abcdef0123"
-KEY = "agent-token-0123456789"
 MiB = 1 << 20
-# A DNS-1123 subdomain, as Kubernetes checks a Secret's name.
-DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-
-
-# --- peer tokens -----------------------------------------------------------------------------------
-
-
-NOW = 1_000 * TOKEN_PERIOD_S + 1234.5  # somewhere inside a period
-
-
-def test_a_token_opens_its_cache_in_its_period_and_the_next():
-    token = peer_token(KEY, "team-a", "imagenet", now=NOW)
-    assert check_peer_token(KEY, "team-a", "imagenet", token, now=NOW)
-    assert check_peer_token(KEY, "team-a", "imagenet", token, now=NOW + TOKEN_PERIOD_S)  # the previous period's
-    assert not check_peer_token(KEY, "team-a", "imagenet", token, now=NOW + 2 * TOKEN_PERIOD_S)  # two periods ago
-    assert not check_peer_token(KEY, "team-a", "imagenet", token, now=NOW - TOKEN_PERIOD_S)  # not yet made
-
-
-def test_a_token_opens_nothing_of_another_cache_or_namespace_or_key():
-    token = peer_token(KEY, "team-a", "imagenet", now=NOW)
-    assert not check_peer_token(KEY, "team-b", "imagenet", token, now=NOW)
-    assert not check_peer_token(KEY, "team-a", "imagenet-2", token, now=NOW)
-    assert not check_peer_token(KEY + "x", "team-a", "imagenet", token, now=NOW)
-    # The namespace/cache boundary is part of the message, not a concatenation.
-    assert not check_peer_token(KEY, "team-a-imagenet", "", token, now=NOW)
-
-
-@pytest.mark.parametrize(
-    "token",
-    ["", ".", "abc", "1000", "1000.", ".deadbeef", "x1000.deadbeef", "-1000.deadbeef", "1000.deadbeef", "1000 .x"],
-)
-def test_a_malformed_token_is_refused(token):
-    assert not check_peer_token(KEY, "team-a", "imagenet", token, now=NOW)
-
-
-def test_a_token_with_another_period_in_front_is_refused():
-    good = peer_token(KEY, "team-a", "imagenet", now=NOW)
-    _period, _, mac = good.partition(".")
-    assert not check_peer_token(KEY, "team-a", "imagenet", f"{1000 - 2}.{mac}", now=NOW)
-    assert not check_peer_token(KEY, "team-a", "imagenet", f"{good}x", now=NOW)
-
-
-def test_a_token_with_a_unicode_digit_period_is_refused_not_raised():
-    try:
-        accepted = check_peer_token(KEY, "team-a", "imagenet", "\u00b2.deadbeef", now=NOW)
-    except ValueError as e:
-        pytest.fail(f"check_peer_token raised {e!r} for a malformed token instead of returning False")
-    assert not accepted
-
-
-def test_an_empty_key_refuses_every_token():
-    for token in (peer_token("", "team-a", "imagenet", now=NOW), peer_token(KEY, "team-a", "imagenet", now=NOW)):
-        assert not check_peer_token("", "team-a", "imagenet", token, now=NOW)
 
 
 # --- object requests -------------------------------------------------------------------------------
@@ -246,29 +187,6 @@ def test_a_staging_label_round_trips():
         assert parse_staging_label(other) is None
     with pytest.raises(ValueError):
         staging_label("team-a", "imagenet", "r-short")
-
-
-@pytest.mark.parametrize("length", [1, 100, 240, 241, 253])
-def test_a_peer_secret_name_is_at_most_253_characters(length):
-    cache = ("a" * length)[:length]
-    name = peer_secret_name(cache)
-    assert len(name) <= 253 and name.startswith("dscache-peer-")
-    assert DNS_SUBDOMAIN.match(name)
-    if len(f"dscache-peer-{cache}") <= 253:
-        assert name == f"dscache-peer-{cache}"
-
-
-def test_long_peer_secret_names_stay_distinct():
-    a, b = "x" * 250 + "a", "x" * 250 + "b"
-    assert peer_secret_name(a) != peer_secret_name(b)
-    assert max(len(peer_secret_name(a)), len(peer_secret_name(b))) <= 253
-
-
-def test_a_long_cache_name_cut_on_a_dot_still_gives_a_valid_secret_name():
-    cache = "a" * 199 + "." + "b" * 53
-    assert contract.paths._NAME_RE.match(cache) and len(cache) == 253
-    name = peer_secret_name(cache)
-    assert DNS_SUBDOMAIN.match(name), f"{name!r} is not a DNS-1123 subdomain"
 
 
 # --- the stager's check of a peer's body ----------------------------------------------------------------
@@ -564,19 +482,3 @@ def test_a_revision_nobody_copies_says_absent_at_once(cache):
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, "r-" + "e" * 20, "a.bin", 5.0, _locked, Claims())
     assert e.value.state is RevisionState.ABSENT
-
-
-@pytest.mark.parametrize(
-    "token",
-    [
-        "9" * 5000 + "." + "a" * 64,  # int() refuses more than 4300 digits with ValueError
-        "1" * 21 + "." + "a" * 64,
-        "1." + "a" * 100_000,
-        "." * 10,
-        "1" + "\x00" * 10,
-    ],
-)
-def test_malformed_token_401(token):
-    """A malformed token is refused (the agent answers 401), never raised on (which dropped the
-    connection without an answer)."""
-    assert check_peer_token(KEY, "team-a", "imagenet", token, now=NOW) is False

@@ -29,13 +29,9 @@ of operator/deploy/*.yaml: dscache-controller, dscache-webhook, ...
 {{- define "dscache.node.fullname" -}}
 {{- printf "%s-node" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
 {{- end }}
-{{- /* The agent token's Secret: agentToken.existingSecret, else the chart's own. */}}
-{{- define "dscache.agentTokenSecret" -}}
-{{- if .Values.agentToken.existingSecret }}
-{{- .Values.agentToken.existingSecret }}
-{{- else }}
-{{- printf "%s-agent-token" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
-{{- end }}
+{{- /* The node agents' serving certificate (agent-tls.yaml). */}}
+{{- define "dscache.agentTlsSecret" -}}
+{{- printf "%s-agent-tls" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
 {{- end }}
 {{- define "dscache.uninstall.fullname" -}}
 {{- printf "%s-uninstall" (include "dscache.fullname" . | trunc 52 | trimSuffix "-") }}
@@ -159,8 +155,8 @@ Environment of both processes (operator/dscache_operator/settings.py). The
 controller and the webhook get the same settings: the webhook injects the
 stager with them (the stager asks its node's agent on DSCACHE_AGENT_PORT for
 room) and the controller builds pre-stage pods with them and sends wipes to the
-agents. What only one of them needs is in its Deployment: the agent token
-(controller) and the placement weight (webhook).
+agents. What only one of them needs is in its Deployment: its ServiceAccount
+for the agents' tokens (controller) and the placement weight (webhook).
 */}}
 {{- define "dscache.env" -}}
 - name: DSCACHE_CACHE_ROOT
@@ -241,26 +237,36 @@ livenessProbe:
 {{- end }}
 
 {{/*
-The agent token (DSCACHE_AGENT_TOKEN_FILE): the Secret <fullname>-agent-token
-mounted read-only at /var/run/dscache-agent in the controller (which sends it
-on every wipe) and in every node agent (which requires it on wipes).
+Who may call an agent (docs/security.md): the controller sends a token of its own
+ServiceAccount for the audience dscache-agent/<node> (a TokenRequest per node); the
+agents accept wipes from that ServiceAccount only (DSCACHE_CONTROLLER_SERVICE_ACCOUNT).
+With nodeAgent.tls.enabled the controller and the webhook get the agents' CA
+(DSCACHE_AGENT_CA_FILE; ca.crt only): the controller calls the agents over TLS,
+and the webhook hands the CA to each stager.
 */}}
-{{- define "dscache.agentTokenDir" -}}/var/run/dscache-agent{{- end }}
-{{- define "dscache.agentTokenEnv" -}}
-- name: DSCACHE_AGENT_TOKEN_FILE
-  value: {{ printf "%s/token" (include "dscache.agentTokenDir" .) | quote }}
+{{- define "dscache.agentCaDir" -}}/etc/dscache/agent-ca{{- end }}
+{{- define "dscache.agentCaEnv" -}}
+{{- if .Values.nodeAgent.tls.enabled }}
+- name: DSCACHE_AGENT_CA_FILE
+  value: {{ printf "%s/ca.crt" (include "dscache.agentCaDir" .) | quote }}
 {{- end }}
-{{- define "dscache.agentTokenMount" -}}
-- name: agent-token
-  mountPath: {{ include "dscache.agentTokenDir" . }}
+{{- end }}
+{{- define "dscache.agentCaMount" -}}
+{{- if .Values.nodeAgent.tls.enabled }}
+- name: agent-ca
+  mountPath: {{ include "dscache.agentCaDir" . }}
   readOnly: true
 {{- end }}
-{{- define "dscache.agentTokenVolume" -}}
-- name: agent-token
+{{- end }}
+{{- define "dscache.agentCaVolume" -}}
+{{- if .Values.nodeAgent.tls.enabled }}
+- name: agent-ca
   secret:
-    secretName: {{ include "dscache.agentTokenSecret" . }}
-    # Owner root (the agent) and group fsGroup (the controller, uid 65532); nobody else.
-    defaultMode: 0440
+    secretName: {{ include "dscache.agentTlsSecret" . }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
 {{- end }}
 
 {{/*

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import os
 import posixpath
 from typing import Any
 
@@ -46,7 +48,15 @@ from dscache_contract import (
     RevisionRef,
     csi,
 )
-from dscache_contract.peers import PEER_TOKEN_DIR, PEER_TOKEN_FILE, PEER_VOLUME_NAME, peer_secret_name
+from dscache_contract.peers import (
+    PEER_AUDIENCE,
+    PEER_CA_ENV,
+    PEER_TOKEN_DIR,
+    PEER_TOKEN_EXPIRY_S,
+    PEER_TOKEN_FILE,
+    PEER_TOKEN_KEY,
+    PEER_VOLUME_NAME,
+)
 
 from ..api.models import MODE_ANNOTATION, NODE_MODES, DatasetCacheSpec, VolumeMode
 from ..settings import Settings
@@ -136,7 +146,9 @@ def stage_args(
         exclude=tuple(src.exclude),
         concurrency=settings.stager_concurrency or None,
         termination_log=TERMINATION_LOG,
-        agent=f"http://$({contract.ENV_NODE_IP}):{settings.agent_port}" if cache else None,
+        agent=f"{'https' if settings.agent_ca_file else 'http'}://$({contract.ENV_NODE_IP}):{settings.agent_port}"
+        if cache
+        else None,
         cache=cache,
         bytes=nbytes if cache else None,
         peer_token_file=PEER_TOKEN_FILE if cache and settings.peers else None,
@@ -196,6 +208,10 @@ def init_container(
     if on_node:
         # The node agent listens on its node's IP (host network): $(DSCACHE_NODE_IP) in --agent.
         env.append({"name": contract.ENV_NODE_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}})
+        ca = peer_ca(settings)
+        if ca:
+            # The CA of the agents' certificate, for the stager's calls to its own and its peers' agents.
+            env.append({"name": PEER_CA_ENV, "value": ca})
     secret = spec.source.secret_name
     if secret:
         for key, optional in (
@@ -238,13 +254,30 @@ def init_container(
     }
 
 
-def peer_token_volume(name: str) -> dict[str, Any]:
-    """The cache's peer token (peertoken.py), for the stager only. Optional: a pod admitted before
-    the controller wrote it starts anyway, and its stager reads the bucket for everything."""
+def peer_token_volume() -> dict[str, Any]:
+    """The pod's own projected ServiceAccount token for the agents (audience ``dscache-peer``,
+    PEER_TOKEN_EXPIRY_S; the kubelet renews it), for the stager only: the agents check it by
+    TokenReview and serve only a pod of the cache's namespace that names the cache."""
     # 0444: the kubelet writes the files root-owned and the stager of a CSI volume runs as
     # NONROOT_UID; only the stager mounts this volume, so no other container sees the token.
-    secret = {"secretName": peer_secret_name(name), "optional": True, "defaultMode": 0o444}
-    return {"name": PEER_VOLUME_NAME, "secret": secret}
+    token = {"audience": PEER_AUDIENCE, "expirationSeconds": PEER_TOKEN_EXPIRY_S, "path": PEER_TOKEN_KEY}
+    return {"name": PEER_VOLUME_NAME, "projected": {"defaultMode": 0o444, "sources": [{"serviceAccountToken": token}]}}
+
+
+def peer_ca(settings: Settings) -> str | None:
+    """The agents' CA (PEM) the stagers trust; None without one (plain HTTP)."""
+    if not settings.agent_ca_file:
+        return None
+    try:
+        return _read_ca(settings.agent_ca_file, os.stat(settings.agent_ca_file).st_mtime)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _read_ca(path: str, mtime: float) -> str:
+    with open(path) as f:
+        return f.read().strip()
 
 
 def volume(namespace: str, name: str, settings: Settings, mode: VolumeMode, revision: RevisionRef) -> dict[str, Any]:
@@ -345,7 +378,16 @@ def inject(
         volumes.append(volume(namespace, name, settings, mode, revision))
         changed = True
     if mode in NODE_MODES and settings.peers and not any(v.get("name") == PEER_VOLUME_NAME for v in volumes):
-        volumes.append(peer_token_volume(name))
+        volumes.append(peer_token_volume())
+        changed = True
+    if (
+        mode in NODE_MODES
+        and settings.peers
+        and not (pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount"))
+    ):
+        # A projected token needs a named ServiceAccount (API validation, for a Job's pod template too,
+        # where the ServiceAccount admission plugin has not defaulted it yet): the one it gets anyway.
+        pod_spec["serviceAccountName"] = "default"
         changed = True
     if (
         web_identity is not None

@@ -118,9 +118,6 @@ async def reconcile(ctx: ControlContext, view: CacheView, out: Outbox) -> tuple[
     wanted = await _check_source(ctx, view, cache, current, out, now)
     if deleting:
         wanted["phase"] = Phase.DELETING
-    elif ctx.settings.peers and ctx.tokens.due(namespace, name, now.timestamp(), view.uid):
-        key = agentclient.read_token(ctx.settings)
-        await ctx.tokens.ensure(ctx.api(), key, namespace, name, view.uid, now.timestamp())
 
     # Node decisions only once the views of pods and Jobs are complete (a cold view
     # would look like "no consumers" and wipe in-use copies).
@@ -186,16 +183,11 @@ def _quiet_until(
     now: datetime.datetime,
 ) -> float | None:
     """Until when (a timestamp) time alone changes nothing in this cache's next reconciliation
-    (quiet.py); None: it may at any moment (a failed source check is retried, this period's
-    peer token is not written yet)."""
+    (quiet.py); None: it may at any moment (a failed source check is retried)."""
     if current.get("phase") == Phase.FAILED:
         return None
     t = now.timestamp()
     at = [t + QUIET_AT_MOST]
-    if ctx.settings.peers:
-        if ctx.tokens.due(view.namespace, view.name, t, view.uid):
-            return None
-        at.append(ctx.tokens.next_due(view.namespace, view.name, t))
     listed = parse_time((current.get("revision") or {}).get("listedAt"))
     if cache.refresh.interval != "Never" and listed is not None:
         at.append(listed.timestamp() + parse_duration(cache.refresh.interval))
@@ -306,7 +298,9 @@ async def _carry_out(
         for step in plan.wipes:
             if step.release:
                 step = step._replace(release=await _not_running(ctx.api(), namespace, node, step.release))
-            answer = await agentclient.wipe(nodes.get(node), ctx.settings, request_for(namespace, name, step))
+            answer = await agentclient.wipe(
+                nodes.get(node), ctx.settings, request_for(namespace, name, step), ctx.api(), ctx.agent_tokens
+            )
             result = judge_wipe(entry, step, answer, ctx.settings.namespace)
             record_wipe(entry, step, result, now)
             ctx.metrics.wipe(namespace, name, result.metric)

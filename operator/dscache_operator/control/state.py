@@ -17,7 +17,7 @@ from ..context import Context
 from ..kube.events import Event, Poster
 from ..kube.leader import LeaderElector
 from ..kube.schedule import Scheduler
-from .peertoken import Tokens
+from .peertoken import AgentTokens
 from .sourcecheck import SourceChecks
 
 #: Seconds a reconciliation waits at most for the view to show the status it wrote last.
@@ -40,8 +40,8 @@ class ControlContext(Context):
     quiet: dict[Key, Any] = dataclasses.field(default_factory=dict)
     #: The source checks: Secrets read lately, their threads, equal listings shared.
     sources: SourceChecks = dataclasses.field(init=False)
-    #: Which period each cache's peer token was written for (peertoken.py).
-    tokens: Tokens = dataclasses.field(default_factory=Tokens)
+    #: The controller's tokens for the node agents, one per node (peertoken.py).
+    agent_tokens: AgentTokens = dataclasses.field(default_factory=AgentTokens)
     #: Per cache: the resourceVersion our last status write made, and until when (monotonic) we
     #: wait for the view to show it (``written_shown``).
     written: dict[Key, tuple[str, float]] = dataclasses.field(default_factory=dict)
@@ -134,7 +134,6 @@ class ControlContext(Context):
         self.quiet.clear()
         self.written.clear()
         self.deferred.clear()
-        self.tokens = Tokens()
         self.metrics.leader.set(0)
 
     def forget(self, key: Key) -> None:
@@ -145,7 +144,6 @@ class ControlContext(Context):
         self.written.pop(key, None)
         self.deferred.discard(key)
         self.metrics.forget_cache(*key)
-        self.tokens.forget(*key)
 
 
 def control_ctx(memo: Any) -> ControlContext:
