@@ -27,8 +27,8 @@ from dscache_operator.api.models import NodeState, NodeStatus
 from dscache_operator.cluster.nodes import NodeInfo
 from dscache_operator.control import agentclient
 from dscache_operator.control import nodeplan as wipe
+from dscache_operator.control.agenttokens import AgentTokens
 from dscache_operator.control.nodeplan import LEGACY, Release
-from dscache_operator.control.peertoken import AgentTokens
 from dscache_operator.settings import Settings
 from tests.support.s3server import free_port
 from tests.support.tlscerts import agent_certs

@@ -8,7 +8,7 @@ first. Answered when it is done: no helper pod to schedule, poll and delete,
 and a restarted controller simply asks again. What the answer means is
 nodeplan.judge_wipe's to say.
 
-The request carries the controller's token for that node only (peertoken.py), and
+The request carries the controller's token for that node only (agenttokens.py), and
 goes over TLS when the chart gave the agents a certificate (``agent_ca_file``: the
 CA; the certificate is checked for ``AGENT_TLS_NAME``, whatever IP the node has).
 """
@@ -28,8 +28,8 @@ from dscache_contract.peers import AGENT_TLS_NAME
 from ..cluster.nodes import NodeInfo
 from ..kube.client import Kube
 from ..settings import Settings
+from .agenttokens import AgentTokenError, AgentTokens
 from .nodeplan import AgentFailed, Answer, NoAgent
-from .peertoken import AgentTokenError, AgentTokens
 
 TIMEOUT_S = 60.0  # removing a large tree takes a while
 

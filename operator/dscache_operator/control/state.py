@@ -17,7 +17,7 @@ from ..context import Context
 from ..kube.events import Event, Poster
 from ..kube.leader import LeaderElector
 from ..kube.schedule import Scheduler
-from .peertoken import AgentTokens
+from .agenttokens import AgentTokens
 from .sourcecheck import SourceChecks
 
 #: Seconds a reconciliation waits at most for the view to show the status it wrote last.
@@ -40,7 +40,7 @@ class ControlContext(Context):
     quiet: dict[Key, Any] = dataclasses.field(default_factory=dict)
     #: The source checks: Secrets read lately, their threads, equal listings shared.
     sources: SourceChecks = dataclasses.field(init=False)
-    #: The controller's tokens for the node agents, one per node (peertoken.py).
+    #: The controller's tokens for the node agents, one per node (agenttokens.py).
     agent_tokens: AgentTokens = dataclasses.field(default_factory=AgentTokens)
     #: Per cache: the resourceVersion our last status write made, and until when (monotonic) we
     #: wait for the view to show it (``written_shown``).

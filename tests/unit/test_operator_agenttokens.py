@@ -1,4 +1,4 @@
-"""peertoken.py: the controller's per-node tokens for the agents (a fake API: records TokenRequests)."""
+"""agenttokens.py: the controller's per-node tokens for the agents (a fake API: records TokenRequests)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from dscache_contract.peers import agent_audience
-from dscache_operator.control.peertoken import RENEW_BEFORE_S, TOKEN_SECONDS, AgentTokenError, AgentTokens
+from dscache_operator.control.agenttokens import RENEW_BEFORE_S, TOKEN_SECONDS, AgentTokenError, AgentTokens
 from dscache_operator.kube.client import ApiError
 
 NOW = 1_800_000_000.0
