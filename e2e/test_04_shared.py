@@ -13,7 +13,7 @@ import json
 from conftest import assert_complete, cache_status, host_copy, init_summary, job_pods, send_go, wait_verified
 from support import revs
 from support import workloads as w
-from support.kube import node_path_exists, wait_for
+from support.kube import node_path_exists, schedulable_nodes, wait_for
 
 SLOW = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "100m", "memory": "1Gi"}}
 
@@ -42,9 +42,17 @@ def test_two_jobs_copy_once(cfg, kube, cache_factory, dataset, namespaces):
         timeout=60,
         describe=lambda: json.dumps(cache_status(kube, ns, name), indent=1),
     )
-    # One annotated on the Job, the other only on its pod template.
-    kube.create(w.training_job("pair-a", ns, name, cfg.stager_image, dataset, wait=True))
-    kube.create(w.training_job("pair-b", ns, name, cfg.stager_image, dataset, wait=True, on_template=True))
+    # One annotated on the Job, the other only on its pod template. Both on one node: the
+    # test is about two stagers sharing one copy; where the scheduler puts the second pod
+    # while the first has not staged yet is placement's business (test_30), and it may pick
+    # another node (it did once).
+    node = schedulable_nodes(kube)[0]
+    for job in (
+        w.training_job("pair-a", ns, name, cfg.stager_image, dataset, wait=True),
+        w.training_job("pair-b", ns, name, cfg.stager_image, dataset, wait=True, on_template=True),
+    ):
+        job["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+        kube.create(job)
     pods = {j: wait_verified(kube, ns, j) for j in ("pair-a", "pair-b")}
     nodes = {p["spec"]["nodeName"] for p in pods.values()}
     assert len(nodes) == 1, nodes
