@@ -24,6 +24,15 @@ every other node asks the nodes ranked above itself, in order, and falls back to
 the bucket only when its turn comes. So one node per object reads the bucket, and
 a dead node costs one more read of each of its objects, not one per node.
 Nodes that hold the revision complete are asked first.
+
+Who serves whom (``fetch_chain``, issue 30): the first node of the ranking is the object's
+*root*; every other node takes it from its *parent* in a tree of the object's own: among the
+nodes ranked before it, the one a second rendezvous hash (object, child, parent) picks. A
+random recursive tree: about log N deep, and each node is a parent about once per object on
+average, so every node that has a copy serves it on, and no early node serves everyone. A node
+that is getting an object from a peer says so in its claims (a ``/`` before the path), so its
+children wait for it (``?relay=1``); a parent that neither holds nor gets the object is skipped
+for its own parent, up to the root.
 """
 
 from __future__ import annotations
@@ -73,6 +82,12 @@ REVISION_HEADER = "X-Dscache-Revision"
 CLAIMS_NAME = "claims"
 #: ``?probe=1``: answer at once unless the object is claimed here (in flight); see owner_ranking.
 PROBE_PARAM = "probe"
+#: ``&relay=1`` with a probe: a copy this node is taking from a peer counts as claimed too (a
+#: ``/<path>`` line in the claims); without it only bucket reads do (the owner's check of its
+#: earlier peers, which must not wait on a node that waits on it).
+RELAY_PARAM = "relay"
+#: The claims line of an object a node is taking from a peer (no path under data/ starts so).
+RELAY_MARK = "/"
 
 
 class RevisionState(StrEnum):
@@ -150,12 +165,15 @@ class ObjectRequest:
     path: str
     wait: float = 0.0
     probe: bool = False
+    relay: bool = False
 
     def target(self) -> str:
         parts = (self.namespace, self.cache, self.revision, *self.path.split("/"))
         query = {"wait": f"{self.wait:g}"} if self.wait > 0 else {}
         if self.probe:
             query[PROBE_PARAM] = "1"
+            if self.relay:
+                query[RELAY_PARAM] = "1"
         quoted = "/".join(urllib.parse.quote(p, safe="") for p in parts)
         return f"{OBJECTS_PATH}{quoted}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
 
@@ -171,8 +189,15 @@ class ObjectRequest:
         q = urllib.parse.parse_qs(u.query)
         wait = float(q.get("wait", ["0"])[0])
         wait = 0.0 if math.isnan(wait) else min(max(wait, 0.0), MAX_WAIT_S)  # NaN would pass min/max
+        probe = q.get(PROBE_PARAM) == ["1"]
         return cls(
-            parts[0], parts[1], validate_revision(parts[2]), "/".join(parts[3:]), wait, q.get(PROBE_PARAM) == ["1"]
+            parts[0],
+            parts[1],
+            validate_revision(parts[2]),
+            "/".join(parts[3:]),
+            wait,
+            probe,
+            probe and q.get(RELAY_PARAM) == ["1"],
         )
 
 
@@ -241,3 +266,25 @@ def owner_ranking(key: str, answer: PeersAnswer) -> list[str]:
     cohort = [p.addr for p in staging if p.since <= first + COHORT_WINDOW_S]
     later = [p.addr for p in staging if p.since > first + COHORT_WINDOW_S]
     return by_weight(complete) + by_weight(cohort) + by_weight(later)
+
+
+def _tree_weight(key: str, child: str, parent: str) -> bytes:
+    return hashlib.sha256(f"tree\n{key}\n{child}\n{parent}".encode()).digest()
+
+
+def fetch_chain(key: str, order: list[str], me: str) -> list[str]:
+    """Where ``me`` takes ``key`` from: its parent in the object's tree, that one's parent, and so
+    on up to the root ``order[0]`` ([]: ``me`` is the root, or not in ``order``). ``order``: an
+    ``owner_ranking`` (without the nodes this one gave up on). Each node's parent is, among the
+    nodes ranked before it, the one with the highest weight for (key, node, parent): the same on
+    every node, and a node that joins changes only the parents it wins."""
+    pos = {a: i for i, a in enumerate(order)}
+    if me not in pos:
+        return []
+    chain: list[str] = []
+    x = me
+    while pos[x] > 0:
+        child = x
+        x = max(order[: pos[child]], key=lambda y: _tree_weight(key, child, y))
+        chain.append(x)
+    return chain

@@ -57,11 +57,13 @@ from enum import Enum
 from dscache_contract.peers import (
     MAX_WAIT_S,
     PEERS_PATH,
+    RELAY_MARK,
     REVISION_HEADER,
     ObjectRequest,
     PeersAnswer,
     PeersRequest,
     RevisionState,
+    fetch_chain,
     owner_ranking,
 )
 
@@ -89,6 +91,13 @@ BUSY_S = 20.0
 #: why this node first looks at such earlier peers' claims for ``PROBE_S`` (longer than this).
 REFRESH_S = 1.0
 PROBE_S = 2.5
+#: While the nodes that start together find each other (COHORT_WINDOW_S and a second more), the
+#: agent is asked this often.
+EARLY_REFRESH_S = 0.2
+#: An object's root that has not come to it yet is asked again after this pause, doubling up to
+#: the second (each node reads its share in listing order, as the others ask for it).
+ROOT_PAUSE_S = 0.05
+ROOT_PAUSE_MAX_S = 1.0
 #: The token file is read again this often (the kubelet updates a rotated Secret in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
@@ -107,6 +116,7 @@ class Outcome(Enum):
     BUSY = "busy"  # the peer is over its bound for this node (429): ask it again in a moment
     SUSPECT = "suspect"  # the bytes did not hash to the ETag: the bucket's copy decides who was wrong
     BUCKET = "bucket"  # this node's turn: read the bucket
+    UNCLAIMED = "unclaimed"  # a probe's answer: the peer neither has it nor reads (or takes) it now
 
 
 @dataclass(frozen=True)
@@ -210,6 +220,9 @@ class Peers:
         # ETag forms (etag_form) that the bucket showed do not check their bytes (SSE-KMS, a
         # multipart ETag of an unusual part size): objects with them are not asked of peers.
         self.unverifiable: set[str] = set()
+        # Earlier peers that answered, after PROBE_S, that they do not read an object ranked to this
+        # node: they know of it, and read none of its objects from now on (early_peers).
+        self.early_done: set[str] = set()
 
     # --- who -----------------------------------------------------------------------------
 
@@ -252,7 +265,7 @@ class Peers:
         return verifiable(etag, size) and etag_form(etag) not in self.unverifiable
 
     def ahead_of_me(self, key: str, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
-        """The live peers to ask for ``key`` before this node reads the bucket itself ([]: read it now);
+        """The live peers ranked before this node for ``key`` ([]: its own turn to read the bucket);
         ``skip``: peers not to ask for this object again (they said no, or were busy)."""
         a = self.answer
         if a is None or not self.token():
@@ -265,18 +278,45 @@ class Peers:
                 out.append(addr)
         return out
 
+    def chain(self, key: str, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Where to take ``key`` from: this node's parent in the object's tree, its parent, ... up
+        to the object's root (contract ``fetch_chain``), over the live peers; [] when this node is
+        the root (its turn to read the bucket)."""
+        a = self.answer
+        if a is None or not self.token():
+            return []
+        order = [x for x in owner_ranking(key, a) if x == a.me or (x not in self.failed and x not in skip)]
+        return fetch_chain(key, order, a.me)
+
     def early_peers(self) -> list[str]:
-        """Peers that started copying before this node and may not have seen it yet: they read
-        the bucket for objects now ranked to this node until they ask their agent again. For
-        ``PROBE_S`` after its start this node asks them first, and waits only if they have started
-        to read it (their claims), before it reads such an object from the bucket itself."""
+        """Peers that started copying before this node and may have read objects now ranked to it
+        before they knew of it (they learn of it within ``REFRESH_S``). Before this node reads
+        such an object from the bucket it asks them (a probe: only if they read it) first; a peer
+        is left out once it answered that it does not read one, asked after ``PROBE_S``: it knew of
+        this node by then, and its claims come in listing order, as this node's requests do."""
         a = self.answer
         if a is None or not self.token():
             return []
         mine = next((p.since for p in a.staging if p.addr == a.me), 0.0)
-        if not mine or time.time() > mine + PROBE_S:
+        if not mine:
             return []
-        return [p.addr for p in a.staging if p.since < mine and p.addr != a.me and p.addr not in self.failed]
+        return [
+            p.addr
+            for p in a.staging
+            if p.since < mine and p.addr != a.me and p.addr not in self.failed and p.addr not in self.early_done
+        ]
+
+    def to_peers(self, key: str) -> bool:
+        """Whether ``key`` is asked of the peers before the bucket (else: this node reads it now)."""
+        return bool(self.chain(key) or self.early_peers())
+
+    def _early_answered(self, addr: str, asked_at: float) -> None:
+        """``addr`` did not read an object ranked to this node, asked at ``asked_at`` (epoch)."""
+        a = self.answer
+        mine = next((p.since for p in a.staging if p.addr == a.me), 0.0) if a else 0.0
+        if mine and asked_at > mine + PROBE_S:
+            with self._lock:
+                self.early_done.add(addr)
 
     def _fail(self, addr: str, why: str) -> None:
         with self._lock:
@@ -311,64 +351,108 @@ class Peers:
 
     # --- taking an object ----------------------------------------------------------------
 
-    def obtain(self, key: str, rel: str, size: int, etag: str, tmp: Callable[[], str]) -> Obtained:
-        """Take ``key`` (``rel`` under data/) from the peers ranked before this node, verified, into a
-        temp file ``tmp()`` makes up; BUCKET when this node's turn comes. Each peer is asked again only
-        after the ranking was computed afresh (another may be first now), and is given PATIENCE_S per
-        object in all; one that says no (or is busy) is not asked for this object again. Blocking: run
-        it on a worker thread."""
-        probed: set[str] = set()
-        # Early peers whose probe said they are reading it now: asked again (a probe each time)
-        # until they send it, whether or not the probing window is still open. Reading it from the
-        # bucket instead would fetch it twice (the regression e2e/test_40 measured: 1.14-1.23x).
-        reading: list[str] = []
+    def obtain(
+        self,
+        key: str,
+        rel: str,
+        size: int,
+        etag: str,
+        tmp: Callable[[], str],
+        claim: Callable[[str], None] = lambda line: None,
+    ) -> Obtained:
+        """Take ``key`` (``rel`` under data/) from the peers, verified, into a temp file ``tmp()``
+        makes up; BUCKET when this node is the object's root. Up the object's tree (``chain``): a
+        peer is waited on only while it holds, reads or takes the object (a probe with ``relay``);
+        one that does none of these is passed for its parent, and the root, which will read it, is
+        asked again after a pause. Before the first request ``claim`` gets the claims line saying
+        that this node takes the object from a peer (its own children then wait for it). The
+        ranking is computed afresh after each held request; each peer gets PATIENCE_S per object
+        in all; one that says no is not asked for this object again. Blocking: a worker thread."""
         skip: set[str] = set()
         patience: dict[str, float] = {}
         busy: dict[str, float] = {}
+        pause = ROOT_PAUSE_S
+        relayed = False
+        # Earlier peers whose probe said they read it from the bucket: asked again until they send it
+        # (reading it from the bucket too would fetch it twice: e2e/test_40 measured 1.14-1.23x).
+        reading: list[str] = []
+        probed: set[str] = set()
         while True:
-            probe = False
-            if ahead := self.ahead_of_me(key, skip):
-                addr = ahead[0]
-            elif held := [p for p in reading if p not in skip and p not in self.failed]:
-                addr, probe = held[0], True
-            elif early := [p for p in self.early_peers() if p not in probed and p not in skip]:
-                # Peers that started before this node may have read it before they knew of it.
-                addr, probe = early[0], True
-                probed.add(addr)
-            else:
-                return Obtained(Outcome.BUCKET)
-            now = time.monotonic()
-            deadline = patience.setdefault(addr, now + PATIENCE_S)
-            if now >= deadline:
-                self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
-                continue
-            path = tmp()
-            outcome, md5 = self.take(addr, rel, size, etag, path, probe, min(RERANK_S, deadline - now))
-            if outcome is Outcome.PLACED:
-                return Obtained(outcome, path)
-            if outcome is Outcome.SUSPECT:
-                return Obtained(Outcome.BUCKET, suspect=(addr, md5))
-            if outcome is Outcome.BUSY:
-                if time.monotonic() >= busy.setdefault(addr, time.monotonic() + BUSY_S):
-                    skip.add(addr)
+            hops = self.chain(key, skip)
+            if not hops:
+                # This node is the root: unless an earlier peer reads it already, its turn.
+                if held := [p for p in reading if p not in skip and p not in self.failed]:
+                    hops, relay = [held[0]], False
+                elif early := [p for p in self.early_peers() if p not in probed and p not in skip]:
+                    hops, relay = [early[0]], False
+                    probed.add(early[0])
                 else:
-                    time.sleep(
-                        BUSY_PAUSE_S * (0.5 + random.random())
-                    )  # jitter: the stagers of a node do not all ask again at once
-                continue
-            if outcome is Outcome.NEXT:
-                skip.add(addr)
-            elif probe and addr not in reading:
-                reading.append(addr)
-            # WAIT: rank again (the answer is refreshed every REFRESH_S) and ask the first choice.
+                    return Obtained(Outcome.BUCKET)
+            else:
+                relay = True
+                if not relayed:
+                    claim(RELAY_MARK + rel)
+                    relayed = True
+            for i, addr in enumerate(hops):
+                last = i == len(hops) - 1
+                now = time.monotonic()
+                deadline = patience.setdefault(addr, now + PATIENCE_S)
+                if now >= deadline:
+                    self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
+                    break
+                asked_at, path = time.time(), tmp()
+                outcome, md5 = self.take(addr, rel, size, etag, path, True, min(RERANK_S, deadline - now), relay)
+                if outcome is Outcome.PLACED:
+                    return Obtained(outcome, path)
+                if outcome is Outcome.SUSPECT:
+                    return Obtained(Outcome.BUCKET, suspect=(addr, md5))
+                if outcome is Outcome.UNCLAIMED:
+                    if not relay:
+                        # An earlier peer that does not read it: this node's own turn, as far as it goes.
+                        self._early_answered(addr, asked_at)
+                        break
+                    if not last:
+                        continue  # a parent not there yet: its parent
+                    # The root has not come to it yet: ask again in a moment (not the bucket: that
+                    # would read it twice).
+                    time.sleep(pause * (0.5 + random.random()))
+                    pause = min(pause * 2, ROOT_PAUSE_MAX_S)
+                    break
+                if outcome is Outcome.BUSY:
+                    if not last:
+                        continue  # busy: a node higher up has it too, or will
+                    if time.monotonic() >= busy.setdefault(addr, time.monotonic() + BUSY_S):
+                        skip.add(addr)
+                    else:
+                        # jitter: the stagers of a node do not all ask again at once
+                        time.sleep(BUSY_PAUSE_S * (0.5 + random.random()))
+                    break
+                if outcome is Outcome.NEXT:
+                    skip.add(addr)
+                    break
+                # WAIT: it holds a claim; rank again (the answer is refreshed every REFRESH_S) and ask.
+                if not relay and addr not in reading:
+                    reading.append(addr)
+                break
 
     def take(
-        self, addr: str, rel: str, size: int, etag: str, tmp: str, probe: bool = False, wait: float = RERANK_S
+        self,
+        addr: str,
+        rel: str,
+        size: int,
+        etag: str,
+        tmp: str,
+        probe: bool = False,
+        wait: float = RERANK_S,
+        relay: bool = False,
     ) -> tuple[Outcome, str]:
         """One request for ``rel`` to ``addr``, into ``tmp`` (created, FILE_MODE), verified; held up to
         ``wait`` seconds while the peer is still copying it (``probe``: only if it has it now, or is
-        reading it). The second item: the MD5 of a SUSPECT body. Blocking."""
-        req = ObjectRequest(self.namespace, self.cache, self.revision, rel, max(0.0, min(wait, MAX_WAIT_S)), probe)
+        reading it; ``relay``: or taking it from a peer). The second item: the MD5 of a SUSPECT body.
+        Blocking."""
+        req = ObjectRequest(
+            self.namespace, self.cache, self.revision, rel, max(0.0, min(wait, MAX_WAIT_S)), probe, relay
+        )
         try:
             status, state = self._get(addr, req, size, etag, tmp)
         except _Suspect as e:
@@ -386,7 +470,7 @@ class Peers:
             return Outcome.PLACED, ""
         if status == 404 and state == RevisionState.UNCLAIMED:
             if probe:
-                return Outcome.NEXT, ""  # nobody there reads it: this node's own turn
+                return Outcome.UNCLAIMED, ""  # nobody there reads it (yet)
             # Only a probe may be answered so: a peer that says it to a plain request would be asked
             # again and again (a bug, another version, or a stall on purpose).
             self._fail(addr, f"answered 'unclaimed' for {rel} to a request that was no probe")

@@ -28,7 +28,7 @@ from obstore.exceptions import BaseError, PreconditionError
 from obstore.store import S3Store
 
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
-from dscache_contract.peers import claims_path
+from dscache_contract.peers import COHORT_WINDOW_S, claims_path
 
 from . import native
 from .cpus import available_cpus
@@ -52,7 +52,7 @@ from .listing import (
     list_versions,
 )
 from .listpage import Started
-from .peers import REFRESH_S, Outcome, Peers
+from .peers import EARLY_REFRESH_S, REFRESH_S, Outcome, Peers
 from .progress import Progress
 from .source import S3Source, source_error
 from .sync_options import BUFFER_BYTES, SyncOptions
@@ -60,6 +60,9 @@ from .tree import LocalTree
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
+#: Objects waiting for the peer workers past which the listing pauses (the bucket's workers never
+#: wait on the peer workers: issue 30 traced a stall of every node to that wait).
+PEER_BACKLOG = 16384
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
@@ -133,6 +136,7 @@ class _Run:
         self.peer_queue: asyncio.Queue[Work] | None = None
         self.peers_known = asyncio.Event()
         self.claims: IO[str] | None = None
+        self._claims_lock = threading.Lock()  # the loop and the peer threads append
         self._peer_seq = 0
         self._peer_seq_lock = threading.Lock()
         self.started_listing = started
@@ -184,7 +188,10 @@ class _Run:
             # threads, not on the loop.
             n = max(8, min(64, self.opts.concurrency))
             peer_pool = ThreadPoolExecutor(n, thread_name_prefix="peer")
-            peer_queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=4 * n)
+            # Unbounded: a bucket worker hands an object over without waiting (the listing pauses
+            # instead, past PEER_BACKLOG). A bucket worker that waited here could wait on this
+            # node's peer threads, held on peers whose bucket workers wait the same way.
+            peer_queue: asyncio.Queue[Work] = asyncio.Queue()
             self.peer_queue = peer_queue
             bucket = workers
 
@@ -223,7 +230,8 @@ class _Run:
                 summary = self._summary(len(stale))
             if self.claims is not None:
                 # Every object is placed: nobody need wait on a claim any more, and tmp/ must be empty to seal.
-                self.claims.close()
+                with self._claims_lock:
+                    self.claims.close()
                 os.unlink(self.claims.name)
             rev.seal(manifest, self.tree.dirs, summary)
             return summary
@@ -248,7 +256,8 @@ class _Run:
             if self.peers is not None:
                 self.peers.close()
             if self.claims is not None:
-                self.claims.close()
+                with self._claims_lock:
+                    self.claims.close()
             if peer_pool is not None:
                 peer_pool.shutdown(wait=False, cancel_futures=True)
             self.fetcher.close()
@@ -340,6 +349,8 @@ class _Run:
                 # judged on its exact total before any of it is fetched.
                 self._reserve([o for o, _, _ in fetch])
                 for item in fetch:
+                    while self.peer_queue is not None and self.peer_queue.qsize() >= PEER_BACKLOG:
+                        await asyncio.sleep(0.05)
                     await queue.put(item)
         except UnrepresentableKeys as e:
             # obstore refused a key; list verbatim with boto3 to name them all.
@@ -505,6 +516,7 @@ class _Run:
         peers = self.peers
         answer = await asyncio.to_thread(peers.ask_agent)
         self.peers_known.set()
+        early_until = time.monotonic() + COHORT_WINDOW_S + 1.0
         others = peers.others()
         self.progress.note(
             f"peers: {len(others)} other node(s) hold or copy revision {self.rev.rev}"
@@ -513,24 +525,37 @@ class _Run:
             else "peers: the node agent did not answer; every object comes from the bucket"
         )
         while True:
-            await asyncio.sleep(REFRESH_S)
+            # Often while the nodes that start together find each other: a node that took an object
+            # before it knew of the one it is ranked to makes that one wait for it.
+            await asyncio.sleep(EARLY_REFRESH_S if time.monotonic() < early_until else REFRESH_S)
             await asyncio.to_thread(peers.ask_agent)
 
     def _claim(self, items: list[Task]) -> None:
         """Say, before the GETs, which objects this node reads from the bucket: a peer that asks
         for one of them waits for this node's copy instead of reading the bucket too (one write)."""
-        if items and self.claims is not None:
-            self.claims.write("".join(f"{rel}\n" for _, rel, _ in items))
-            self.claims.flush()
+        if items:
+            self._claim_lines("".join(f"{rel}\n" for _, rel, _ in items))
+
+    def _claim_lines(self, text: str) -> None:
+        """Append to the claims (the loop, and the peer threads: a relay claim, peers.obtain)."""
+        if self.claims is not None:
+            with self._claims_lock:
+                if not self.claims.closed:
+                    self.claims.write(text)
+                    self.claims.flush()
+
+    def _relay_claim(self, line: str) -> None:
+        self._claim_lines(line + "\n")
 
     async def _to_peers(self, item: Task) -> bool:
-        """Hand ``item`` to the peer workers if a node ranks before this one for it (decided when a
-        worker takes it, not when it was listed: the peers known then are the freshest)."""
+        """Hand ``item`` to the peer workers if a node ranks before this one for it, or an earlier
+        one may read it (decided when a worker takes it, not when it was listed: the peers known
+        then are the freshest). Never waits but for the first answer of the agent."""
         assert self.peers is not None and self.peer_queue is not None
         await self.peers_known.wait()
         obj = item[0]
-        if self.peers.verifiable(obj.etag, obj.size) and (self.peers.ahead_of_me(obj.key) or self.peers.early_peers()):
-            await self.peer_queue.put(item)
+        if self.peers.verifiable(obj.etag, obj.size) and self.peers.to_peers(obj.key):
+            self.peer_queue.put_nowait(item)
             return True
         return False
 
@@ -540,7 +565,9 @@ class _Run:
         while (item := await peer_queue.get()) is not None:
             obj, rel, line = item
             self.tree.ensure_parent(rel)  # on the loop: LocalTree is not shared with threads
-            got = await loop.run_in_executor(pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp)
+            got = await loop.run_in_executor(
+                pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
+            )
             if got.outcome is Outcome.PLACED:
                 self.tree.place(got.tmp, rel)
                 self.journal.write(line)

@@ -61,7 +61,7 @@ from dscache_stager.errors import BusyError, UsageError
 
 from .agent import Agent, _locked
 from .kube import ApiError
-from .peers import Claims, NotHere, Opened, check_request, poll_object
+from .peers import Claims, NotHere, Opened, check_request, open_object, poll_object
 
 log = logging.getLogger("dscache-node")
 T = TypeVar("T")
@@ -86,8 +86,10 @@ OBJECTS_PER_CLIENT = 128
 #: An object's body must be taken within READ_GRACE_S plus its size at MIN_RATE.
 READ_GRACE_S = 30.0
 MIN_RATE = 1 << 20
-#: How often a held request looks again for the object it waits for.
+#: How often a held request looks again for the object it waits for (whether the file is there),
+#: and how often it looks at the lock, the revision's state and the claims too.
 POLL_S = 0.05
+FULL_LOOK_S = 1.0
 
 
 class _Limits:
@@ -353,13 +355,24 @@ class AgentServer:
         while True:
             # The claims file may be long (a large revision's paths): read off the loop.
             got = await loop.run_in_executor(
-                None, poll_object, c, req.revision, req.path, _locked, self.claims, req.probe
+                None, poll_object, c, req.revision, req.path, _locked, self.claims, req.probe, req.relay
             )
             if isinstance(got, Opened):
                 return got
-            if time.monotonic() >= deadline:
-                raise got
-            await asyncio.sleep(POLL_S)
+            # Between two full looks (the lock, the revision's state, the claims: a thread each),
+            # only whether the file is there now, on the loop: a few openat calls, no thread hop.
+            # Hundreds of held requests would otherwise keep the pool busy polling (issue 30).
+            full = time.monotonic() + FULL_LOOK_S
+            while True:
+                if time.monotonic() >= deadline:
+                    raise got
+                await asyncio.sleep(POLL_S)
+                try:
+                    return open_object(c, req.revision, req.path)
+                except FileNotFoundError:
+                    pass
+                if time.monotonic() >= full:
+                    break
 
     async def _send(self, request: web.BaseRequest, revision: str, opened: Opened) -> web.StreamResponse:
         resp = web.StreamResponse(

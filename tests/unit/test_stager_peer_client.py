@@ -135,7 +135,7 @@ def test_a_probe_answered_unclaimed_is_no_fault(tmp_path, fakes):
     peer = fakes(not_found("unclaimed"))
     p = client(tmp_path, ahead(peer.addr))
     outcome, _ = p.take(peer.addr, "a.bin", 10, '"' + "0" * 32 + '"', str(tmp_path / "t"), probe=True)
-    assert outcome is Outcome.NEXT and peer.addr not in p.failed
+    assert outcome is Outcome.UNCLAIMED and peer.addr not in p.failed
 
 
 def test_ambiguous_multipart_peer_not_blamed(tmp_path, fakes):
@@ -292,7 +292,26 @@ def test_an_early_peer_reading_it_is_waited_for(tmp_path, fakes, monkeypatch):
     assert got.outcome is Outcome.PLACED, (got, p.failed)
     assert Path(got.tmp).read_bytes() == data
     assert early.requests == 4 and not p.failed
-    assert p.early_peers() == [], "the window closed while it waited (and it still waited)"
+    # It read one of this node's objects: it may read more of them (it never said it knows of us).
+    assert p.early_peers() == [early.addr]
+
+
+@pytest.mark.parametrize(("started_ago", "left_out"), [(0.2, False), (5.0, True)])
+def test_an_early_peer_is_left_out_once_it_knew_of_this_node(tmp_path, fakes, started_ago, left_out):
+    """An earlier peer is asked about every object ranked to this node until it answers that it
+    does not read one, asked after PROBE_S (it knew of this node by then, and claims in listing
+    order): from then on this node reads its own objects straight away. An "unclaimed" answer
+    within PROBE_S proves nothing (the peer may not have seen this node yet): it stays."""
+    early = fakes(not_found("unclaimed"))
+    now = time.time()
+    answer = PeersAnswer(me=ME, staging=[Peer(early.addr, now - started_ago - 1), Peer(ME, now - started_ago)])
+    key = ranked_to_me(answer)
+    p = client(tmp_path, answer)
+    assert p.to_peers(key), "an earlier peer is asked first"
+    got = p.obtain(key, key, 10, '"' + "0" * 32 + '"', tmp_maker(tmp_path))
+    assert got.outcome is Outcome.BUCKET and early.requests == 1 and not p.failed
+    assert (p.early_peers() == []) is left_out
+    assert p.to_peers(key) is not left_out
 
 
 def test_a_probe_answered_unclaimed_ends_at_the_bucket(tmp_path, fakes):
