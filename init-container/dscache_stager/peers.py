@@ -306,6 +306,11 @@ class Peers:
             if p.since < mine and p.addr != a.me and p.addr not in self.failed and p.addr not in self.early_done
         ]
 
+    def complete(self) -> set[str]:
+        """The peers that hold the revision whole."""
+        a = self.answer
+        return {p.addr for p in a.complete} if a else set()
+
     def to_peers(self, key: str) -> bool:
         """Whether ``key`` is asked of the peers before the bucket (else: this node reads it now)."""
         return bool(self.chain(key) or self.early_peers())
@@ -377,8 +382,12 @@ class Peers:
         # (reading it from the bucket too would fetch it twice: e2e/test_40 measured 1.14-1.23x).
         reading: list[str] = []
         probed: set[str] = set()
+        # Hops that held a request without sending: passed over when a complete copy is up the chain.
+        slow: set[str] = set()
         while True:
             hops = self.chain(key, skip)
+            if slow and (whole := self.complete()) and any(h in whole for h in hops):
+                hops = [h for h in hops if h not in slow]
             if not hops:
                 # This node is the root: unless an earlier peer reads it already, its turn.
                 if held := [p for p in reading if p not in skip and p not in self.failed]:
@@ -433,6 +442,8 @@ class Peers:
                 # WAIT: it holds a claim; rank again (the answer is refreshed every REFRESH_S) and ask.
                 if not relay and addr not in reading:
                     reading.append(addr)
+                if not last:
+                    slow.add(addr)
                 break
 
     def take(

@@ -20,7 +20,7 @@ import heapq
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
@@ -53,6 +53,7 @@ from .listing import (
 )
 from .listpage import Started
 from .peers import EARLY_REFRESH_S, REFRESH_S, Outcome, Peers
+from .peers_pace import Pace
 from .progress import Progress
 from .source import S3Source, source_error
 from .sync_options import BUFFER_BYTES, SyncOptions
@@ -135,6 +136,7 @@ class _Run:
             self.peers = Peers(opts.agent, opts.cache, rev.rev, opts.peer_token_file)
         self.peer_queue: asyncio.Queue[Work] | None = None
         self.peers_known = asyncio.Event()
+        self.pace = Pace()
         self.claims: IO[str] | None = None
         self._claims_lock = threading.Lock()  # the loop and the peer threads append
         self._peer_seq = 0
@@ -435,40 +437,73 @@ class _Run:
             self.progress.fetched_objects += 1
 
     async def _native_worker(self, queue: asyncio.Queue[Work]) -> None:
-        """A batch at a time: small objects to the native copier, the others to fetch.py."""
+        """A batch at a time: small objects to the native copier, the others to fetch.py. While
+        other nodes share the revision (or may still come), paced (peers_pace.py): one worker at a
+        time takes a batch of what the window has room for, decides which objects are its own
+        and claims them, then fetches them outside the lock."""
         assert self.native is not None
-        nat, tree = self.native, self.tree
+        nat = self.native
         while True:
-            batch, end = await _take(queue, nat.batch_size)
-            small: list[Task] = []
-            items: list[native.Item] = []
-            jobs = []
-            claimed: list[Task] = []
-            for task in batch:
-                if self.peers is not None and await self._to_peers(task):
-                    continue
-                obj, rel, _ = task
-                if not native.handles(obj.size):
-                    # Large objects go down one at a time, in ranged parts (native.py).
-                    tree.ensure_parent(rel)
-                    jobs.append(self._fetch_native_large(obj, rel))
-                    claimed.append(task)
-                    continue
-                # Directories are made here, in listing order, as LocalTree
-                # records them for the seal; the native side only renames into them.
-                tree.ensure_parent(rel)
-                small.append(task)
-                items.append((obj.key, tree.path(rel), obj.etag, obj.version_id, obj.size))
-            if self.peers is not None:
-                self._claim(claimed + small)
-            if jobs:
-                if items:
-                    jobs.append(self._fetch_native(small, items))
-                await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
-            elif items:
-                await self._fetch_native(small, items)  # the usual batch: no task nor gather of its own
+            pace = self.pace if self._pacing() else None
+            if pace is None:
+                batch, end = await _take(queue, nat.batch_size)
+                jobs, claimed = await self._decide(batch)
+                nbytes = 0
+            else:
+                async with pace.lock:
+                    await pace.room()
+                    batch, end = await _take(queue, nat.batch_size, pace.room_left())
+                    jobs, claimed = await self._decide(batch)
+                    nbytes = sum(obj.size for obj, _, _ in claimed)
+                    pace.take(nbytes)
+            try:
+                if len(jobs) > 1:
+                    await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
+                elif jobs:
+                    await jobs[0]  # the usual batch: no task nor gather of its own
+            finally:
+                if pace is not None:
+                    await pace.give(nbytes)
             if end:
                 return
+
+    def _pacing(self) -> bool:
+        """Whether bucket reads are paced: with peers on, while other nodes copy or hold the
+        revision, or may still come (the cohort window and a second)."""
+        if self.peers is None:
+            return False
+        return bool(self.peers.others()) or time.monotonic() < self.started + COHORT_WINDOW_S + 1.0
+
+    async def _decide(self, batch: list[Task]) -> tuple[list[Coroutine[Any, Any, None]], list[Task]]:
+        """Which of ``batch`` go to the peers (handed over), and the fetches of the others from the
+        bucket, claimed: (the coroutines to run, the objects claimed)."""
+        assert self.native is not None
+        tree = self.tree
+        small: list[Task] = []
+        items: list[native.Item] = []
+        jobs: list[Coroutine[Any, Any, None]] = []
+        claimed: list[Task] = []
+        for task in batch:
+            if self.peers is not None and await self._to_peers(task):
+                continue
+            obj, rel, _ = task
+            if not native.handles(obj.size):
+                # Large objects go down one at a time, in ranged parts (native.py).
+                tree.ensure_parent(rel)
+                jobs.append(self._fetch_native_large(obj, rel))
+                claimed.append(task)
+                continue
+            # Directories are made here, in listing order, as LocalTree
+            # records them for the seal; the native side only renames into them.
+            tree.ensure_parent(rel)
+            small.append(task)
+            items.append((obj.key, tree.path(rel), obj.etag, obj.version_id, obj.size))
+        claimed += small
+        if self.peers is not None:
+            self._claim(claimed)
+        if items:
+            jobs.append(self._fetch_native(small, items))
+        return jobs, claimed
 
     async def _fetch_native(self, small: list[Task], items: list[native.Item]) -> None:
         assert self.native is not None
@@ -672,13 +707,16 @@ def _first_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).split("\n")[0]
 
 
-async def _take(queue: asyncio.Queue[Work], most: int) -> tuple[list[Task], bool]:
-    """Up to ``most`` queued items without waiting for more than the first; and whether the end was reached."""
+async def _take(queue: asyncio.Queue[Work], most: int, room: int | None = None) -> tuple[list[Task], bool]:
+    """Up to ``most`` queued items without waiting for more than the first (``room``: and no more
+    once their bytes reach it); and whether the end was reached."""
     batch: list[Task] = []
     item = await queue.get()
+    nbytes = 0
     while item is not None:
         batch.append(item)
-        if len(batch) >= most:
+        nbytes += item[0].size
+        if len(batch) >= most or (room is not None and nbytes >= room):
             return batch, False
         try:
             item = queue.get_nowait()
