@@ -1,9 +1,13 @@
 """Fetch once per cluster, the stager's side: take objects from other nodes, verified.
 
 The node agent says who else stages or holds this revision (``PEERS_PATH``; asked
-again every second, so nodes that start together find each other within one).
-``dscache_contract.peers.owner_ranking`` orders, per object, the nodes to take it
-from; this node reads the bucket when its own turn comes, and only then. A peer's
+five times a second while the nodes that start together find each other, then every
+second). ``dscache_contract.peers.owner_ranking`` orders, per object, the nodes; its
+first, the object's root, reads it from the bucket, and every other node takes it
+from its parent in the object's tree (``fetch_chain``), so every copy serves on. A
+node waits only on a peer that holds, reads or takes the object (a probe; a parent
+that does none of these is passed for its own parent), and asks the root again after
+a pause rather than read the bucket itself. A peer's
 answer is trusted for nothing: the body must have the manifest's size and hash to
 the listed ETag (an MD5, or a multipart ETag rebuilt for the usual part sizes)
 before it is placed. Objects whose ETag cannot check their bytes (a multipart
@@ -19,9 +23,11 @@ Failure costs a retry, never a wrong byte:
   request that was no probe);
 - a peer still copying an object is asked again for it only after the ranking was
   computed afresh (``RERANK_S``): the cohort may have changed meanwhile (a node
-  completed, a stale label went), and the object's new first choice is asked;
-  each peer gets ``PATIENCE_S`` per object in all; an earlier peer whose probe said it
-  is reading the object is asked again until it sends it (even after ``PROBE_S``);
+  completed, a stale label went), and the object's new chain is asked; each peer gets
+  ``PATIENCE_S`` per object in all; before the root reads an object, the peers that
+  started before it are probed (they may have read it before they knew of it), and one
+  that reads it is asked again until it sends it; a peer is no longer probed once it
+  said, after ``PROBE_S``, that it does not read one (it knew of this node by then);
 - a busy peer (429: its bound for this node) is asked again after ``BUSY_PAUSE_S``, for
   ``BUSY_S`` per object; a kept-alive connection the peer closed while idle is opened
   anew once: neither is a fault, and neither sends the object to the bucket;
