@@ -26,10 +26,10 @@ a dead node costs one more read of each of its objects, not one per node.
 Nodes that hold the revision complete are asked first.
 
 Who serves whom (``fetch_chain``, issue 30): the first node of the ranking is the object's
-*root*; every other node takes it from its *parent* in a tree of the object's own: among the
-nodes ranked before it, the one a second rendezvous hash (object, child, parent) picks. A
-random recursive tree: about log N deep, and each node is a parent about once per object on
-average, so every node that has a copy serves it on, and no early node serves everyone. A node
+*root*; every other node takes it from its *parent* in a binary tree of the object's own (a
+heap over the root and the other nodes in an order of the object's own): log2 N deep, each node
+passes an object on to two nodes at most and about as many objects as it receives in all, so
+every node that has a copy serves it on, and no early node serves everyone. A node
 that is getting an object from a peer says so in its claims (a ``/`` before the path), so its
 children wait for it (``?relay=1``); a parent that neither holds nor gets the object is skipped
 for its own parent, up to the root.
@@ -88,6 +88,8 @@ PROBE_PARAM = "probe"
 RELAY_PARAM = "relay"
 #: The claims line of an object a node is taking from a peer (no path under data/ starts so).
 RELAY_MARK = "/"
+#: How many nodes one node passes each object on to, at most (fetch_chain).
+TREE_FANOUT = 2
 
 
 class RevisionState(StrEnum):
@@ -268,23 +270,22 @@ def owner_ranking(key: str, answer: PeersAnswer) -> list[str]:
     return by_weight(complete) + by_weight(cohort) + by_weight(later)
 
 
-def _tree_weight(key: str, child: str, parent: str) -> bytes:
-    return hashlib.sha256(f"tree\n{key}\n{child}\n{parent}".encode()).digest()
-
-
-def fetch_chain(key: str, order: list[str], me: str) -> list[str]:
+def fetch_chain(key: str, order: list[str], me: str, fanout: int = TREE_FANOUT) -> list[str]:
     """Where ``me`` takes ``key`` from: its parent in the object's tree, that one's parent, and so
     on up to the root ``order[0]`` ([]: ``me`` is the root, or not in ``order``). ``order``: an
-    ``owner_ranking`` (without the nodes this one gave up on). Each node's parent is, among the
-    nodes ranked before it, the one with the highest weight for (key, node, parent): the same on
-    every node, and a node that joins changes only the parents it wins."""
-    pos = {a: i for i, a in enumerate(order)}
-    if me not in pos:
+    ``owner_ranking`` (without the nodes this one gave up on). The tree is a ``fanout``-ary heap
+    over the root, then every other node in an order of the object's own (rendezvous hashing):
+    each node sends each object to ``fanout`` nodes at most, about half the nodes send it to
+    none, and which nodes do changes from object to object, so every node serves about as much
+    as it receives, and a chain is log(N) long. (The cohort's other members are not put first:
+    then they would send every object, the bottleneck issue 30 measured.)"""
+    if me not in order or not order:
         return []
+    root = order[0]
+    tree = [root, *sorted(order[1:], key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)]
+    i = tree.index(me)
     chain: list[str] = []
-    x = me
-    while pos[x] > 0:
-        child = x
-        x = max(order[: pos[child]], key=lambda y: _tree_weight(key, child, y))
-        chain.append(x)
+    while i > 0:
+        i = (i - 1) // fanout
+        chain.append(tree[i])
     return chain

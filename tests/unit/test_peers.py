@@ -22,12 +22,12 @@ from dscache_contract.peers import (
     COHORT_WINDOW_S,
     MAX_WAIT_S,
     OBJECTS_PATH,
+    RELAY_MARK,
     TOKEN_PERIOD_S,
     ObjectRequest,
     Peer,
     PeersAnswer,
     RevisionState,
-    RELAY_MARK,
     check_peer_token,
     claims_path,
     fetch_chain,
@@ -253,8 +253,7 @@ def test_a_nodes_chain_climbs_to_the_objects_root_through_earlier_ranked_nodes()
                 assert chain == []
                 continue
             assert chain[-1] == order[0]  # ends at the root, the one that reads the bucket
-            positions = [order.index(x) for x in (p.addr, *chain)]
-            assert positions == sorted(positions, reverse=True)  # always up: no cycle
+            assert len(set(chain)) == len(chain) and p.addr not in chain  # always up: no cycle
     assert fetch_chain("k", ["a", "b"], "c") == []  # not in the ranking: no chain
 
 
@@ -273,22 +272,9 @@ def test_the_trees_spread_the_serving_over_every_node_and_stay_shallow():
                 children[chain[0]] += 1
                 depths.append(len(chain))
     assert len(children) == 32, "every node serves some objects on"
-    assert max(children.values()) < 3 * n_keys, children.most_common(3)  # not 31 per object
-    assert sum(depths) / len(depths) < 4.5 and max(depths) <= 12
-
-
-def test_a_node_that_joins_changes_few_parents():
-    staging = many(16)
-    late = Peer("10.9.9.9:7070", T0 + 10)
-    changed = 0
-    for i in range(200):
-        key = f"k{i}"
-        before = owner_ranking(key, answer_for(staging[0].addr, staging))
-        after = owner_ranking(key, answer_for(staging[0].addr, [*staging, late]))
-        for p in staging:
-            a, b = fetch_chain(key, before, p.addr), fetch_chain(key, after, p.addr)
-            changed += (a[:1] != b[:1])
-    assert changed == 0  # a later node ranks after the cohort: nobody's parent changes
+    # Each node passes an object on to two at most, and about one in all (31 copies over 32 nodes).
+    assert max(children.values()) < 1.3 * n_keys, children.most_common(3)
+    assert max(depths) <= 5  # log2(32)
 
 
 # --- labels and names ---------------------------------------------------------------------------------
