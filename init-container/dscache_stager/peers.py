@@ -101,9 +101,9 @@ PROBE_S = 2.5
 #: agent is asked this often.
 EARLY_REFRESH_S = 0.2
 #: An object's root that has not come to it yet is asked again after this pause, doubling up to
-#: the second (each node reads its share in listing order, as the others ask for it).
+#: a quarter second (each node reads its share in listing order, as the others ask for it).
 ROOT_PAUSE_S = 0.05
-ROOT_PAUSE_MAX_S = 1.0
+ROOT_PAUSE_MAX_S = 0.25
 #: The token file is read again this often (the kubelet updates a rotated Secret in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
