@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dscache_contract.peers import REVISION_HEADER, Peer, PeersAnswer, owner_ranking
+from dscache_contract.peers import RELAY_MARK, REVISION_HEADER, Peer, PeersAnswer, fetch_chain, owner_ranking
 from dscache_stager import peers as peers_mod
 from dscache_stager.peers import Outcome, Peers
 
@@ -388,3 +388,57 @@ def test_a_busy_peer_is_asked_again(tmp_path, fakes, monkeypatch):
     got = q.obtain("b.bin", "b.bin", len(data), etag, tmp_maker(tmp_path))
     assert got.outcome is Outcome.BUCKET and time.monotonic() - started < 3
     assert always.requests > 2 and always.addr not in q.failed
+
+
+def test_a_parent_that_does_not_have_it_is_passed_for_the_root(tmp_path, fakes):
+    """Up the object's tree (issue 30): the parent is asked first (a probe that counts a copy it
+    takes from a peer: relay=1); one that neither holds, reads nor takes it is passed over for its
+    own parent, here the root, which sends it. This node said first that it takes the object from
+    a peer (a relay claim: its own children then wait for it), and never read the bucket."""
+    data = b"tree" * 3000
+    seen: dict[str, list[dict[str, list[str]]]] = {"parent": [], "root": []}
+
+    def answering(name: str, respond: Callable[[dict[str, list[str]]], Answer]) -> Callable[..., Answer]:
+        def go(q: dict[str, list[str]]) -> Answer:
+            seen[name].append(q)
+            return respond(q)
+
+        return go
+
+    parent = fakes(answering("parent", not_found("unclaimed")))
+    root = fakes(answering("root", serving(data)))
+    other = fakes(not_found("unclaimed"))
+    now = time.time()
+    staging = [Peer(parent.addr, now - 9), Peer(root.addr, now - 9), Peer(other.addr, now - 9), Peer(ME, now - 9)]
+    answer = PeersAnswer(me=ME, staging=staging)
+    # A key whose tree puts this node under `parent`, under `root`.
+    key = next(
+        k
+        for k in (f"k{i}.bin" for i in range(5000))
+        if fetch_chain(k, owner_ranking(k, answer), ME) == [parent.addr, root.addr]
+    )
+    p = client(tmp_path, answer)
+    claims: list[str] = []
+    got = p.obtain(key, key, len(data), f'"{md5(data)}"', tmp_maker(tmp_path), claims.append)
+    assert got.outcome is Outcome.PLACED and Path(got.tmp).read_bytes() == data
+    assert claims == [RELAY_MARK + key]
+    assert [q.get("relay") for q in seen["parent"]] == [["1"]] and seen["parent"][0].get("probe") == ["1"]
+    assert len(seen["root"]) == 1 and other.requests == 0 and not p.failed
+
+
+def test_a_root_that_has_not_come_to_it_is_asked_again_not_skipped(tmp_path, fakes, monkeypatch):
+    """The root is the one node that reads an object from the bucket: one that has not started to
+    (it reads in listing order, paced) is asked again after a short pause, and this node never
+    reads the bucket for it (that would read it twice)."""
+    monkeypatch.setattr(peers_mod, "ROOT_PAUSE_S", 0.01)
+    data = b"root" * 2000
+    answers = iter(["unclaimed", "unclaimed", "unclaimed"])
+
+    def respond(q: dict[str, list[str]]) -> Answer:
+        state = next(answers, None)
+        return serving(data)(q) if state is None else not_found(state)(q)
+
+    root = fakes(respond)
+    p = client(tmp_path, ahead(root.addr))
+    got = p.obtain("a.bin", "a.bin", len(data), f'"{md5(data)}"', tmp_maker(tmp_path))
+    assert got.outcome is Outcome.PLACED and root.requests == 4 and not p.failed
