@@ -57,7 +57,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from dscache_contract.peers import (
@@ -93,10 +93,11 @@ RERANK_S = 5.0
 BUSY_PAUSE_S = 0.25
 BUSY_S = 20.0
 #: How often the node agent is asked again who the peers are. A node that started before this one
-#: learns of it within this long; until then it may read objects now ranked to this one, which is
-#: why this node first looks at such earlier peers' claims for ``PROBE_S`` (longer than this).
+#: learns of it within this long (and the agent's ANSWER_TTL_S); until then it may read objects now
+#: ranked to this one, which is why this node asks such earlier peers whether they read one of its
+#: objects, and takes their "no" for an answer only ``PROBE_S`` after its start (longer than this).
 REFRESH_S = 1.0
-PROBE_S = 2.5
+PROBE_S = 2.0
 #: While the nodes that start together find each other (COHORT_WINDOW_S and a second more), the
 #: agent is asked this often.
 EARLY_REFRESH_S = 0.2
@@ -104,6 +105,9 @@ EARLY_REFRESH_S = 0.2
 #: a quarter second (each node reads its share in listing order, as the others ask for it).
 ROOT_PAUSE_S = 0.05
 ROOT_PAUSE_MAX_S = 0.25
+#: Connections (requests at once) to one peer: an agent sends MAX_SENDING bodies at once anyway,
+#: and takes MAX_CONNECTIONS in all (31 peers x 12 fit in 512).
+PER_PEER = 12
 #: The token file is read again this often (the kubelet updates a rotated Secret in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
@@ -220,7 +224,7 @@ class Peers:
         # Peers no longer asked in this run, and why (each is logged once).
         self.failed: dict[str, str] = {}
         self._token: tuple[float, str] = (0.0, "")
-        self._local = threading.local()
+        self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
         self._all: list[http.client.HTTPConnection] = []
         # ETag forms (etag_form) that the bucket showed do not check their bytes (SSE-KMS, a
@@ -320,6 +324,13 @@ class Peers:
     def to_peers(self, key: str) -> bool:
         """Whether ``key`` is asked of the peers before the bucket (else: this node reads it now)."""
         return bool(self.chain(key) or self.early_peers())
+
+    def _until_known(self, asked_at: float) -> float:
+        """Seconds from ``asked_at`` (epoch) until every earlier peer knows of this node (PROBE_S
+        after its start); 0: it did then."""
+        a = self.answer
+        mine = next((p.since for p in a.staging if p.addr == a.me), 0.0) if a else 0.0
+        return max(0.0, mine + PROBE_S - asked_at) if mine else 0.0
 
     def _early_answered(self, addr: str, asked_at: float) -> None:
         """``addr`` did not read an object ranked to this node, asked at ``asked_at`` (epoch)."""
@@ -423,8 +434,15 @@ class Peers:
                     return Obtained(Outcome.BUCKET, suspect=(addr, md5))
                 if outcome is Outcome.UNCLAIMED:
                     if not relay:
-                        # An earlier peer that does not read it: this node's own turn, as far as it goes.
-                        self._early_answered(addr, asked_at)
+                        # An earlier peer that does not read it. Within PROBE_S of this node's start
+                        # it may not know of this node yet, and read it a moment later: ask again
+                        # once PROBE_S is over (it knows of this node then), and only then is it
+                        # this node's turn. (Asked once, a node paced behind the first read 1.3x.)
+                        if (wait := self._until_known(asked_at)) > 0:
+                            probed.discard(addr)
+                            time.sleep(wait)
+                        else:
+                            self._early_answered(addr, asked_at)
                         break
                     if not last:
                         continue  # a parent not there yet: its parent
@@ -472,6 +490,8 @@ class Peers:
         )
         try:
             status, state = self._get(addr, req, size, etag, tmp)
+        except _Busy:
+            return Outcome.BUSY, ""
         except _Suspect as e:
             log.info(f"peer {addr}: {rel} does not hash to its ETag {etag}; the bucket's copy decides")
             return Outcome.SUSPECT, e.md5
@@ -506,18 +526,36 @@ class Peers:
             self._fail(addr, f"answered HTTP {status}")
         return Outcome.NEXT, ""
 
-    def _conn(self, addr: str) -> http.client.HTTPConnection:
-        conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(addr)
-        if conn is None:
-            host, _, port = addr.rpartition(":")
-            # A held request answers within MAX_WAIT_S; past that, and between two reads of a body,
-            # silence means a stalled peer.
-            conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=READ_TIMEOUT_S + MAX_WAIT_S)
-            conns[addr] = conn
-            with self._lock:
-                self._all.append(conn)
+    def _new_conn(self, addr: str) -> http.client.HTTPConnection:
+        host, _, port = addr.rpartition(":")
+        # A held request answers within MAX_WAIT_S; past that, and between two reads of a body,
+        # silence means a stalled peer.
+        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=READ_TIMEOUT_S + MAX_WAIT_S)
+        with self._lock:
+            self._all = [c for c in self._all if c.sock is not None]
+            self._all.append(conn)
         return conn
+
+    def _acquire(self, addr: str) -> http.client.HTTPConnection:
+        """One of at most PER_PEER connections to ``addr`` (waits for one to be free): the peer
+        threads share them, so a node keeps PER_PEER connections to a peer, not one per thread
+        (an agent took 16 nodes x 64 threads for a flood, and reset them: issue 30)."""
+        with self._lock:
+            pool = self._pools.setdefault(addr, _Pool())
+        pool.free.acquire()
+        with self._lock:
+            if pool.idle:
+                return pool.idle.pop()
+        return self._new_conn(addr)
+
+    def _release(self, addr: str, conn: http.client.HTTPConnection, reuse: bool) -> None:
+        pool = self._pools[addr]
+        if reuse and conn.sock is not None:
+            with self._lock:
+                pool.idle.append(conn)
+        else:
+            conn.close()
+        pool.free.release()
 
     def close(self) -> None:
         """End every request in flight (a failed run must not wait for held requests to time out)."""
@@ -531,7 +569,19 @@ class Peers:
                     pass
 
     def _get(self, addr: str, req: ObjectRequest, size: int, etag: str, tmp: str) -> tuple[int, str]:
-        conn = self._conn(addr)
+        conn = self._acquire(addr)
+        ok = False
+        try:
+            out = self._ask(addr, conn, req, size, etag, tmp)
+            conn = out[2]
+            ok = True
+            return out[0], out[1]
+        finally:
+            self._release(addr, conn, ok)
+
+    def _ask(
+        self, addr: str, conn: http.client.HTTPConnection, req: ObjectRequest, size: int, etag: str, tmp: str
+    ) -> tuple[int, str, http.client.HTTPConnection]:
         path = req.target()
         reused = conn.sock is not None
         if reused:
@@ -540,23 +590,28 @@ class Peers:
             try:
                 conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
                 resp = conn.getresponse()
-            except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+            except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.RemoteDisconnected):
                 if not reused:
-                    raise
+                    # A new connection reset before any answer: the agent is over its bound of
+                    # connections (it resets those past the ones it answers 429); a dead one
+                    # refuses the connection. Busy, not faulty.
+                    raise _Busy() from None
                 # A kept-alive connection the peer closed while it was idle (its server closes idle
                 # ones after a while): no fault of the peer, and no byte of an answer was read.
                 # Once more on a new connection; only a failure there writes the peer off.
                 conn.close()
-                self._local.conns.pop(addr, None)
-                conn = self._conn(addr)
-                conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
-                resp = conn.getresponse()
+                conn = self._new_conn(addr)
+                try:
+                    conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
+                    resp = conn.getresponse()
+                except (ConnectionResetError, http.client.RemoteDisconnected):
+                    raise _Busy() from None
             if resp.status != 200:
                 text = resp.read().decode(errors="replace")  # whole: the connection is reused
                 state = ""
                 if resp.status == 404 and '"state"' in text:
                     state = str(json.loads(text).get("state", ""))
-                return resp.status, state
+                return resp.status, state, conn
             if resp.getheader(REVISION_HEADER) != self.revision:
                 raise _Lied(f"it answered for revision {resp.getheader(REVISION_HEADER)!r}")
             length = int(resp.getheader("Content-Length") or -1)
@@ -564,10 +619,9 @@ class Peers:
                 resp.close()
                 raise _Lied(f"{length} bytes where the manifest says {size}")
             self._receive(conn, resp, size, etag, tmp)
-            return 200, ""
+            return 200, "", conn
         except BaseException:
-            conn.close()
-            self._local.conns.pop(addr, None)
+            conn.close()  # a new one in its place, if it was replaced (the caller closes the first)
             raise
 
     def _receive(
@@ -607,6 +661,18 @@ class Peers:
             _unlink(tmp)
             raise
         os.close(fd)
+
+
+class _Busy(Exception):
+    """A new connection reset before any answer: the peer's agent is over its bound."""
+
+
+@dataclass
+class _Pool:
+    """The connections to one peer: at most PER_PEER at once, the idle ones kept alive."""
+
+    free: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(PER_PEER))
+    idle: list[http.client.HTTPConnection] = field(default_factory=list)
 
 
 class _Lied(Exception):
