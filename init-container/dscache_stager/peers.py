@@ -299,22 +299,31 @@ class Peers:
         return fetch_chain(key, order, a.me)
 
     def early_peers(self) -> list[str]:
-        """Peers that started copying before this node and may have read objects now ranked to it
-        before they knew of it (they learn of it within ``REFRESH_S``). Before this node reads
-        such an object from the bucket it asks them (a probe: only if they read it) first; a peer
-        is left out once it answered that it does not read one, asked after ``PROBE_S``: it knew of
-        this node by then, and its claims come in listing order, as this node's requests do."""
+        """Peers that may have read objects now ranked to this node before they knew of it: those
+        that started before it, or less than ``PROBE_S`` after it (their first answer may have
+        come before this node's label showed). Before this node reads such an object from the
+        bucket it asks them (a probe: only if they read it) first; a peer is left out once it
+        answered that it does not read one, asked ``PROBE_S`` after the later of the two starts:
+        each knew of the other by then, and claims in listing order, as this node asks."""
         a = self.answer
         if a is None or not self.token():
             return []
-        mine = next((p.since for p in a.staging if p.addr == a.me), 0.0)
+        mine = self._since(a.me)
         if not mine:
             return []
         return [
             p.addr
             for p in a.staging
-            if p.since < mine and p.addr != a.me and p.addr not in self.failed and p.addr not in self.early_done
+            if p.since < mine + PROBE_S
+            and p.addr != a.me
+            and p.addr not in self.failed
+            and p.addr not in self.early_done
         ]
+
+    def _since(self, addr: str) -> float:
+        """When ``addr``'s copy started (0: unknown)."""
+        a = self.answer
+        return next((p.since for p in a.staging if p.addr == addr), 0.0) if a else 0.0
 
     def complete(self) -> set[str]:
         """The peers that hold the revision whole."""
@@ -325,18 +334,15 @@ class Peers:
         """Whether ``key`` is asked of the peers before the bucket (else: this node reads it now)."""
         return bool(self.chain(key) or self.early_peers())
 
-    def _until_known(self, asked_at: float) -> float:
-        """Seconds from ``asked_at`` (epoch) until every earlier peer knows of this node (PROBE_S
-        after its start); 0: it did then."""
-        a = self.answer
-        mine = next((p.since for p in a.staging if p.addr == a.me), 0.0) if a else 0.0
-        return max(0.0, mine + PROBE_S - asked_at) if mine else 0.0
+    def _until_known(self, addr: str, asked_at: float) -> float:
+        """Seconds from ``asked_at`` (epoch) until ``addr`` and this node surely know of each other
+        (PROBE_S after the later start); 0: they did then."""
+        mine, theirs = self._since(self.answer.me if self.answer else ""), self._since(addr)
+        return max(0.0, max(mine, theirs) + PROBE_S - asked_at) if mine else 0.0
 
     def _early_answered(self, addr: str, asked_at: float) -> None:
         """``addr`` did not read an object ranked to this node, asked at ``asked_at`` (epoch)."""
-        a = self.answer
-        mine = next((p.since for p in a.staging if p.addr == a.me), 0.0) if a else 0.0
-        if mine and asked_at > mine + PROBE_S:
+        if not self._until_known(addr, asked_at) and self._since(addr):
             with self._lock:
                 self.early_done.add(addr)
 
@@ -438,7 +444,7 @@ class Peers:
                         # it may not know of this node yet, and read it a moment later: ask again
                         # once PROBE_S is over (it knows of this node then), and only then is it
                         # this node's turn. (Asked once, a node paced behind the first read 1.3x.)
-                        if (wait := self._until_known(asked_at)) > 0:
+                        if (wait := self._until_known(addr, asked_at)) > 0:
                             probed.discard(addr)
                             time.sleep(wait)
                         else:

@@ -509,3 +509,18 @@ def test_the_threads_share_a_few_connections_per_peer(tmp_path, fakes, monkeypat
     for t in threads:
         t.join(10)
     assert results == [Outcome.PLACED] * 12 and at_once[1] <= 3
+
+
+def test_a_peer_that_started_just_after_this_node_is_asked_too():
+    """Two nodes that start a moment apart may each get a first answer without the other, and
+    each read objects ranked to the other: the root asks a peer that started less than PROBE_S
+    after it too (issue 30 measured 11-20 keys read twice so at 4-32 nodes), not one that started
+    later (its first answer had this node's label in it)."""
+    now = time.time()
+    near, far = "10.0.0.2:7070", "10.0.0.3:7070"
+    p = Peers("http://127.0.0.1:1", "ns/cache", REV, __file__)  # any readable file is a token here
+    p.answer = PeersAnswer(me=ME, staging=[Peer(ME, now), Peer(near, now + 0.5), Peer(far, now + PROBE + 1)])
+    assert p.early_peers() == [near]
+
+
+PROBE = peers_mod.PROBE_S
