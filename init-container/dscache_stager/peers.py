@@ -39,9 +39,9 @@ Failure costs a retry, never a wrong byte:
   ETag of some form does not check its bytes, objects with ETags of that form come
   from the bucket for the rest of the run, without asking any peer first.
 
-The requests are blocking http.client calls on a small thread pool (one keep-alive
-connection per peer and thread): the agents serve with sendfile, and a held request
-(``?wait=``) costs a thread, not the event loop.
+The requests are blocking http.client calls on a small thread pool, over at most
+``PER_PEER`` keep-alive connections per peer, shared by the threads: the agents serve
+with sendfile, and a held request (``?wait=``) costs a thread, not the event loop.
 """
 
 from __future__ import annotations
