@@ -235,7 +235,9 @@ class Peers:
         self.unverifiable: set[str] = set()
         # Earlier peers that answered, after PROBE_S, that they do not read an object ranked to this
         # node: they know of it, and read none of its objects from now on (early_peers).
-        self.early_done: set[str] = set()
+        # Per such peer, the first key (in listing order) it said so about: it claims in listing
+        # order, so it read nothing of this node's from there on; keys before may be claimed.
+        self.early_done: dict[str, str] = {}
 
     # --- who -----------------------------------------------------------------------------
 
@@ -301,13 +303,15 @@ class Peers:
         order = [x for x in owner_ranking(key, a) if x == a.me or (x not in self.failed and x not in skip)]
         return fetch_chain(key, order, a.me)
 
-    def early_peers(self) -> list[str]:
+    def early_peers(self, key: str = "") -> list[str]:
         """Peers that may have read objects now ranked to this node before they knew of it: those
         that started before it, or less than ``PROBE_S`` after it (their first answer may have
         come before this node's label showed). Before this node reads such an object from the
-        bucket it asks them (a probe: only if they read it) first; a peer is left out once it
-        answered that it does not read one, asked ``PROBE_S`` after the later of the two starts:
-        each knew of the other by then, and claims in listing order, as this node asks."""
+        bucket it asks them (a probe: only if they read it) first. Once such a peer said that it
+        does not read one, asked when it surely knew of this node (``_until_known``), it is left
+        out for that key and every key listed after it: it decides its objects in listing order.
+        (Left out for every key, it was not asked about an earlier key it had read before it knew
+        of this node, while this node's threads asked about later ones first: read twice.)"""
         a = self.answer
         if a is None or not self.token():
             return []
@@ -320,7 +324,7 @@ class Peers:
             if p.since < mine + PROBE_S
             and p.addr != a.me
             and p.addr not in self.failed
-            and p.addr not in self.early_done
+            and not (p.addr in self.early_done and key >= self.early_done[p.addr])
         ]
 
     def _since(self, addr: str) -> float:
@@ -335,7 +339,7 @@ class Peers:
 
     def to_peers(self, key: str) -> bool:
         """Whether ``key`` is asked of the peers before the bucket (else: this node reads it now)."""
-        return bool(self.chain(key) or self.early_peers())
+        return bool(self.chain(key) or self.early_peers(key))
 
     def _until_known(self, addr: str, asked_at: float) -> float:
         """Seconds from ``asked_at`` (epoch) until ``addr`` surely knows of this node; 0: it did
@@ -355,11 +359,11 @@ class Peers:
             known = mine + PROBE_S
         return max(0.0, known - asked_at)
 
-    def _early_answered(self, addr: str, asked_at: float) -> None:
+    def _early_answered(self, addr: str, asked_at: float, key: str) -> None:
         """``addr`` did not read an object ranked to this node, asked at ``asked_at`` (epoch)."""
         if not self._until_known(addr, asked_at) and self._since(addr):
             with self._lock:
-                self.early_done.add(addr)
+                self.early_done[addr] = min(self.early_done.get(addr, key), key)
 
     def _fail(self, addr: str, why: str) -> None:
         with self._lock:
@@ -430,7 +434,7 @@ class Peers:
                 # This node is the root: unless an earlier peer reads it already, its turn.
                 if held := [p for p in reading if p not in skip and p not in self.failed]:
                     hops, relay = [held[0]], False
-                elif early := [p for p in self.early_peers() if p not in probed and p not in skip]:
+                elif early := [p for p in self.early_peers(key) if p not in probed and p not in skip]:
                     hops, relay = [early[0]], False
                     probed.add(early[0])
                 else:
@@ -463,7 +467,7 @@ class Peers:
                             probed.discard(addr)
                             time.sleep(wait)
                         else:
-                            self._early_answered(addr, asked_at)
+                            self._early_answered(addr, asked_at, key)
                         break
                     if not last:
                         continue  # a parent not there yet: its parent
