@@ -26,6 +26,15 @@ every other node asks the nodes ranked above itself, in order, and falls back to
 the bucket only when its turn comes. So one node per object reads the bucket, and
 a dead node costs one more read of each of its objects, not one per node.
 Nodes that hold the revision complete are asked first.
+
+Who serves whom (``fetch_chain``, issue 30): the first node of the ranking is the object's
+*root*; every other node takes it from its *parent* in a binary tree of the object's own (a
+heap over the root and the other nodes in an order of the object's own): log2 N deep, each node
+passes an object on to two nodes at most and about as many objects as it receives in all, so
+every node that has a copy serves it on, and no early node serves everyone. A node
+that is getting an object from a peer says so in its claims (a ``/`` before the path), so its
+children wait for it (``?relay=1``); a parent that neither holds nor gets the object is skipped
+for its own parent, up to the root.
 """
 
 from __future__ import annotations
@@ -88,6 +97,14 @@ REVISION_HEADER = "X-Dscache-Revision"
 CLAIMS_NAME = "claims"
 #: ``?probe=1``: answer at once unless the object is claimed here (in flight); see owner_ranking.
 PROBE_PARAM = "probe"
+#: ``&relay=1`` with a probe: a copy this node is taking from a peer counts as claimed too (a
+#: ``/<path>`` line in the claims); without it only bucket reads do (the owner's check of its
+#: earlier peers, which must not wait on a node that waits on it).
+RELAY_PARAM = "relay"
+#: The claims line of an object a node is taking from a peer (no path under data/ starts so).
+RELAY_MARK = "/"
+#: How many nodes one node passes each object on to, at most (fetch_chain).
+TREE_FANOUT = 2
 
 
 class RevisionState(StrEnum):
@@ -127,12 +144,15 @@ class ObjectRequest:
     path: str
     wait: float = 0.0
     probe: bool = False
+    relay: bool = False
 
     def target(self) -> str:
         parts = (self.namespace, self.cache, self.revision, *self.path.split("/"))
         query = {"wait": f"{self.wait:g}"} if self.wait > 0 else {}
         if self.probe:
             query[PROBE_PARAM] = "1"
+            if self.relay:
+                query[RELAY_PARAM] = "1"
         quoted = "/".join(urllib.parse.quote(p, safe="") for p in parts)
         return f"{OBJECTS_PATH}{quoted}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
 
@@ -148,8 +168,15 @@ class ObjectRequest:
         q = urllib.parse.parse_qs(u.query)
         wait = float(q.get("wait", ["0"])[0])
         wait = 0.0 if math.isnan(wait) else min(max(wait, 0.0), MAX_WAIT_S)  # NaN would pass min/max
+        probe = q.get(PROBE_PARAM) == ["1"]
         return cls(
-            parts[0], parts[1], validate_revision(parts[2]), "/".join(parts[3:]), wait, q.get(PROBE_PARAM) == ["1"]
+            parts[0],
+            parts[1],
+            validate_revision(parts[2]),
+            "/".join(parts[3:]),
+            wait,
+            probe,
+            probe and q.get(RELAY_PARAM) == ["1"],
         )
 
 
@@ -218,3 +245,24 @@ def owner_ranking(key: str, answer: PeersAnswer) -> list[str]:
     cohort = [p.addr for p in staging if p.since <= first + COHORT_WINDOW_S]
     later = [p.addr for p in staging if p.since > first + COHORT_WINDOW_S]
     return by_weight(complete) + by_weight(cohort) + by_weight(later)
+
+
+def fetch_chain(key: str, order: list[str], me: str, fanout: int = TREE_FANOUT) -> list[str]:
+    """Where ``me`` takes ``key`` from: its parent in the object's tree, that one's parent, and so
+    on up to the root ``order[0]`` ([]: ``me`` is the root, or not in ``order``). ``order``: an
+    ``owner_ranking`` (without the nodes this one gave up on). The tree is a ``fanout``-ary heap
+    over the root, then every other node in an order of the object's own (rendezvous hashing):
+    each node sends each object to ``fanout`` nodes at most, about half the nodes send it to
+    none, and which nodes do changes from object to object, so every node serves about as much
+    as it receives, and a chain is log(N) long. (The cohort's other members are not put first:
+    then they would send every object, the bottleneck issue 30 measured.)"""
+    if me not in order or not order:
+        return []
+    root = order[0]
+    tree = [root, *sorted(order[1:], key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)]
+    i = tree.index(me)
+    chain: list[str] = []
+    while i > 0:
+        i = (i - 1) // fanout
+        chain.append(tree[i])
+    return chain

@@ -1,9 +1,13 @@
 """Fetch once per cluster, the stager's side: take objects from other nodes, verified.
 
 The node agent says who else stages or holds this revision (``PEERS_PATH``; asked
-again every second, so nodes that start together find each other within one).
-``dscache_contract.peers.owner_ranking`` orders, per object, the nodes to take it
-from; this node reads the bucket when its own turn comes, and only then. A peer's
+five times a second while the nodes that start together find each other, then every
+second). ``dscache_contract.peers.owner_ranking`` orders, per object, the nodes; its
+first, the object's root, reads it from the bucket, and every other node takes it
+from its parent in the object's tree (``fetch_chain``), so every copy serves on. A
+node waits only on a peer that holds, reads or takes the object (a probe; a parent
+that does none of these is passed for its own parent), and asks the root again after
+a pause rather than read the bucket itself. A peer's
 answer is trusted for nothing: the body must have the manifest's size and hash to
 the listed ETag (an MD5, or a multipart ETag rebuilt for the usual part sizes)
 before it is placed. Objects whose ETag cannot check their bytes (a multipart
@@ -19,9 +23,11 @@ Failure costs a retry, never a wrong byte:
   request that was no probe);
 - a peer still copying an object is asked again for it only after the ranking was
   computed afresh (``RERANK_S``): the cohort may have changed meanwhile (a node
-  completed, a stale label went), and the object's new first choice is asked;
-  each peer gets ``PATIENCE_S`` per object in all; an earlier peer whose probe said it
-  is reading the object is asked again until it sends it (even after ``PROBE_S``);
+  completed, a stale label went), and the object's new chain is asked; each peer gets
+  ``PATIENCE_S`` per object in all; before the root reads an object, the peers that
+  started before it are probed (they may have read it before they knew of it), and one
+  that reads it is asked again until it sends it; a peer is no longer probed once it
+  said, after ``PROBE_S``, that it does not read one (it knew of this node by then);
 - a busy peer (429: its bound for this node) is asked again after ``BUSY_PAUSE_S``, for
   ``BUSY_S`` per object; a kept-alive connection the peer closed while idle is opened
   anew once: neither is a fault, and neither sends the object to the bucket;
@@ -33,9 +39,9 @@ Failure costs a retry, never a wrong byte:
   ETag of some form does not check its bytes, objects with ETags of that form come
   from the bucket for the rest of the run, without asking any peer first.
 
-The requests are blocking http.client calls on a small thread pool (one keep-alive
-connection per peer and thread): the agents serve with sendfile, and a held request
-(``?wait=``) costs a thread, not the event loop.
+The requests are blocking http.client calls on a small thread pool, over at most
+``PER_PEER`` keep-alive connections per peer, shared by the threads: the agents serve
+with sendfile, and a held request (``?wait=``) costs a thread, not the event loop.
 """
 
 from __future__ import annotations
@@ -51,17 +57,20 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from dscache_contract.peers import (
+    COHORT_WINDOW_S,
     MAX_WAIT_S,
     PEERS_PATH,
+    RELAY_MARK,
     REVISION_HEADER,
     ObjectRequest,
     PeersAnswer,
     PeersRequest,
     RevisionState,
+    fetch_chain,
     owner_ranking,
 )
 
@@ -85,10 +94,23 @@ RERANK_S = 5.0
 BUSY_PAUSE_S = 0.25
 BUSY_S = 20.0
 #: How often the node agent is asked again who the peers are. A node that started before this one
-#: learns of it within this long; until then it may read objects now ranked to this one, which is
-#: why this node first looks at such earlier peers' claims for ``PROBE_S`` (longer than this).
+#: learns of it within this long (and the agent's ANSWER_TTL_S); until then it may read objects now
+#: ranked to this one, which is why this node asks such earlier peers whether they read one of its
+#: objects, and takes their "no" for an answer only ``PROBE_S`` after its start (longer than this).
 REFRESH_S = 1.0
-PROBE_S = 2.5
+PROBE_S = 2.0
+#: The same for a peer still in its first seconds (it asks EARLY_REFRESH_S apart).
+JOINED_S = 1.0
+#: While the nodes that start together find each other (COHORT_WINDOW_S and a second more), the
+#: agent is asked this often.
+EARLY_REFRESH_S = 0.2
+#: An object's root that has not come to it yet is asked again after this pause, doubling up to
+#: a quarter second (each node reads its share in listing order, as the others ask for it).
+ROOT_PAUSE_S = 0.05
+ROOT_PAUSE_MAX_S = 0.25
+#: Connections (requests at once) to one peer: an agent sends MAX_SENDING bodies at once anyway,
+#: and takes MAX_CONNECTIONS in all (31 peers x 12 fit in 512).
+PER_PEER = 12
 #: The token file is read again this often (the kubelet renews the projected token in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
@@ -107,6 +129,7 @@ class Outcome(Enum):
     BUSY = "busy"  # the peer is over its bound for this node (429): ask it again in a moment
     SUSPECT = "suspect"  # the bytes did not hash to the ETag: the bucket's copy decides who was wrong
     BUCKET = "bucket"  # this node's turn: read the bucket
+    UNCLAIMED = "unclaimed"  # a probe's answer: the peer neither has it nor reads (or takes) it now
 
 
 @dataclass(frozen=True)
@@ -204,12 +227,17 @@ class Peers:
         # Peers no longer asked in this run, and why (each is logged once).
         self.failed: dict[str, str] = {}
         self._token: tuple[float, str] = (0.0, "")
-        self._local = threading.local()
+        self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
         self._all: list[http.client.HTTPConnection] = []
         # ETag forms (etag_form) that the bucket showed do not check their bytes (SSE-KMS, a
         # multipart ETag of an unusual part size): objects with them are not asked of peers.
         self.unverifiable: set[str] = set()
+        # Earlier peers that answered, after PROBE_S, that they do not read an object ranked to this
+        # node: they know of it, and read none of its objects from now on (early_peers).
+        # Per such peer, the first key (in listing order) it said so about: it claims in listing
+        # order, so it read nothing of this node's from there on; keys before may be claimed.
+        self.early_done: dict[str, str] = {}
 
     # --- who -----------------------------------------------------------------------------
 
@@ -252,7 +280,7 @@ class Peers:
         return verifiable(etag, size) and etag_form(etag) not in self.unverifiable
 
     def ahead_of_me(self, key: str, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
-        """The live peers to ask for ``key`` before this node reads the bucket itself ([]: read it now);
+        """The live peers ranked before this node for ``key`` ([]: its own turn to read the bucket);
         ``skip``: peers not to ask for this object again (they said no, or were busy)."""
         a = self.answer
         if a is None or not self.token():
@@ -265,18 +293,77 @@ class Peers:
                 out.append(addr)
         return out
 
-    def early_peers(self) -> list[str]:
-        """Peers that started copying before this node and may not have seen it yet: they read
-        the bucket for objects now ranked to this node until they ask their agent again. For
-        ``PROBE_S`` after its start this node asks them first, and waits only if they have started
-        to read it (their claims), before it reads such an object from the bucket itself."""
+    def chain(self, key: str, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Where to take ``key`` from: this node's parent in the object's tree, its parent, ... up
+        to the object's root (contract ``fetch_chain``), over the live peers; [] when this node is
+        the root (its turn to read the bucket)."""
         a = self.answer
         if a is None or not self.token():
             return []
-        mine = next((p.since for p in a.staging if p.addr == a.me), 0.0)
-        if not mine or time.time() > mine + PROBE_S:
+        order = [x for x in owner_ranking(key, a) if x == a.me or (x not in self.failed and x not in skip)]
+        return fetch_chain(key, order, a.me)
+
+    def early_peers(self, key: str = "") -> list[str]:
+        """Peers that may have read objects now ranked to this node before they knew of it: those
+        that started before it, or less than ``PROBE_S`` after it (their first answer may have
+        come before this node's label showed). Before this node reads such an object from the
+        bucket it asks them (a probe: only if they read it) first. Once such a peer said that it
+        does not read one, asked when it surely knew of this node (``_until_known``), it is left
+        out for that key and every key listed after it: it decides its objects in listing order.
+        (Left out for every key, it was not asked about an earlier key it had read before it knew
+        of this node, while this node's threads asked about later ones first: read twice.)"""
+        a = self.answer
+        if a is None or not self.token():
             return []
-        return [p.addr for p in a.staging if p.since < mine and p.addr != a.me and p.addr not in self.failed]
+        mine = self._since(a.me)
+        if not mine:
+            return []
+        return [
+            p.addr
+            for p in a.staging
+            if p.since < mine + PROBE_S
+            and p.addr != a.me
+            and p.addr not in self.failed
+            and not (p.addr in self.early_done and key >= self.early_done[p.addr])
+        ]
+
+    def _since(self, addr: str) -> float:
+        """When ``addr``'s copy started (0: unknown)."""
+        a = self.answer
+        return next((p.since for p in a.staging if p.addr == addr), 0.0) if a else 0.0
+
+    def complete(self) -> set[str]:
+        """The peers that hold the revision whole."""
+        a = self.answer
+        return {p.addr for p in a.complete} if a else set()
+
+    def to_peers(self, key: str) -> bool:
+        """Whether ``key`` is asked of the peers before the bucket (else: this node reads it now)."""
+        return bool(self.chain(key) or self.early_peers(key))
+
+    def _until_known(self, addr: str, asked_at: float) -> float:
+        """Seconds from ``asked_at`` (epoch) until ``addr`` surely knows of this node; 0: it did
+        then. One that started later had this node in its second answer at the latest: within
+        ``JOINED_S`` of its start (it asks EARLY_REFRESH_S apart then). One that started earlier
+        learns of this node at its next refresh: EARLY_REFRESH_S apart while it is in its own
+        first seconds, else REFRESH_S, hence ``PROBE_S``. (Waiting PROBE_S after the later start
+        in all cases cost the 3 nodes that start together 1.2 s of 5.)"""
+        mine, theirs = self._since(self.answer.me if self.answer else ""), self._since(addr)
+        if not mine or not theirs:
+            return 0.0
+        if theirs >= mine:
+            known = theirs + JOINED_S
+        elif mine < theirs + COHORT_WINDOW_S + 1.0:
+            known = mine + JOINED_S
+        else:
+            known = mine + PROBE_S
+        return max(0.0, known - asked_at)
+
+    def _early_answered(self, addr: str, asked_at: float, key: str) -> None:
+        """``addr`` did not read an object ranked to this node, asked at ``asked_at`` (epoch)."""
+        if not self._until_known(addr, asked_at) and self._since(addr):
+            with self._lock:
+                self.early_done[addr] = min(self.early_done.get(addr, key), key)
 
     def _fail(self, addr: str, why: str) -> None:
         with self._lock:
@@ -311,66 +398,125 @@ class Peers:
 
     # --- taking an object ----------------------------------------------------------------
 
-    def obtain(self, key: str, rel: str, size: int, etag: str, tmp: Callable[[], str]) -> Obtained:
-        """Take ``key`` (``rel`` under data/) from the peers ranked before this node, verified, into a
-        temp file ``tmp()`` makes up; BUCKET when this node's turn comes. Each peer is asked again only
-        after the ranking was computed afresh (another may be first now), and is given PATIENCE_S per
-        object in all; one that says no (or is busy) is not asked for this object again. Blocking: run
-        it on a worker thread."""
-        probed: set[str] = set()
-        # Early peers whose probe said they are reading it now: asked again (a probe each time)
-        # until they send it, whether or not the probing window is still open. Reading it from the
-        # bucket instead would fetch it twice (the regression e2e/test_40 measured: 1.14-1.23x).
-        reading: list[str] = []
+    def obtain(
+        self,
+        key: str,
+        rel: str,
+        size: int,
+        etag: str,
+        tmp: Callable[[], str],
+        claim: Callable[[str], None] = lambda line: None,
+    ) -> Obtained:
+        """Take ``key`` (``rel`` under data/) from the peers, verified, into a temp file ``tmp()``
+        makes up; BUCKET when this node is the object's root. Up the object's tree (``chain``): a
+        peer is waited on only while it holds, reads or takes the object (a probe with ``relay``);
+        one that does none of these is passed for its parent, and the root, which will read it, is
+        asked again after a pause. Before the first request ``claim`` gets the claims line saying
+        that this node takes the object from a peer (its own children then wait for it). The
+        ranking is computed afresh after each held request; each peer gets PATIENCE_S per object
+        in all; one that says no is not asked for this object again. Blocking: a worker thread."""
         skip: set[str] = set()
         patience: dict[str, float] = {}
         busy: dict[str, float] = {}
+        pause = ROOT_PAUSE_S
+        relayed = False
+        # Earlier peers whose probe said they read it from the bucket: asked again until they send it
+        # (reading it from the bucket too would fetch it twice: e2e/test_40 measured 1.14-1.23x).
+        reading: list[str] = []
+        probed: set[str] = set()
+        # Hops that held a request without sending: passed over when a complete copy is up the chain.
+        slow: set[str] = set()
         while True:
-            probe = False
-            if ahead := self.ahead_of_me(key, skip):
-                addr = ahead[0]
-            elif held := [p for p in reading if p not in skip and p not in self.failed]:
-                addr, probe = held[0], True
-            elif early := [p for p in self.early_peers() if p not in probed and p not in skip]:
-                # Peers that started before this node may have read it before they knew of it.
-                addr, probe = early[0], True
-                probed.add(addr)
-            else:
-                return Obtained(Outcome.BUCKET)
-            now = time.monotonic()
-            deadline = patience.setdefault(addr, now + PATIENCE_S)
-            if now >= deadline:
-                self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
-                continue
-            path = tmp()
-            outcome, md5 = self.take(addr, rel, size, etag, path, probe, min(RERANK_S, deadline - now))
-            if outcome is Outcome.PLACED:
-                return Obtained(outcome, path)
-            if outcome is Outcome.SUSPECT:
-                return Obtained(Outcome.BUCKET, suspect=(addr, md5))
-            if outcome is Outcome.BUSY:
-                if time.monotonic() >= busy.setdefault(addr, time.monotonic() + BUSY_S):
-                    skip.add(addr)
+            hops = self.chain(key, skip)
+            if slow and (whole := self.complete()) and any(h in whole for h in hops):
+                hops = [h for h in hops if h not in slow]
+            if not hops:
+                # This node is the root: unless an earlier peer reads it already, its turn.
+                if held := [p for p in reading if p not in skip and p not in self.failed]:
+                    hops, relay = [held[0]], False
+                elif early := [p for p in self.early_peers(key) if p not in probed and p not in skip]:
+                    hops, relay = [early[0]], False
+                    probed.add(early[0])
                 else:
-                    time.sleep(
-                        BUSY_PAUSE_S * (0.5 + random.random())
-                    )  # jitter: the stagers of a node do not all ask again at once
-                continue
-            if outcome is Outcome.NEXT:
-                skip.add(addr)
-            elif probe and addr not in reading:
-                reading.append(addr)
-            # WAIT: rank again (the answer is refreshed every REFRESH_S) and ask the first choice.
+                    return Obtained(Outcome.BUCKET)
+            else:
+                relay = True
+                if not relayed:
+                    claim(RELAY_MARK + rel)
+                    relayed = True
+            for i, addr in enumerate(hops):
+                last = i == len(hops) - 1
+                now = time.monotonic()
+                deadline = patience.setdefault(addr, now + PATIENCE_S)
+                if now >= deadline:
+                    self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
+                    break
+                asked_at, path = time.time(), tmp()
+                outcome, md5 = self.take(addr, rel, size, etag, path, True, min(RERANK_S, deadline - now), relay)
+                if outcome is Outcome.PLACED:
+                    return Obtained(outcome, path)
+                if outcome is Outcome.SUSPECT:
+                    return Obtained(Outcome.BUCKET, suspect=(addr, md5))
+                if outcome is Outcome.UNCLAIMED:
+                    if not relay:
+                        # An earlier peer that does not read it. Within PROBE_S of this node's start
+                        # it may not know of this node yet, and read it a moment later: ask again
+                        # once PROBE_S is over (it knows of this node then), and only then is it
+                        # this node's turn. (Asked once, a node paced behind the first read 1.3x.)
+                        if (wait := self._until_known(addr, asked_at)) > 0:
+                            probed.discard(addr)
+                            time.sleep(wait)
+                        else:
+                            self._early_answered(addr, asked_at, key)
+                        break
+                    if not last:
+                        continue  # a parent not there yet: its parent
+                    # The root has not come to it yet: ask again in a moment (not the bucket: that
+                    # would read it twice).
+                    time.sleep(pause * (0.5 + random.random()))
+                    pause = min(pause * 2, ROOT_PAUSE_MAX_S)
+                    break
+                if outcome is Outcome.BUSY:
+                    if not last:
+                        continue  # busy: a node higher up has it too, or will
+                    if time.monotonic() >= busy.setdefault(addr, time.monotonic() + BUSY_S):
+                        skip.add(addr)
+                    else:
+                        # jitter: the stagers of a node do not all ask again at once
+                        time.sleep(BUSY_PAUSE_S * (0.5 + random.random()))
+                    break
+                if outcome is Outcome.NEXT:
+                    skip.add(addr)
+                    break
+                # WAIT: it holds a claim; rank again (the answer is refreshed every REFRESH_S) and ask.
+                if not relay and addr not in reading:
+                    reading.append(addr)
+                if not last:
+                    slow.add(addr)
+                break
 
     def take(
-        self, addr: str, rel: str, size: int, etag: str, tmp: str, probe: bool = False, wait: float = RERANK_S
+        self,
+        addr: str,
+        rel: str,
+        size: int,
+        etag: str,
+        tmp: str,
+        probe: bool = False,
+        wait: float = RERANK_S,
+        relay: bool = False,
     ) -> tuple[Outcome, str]:
         """One request for ``rel`` to ``addr``, into ``tmp`` (created, FILE_MODE), verified; held up to
         ``wait`` seconds while the peer is still copying it (``probe``: only if it has it now, or is
-        reading it). The second item: the MD5 of a SUSPECT body. Blocking."""
-        req = ObjectRequest(self.namespace, self.cache, self.revision, rel, max(0.0, min(wait, MAX_WAIT_S)), probe)
+        reading it; ``relay``: or taking it from a peer). The second item: the MD5 of a SUSPECT body.
+        Blocking."""
+        req = ObjectRequest(
+            self.namespace, self.cache, self.revision, rel, max(0.0, min(wait, MAX_WAIT_S)), probe, relay
+        )
         try:
             status, state = self._get(addr, req, size, etag, tmp)
+        except _Busy:
+            return Outcome.BUSY, ""
         except _Suspect as e:
             log.info(f"peer {addr}: {rel} does not hash to its ETag {etag}; the bucket's copy decides")
             return Outcome.SUSPECT, e.md5
@@ -386,7 +532,7 @@ class Peers:
             return Outcome.PLACED, ""
         if status == 404 and state == RevisionState.UNCLAIMED:
             if probe:
-                return Outcome.NEXT, ""  # nobody there reads it: this node's own turn
+                return Outcome.UNCLAIMED, ""  # nobody there reads it (yet)
             # Only a probe may be answered so: a peer that says it to a plain request would be asked
             # again and again (a bug, another version, or a stall on purpose).
             self._fail(addr, f"answered 'unclaimed' for {rel} to a request that was no probe")
@@ -405,18 +551,36 @@ class Peers:
             self._fail(addr, f"answered HTTP {status}")
         return Outcome.NEXT, ""
 
-    def _conn(self, addr: str) -> http.client.HTTPConnection:
-        conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(addr)
-        if conn is None:
-            host, _, port = addr.rpartition(":")
-            # A held request answers within MAX_WAIT_S; past that, and between two reads of a body,
-            # silence means a stalled peer.
-            conn = agenttls.connection(host.strip("[]"), int(port), READ_TIMEOUT_S + MAX_WAIT_S)
-            conns[addr] = conn
-            with self._lock:
-                self._all.append(conn)
+    def _new_conn(self, addr: str) -> http.client.HTTPConnection:
+        host, _, port = addr.rpartition(":")
+        # A held request answers within MAX_WAIT_S; past that, and between two reads of a body,
+        # silence means a stalled peer.
+        conn = agenttls.connection(host.strip("[]"), int(port), READ_TIMEOUT_S + MAX_WAIT_S)
+        with self._lock:
+            self._all = [c for c in self._all if c.sock is not None]
+            self._all.append(conn)
         return conn
+
+    def _acquire(self, addr: str) -> http.client.HTTPConnection:
+        """One of at most PER_PEER connections to ``addr`` (waits for one to be free): the peer
+        threads share them, so a node keeps PER_PEER connections to a peer, not one per thread
+        (an agent took 16 nodes x 64 threads for a flood, and reset them: issue 30)."""
+        with self._lock:
+            pool = self._pools.setdefault(addr, _Pool())
+        pool.free.acquire()
+        with self._lock:
+            if pool.idle:
+                return pool.idle.pop()
+        return self._new_conn(addr)
+
+    def _release(self, addr: str, conn: http.client.HTTPConnection, reuse: bool) -> None:
+        pool = self._pools[addr]
+        if reuse and conn.sock is not None:
+            with self._lock:
+                pool.idle.append(conn)
+        else:
+            conn.close()
+        pool.free.release()
 
     def close(self) -> None:
         """End every request in flight (a failed run must not wait for held requests to time out)."""
@@ -430,7 +594,19 @@ class Peers:
                     pass
 
     def _get(self, addr: str, req: ObjectRequest, size: int, etag: str, tmp: str) -> tuple[int, str]:
-        conn = self._conn(addr)
+        conn = self._acquire(addr)
+        ok = False
+        try:
+            out = self._ask(addr, conn, req, size, etag, tmp)
+            conn = out[2]
+            ok = True
+            return out[0], out[1]
+        finally:
+            self._release(addr, conn, ok)
+
+    def _ask(
+        self, addr: str, conn: http.client.HTTPConnection, req: ObjectRequest, size: int, etag: str, tmp: str
+    ) -> tuple[int, str, http.client.HTTPConnection]:
         path = req.target()
         reused = conn.sock is not None
         if reused:
@@ -439,23 +615,28 @@ class Peers:
             try:
                 conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
                 resp = conn.getresponse()
-            except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+            except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.RemoteDisconnected):
                 if not reused:
-                    raise
+                    # A new connection reset before any answer: the agent is over its bound of
+                    # connections (it resets those past the ones it answers 429); a dead one
+                    # refuses the connection. Busy, not faulty.
+                    raise _Busy() from None
                 # A kept-alive connection the peer closed while it was idle (its server closes idle
                 # ones after a while): no fault of the peer, and no byte of an answer was read.
                 # Once more on a new connection; only a failure there writes the peer off.
                 conn.close()
-                self._local.conns.pop(addr, None)
-                conn = self._conn(addr)
-                conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
-                resp = conn.getresponse()
+                conn = self._new_conn(addr)
+                try:
+                    conn.request("GET", path, headers={"Authorization": f"Bearer {self.token()}"})
+                    resp = conn.getresponse()
+                except (ConnectionResetError, http.client.RemoteDisconnected):
+                    raise _Busy() from None
             if resp.status != 200:
                 text = resp.read().decode(errors="replace")  # whole: the connection is reused
                 state = ""
                 if resp.status == 404 and '"state"' in text:
                     state = str(json.loads(text).get("state", ""))
-                return resp.status, state
+                return resp.status, state, conn
             if resp.getheader(REVISION_HEADER) != self.revision:
                 raise _Lied(f"it answered for revision {resp.getheader(REVISION_HEADER)!r}")
             length = int(resp.getheader("Content-Length") or -1)
@@ -463,10 +644,9 @@ class Peers:
                 resp.close()
                 raise _Lied(f"{length} bytes where the manifest says {size}")
             self._receive(conn, resp, size, etag, tmp)
-            return 200, ""
+            return 200, "", conn
         except BaseException:
-            conn.close()
-            self._local.conns.pop(addr, None)
+            conn.close()  # a new one in its place, if it was replaced (the caller closes the first)
             raise
 
     def _receive(
@@ -506,6 +686,18 @@ class Peers:
             _unlink(tmp)
             raise
         os.close(fd)
+
+
+class _Busy(Exception):
+    """A new connection reset before any answer: the peer's agent is over its bound."""
+
+
+@dataclass
+class _Pool:
+    """The connections to one peer: at most PER_PEER at once, the idle ones kept alive."""
+
+    free: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(PER_PEER))
+    idle: list[http.client.HTTPConnection] = field(default_factory=list)
 
 
 class _Lied(Exception):

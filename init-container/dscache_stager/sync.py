@@ -20,7 +20,7 @@ import heapq
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
@@ -28,7 +28,7 @@ from obstore.exceptions import BaseError, PreconditionError
 from obstore.store import S3Store
 
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
-from dscache_contract.peers import claims_path
+from dscache_contract.peers import COHORT_WINDOW_S, claims_path
 
 from . import native
 from .cpus import available_cpus
@@ -52,7 +52,8 @@ from .listing import (
     list_versions,
 )
 from .listpage import Started
-from .peers import REFRESH_S, Outcome, Peers
+from .peers import EARLY_REFRESH_S, REFRESH_S, Outcome, Peers
+from .peers_pace import Pace
 from .progress import Progress
 from .source import S3Source, source_error
 from .sync_options import BUFFER_BYTES, SyncOptions
@@ -60,6 +61,9 @@ from .tree import LocalTree
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
+#: Objects waiting for the peer workers past which the listing pauses (the bucket's workers never
+#: wait on the peer workers: issue 30 traced a stall of every node to that wait).
+PEER_BACKLOG = 16384
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
@@ -132,7 +136,9 @@ class _Run:
             self.peers = Peers(opts.agent, opts.cache, rev.rev, opts.peer_token_file)
         self.peer_queue: asyncio.Queue[Work] | None = None
         self.peers_known = asyncio.Event()
+        self.pace = Pace()
         self.claims: IO[str] | None = None
+        self._claims_lock = threading.Lock()  # the loop and the peer threads append
         self._peer_seq = 0
         self._peer_seq_lock = threading.Lock()
         self.started_listing = started
@@ -184,7 +190,10 @@ class _Run:
             # threads, not on the loop.
             n = max(8, min(64, self.opts.concurrency))
             peer_pool = ThreadPoolExecutor(n, thread_name_prefix="peer")
-            peer_queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=4 * n)
+            # Unbounded: a bucket worker hands an object over without waiting (the listing pauses
+            # instead, past PEER_BACKLOG). A bucket worker that waited here could wait on this
+            # node's peer threads, held on peers whose bucket workers wait the same way.
+            peer_queue: asyncio.Queue[Work] = asyncio.Queue()
             self.peer_queue = peer_queue
             bucket = workers
 
@@ -223,7 +232,8 @@ class _Run:
                 summary = self._summary(len(stale))
             if self.claims is not None:
                 # Every object is placed: nobody need wait on a claim any more, and tmp/ must be empty to seal.
-                self.claims.close()
+                with self._claims_lock:
+                    self.claims.close()
                 os.unlink(self.claims.name)
             rev.seal(manifest, self.tree.dirs, summary)
             return summary
@@ -248,7 +258,8 @@ class _Run:
             if self.peers is not None:
                 self.peers.close()
             if self.claims is not None:
-                self.claims.close()
+                with self._claims_lock:
+                    self.claims.close()
             if peer_pool is not None:
                 peer_pool.shutdown(wait=False, cancel_futures=True)
             self.fetcher.close()
@@ -340,6 +351,8 @@ class _Run:
                 # judged on its exact total before any of it is fetched.
                 self._reserve([o for o, _, _ in fetch])
                 for item in fetch:
+                    while self.peer_queue is not None and self.peer_queue.qsize() >= PEER_BACKLOG:
+                        await asyncio.sleep(0.05)
                     await queue.put(item)
         except UnrepresentableKeys as e:
             # obstore refused a key; list verbatim with boto3 to name them all.
@@ -424,40 +437,73 @@ class _Run:
             self.progress.fetched_objects += 1
 
     async def _native_worker(self, queue: asyncio.Queue[Work]) -> None:
-        """A batch at a time: small objects to the native copier, the others to fetch.py."""
+        """A batch at a time: small objects to the native copier, the others to fetch.py. While
+        other nodes share the revision (or may still come), paced (peers_pace.py): one worker at a
+        time takes a batch of what the window has room for, decides which objects are its own
+        and claims them, then fetches them outside the lock."""
         assert self.native is not None
-        nat, tree = self.native, self.tree
+        nat = self.native
         while True:
-            batch, end = await _take(queue, nat.batch_size)
-            small: list[Task] = []
-            items: list[native.Item] = []
-            jobs = []
-            claimed: list[Task] = []
-            for task in batch:
-                if self.peers is not None and await self._to_peers(task):
-                    continue
-                obj, rel, _ = task
-                if not native.handles(obj.size):
-                    # Large objects go down one at a time, in ranged parts (native.py).
-                    tree.ensure_parent(rel)
-                    jobs.append(self._fetch_native_large(obj, rel))
-                    claimed.append(task)
-                    continue
-                # Directories are made here, in listing order, as LocalTree
-                # records them for the seal; the native side only renames into them.
-                tree.ensure_parent(rel)
-                small.append(task)
-                items.append((obj.key, tree.path(rel), obj.etag, obj.version_id, obj.size))
-            if self.peers is not None:
-                self._claim(claimed + small)
-            if jobs:
-                if items:
-                    jobs.append(self._fetch_native(small, items))
-                await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
-            elif items:
-                await self._fetch_native(small, items)  # the usual batch: no task nor gather of its own
+            pace = self.pace if self._pacing() else None
+            if pace is None:
+                batch, end = await _take(queue, nat.batch_size)
+                jobs, claimed = await self._decide(batch)
+                nbytes = 0
+            else:
+                async with pace.lock:
+                    await pace.room()
+                    batch, end = await _take(queue, nat.batch_size, pace.room_left())
+                    jobs, claimed = await self._decide(batch)
+                    nbytes = sum(obj.size for obj, _, _ in claimed)
+                    pace.take(nbytes)
+            try:
+                if len(jobs) > 1:
+                    await _gather_or_cancel([asyncio.create_task(j) for j in jobs])
+                elif jobs:
+                    await jobs[0]  # the usual batch: no task nor gather of its own
+            finally:
+                if pace is not None:
+                    await pace.give(nbytes)
             if end:
                 return
+
+    def _pacing(self) -> bool:
+        """Whether bucket reads are paced: with peers on, while other nodes copy or hold the
+        revision, or may still come (the cohort window and a second)."""
+        if self.peers is None:
+            return False
+        return bool(self.peers.others()) or time.monotonic() < self.started + COHORT_WINDOW_S + 1.0
+
+    async def _decide(self, batch: list[Task]) -> tuple[list[Coroutine[Any, Any, None]], list[Task]]:
+        """Which of ``batch`` go to the peers (handed over), and the fetches of the others from the
+        bucket, claimed: (the coroutines to run, the objects claimed)."""
+        assert self.native is not None
+        tree = self.tree
+        small: list[Task] = []
+        items: list[native.Item] = []
+        jobs: list[Coroutine[Any, Any, None]] = []
+        claimed: list[Task] = []
+        for task in batch:
+            if self.peers is not None and await self._to_peers(task):
+                continue
+            obj, rel, _ = task
+            if not native.handles(obj.size):
+                # Large objects go down one at a time, in ranged parts (native.py).
+                tree.ensure_parent(rel)
+                jobs.append(self._fetch_native_large(obj, rel))
+                claimed.append(task)
+                continue
+            # Directories are made here, in listing order, as LocalTree
+            # records them for the seal; the native side only renames into them.
+            tree.ensure_parent(rel)
+            small.append(task)
+            items.append((obj.key, tree.path(rel), obj.etag, obj.version_id, obj.size))
+        claimed += small
+        if self.peers is not None:
+            self._claim(claimed)
+        if items:
+            jobs.append(self._fetch_native(small, items))
+        return jobs, claimed
 
     async def _fetch_native(self, small: list[Task], items: list[native.Item]) -> None:
         assert self.native is not None
@@ -505,6 +551,7 @@ class _Run:
         peers = self.peers
         answer = await asyncio.to_thread(peers.ask_agent)
         self.peers_known.set()
+        early_until = time.monotonic() + COHORT_WINDOW_S + 1.0
         others = peers.others()
         self.progress.note(
             f"peers: {len(others)} other node(s) hold or copy revision {self.rev.rev}"
@@ -513,24 +560,37 @@ class _Run:
             else "peers: the node agent did not answer; every object comes from the bucket"
         )
         while True:
-            await asyncio.sleep(REFRESH_S)
+            # Often while the nodes that start together find each other: a node that took an object
+            # before it knew of the one it is ranked to makes that one wait for it.
+            await asyncio.sleep(EARLY_REFRESH_S if time.monotonic() < early_until else REFRESH_S)
             await asyncio.to_thread(peers.ask_agent)
 
     def _claim(self, items: list[Task]) -> None:
         """Say, before the GETs, which objects this node reads from the bucket: a peer that asks
         for one of them waits for this node's copy instead of reading the bucket too (one write)."""
-        if items and self.claims is not None:
-            self.claims.write("".join(f"{rel}\n" for _, rel, _ in items))
-            self.claims.flush()
+        if items:
+            self._claim_lines("".join(f"{rel}\n" for _, rel, _ in items))
+
+    def _claim_lines(self, text: str) -> None:
+        """Append to the claims (the loop, and the peer threads: a relay claim, peers.obtain)."""
+        if self.claims is not None:
+            with self._claims_lock:
+                if not self.claims.closed:
+                    self.claims.write(text)
+                    self.claims.flush()
+
+    def _relay_claim(self, line: str) -> None:
+        self._claim_lines(line + "\n")
 
     async def _to_peers(self, item: Task) -> bool:
-        """Hand ``item`` to the peer workers if a node ranks before this one for it (decided when a
-        worker takes it, not when it was listed: the peers known then are the freshest)."""
+        """Hand ``item`` to the peer workers if a node ranks before this one for it, or an earlier
+        one may read it (decided when a worker takes it, not when it was listed: the peers known
+        then are the freshest). Never waits but for the first answer of the agent."""
         assert self.peers is not None and self.peer_queue is not None
         await self.peers_known.wait()
         obj = item[0]
-        if self.peers.verifiable(obj.etag, obj.size) and (self.peers.ahead_of_me(obj.key) or self.peers.early_peers()):
-            await self.peer_queue.put(item)
+        if self.peers.verifiable(obj.etag, obj.size) and self.peers.to_peers(obj.key):
+            self.peer_queue.put_nowait(item)
             return True
         return False
 
@@ -540,7 +600,9 @@ class _Run:
         while (item := await peer_queue.get()) is not None:
             obj, rel, line = item
             self.tree.ensure_parent(rel)  # on the loop: LocalTree is not shared with threads
-            got = await loop.run_in_executor(pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp)
+            got = await loop.run_in_executor(
+                pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
+            )
             if got.outcome is Outcome.PLACED:
                 self.tree.place(got.tmp, rel)
                 self.journal.write(line)
@@ -645,13 +707,16 @@ def _first_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).split("\n")[0]
 
 
-async def _take(queue: asyncio.Queue[Work], most: int) -> tuple[list[Task], bool]:
-    """Up to ``most`` queued items without waiting for more than the first; and whether the end was reached."""
+async def _take(queue: asyncio.Queue[Work], most: int, room: int | None = None) -> tuple[list[Task], bool]:
+    """Up to ``most`` queued items without waiting for more than the first (``room``: and no more
+    once their bytes reach it); and whether the end was reached."""
     batch: list[Task] = []
     item = await queue.get()
+    nbytes = 0
     while item is not None:
         batch.append(item)
-        if len(batch) >= most:
+        nbytes += item[0].size
+        if len(batch) >= most or (room is not None and nbytes >= room):
             return batch, False
         try:
             item = queue.get_nowait()

@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import dscache_contract as contract
-from dscache_contract.peers import CLAIMS_NAME, Peer, PeersAnswer, RevisionState, claims_path, staging_label
+from dscache_contract.peers import (
+    CLAIMS_NAME,
+    RELAY_MARK,
+    Peer,
+    PeersAnswer,
+    RevisionState,
+    claims_path,
+    staging_label,
+)
 from dscache_stager.keys import unsafe_reason
 
 from .disk import valid_name
@@ -110,15 +118,17 @@ def open_object(c: str, rev: str, path: str) -> Opened:
 
 class Claims:
     """The paths this node's stagers have started to read from the bucket (``tmp/claims``, one per
-    line, appended before each GET), read incrementally: only what was appended since the last look.
+    line, appended before each GET), and those they have started to take from a peer (the same
+    with ``RELAY_MARK`` before it), read incrementally: only what was appended since the last look.
     Held for copies in progress only: a claims file that is gone (sealed, removed) is forgotten."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # claims file -> (inode, bytes read, an unfinished last line, hashes of the claimed paths)
+        # claims file -> (inode, bytes read, an unfinished last line, hashes of the claimed lines)
         self._seen: dict[str, tuple[int, int, bytes, set[int]]] = {}
 
-    def claimed(self, c: str, rev: str, path: str) -> bool:
+    def claimed(self, c: str, rev: str, path: str, relay: bool = False) -> bool:
+        """Whether a stager here reads ``path`` from the bucket (``relay``: or takes it from a peer)."""
         name = claims_path(c, rev)
         with self._lock:
             try:
@@ -140,11 +150,17 @@ class Claims:
                 self._seen[name] = (ino, offset, rest, paths)
             finally:
                 os.close(fd)
-            return hash(path.encode()) in paths
+            return hash(path.encode()) in paths or (relay and hash((RELAY_MARK + path).encode()) in paths)
 
 
 def poll_object(
-    c: str, rev: str, path: str, locked: Callable[[str], bool], claims: Claims, probe: bool = False
+    c: str,
+    rev: str,
+    path: str,
+    locked: Callable[[str], bool],
+    claims: Claims,
+    probe: bool = False,
+    relay: bool = False,
 ) -> Opened | NotHere:
     """One look: the object if it is whole here; raises NotHere when it will not come (absent,
     or a probe for an object nobody here reads); returns NotHere(STAGING) while it may still come."""
@@ -161,19 +177,26 @@ def poll_object(
             raise NotHere(RevisionState.ABSENT, f"{path} is not in revision {rev} on this node") from None
     if state is RevisionState.ABSENT:
         raise NotHere(RevisionState.ABSENT, f"revision {rev} is not on this node and no stager is copying it here")
-    if probe and not claims.claimed(c, rev, path):
+    if probe and not claims.claimed(c, rev, path, relay):
         raise NotHere(RevisionState.UNCLAIMED, f"no stager here has started to read {path}")
     return NotHere(RevisionState.STAGING, f"{path} is not copied here yet (revision {rev} is in progress)")
 
 
 def wait_for_object(
-    c: str, rev: str, path: str, wait: float, locked: Callable[[str], bool], claims: Claims, probe: bool = False
+    c: str,
+    rev: str,
+    path: str,
+    wait: float,
+    locked: Callable[[str], bool],
+    claims: Claims,
+    probe: bool = False,
+    relay: bool = False,
 ) -> Opened:
     """The object once it is whole, waiting up to ``wait`` seconds while a stager here is still
     copying the revision (``probe``: only while the object is claimed here); NotHere otherwise."""
     deadline = time.monotonic() + wait
     while True:
-        got = poll_object(c, rev, path, locked, claims, probe)
+        got = poll_object(c, rev, path, locked, claims, probe, relay)
         if isinstance(got, Opened):
             return got
         if time.monotonic() >= deadline:

@@ -59,13 +59,14 @@ from dscache_contract.peers import (
     REVISION_HEADER,
     ObjectRequest,
     PeersRequest,
+    RevisionState,
 )
 from dscache_stager.errors import BusyError, UsageError
 
 from .agent import Agent, _locked
 from .auth import Gate, NeedsApi, Refusal
 from .kube import ApiError
-from .peers import Claims, NotHere, Opened, check_request, poll_object
+from .peers import Claims, NotHere, Opened, check_request, open_object, poll_object
 
 log = logging.getLogger("dscache-node")
 T = TypeVar("T")
@@ -87,11 +88,17 @@ CONTROL_PER_CLIENT = 4
 #: Object requests in progress (held or sending), in all and from one address (two stagers).
 MAX_OBJECTS = 256
 OBJECTS_PER_CLIENT = 128
+#: Bodies sent at once (the others wait their turn, within their request's wait, at least
+#: MIN_TURN_S): the uplink is shared by that many, not by every request held here.
+MAX_SENDING = 8
+MIN_TURN_S = 1.0
 #: An object's body must be taken within READ_GRACE_S plus its size at MIN_RATE.
 READ_GRACE_S = 30.0
 MIN_RATE = 1 << 20
-#: How often a held request looks again for the object it waits for.
+#: How often a held request looks again for the object it waits for (whether the file is there),
+#: and how often it looks at the lock, the revision's state and the claims too.
 POLL_S = 0.05
+FULL_LOOK_S = 1.0
 
 
 class _Limits:
@@ -196,6 +203,7 @@ class AgentServer:
         self.pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="agent-call")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._sending: asyncio.Semaphore | None = None  # made on the loop
         self._server: _Server | None = None
         self._stopped = threading.Event()
         #: Token checks in progress (event loop only), by the question they answer.
@@ -219,6 +227,7 @@ class AgentServer:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._sending = asyncio.Semaphore(MAX_SENDING)
         server = _Server(
             self._handle,
             self.connections,
@@ -377,6 +386,7 @@ class AgentServer:
         if not self.objects.take(client):
             return _error(429, f"too many object requests in progress (from {client} or in all); ask another")
         try:
+            started = time.monotonic()
             try:
                 opened = await self._wait_for(req)
             except NotHere as e:
@@ -384,7 +394,23 @@ class AgentServer:
             except OSError as e:
                 return _error(503, f"cannot read {req.path}: {e}")
             try:
-                return await self._send(request, req.revision, opened)
+                # At most MAX_SENDING bodies at once, first come first served: all the requests
+                # of many nodes at once would share the uplink so thin that every body took
+                # longer than a stager allows (issue 30: 31 nodes wrote the first one off).
+                # A request that finds no turn within its wait hears "not yet", as if in flight.
+                assert self._sending is not None
+                turn = max(req.wait, MIN_TURN_S) - (time.monotonic() - started)
+                try:
+                    async with asyncio.timeout(max(turn, MIN_TURN_S)):
+                        await self._sending.acquire()
+                except TimeoutError:
+                    return _json(
+                        404, {"state": RevisionState.STAGING.value, "error": f"{req.path}: every sending slot is busy"}
+                    )
+                try:
+                    return await self._send(request, req.revision, opened)
+                finally:
+                    self._sending.release()
             finally:
                 os.close(opened.fd)
         finally:
@@ -398,13 +424,24 @@ class AgentServer:
         while True:
             # The claims file may be long (a large revision's paths): read off the loop.
             got = await loop.run_in_executor(
-                None, poll_object, c, req.revision, req.path, _locked, self.claims, req.probe
+                None, poll_object, c, req.revision, req.path, _locked, self.claims, req.probe, req.relay
             )
             if isinstance(got, Opened):
                 return got
-            if time.monotonic() >= deadline:
-                raise got
-            await asyncio.sleep(POLL_S)
+            # Between two full looks (the lock, the revision's state, the claims: a thread each),
+            # only whether the file is there now, on the loop: a few openat calls, no thread hop.
+            # Hundreds of held requests would otherwise keep the pool busy polling (issue 30).
+            full = time.monotonic() + FULL_LOOK_S
+            while True:
+                if time.monotonic() >= deadline:
+                    raise got
+                await asyncio.sleep(POLL_S)
+                try:
+                    return open_object(c, req.revision, req.path)
+                except FileNotFoundError:
+                    pass
+                if time.monotonic() >= full:
+                    break
 
     async def _send(self, request: web.BaseRequest, revision: str, opened: Opened) -> web.StreamResponse:
         resp = web.StreamResponse(

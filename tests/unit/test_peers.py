@@ -21,11 +21,13 @@ from dscache_contract.peers import (
     COHORT_WINDOW_S,
     MAX_WAIT_S,
     OBJECTS_PATH,
+    RELAY_MARK,
     ObjectRequest,
     Peer,
     PeersAnswer,
     RevisionState,
     claims_path,
+    fetch_chain,
     owner_ranking,
     parse_staging_label,
     staging_label,
@@ -172,6 +174,48 @@ def test_a_node_that_holds_the_revision_complete_is_never_asked_of_itself():
     me = DONE.addr
     order = owner_ranking("a.bin", answer_for(me, [Peer(me, T0)], [DONE, Peer("10.0.0.8:7070")]))
     assert order.count(me) == 1 and order[0] == "10.0.0.8:7070"
+
+
+# --- each object's tree (issue 30) ---------------------------------------------------------------
+
+
+def many(n: int) -> list[Peer]:
+    return [Peer(f"10.1.{i // 250}.{i % 250}:7070", T0 + (i % 3)) for i in range(n)]
+
+
+def test_a_nodes_chain_climbs_to_the_objects_root_through_earlier_ranked_nodes():
+    staging = many(32)
+    for i in range(100):
+        key = f"k{i}"
+        order = owner_ranking(key, answer_for(staging[0].addr, staging))
+        for p in staging:
+            chain = fetch_chain(key, order, p.addr)
+            if p.addr == order[0]:
+                assert chain == []
+                continue
+            assert chain[-1] == order[0]  # ends at the root, the one that reads the bucket
+            assert len(set(chain)) == len(chain) and p.addr not in chain  # always up: no cycle
+    assert fetch_chain("k", ["a", "b"], "c") == []  # not in the ranking: no chain
+
+
+def test_the_trees_spread_the_serving_over_every_node_and_stay_shallow():
+    """What issue 30 measured: a few early nodes served everyone (32 nodes: 5 served all). In the
+    objects' trees every node is a parent of about one node per object, and a chain is short."""
+    staging = many(32)
+    children: Counter[str] = Counter()
+    depths = []
+    n_keys = 400
+    for i in range(n_keys):
+        key = f"train/{i:05d}.tar"
+        order = owner_ranking(key, answer_for(staging[0].addr, staging))
+        for p in staging:
+            if chain := fetch_chain(key, order, p.addr):
+                children[chain[0]] += 1
+                depths.append(len(chain))
+    assert len(children) == 32, "every node serves some objects on"
+    # Each node passes an object on to two at most, and about one in all (31 copies over 32 nodes).
+    assert max(children.values()) < 1.3 * n_keys, children.most_common(3)
+    assert max(depths) <= 5  # log2(32)
 
 
 # --- labels and names ---------------------------------------------------------------------------------
@@ -441,6 +485,28 @@ def test_a_probe_for_a_claimed_object_waits(cache, stager_lock):
     assert e.value.state is RevisionState.STAGING
     assert time.monotonic() - t >= 0.3
     assert seen.claimed(cache, REV, "other.bin") and not seen.claimed(cache, REV, "dir/later bin")
+
+
+def test_a_relay_claim_holds_only_a_probe_that_asks_for_it(cache, stager_lock):
+    """A stager taking an object from a peer says so (``/<path>``): its tree children wait for it
+    (``relay``), while an owner checking whether this node reads it from the bucket does not (it
+    could wait on a node that waits on it)."""
+    seen = Claims()
+    with open(claims_path(cache, REV), "a") as f:
+        f.write(f"{RELAY_MARK}relayed.bin\n")
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, REV, "relayed.bin", 2.0, _locked, seen, probe=True)
+    assert e.value.state is RevisionState.UNCLAIMED
+    t = time.monotonic()
+    with pytest.raises(NotHere) as e:
+        wait_for_object(cache, REV, "relayed.bin", 0.3, _locked, seen, probe=True, relay=True)
+    assert e.value.state is RevisionState.STAGING and time.monotonic() - t >= 0.3
+
+
+def test_relay_is_part_of_a_probe_only():
+    req = ObjectRequest("team-a", "c", REV, "a.bin", 1.0, True, True)
+    assert ObjectRequest.parse(req.target()) == req
+    assert not ObjectRequest.parse(ObjectRequest("team-a", "c", REV, "a.bin", 1.0).target() + "&relay=1").relay
 
 
 def test_claims_are_forgotten_with_their_file(cache):
