@@ -237,7 +237,7 @@ async def _check_source(
     conditions = st.set_condition(
         current.get("conditions") or [],
         type=st.SOURCE_READY,
-        status={True: "True", False: "False", None: "Unknown"}[result.ok],
+        status="True" if result.ok else "False",
         reason=result.reason,
         message=result.message,
         generation=generation,
@@ -246,14 +246,14 @@ async def _check_source(
     old = st.get_condition(current, st.SOURCE_READY)
     if not old or old.get("reason") != result.reason or old.get("observedGeneration") != generation:
         out.event(
-            "Warning" if result.ok is False else "Normal",
+            "Normal" if result.ok else "Warning",
             "SourceChecked" if result.ok else result.reason,
             result.message,
         )
     wanted.update(
         conditions=conditions,
         observedGeneration=generation,
-        phase=Phase.FAILED if result.ok is False else Phase.READY,
+        phase=Phase.READY if result.ok else Phase.FAILED,
         **st.source_fragment(result.objects, result.bytes),
     )
     if view.refresh is not None:
@@ -269,8 +269,6 @@ async def _check_source(
                 message=f"revision {result.revision.id} ({result.objects} objects, {result.bytes} "
                 f"bytes) pinned ({why}); was {old_rev or 'none'}",
             )
-    elif result.ok is None and current.get("revision"):
-        wanted["revision"] = None  # nothing verifiable to pin any more
     return wanted
 
 

@@ -43,7 +43,7 @@ OWN_IDENTITY = "the operator's own identity"
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    ok: bool | None  # None: could not be verified (pod identity the operator does not share)
+    ok: bool  # listed (as the Secret's keys, or as the ServiceAccount the cache names)
     reason: str
     message: str
     objects: int | None = None
