@@ -202,7 +202,7 @@ def test_connections_past_the_bound_are_told_busy(root, monkeypatch):
         srv.server_close()
 
 
-def test_a_malformed_request_is_answered_4xx(served):
+def test_malformed_token_401(served):
     """A malformed token got a dropped connection; now 401. A malformed body is 400, an
     unauthenticated reservation or peers question 401, one of another cache's pod 403."""
     _agent, port = served

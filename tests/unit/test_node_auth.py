@@ -190,3 +190,20 @@ def test_the_cache_of_verified_tokens_is_bounded(clock: Clock):
     assert reviews.review(jwt("t49"), PEER_AUDIENCE, offline=True) is not None  # the latest are kept
     with pytest.raises(NeedsApi):
         reviews.review(jwt("t0"), PEER_AUDIENCE, offline=True)
+
+
+def test_recreated_cache_gets_its_token(clock: Clock):
+    """Issue 28 #9: a cache deleted and created again under its name lost its peer token for up
+    to 6 h (the HMAC token's Secret went with the old cache's owner reference). There is no such
+    token any more: a pod of the new cache shows its own projected token and is served at once,
+    with nothing written for it first; the old cache's pod, gone, is not."""
+    tokens = {"old-stager": ("ml", "s-old", "u-old"), "new-stager": ("ml", "s-new", "u-new")}
+    gate = FakeReviews.gate("n1", tokens, {"u-old": ("data", "n1")}, clock)
+    assert gate.consumer(jwt("old-stager"), "ml", "data", this_node=True) is None
+    # The cache is deleted with its pods, and created again; its first new pod asks at once.
+    kube: FakeReviews = gate.kube  # type: ignore[assignment]
+    kube.pods = {"u-new": ("data", "n1")}
+    assert gate.consumer(jwt("new-stager"), "ml", "data", this_node=True) is None
+    clock.t += MAX_TRUST_S + 1  # what was verified of the old pod's token is asked again
+    refused = gate.consumer(jwt("old-stager"), "ml", "data", this_node=True)
+    assert refused is not None and refused.status == 403, refused
