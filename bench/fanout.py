@@ -87,7 +87,6 @@ import argparse
 import atexit
 import concurrent.futures
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -100,7 +99,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,7 +119,6 @@ NODES = 3
 #: --tls on: (ca.crt, tls.crt, tls.key) the agents serve with (tests.support.tlscerts), as the chart's.
 TLS: tuple[Path, Path, Path] | None = None
 S3_PORT = 9000
-CLONE_NEWNET = 0x40000000
 #: The issue's targets (reported, and logged; the bench fails only on a wrong byte or a broken counter).
 TARGET_BUCKET_RATIO = 1.1
 TARGET_SPEEDUP = 2.0
@@ -218,23 +215,9 @@ class Link:
         """The same bytes as the host's end received them (a cross-check of ``tx_bytes``)."""
         return int(Path(f"/sys/class/net/{self.host_if}/statistics/rx_bytes").read_text())
 
-    @contextlib.contextmanager
-    def inside(self) -> Iterator[None]:
+    def inside(self) -> contextlib.AbstractContextManager[None]:
         """This thread in the server's namespace (for starting the server: its children stay there)."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
-        try:
-            if libc.setns(target, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), f"setns into {self.netns}")
-            try:
-                yield
-            finally:
-                if libc.setns(own, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "setns back to the host namespace")
-        finally:
-            os.close(own)
-            os.close(target)
+        return netsim.inside(self.netns)
 
     def down(self) -> None:
         """The netns (with its veth end, which takes the host end and the qdisc with it)."""
@@ -402,17 +385,8 @@ class Phase:
         }
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + sys CPU seconds of a running process so far (/proc/<pid>/stat; 0 if it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def agent_cpu(agent: NodeAgent) -> float:
-    return proc_cpu_s(agent.proc.pid) if agent.proc is not None else 0.0
+    return fanout_scale.proc_cpu_s(agent.proc.pid) if agent.proc is not None else 0.0
 
 
 def run_phase(

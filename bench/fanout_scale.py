@@ -106,6 +106,7 @@ def _python() -> str:
 
 
 def proc_cpu_s(pid: int) -> float:
+    """User + sys CPU seconds of a running process so far (/proc/<pid>/stat; 0 if it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:

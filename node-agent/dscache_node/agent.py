@@ -447,37 +447,25 @@ class Agent:
                     if r.complete and r.key in self._prestaged and r.key[:2] != (req.namespace, req.cache)
                 ]
             # No other tenant's names: how many copies and bytes, not whose.
-            return ReserveAnswer(
-                False,
-                current.budget,
-                current.held,
-                current.available,
-                evicted,
-                message=(
-                    f"not pre-staged on node {self.s.node}: revision {req.revision} of {req.namespace}/{req.cache} "
-                    f"needs {need} bytes ({human_bytes(need)}){resumed} and the node's dscache budget of "
-                    f"{human_bytes(current.budget)} can give it {human_bytes(current.available)} without evicting "
-                    f"another pre-staged copy ({len(others)} of them hold {human_bytes(sum(r.held for r in others))}) "
-                    f"or one in use ({human_bytes(held_by_leases)}); a pre-stage never evicts those (pre-staged "
-                    f"caches would take turns on the node forever). Raise nodeAgent.budget, or pre-stage fewer "
-                    f"caches onto this node (spec.prestage.nodeSelector, spec.prestage.nodes)"
-                ),
+            message = (
+                f"not pre-staged on node {self.s.node}: revision {req.revision} of {req.namespace}/{req.cache} "
+                f"needs {need} bytes ({human_bytes(need)}){resumed} and the node's dscache budget of "
+                f"{human_bytes(current.budget)} can give it {human_bytes(current.available)} without evicting "
+                f"another pre-staged copy ({len(others)} of them hold {human_bytes(sum(r.held for r in others))}) "
+                f"or one in use ({human_bytes(held_by_leases)}); a pre-stage never evicts those (pre-staged "
+                f"caches would take turns on the node forever). Raise nodeAgent.budget, or pre-stage fewer "
+                f"caches onto this node (spec.prestage.nodeSelector, spec.prestage.nodes)"
             )
-        return ReserveAnswer(
-            False,
-            current.budget,
-            current.held,
-            current.available,
-            evicted,
-            message=(
+        else:
+            message = (
                 f"revision {req.revision} of {req.namespace}/{req.cache} needs {need} bytes "
                 f"({human_bytes(need)}){resumed} but node {self.s.node} can give at most {current.available} "
                 f"bytes ({human_bytes(current.available)}) even after evicting every unused copy: its dscache "
                 f"budget is {current.budget} bytes ({human_bytes(current.budget)}), {held_by_leases} of them "
                 f"held by copies pods are using. Raise the chart value nodeAgent.budget, free the "
                 f"node's cache disk, or narrow the cache with include/exclude"
-            ),
-        )
+            )
+        return ReserveAnswer(False, current.budget, current.held, current.available, evicted, message=message)
 
     def _evict(self, chosen: Iterable[disk.OnDisk], why: str, events: list[_Event]) -> list[str]:
         """Evict ``chosen`` (under self.lock): each copy is renamed out of the way here, its tree
