@@ -122,7 +122,14 @@ async fn presign(shared: &Shared, path: &Path) -> Result<Target, Failure> {
         Some(q) => format!("{}?{q}", url.path()),
         None => url.path().to_string(),
     };
-    Ok(Target { host: host.to_string(), port: url.port_or_known_default().unwrap_or(80), path })
+    let (host, port) = (host.to_string(), url.port_or_known_default().unwrap_or(80));
+    // getaddrinfo blocks: on a blocking thread, as the parts' connects are.
+    // A failed lookup leaves the list empty: each part then resolves for itself, within its retries.
+    let lookup = host.clone();
+    let addrs = tokio::task::spawn_blocking(move || splice::resolve(&lookup, port).unwrap_or_default())
+        .await
+        .unwrap_or_default();
+    Ok(Target { host, port, path, addrs })
 }
 
 /// Bytes [start, end) of the object into ``file`` at the same offsets, retried

@@ -10,7 +10,7 @@
 //! splice call moves up to PIPE_BYTES.
 
 use std::io::{self, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Duration;
 
@@ -25,6 +25,22 @@ pub struct Target {
     pub port: u16,
     /// Path and query, as signed.
     pub path: String,
+    /// ``host`` resolved once for the object's parts (large.rs), tried in order. Not once per
+    /// part: in a pod, a service name under ndots:5 costs several DNS queries per lookup.
+    /// Empty (that lookup failed): each part resolves for itself.
+    pub addrs: Vec<SocketAddr>,
+}
+
+/// ``host``'s addresses, for Target.addrs.
+pub fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, Failure> {
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| generic(format!("resolving {host}:{port}: {e}")))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(generic(format!("{host} resolves to no address")));
+    }
+    Ok(addrs)
 }
 
 fn generic(message: String) -> Failure {
@@ -47,12 +63,14 @@ fn status_failure(status: u16, detail: &str) -> Failure {
 /// Bytes [start, end) of ``target`` into ``fd`` at the same offsets.
 pub fn get_range_into(target: &Target, fd: RawFd, etag: &str, start: u64, end: u64, timeout: Duration) -> Result<(), Failure> {
     let peer = |e: io::Error, what: &str| generic(format!("{what} {}:{}: {e}", target.host, target.port));
-    let addr = (target.host.as_str(), target.port)
-        .to_socket_addrs()
-        .map_err(|e| peer(e, "resolving"))?
-        .next()
-        .ok_or_else(|| generic(format!("{} resolves to no address", target.host)))?;
-    let mut sock = TcpStream::connect_timeout(&addr, timeout).map_err(|e| peer(e, "connecting to"))?;
+    let resolved;
+    let addrs = if target.addrs.is_empty() {
+        resolved = resolve(&target.host, target.port)?;
+        &resolved
+    } else {
+        &target.addrs
+    };
+    let mut sock = connect(addrs, timeout).map_err(|e| peer(e, "connecting to"))?;
     // SO_RCVTIMEO also bounds each splice from the socket.
     sock.set_read_timeout(Some(timeout)).map_err(|e| peer(e, "configuring"))?;
     sock.set_write_timeout(Some(timeout)).map_err(|e| peer(e, "configuring"))?;
@@ -86,6 +104,19 @@ pub fn get_range_into(target: &Target, fd: RawFd, etag: &str, start: u64, end: u
         offset += body.len() as u64;
     }
     splice_body(sock.as_raw_fd(), fd, offset, end)
+}
+
+/// The first of ``addrs`` that accepts a connection (the last error otherwise), as std's
+/// TcpStream::connect tries a name's addresses.
+fn connect(addrs: &[SocketAddr], timeout: Duration) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
+    for addr in addrs {
+        match TcpStream::connect_timeout(addr, timeout) {
+            Ok(sock) => return Ok(sock),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
 }
 
 fn os(e: io::Error) -> Failure {

@@ -103,6 +103,25 @@ def test_a_large_object_arrives_whole_in_parts_and_read_only(
     }
 
 
+def test_a_named_endpoint_is_spliced(
+    s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path
+):
+    """The splice path by host name (large.rs resolves it once per object and tries every address
+    in order; localhost may list ::1, where the server does not listen, before 127.0.0.1)."""
+    data, etag = body
+    named = s3_server.endpoint.replace("127.0.0.1", "localhost")
+    assert named != s3_server.endpoint
+    fetcher = copier(s3_server, bucket, tmp_path / "tmp", endpoint=named, splice=True)
+    try:
+        got = fetch_large(fetcher, ("big", str(tmp_path / "out"), etag, None, len(data)))
+        counters = fetcher.counters()
+    finally:
+        fetcher.close()
+    assert not isinstance(got, BaseException), got
+    assert (tmp_path / "out").read_bytes() == data
+    assert (counters["spliced_parts"], counters["parts_retried"]) == (4, 0)
+
+
 @SPLICE
 def test_the_pin_refuses_other_bytes_and_leaves_nothing(
     s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path, splice: bool
