@@ -62,6 +62,43 @@ against 100 ms here (medians of 5, user + sys). The bench's gap to the
 server's ceiling is the start-up, not the parts: a 1 KiB copy costs ~0.1 s of
 CPU before its first GET (perf: 59% libpython running imports, 30% the
 kernel; the Rust extensions 2%), and on 2 shared cores that CPU is wall time.
+
+Issue 30's third round (2 x 256 MiB from loopback versitygw, load 4-30, the
+machine shared with four other benchmarking sessions):
+ - Why the Python plane beat the native one in a recorded bench run (0.49 s
+   against 0.588 s): it does not, in the data phase. Both splice the same 16
+   parts in flight; called directly (Copier.fetch_large against curl's same
+   ranged GETs into /dev/null, interleaved, medians of 7) the native data
+   phase took 0.291 s against curl's 0.323 s, at 0.172 s of CPU against
+   curl's 0.130 (the difference is the page-cache copy curl does not make).
+   End to end, dscache-stage alternating the planes 8 times: native 0.36-0.42 s
+   (median ~0.40) against 0.38-0.46 s (~0.43) at 0.26-0.30 s of CPU each; the
+   bench's own rotation gave one run in each order (0.42 native, 0.41-0.52
+   python) and a 0.1 s gap in others at load 4-16, which a repeat at load 8
+   reversed: the planes differ by less than the load does.
+ - What then bounds large_vs_ceiling is the start-up, not the parts: a copy is
+   the ceiling plus the fixed cost (process start to first GET ~0.1-0.2 s of
+   wall, 0.1 s of CPU), so at 2 x 256 MiB (ceiling ~0.3 s) the ratio stays near
+   0.6-0.7 until that cost shrinks; at the full bench's 2 x 1 GiB the same
+   cost is a quarter as large a share.
+ - The parts (same-run sweep, native data phase, medians of 5-7): 16 MiB x
+   16 in flight 0.291 s, server CPU 0.24 s; 32 MiB x 16 0.266 s, 0.18 s;
+   32 MiB x 8 0.270 s, 0.19 s; 16 MiB x 8 0.362 s, 0.25 s; 64 MiB x 8
+   0.476 s, 0.42 s (versitygw spends twice the CPU on 64 MiB ranges); one
+   256 MiB object alone: 16 MiB 0.167 s, 32 MiB 0.142 s, 64 MiB 0.241 s. So
+   PART_SIZE is 32 MiB; curl's GETs moved alike (16 MiB 0.309 s, 32 MiB x 8
+   0.283 s), so the bench's ceiling, built from PART_SIZE, moves with it.
+ - Streaming (pwritev of object_store's buffers) instead of splice: the same
+   wall within the noise, 0.23 s of CPU against 0.17 s.
+ - Per 256 MiB object (strace -c -f of one object minus a 1 KiB copy):
+   native 994 syscalls at 16 MiB parts (572 splice, 16 connect) and 720 at
+   32 MiB (618 splice, 8 connect, 8 threads instead of 16); this path 5,844
+   (4,706 futex) and 4,880 (4,047 futex). CPU per object ~0.07-0.1 s either
+   way (user + sys of a one-object copy minus a 1 KiB one), nearly all the
+   kernel's copy into the page cache.
+ - Not the cause, measured: Copier start-up (3 ms, TLS roots included), the
+   fsync policy (nothing is fsynced), dirty-page writeback (512 MiB stays under
+   the dirty thresholds), fallocate (not used: see _fetch_parts).
 """
 
 from __future__ import annotations

@@ -103,9 +103,7 @@ def test_a_large_object_arrives_whole_in_parts_and_read_only(
     }
 
 
-def test_a_named_endpoint_is_spliced(
-    s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path
-):
+def test_a_named_endpoint_is_spliced(s3_server: S3Server, bucket: str, body: tuple[bytes, str], tmp_path: Path):
     """The splice path by host name (large.rs resolves it once per object and tries every address
     in order; localhost may list ::1, where the server does not listen, before 127.0.0.1)."""
     data, etag = body
