@@ -85,9 +85,14 @@ machine shared with four other benchmarking sessions):
    16 in flight 0.291 s, server CPU 0.24 s; 32 MiB x 16 0.266 s, 0.18 s;
    32 MiB x 8 0.270 s, 0.19 s; 16 MiB x 8 0.362 s, 0.25 s; 64 MiB x 8
    0.476 s, 0.42 s (versitygw spends twice the CPU on 64 MiB ranges); one
-   256 MiB object alone: 16 MiB 0.167 s, 32 MiB 0.142 s, 64 MiB 0.241 s. So
-   PART_SIZE is 32 MiB; curl's GETs moved alike (16 MiB 0.309 s, 32 MiB x 8
-   0.283 s), so the bench's ceiling, built from PART_SIZE, moves with it.
+   256 MiB object alone: 16 MiB 0.167 s, 32 MiB 0.142 s, 64 MiB 0.241 s
+   (load 6-8). Repeated at load 15-20 the walls tied (0.271 against 0.280 s;
+   one object 0.159 against 0.152 s) while the server's CPU fell as before
+   (0.23 to 0.18 s; 0.11 to 0.09 s): four sweeps, the same saving each time.
+   So PART_SIZE is 32 MiB; curl's GETs moved alike (16 MiB 0.309 s, 32 MiB x 8
+   0.283 s; server CPU 0.22 to 0.17 s), so the bench's ceiling, built from
+   PART_SIZE, moves with it. One connection per part stays: at 32 MiB that is
+   8 connects per 256 MiB object, next to 600 splice calls.
  - Streaming (pwritev of object_store's buffers) instead of splice: the same
    wall within the noise, 0.23 s of CPU against 0.17 s.
  - Per 256 MiB object (strace -c -f of one object minus a 1 KiB copy):
@@ -128,9 +133,10 @@ from .tree import LocalTree
 # memory stays under 64 MiB of bodies. Larger ones stream in parts.
 SMALL_LIMIT = 1 << 20
 # 32 MiB parts, not 16 (issue 30, third round; the module docstring has the
-# sweep): the same bytes in half the ranged GETs cost the loopback server
-# 20-25% less CPU and the copy 10-15% less wall, for both planes and for the
-# bench's ceiling alike; 64 MiB ranges doubled the server's CPU. Real S3 is
+# sweeps): the same bytes in half the ranged GETs cost the loopback server
+# 20-25% less CPU in every sweep, and the copy 8-15% less wall at load 6-8
+# (within the noise at load 15-20), for both planes and for the bench's
+# ceiling alike; 64 MiB ranges doubled the server's CPU. Real S3 is
 # served the same way (s5cmd's parts are 50 MB), and parts in flight, which
 # bound its throughput per connection, stay SPLICE_THREADS.
 PART_SIZE = 32 << 20
