@@ -60,6 +60,10 @@ READ_TIMEOUT_S = 30.0
 #: A busy peer (429) is asked again after this pause.
 BUSY_PAUSE_S = 0.25
 PEER_NAME = "listing.peer"
+#: A node that saw no other node in its agent's first answer looks again this much later before it
+#: lists: nodes that start together may each see only themselves at first (a label takes a moment
+#: to show), and would all list.
+SETTLE_S = 0.4
 
 
 class ListingWriter:

@@ -377,6 +377,8 @@ class _Run:
         what it lists for them (``listing_writer``, in place once it hashed to the revision)."""
         if self.peers is not None and self.started_listing is None:
             await self.peers_known.wait()
+            if not self.peers.others():
+                await asyncio.sleep(peer_listing.SETTLE_S)  # the finder asks again meanwhile
             got = await asyncio.to_thread(peer_listing.from_peers, self.peers, self.rev, self.progress.note)
             if got is not None:
                 return peer_listing.read(got)
