@@ -10,9 +10,12 @@ there and uses it only if it hashes to the revision it was admitted with: a peer
 trusted for nothing (the revision id is 80 bits of a sha256, so a peer that wants a different
 listing to pass needs a second preimage).
 
-Who lists (``LISTING_KEY`` in ``owner_ranking``): the revision's first node for that key, the
-others hold a request on it (``?wait=``) and list the bucket themselves when it has nothing to
-give within a deadline.
+Who lists (``listing_sources``): a node asks the nodes that hold the revision whole, then those
+that started copying it before itself, earliest first, with a held request (``?wait=``), and lists
+the bucket itself when none has it to give within a deadline; so the revision's earliest node
+lists. Not a rendezvous ranking (``owner_ranking``): over a set that grows as nodes start, the
+first node by weight changes each time a newcomer outranks them all, and every such newcomer
+would list (about ln N of N nodes: 3 of 16 in bench/fanout.py); the earliest node stays earliest.
 
 One line per object the revision hashes, in listing order: ``[key, size, etag, versionId or
 null, marker]`` (JSON). ``marker`` (a versioned listing's directory marker ``a/``) is the one
@@ -21,6 +24,7 @@ field the revision does not cover; see dscache_stager.peer_listing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -28,14 +32,13 @@ import urllib.parse
 from dataclasses import dataclass
 
 from .paths import meta_dir, tmp_dir, validate_revision
+from .peers import PeersAnswer
 
 #: ``GET /v1/listings/<namespace>/<cache>/<revision>?wait=<s>`` with the pod's peer token.
 LISTINGS_PATH = "/v1/listings/"
 #: The revision's whole, checked listing, and the one being written.
 LISTING_NAME = "listing.jsonl"
 LISTING_PART_NAME = "listing.part"
-#: The key the listing is ranked by (owner_ranking): no object key starts with a NUL.
-LISTING_KEY = "\x00listing"
 #: The longest an agent holds a request for a listing that is not whole yet.
 MAX_LISTING_WAIT_S = 20.0
 #: The 404 answer's JSON carries how many bytes of the listing are written so far (``listed``):
@@ -97,3 +100,21 @@ class ListingRequest:
         wait = float(urllib.parse.parse_qs(u.query).get("wait", ["0"])[0])
         wait = 0.0 if math.isnan(wait) else min(max(wait, 0.0), MAX_LISTING_WAIT_S)
         return cls(parts[0], parts[1], validate_revision(parts[2]), wait)
+
+
+def listing_sources(answer: PeersAnswer) -> list[str]:
+    """The nodes ``answer.me`` asks for the listing, in order ([]: it lists the bucket itself): those
+    that hold the revision whole (in an order of their own, so not every node asks the same one),
+    then those that started copying it before this node, earliest first (ties by address)."""
+    me = answer.me
+    complete = sorted(
+        (p.addr for p in answer.complete if p.addr != me),
+        key=lambda a: hashlib.sha256(f"{a}\n{me}".encode()).digest(),
+    )
+    mine = next((p.since for p in answer.staging if p.addr == me), None)
+    earlier = sorted(
+        (p.since, p.addr)
+        for p in answer.staging
+        if p.addr != me and p.addr not in complete and (mine is None or (p.since, p.addr) < (mine, me))
+    )
+    return complete + [addr for _, addr in earlier]

@@ -4,10 +4,11 @@
   ``tmp/listing.part`` as it goes (flushed a page at a time: the agent tells waiting peers how
   far it got), and renames it to ``meta/listing.jsonl`` once the whole listing hashed to the
   revision; its agent serves that file.
-- ``from_peers``: before listing, a stager with peers asks the nodes ranked before it for the
-  revision's listing (``LISTING_KEY`` in ``owner_ranking``: in the usual case one node lists and
-  every other one asks it). A held request (``?wait=``) while that node lists; given up when its
-  listing stopped growing for ``STALL_S`` (or it has none), and the bucket is listed instead.
+- ``from_peers``: before listing, a stager with peers asks the nodes that hold the revision or
+  started before it for the revision's listing (``listing_sources``: in the usual case the
+  earliest node lists and every other one asks it). A held request (``?wait=``) while that node
+  lists; given up when its listing stopped growing for ``STALL_S`` (or it has none), and the
+  next one asked, ``MAX_SOURCES`` at most; then the bucket is listed instead.
 - The body is streamed to ``tmp/listing.peer`` and every line fed to a ``RevisionHasher``: only a
   listing that hashes to the pinned revision is used (and kept, so this node serves it on); one
   that does not is dropped, the bucket listed, and the log says so. Nothing is held in memory but
@@ -35,12 +36,12 @@ from typing import IO
 from dscache_contract import RevisionHasher
 from dscache_contract.listings import (
     LISTED_FIELD,
-    LISTING_KEY,
     MAX_LISTING_WAIT_S,
     ListingRequest,
     listing_line,
     listing_part_path,
     listing_path,
+    listing_sources,
     parse_listing_line,
 )
 from dscache_contract.peers import REVISION_HEADER, RevisionState
@@ -55,8 +56,10 @@ log = logging.getLogger("dscache-stage")
 
 #: A peer whose listing has not grown for this long (nor appeared) is given up: the bucket is listed.
 STALL_S = 10.0
-#: No byte of a listing's body for this long: the peer is stalled.
-READ_TIMEOUT_S = 30.0
+#: No answer this long after a held request's wait, or no byte of a body for this long: stalled.
+READ_TIMEOUT_S = 5.0
+#: Peers asked for the listing, at most, before this node lists the bucket.
+MAX_SOURCES = 3
 #: A busy peer (429) is asked again after this pause.
 BUSY_PAUSE_S = 0.25
 PEER_NAME = "listing.peer"
@@ -119,7 +122,10 @@ def from_peers(peers: Peers, rev: Revision, note: Callable[[str], None]) -> IO[s
             note(f"listing: revision {rev.rev}'s listing is on this node already (checked); the bucket is not listed")
             return open(local, encoding="utf-8")
         _unlink(local)
-    ahead = peers.ahead_of_me(LISTING_KEY)
+    answer = peers.answer
+    if answer is None or not peers.token():
+        return None
+    ahead = [a for a in listing_sources(answer) if a not in peers.failed][:MAX_SOURCES]
     if not ahead:
         return None
     for addr in ahead:

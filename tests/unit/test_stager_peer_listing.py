@@ -23,6 +23,7 @@ from dscache_contract.listings import (
     listing_line,
     listing_part_path,
     listing_path,
+    listing_sources,
     parse_listing_line,
 )
 from dscache_contract.peers import REVISION_HEADER, Peer, PeersAnswer
@@ -77,6 +78,20 @@ def test_listing_lines_round_trip_and_refuse_anything_else():
     for bad in ("", "[]", '["k", -1, "e", null, false]', '["k", true, "e", null, false]', '["k", 1, 2, null, false]'):
         with pytest.raises(ValueError):
             parse_listing_line(bad)
+
+
+def test_the_earliest_node_lists_and_the_others_ask_it():
+    staging = [Peer("n3:1", 3.0), Peer("n1:1", 1.0), Peer(ME, 2.0), Peer("n0:1", 1.0), Peer("n4:1", 4.0)]
+    # Those that started before this node, earliest first (ties by address); later ones never.
+    assert listing_sources(PeersAnswer(ME, staging)) == ["n0:1", "n1:1"]
+    # Each node in turn: only the earliest asks nobody, so it alone lists, whoever joins later.
+    for p in staging:
+        srcs = listing_sources(PeersAnswer(p.addr, staging))
+        assert (srcs == []) == (p.addr == "n0:1") and (not srcs or srcs[0] == "n0:1"), (p, srcs)
+    # Nodes that hold the revision whole come first; this node's own label not in the answer yet:
+    # every node copying is earlier.
+    got = listing_sources(PeersAnswer(ME, [Peer("n3:1", 3.0)], complete=[Peer("c1:1"), Peer("c2:1")]))
+    assert sorted(got[:2]) == ["c1:1", "c2:1"] and got[2:] == ["n3:1"]
 
 
 # --- the stager's writer, check and reader ---------------------------------------------------
