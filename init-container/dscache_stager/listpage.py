@@ -1,6 +1,7 @@
 """A listing's first page: the access proof's (stage.py), which the cold copy goes on from
-(listing.py). Kept apart from listing.py so that a warm start, which needs only this page,
-does not import the cold path (asyncio, the native plane)."""
+(listing.py); or, when the listing may come from a peer, an empty page (``empty_page``).
+Kept apart from listing.py so that a warm start, which needs only this page, does not import
+the cold path (asyncio, the native plane)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,26 @@ def first_page(store: S3Store, prefix: str) -> Started:
                 raise
             time.sleep(random.uniform(0, 0.1 * 2**attempt))
     raise AssertionError("unreachable")
+
+
+#: A start-after past every key under a prefix: U+10FFFF is the last code point, and S3 orders
+#: keys by their UTF-8 bytes, so the page after it is empty but for keys that begin with it.
+PAST_EVERY_KEY = "\U0010ffff"
+
+
+def empty_page(store: S3Store, prefix: str) -> None:
+    """One ListObjectsV2 under ``prefix`` that starts after every key: the bucket checks
+    s3:ListBucket on the prefix and answers a page of (nearly always) no keys, a few hundred
+    bytes, where a first page of 1,000 keys is ~300 KB. For a cold run whose listing may come
+    from a peer (peer_listing.py); the errors are first_page's."""
+    for attempt in range(1, LIST_ATTEMPTS + 1):
+        try:
+            for _ in obstore.list(store, prefix=prefix or None, offset=prefix + PAST_EVERY_KEY, chunk_size=1):
+                return  # a key past U+10FFFF: access is proven all the same
+            return
+        except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
+            raise
+        except BaseError as e:
+            if attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
+                raise
+            time.sleep(random.uniform(0, 0.1 * 2**attempt))

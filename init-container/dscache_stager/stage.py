@@ -1,9 +1,17 @@
 """``dscache-stage sync``: stage one pinned revision of an S3 prefix into C/revs/<rev>.
 
-1. Access proof, always: one cheap request with this pod's own credentials
-   (HEAD of the revision's first object when it is already on the node, else
-   one listing page), so a pod that may not read the bucket never gets the
-   data, even when another pod staged it (exit 3).
+1. Access proof, always: one cheap request with this pod's own credentials, so
+   a pod that may not read the bucket never gets the data, even when another
+   pod staged it (exit 3):
+   - warm: a HEAD of the revision's first object: s3:GetObject on it;
+   - cold: one ListObjectsV2 page under the prefix: s3:ListBucket on the prefix.
+     Without peers it is the listing's first page, which the copy goes on from;
+     with peers (or --as-of, listed by versions anyway) it is an empty page
+     (listpage.empty_page: a few hundred bytes), since the listing may come
+     from a peer (peer_listing.py), checked against the revision.
+   Neither proves the other permission; a cold run reads its own objects from
+   the bucket with these credentials, but objects a peer sends are not each
+   proven readable by this pod (the revision's bytes are checked, not its access).
 2. Under C's lock: write this pod's lease, then
    - warm: the revision is complete on the node; done, without listing;
    - cold (sync.py): list, hash, GET with If-Match, seal; a listing that is
@@ -39,7 +47,7 @@ import dscache_contract as contract
 from dscache_contract import StageSummary, human_bytes
 
 from .layout import Revision, cache_lock, check_cache_dir, write_lease
-from .listpage import Started, first_page
+from .listpage import Started, empty_page, first_page
 from .progress import Progress
 from .source import S3Source, source_error
 
@@ -63,7 +71,9 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
         # on a thread while this one waits on the network for the access proof and the lock.
         threading.Thread(target=_import_cold_path, name="import-cold", daemon=True).start()
     store = opts.source.open_store(opts.concurrency)
-    listing = prove_access(store, opts.source, probe)
+    # A cold run that may take its listing from a peer, or lists versions, needs no first page.
+    elsewhere = opts.as_of is not None or bool(opts.agent and opts.cache and opts.peer_token_file)
+    listing = prove_access(store, opts.source, probe, elsewhere)
 
     def on_wait() -> None:
         progress.note(f"another stager or a wipe holds {contract.lock_path(c)}; waiting for it")
@@ -130,14 +140,15 @@ def _import_cold_path() -> None:
         native.load()  # the extension's shared object, loaded on first use otherwise
 
 
-def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> Started | None:
+def prove_access(store: S3Store, source: S3Source, probe_key: str | None, empty: bool = False) -> Started | None:
     """One request with this process's credentials; raise SourceError if S3 refuses.
 
     A HEAD of an object we are about to serve proves GetObject on it; when it
     is gone (404) or there is no manifest yet, one listing page proves
     ListBucket on the prefix. A cold run needs that very page first, so it is
     returned with the listing's stream, for the copy to go on from (sync.py):
-    the server lists it once, and the copy starts a round trip sooner.
+    the server lists it once, and the copy starts a round trip sooner. ``empty``: the listing
+    comes from elsewhere; an empty page proves ListBucket as well, for a few hundred bytes.
     """
     source.check_reachable()
     try:
@@ -147,6 +158,9 @@ def prove_access(store: S3Store, source: S3Source, probe_key: str | None) -> Sta
                 return None
             except FileNotFoundError:
                 pass  # deleted since: the copy on the node is still whole; prove access by listing
+        if empty:
+            empty_page(store, source.prefix)
+            return None
         return first_page(store, source.prefix)
     except InvalidPathError:
         return None  # S3 answered with keys obstore cannot represent: access is proven; the listing names them

@@ -20,7 +20,7 @@ import heapq
 import os
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
@@ -30,7 +30,7 @@ from obstore.store import S3Store
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
 from dscache_contract.peers import COHORT_WINDOW_S, claims_path
 
-from . import native
+from . import native, peer_listing
 from .cpus import available_cpus
 from .errors import (
     DestinationError,
@@ -142,6 +142,7 @@ class _Run:
         self._peer_seq = 0
         self._peer_seq_lock = threading.Lock()
         self.started_listing = started
+        self.listing_writer: peer_listing.ListingWriter | None = None
         self.started = time.monotonic()
         self.thread_started = time.thread_time()
 
@@ -207,6 +208,8 @@ class _Run:
         async def feed() -> None:
             await self._produce(known, queue)
             self._check_revision()
+            if self.listing_writer is not None:
+                self.listing_writer.finish()  # it hashed to the revision: the agent may serve it
             for _ in range(bucket_workers):
                 await queue.put(None)
 
@@ -253,6 +256,8 @@ class _Run:
             raise source_error(e, self.source, self.progress.fetched_objects) from e
         finally:
             ticker.cancel()
+            if self.listing_writer is not None:
+                self.listing_writer.abort()  # a no-op once finished
             if finder is not None:
                 finder.cancel()
             if self.peers is not None:
@@ -308,12 +313,8 @@ class _Run:
 
     async def _produce(self, known: dict[str, ManifestEntry], queue: asyncio.Queue[Work]) -> None:
         relative, hasher, progress = self.selection.relative, self.hasher, self.progress
-        as_of = self.opts.as_of
-        listing = (
-            list_versions(self.source, as_of)
-            if as_of
-            else list_objects(self.store, self.source.prefix, self.started_listing)
-        )
+        listing = await self._listing()
+        writer = self.listing_writer
         try:
             async for batch in listing:
                 fetch: list[Task] = []
@@ -322,6 +323,8 @@ class _Run:
                     if rel is None:
                         continue  # outside the selection, or the prefix's own directory marker
                     hasher.add(obj.key, obj.size, obj.etag, obj.version_id)
+                    if writer is not None:
+                        writer.add(obj.key, obj.size, obj.etag, obj.version_id, obj.marker)
                     if reason := unsafe_reason(rel):
                         self.hostile.append((obj.key, reason))
                         continue
@@ -347,6 +350,8 @@ class _Run:
                     # can be written before the file exists.
                     line = self._list_entry(ManifestEntry(obj.key, rel, obj.size, obj.etag, obj.version_id))
                     fetch.append((obj, rel, line))
+                if writer is not None:
+                    writer.flush()
                 # Space is reserved a page at a time, so a short listing is
                 # judged on its exact total before any of it is fetched.
                 self._reserve([o for o, _, _ in fetch])
@@ -365,6 +370,22 @@ class _Run:
                 self._hostile_message() if self.hostile else f"a key under {self.source.uri} cannot be copied: {e}"
             ) from e
         progress.listing_done = True
+
+    async def _listing(self) -> AsyncIterator[list[RemoteObject]]:
+        """Where the listing comes from: a peer's or this node's earlier one, checked against the
+        revision (peer_listing.py), or the bucket; a node that lists the bucket with peers keeps
+        what it lists for them (``listing_writer``, in place once it hashed to the revision)."""
+        if self.peers is not None and self.started_listing is None:
+            await self.peers_known.wait()
+            if not self.peers.others():
+                await asyncio.sleep(peer_listing.SETTLE_S)  # the finder asks again meanwhile
+            got = await asyncio.to_thread(peer_listing.from_peers, self.peers, self.rev, self.progress.note)
+            if got is not None:
+                return peer_listing.read(got)
+            self.listing_writer = peer_listing.ListingWriter(self.rev)
+        if self.opts.as_of:
+            return list_versions(self.source, self.opts.as_of)
+        return list_objects(self.store, self.source.prefix, self.started_listing)
 
     def _reserve(self, objs: list[RemoteObject]) -> None:
         self.needed += sum(-(-o.size // BLOCK) * BLOCK for o in objs)

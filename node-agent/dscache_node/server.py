@@ -9,6 +9,8 @@ POST /v1/peers      the stager: who else stages or holds its revision (a consume
                     on this node; it must hold C's lock and be copying that revision)
 GET  /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>
                     a peer's stager: one complete object (a consumer pod of the cache, any node)
+GET  /v1/listings/<namespace>/<cache>/<revision>?wait=<s>
+                    a peer's stager: the revision's checked listing (listings.py; the same gate)
 
 Who is who: Kubernetes ServiceAccount tokens, checked by TokenReview (auth.py); with
 a certificate, the server speaks TLS (docs/security.md).
@@ -53,6 +55,7 @@ from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dscache_contract import RESERVE_PATH, WIPE_PATH, ArgsError, ReserveRequest, WipeRequest
+from dscache_contract.listings import LISTINGS_PATH
 from dscache_contract.peers import (
     OBJECTS_PATH,
     PEERS_PATH,
@@ -66,6 +69,7 @@ from dscache_stager.errors import BusyError, UsageError
 from .agent import Agent, _locked
 from .auth import Gate, NeedsApi, Refusal
 from .kube import ApiError
+from .listings import serve_listing
 from .peers import Claims, NotHere, Opened, check_request, open_object, poll_object
 
 log = logging.getLogger("dscache-node")
@@ -265,6 +269,8 @@ class AgentServer:
                     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
                 if request.path.startswith(OBJECTS_PATH):
                     return await self._object(request)
+                if request.path.startswith(LISTINGS_PATH):
+                    return await serve_listing(self, request)
             elif request.method == "POST" and request.path in (RESERVE_PATH, PEERS_PATH, WIPE_PATH):
                 return await self._post(request)
             return _error(404, f"no such path {request.method} {request.path}")
