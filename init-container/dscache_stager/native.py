@@ -57,6 +57,10 @@ PROGRESS_S = 0.5
 #: before issue 30, instead of an unnamed file (O_TMPFILE) linked into its directory.
 TMPFILE_ENV = "DSCACHE_NATIVE_TMPFILE"
 
+#: "proc": unnamed files are linked through /proc/self/fd only, as on kernels before 6.10, not
+#: by their descriptor (linkat AT_EMPTY_PATH) first; for tests of that way on newer kernels.
+LINK_ENV = "DSCACHE_NATIVE_LINK"
+
 #: (key, final path, ETag, versionId, listed size) as dscache_native.Copier.fetch takes them.
 Item = tuple[str, str, str, str | None, int]
 
@@ -123,6 +127,7 @@ class NativeFetcher:
             # Small objects into unnamed files (O_TMPFILE) linked into place; "0": temp + rename
             # in tmp/ (bench/stager.py measures both).
             tmpfile=os.environ.get(TMPFILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
+            link_proc=os.environ.get(LINK_ENV, "").strip().lower() == "proc",
         )
         self.workers: int = self.copier.workers
         self.reported = 0  # large parts' bytes handed to on_bytes so far
