@@ -71,8 +71,9 @@ BUCKET = "bench"
 DSCACHE_TOOLS = ("dscache", "dscache_python")
 # Opt-in variants of the native plane, named as peers (--peers s5cmd,dscache_rename):
 # "dscache_rename" places small objects by temp file + rename in tmp/, as before issue 30
-# (DSCACHE_NATIVE_TMPFILE=0), for a same-run comparison with what ships.
-DSCACHE_VARIANTS = ("dscache_rename",)
+# (DSCACHE_NATIVE_TMPFILE=0), for a same-run comparison with what ships; "dscache_proclink"
+# links them through /proc/self/fd (DSCACHE_NATIVE_LINK=proc), as on kernels before 6.10.
+DSCACHE_VARIANTS = ("dscache_rename", "dscache_proclink")
 STAGED = (*DSCACHE_TOOLS, *DSCACHE_VARIANTS)
 
 
@@ -88,6 +89,8 @@ def tool_env(tool: str, env: dict[str, str], workers: int | None = None) -> dict
         return {**env, "DSCACHE_NATIVE": "0"}
     if tool == "dscache_rename":
         return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_NATIVE_TMPFILE": "0"}
+    if tool == "dscache_proclink":
+        return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_NATIVE_LINK": "proc"}
     if tool in ("dscache", "warm"):
         out = {**env, "DSCACHE_NATIVE": "1"}
         if workers:

@@ -30,6 +30,7 @@ class Copier:
         parts: int = 16,
         splice: bool = False,
         tmpfile: bool = True,
+        link_proc: bool = False,
     ) -> None: ...
     @property
     def workers(self) -> int: ...

@@ -26,6 +26,20 @@ handed over (block_in_place) 2.78 against 2.79 s at 283 against 196 ms. On
 these 2 shared cores the client's and the server's CPU is the bound, so the
 writes stay inline.
 
+Each body is written as its response's chunks came (one writev), not first
+copied into one buffer of the object's size, and the unnamed file is linked by
+its descriptor (linkat AT_EMPTY_PATH, allowed to the file's opener since Linux
+6.10) rather than through /proc/self/fd (the fallback, found by the first link;
+DSCACHE_NATIVE_LINK=proc forces it). Issue 30's third round could not tell
+either apart from noise (3,000 x 64 KiB, six runs each in turns, load 16-33:
+294, 282 with the /proc link and 287 ms of CPU per 1,000 objects before both;
+s5cmd 503). What it could see (perf, same runs): on this machine's journal-less
+ext4, 20-70% of the client's CPU is the kernel allocating inodes
+(__ext4_new_inode: find_inode_bit skips every inode freed in the last 60 s whose
+inode-table block is cached, from the start of the group, for each file), s5cmd
+paying as much per file (63 against 95 us in one run); the stager's own code
+(Python, the extension, libc) is a fifth to a third of it.
+
 The extension is optional: when it is not installed (a venv without cargo),
 or DSCACHE_NATIVE=0, the stager runs fetch.py's path, which stays the
 reference: the test suite runs against both.
@@ -56,6 +70,10 @@ PROGRESS_S = 0.5
 #: "0": small objects are written to a named temp file in tmp/ and renamed into place, as
 #: before issue 30, instead of an unnamed file (O_TMPFILE) linked into its directory.
 TMPFILE_ENV = "DSCACHE_NATIVE_TMPFILE"
+
+#: "proc": unnamed files are linked through /proc/self/fd only, as on kernels before 6.10, not
+#: by their descriptor (linkat AT_EMPTY_PATH) first; for tests of that way on newer kernels.
+LINK_ENV = "DSCACHE_NATIVE_LINK"
 
 #: (key, final path, ETag, versionId, listed size) as dscache_native.Copier.fetch takes them.
 Item = tuple[str, str, str, str | None, int]
@@ -123,6 +141,7 @@ class NativeFetcher:
             # Small objects into unnamed files (O_TMPFILE) linked into place; "0": temp + rename
             # in tmp/ (bench/stager.py measures both).
             tmpfile=os.environ.get(TMPFILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
+            link_proc=os.environ.get(LINK_ENV, "").strip().lower() == "proc",
         )
         self.workers: int = self.copier.workers
         self.reported = 0  # large parts' bytes handed to on_bytes so far

@@ -1,13 +1,16 @@
 //! One object: GET -> temp file -> rename, retried as fetch.Fetcher.fetch retries.
 
+use std::ffi::{CStr, CString};
 use std::fs::{self, OpenOptions};
-use std::io::{self, Write};
+use std::io::{self, IoSlice, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
+use futures::stream::{BoxStream, StreamExt};
 use object_store::aws::AmazonS3;
 use object_store::path::Path;
 use object_store::{GetOptions, ObjectStore};
@@ -56,6 +59,8 @@ pub struct Shared {
     pub timeout: Duration,
     /// Small objects into unnamed files linked into place (write_unnamed), not temp + rename.
     pub tmpfile: bool,
+    /// How those files are linked (link): LINK_UNKNOWN, found out by the first, or LINK_PROC.
+    pub link: AtomicU8,
 }
 
 /// Why an object failed, in the terms fetch.py's callers understand.
@@ -242,13 +247,13 @@ async fn once(
         let _permit = shared.requests.acquire().await.expect("the request semaphore is never closed");
         let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
         let got_etag = result.meta.e_tag.clone().unwrap_or_default();
-        (result.bytes().await.map_err(store_failure)?, got_etag)
+        (Body::collect(result.into_stream()).await?, got_etag)
     };
     // From here on nothing awaits: a cancelled task is dropped either before
     // its temp file exists or after its rename, never between.
     if shared.tmpfile {
-        match write_unnamed(dest, &body) {
-            Ok(()) => return Ok((body.len() as u64, got_etag.trim_matches('"').to_string())),
+        match write_unnamed(dest, &body, &shared.link) {
+            Ok(()) => return Ok((body.len, got_etag.trim_matches('"').to_string())),
             // A filesystem without O_TMPFILE: the named temp file below.
             Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)) => {}
             Err(e) => return Err(os_failure(e, "placing", dest)),
@@ -264,7 +269,45 @@ async fn once(
         let _ = fs::remove_file(&tmp);
         return Err(os_failure(e, "placing", dest));
     }
-    Ok((body.len() as u64, got_etag.trim_matches('"').to_string()))
+    Ok((body.len, got_etag.trim_matches('"').to_string()))
+}
+
+/// A body as it came off the connection: the response's chunks, not copied into one buffer.
+/// Collecting them into one (GetResult::bytes) cost a fresh allocation the size of the object
+/// and a copy of every byte; a single writev puts the chunks into the file as they are.
+struct Body {
+    chunks: Vec<Bytes>,
+    len: u64,
+}
+
+impl Body {
+    async fn collect(mut stream: BoxStream<'static, object_store::Result<Bytes>>) -> Result<Body, Failure> {
+        let mut body = Body { chunks: Vec::with_capacity(4), len: 0 };
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(store_failure)?;
+            body.len += chunk.len() as u64;
+            body.chunks.push(chunk);
+        }
+        Ok(body)
+    }
+
+    /// Every chunk into ``f``, in as few writev calls as the kernel takes them.
+    fn write_to(&self, f: &mut fs::File) -> io::Result<()> {
+        if let [one] = self.chunks.as_slice() {
+            return f.write_all(one);
+        }
+        let mut slices: Vec<IoSlice<'_>> = self.chunks.iter().map(|c| IoSlice::new(c)).collect();
+        let mut rest = &mut slices[..];
+        while !rest.is_empty() {
+            match f.write_vectored(rest) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(n) => IoSlice::advance_slices(&mut rest, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The body into an unnamed file (O_TMPFILE) in ``dest``'s own directory, then linked
@@ -273,38 +316,72 @@ async fn once(
 /// directories (which takes the filesystem-wide rename lock): two threads that
 /// place small files contend on nothing but the destination directory. A run
 /// killed mid-write leaves nothing behind: an unnamed file goes with its descriptor.
-fn write_unnamed(dest: &str, body: &[u8]) -> io::Result<()> {
+fn write_unnamed(dest: &str, body: &Body, way: &AtomicU8) -> io::Result<()> {
     let dir = match std::path::Path::new(dest).parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     };
     let mut f = OpenOptions::new().write(true).custom_flags(libc::O_TMPFILE).mode(FILE_MODE).open(dir)?;
-    f.write_all(body)?;
-    // linkat(AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH; the /proc link does not.
-    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", f.as_raw_fd())).expect("no NUL in a number");
-    let to = std::ffi::CString::new(dest).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    let link = || {
-        // SAFETY: two live NUL-terminated paths.
-        let r = unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
-        if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
-    };
-    match link() {
+    body.write_to(&mut f)?;
+    let to = CString::new(dest).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    match link(&f, &to, way) {
         // What rename replaces (a resumed run's stale file; a stale directory where the bucket now has a file, as place does).
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
             match fs::symlink_metadata(dest) {
                 Ok(m) if m.is_dir() => fs::remove_dir_all(dest)?,
                 _ => fs::remove_file(dest)?,
             }
-            link()
+            link(&f, &to, way)
         }
         other => other,
     }
 }
 
-fn write_new(tmp: &str, body: &[u8]) -> io::Result<()> {
+/// Shared.link: how unnamed files are linked. LINK_UNKNOWN until the first link says, then
+/// LINK_EMPTY_PATH or LINK_PROC (also where the copier was told to use /proc only).
+pub const LINK_UNKNOWN: u8 = 0;
+const LINK_EMPTY_PATH: u8 = 1;
+pub const LINK_PROC: u8 = 2;
+
+/// Link the unnamed file ``f`` as ``to``. Since Linux 6.10 the file's opener may link it by its
+/// descriptor (AT_EMPTY_PATH); before, that needs CAP_DAC_READ_SEARCH, which the stager has not
+/// (ENOENT), and the /proc/self/fd link, which costs a walk of four path components through
+/// procfs per file, is the way. The first link finds out which one works; the others go straight to it.
+fn link(f: &fs::File, to: &CStr, way_seen: &AtomicU8) -> io::Result<()> {
+    let way = way_seen.load(Ordering::Relaxed);
+    if way == LINK_PROC {
+        return link_proc(f, to);
+    }
+    // SAFETY: a live descriptor and two NUL-terminated paths.
+    let r = unsafe { libc::linkat(f.as_raw_fd(), c"".as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_EMPTY_PATH) };
+    if r == 0 {
+        way_seen.store(LINK_EMPTY_PATH, Ordering::Relaxed);
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if way == LINK_EMPTY_PATH || !matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EPERM | libc::EINVAL)) {
+        return Err(e);
+    }
+    // Refused, or the destination's directory is missing: /proc tells the two apart.
+    let proc = link_proc(f, to);
+    if proc.is_ok() {
+        way_seen.store(LINK_PROC, Ordering::Relaxed);
+    }
+    proc
+}
+
+fn link_proc(f: &fs::File, to: &CStr) -> io::Result<()> {
+    // linkat(AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH on older kernels; the /proc link does not.
+    let from = CString::new(format!("/proc/self/fd/{}", f.as_raw_fd())).expect("no NUL in a number");
+    // SAFETY: two live NUL-terminated paths.
+    let r = unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
+    if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+fn write_new(tmp: &str, body: &Body) -> io::Result<()> {
     // O_EXCL: never write through a file (or symlink) someone left there.
     let mut f = OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).open(tmp)?;
-    f.write_all(body)
+    body.write_to(&mut f)
 }
 
 /// tree.LocalTree.place: rename into place; a stale directory where the bucket

@@ -52,7 +52,8 @@ impl Copier {
     #[new]
     #[pyo3(signature = (bucket, config, *, access_key_id=None, secret_access_key=None, session_token=None,
                         skip_signature=false, credential_provider=None, workers=1, concurrency=64,
-                        buffer_bytes=64 << 20, attempts=5, parts=16, splice=false, tmpfile=true))]
+                        buffer_bytes=64 << 20, attempts=5, parts=16, splice=false, tmpfile=true,
+                        link_proc=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bucket: &str,
@@ -69,6 +70,7 @@ impl Copier {
         parts: usize,
         splice: bool,
         tmpfile: bool,
+        link_proc: bool,
     ) -> PyResult<Self> {
         let timeout = std::time::Duration::from_millis(
             config.get("timeout_ms").and_then(|t| t.parse().ok()).unwrap_or(60_000),
@@ -116,6 +118,8 @@ impl Copier {
             timeout,
             // The link goes through /proc (write_unnamed): without it, temp + rename.
             tmpfile: tmpfile && std::path::Path::new("/proc/self/fd").is_dir(),
+            // Only through /proc, as kernels before 6.10 allow (tests of that way on newer ones).
+            link: std::sync::atomic::AtomicU8::new(if link_proc { copy::LINK_PROC } else { copy::LINK_UNKNOWN }),
         });
         Ok(Copier { runtime, shared, workers })
     }

@@ -246,15 +246,29 @@ def test_a_run_killed_mid_object_resumes_to_the_exact_bytes(
     assert not tmp.exists()
 
 
-@pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["unnamed-file", "temp-rename"])
+@pytest.mark.parametrize(
+    ("tmpfile", "link"),
+    [("1", ""), ("1", "proc"), ("0", "")],
+    ids=["unnamed-file", "unnamed-file-proc-link", "temp-rename"],
+)
 def test_small_objects_replace_what_a_killed_run_left_and_leave_tmp_empty(
-    s3_server: S3Server, bucket: str, tmp_path: Path, env: None, monkeypatch: pytest.MonkeyPatch, tmpfile: str
+    s3_server: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    env: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmpfile: str,
+    link: str,
 ):
-    """Small objects go into unnamed files linked into place (O_TMPFILE), or by temp file + rename
-    (DSCACHE_NATIVE_TMPFILE=0): either way a stale file, or a stale directory where the bucket now
-    has a file, is replaced by the object's bytes, read-only, and nothing is left in tmp/."""
+    """Small objects go into unnamed files linked into place (O_TMPFILE) by their descriptor, or
+    through /proc/self/fd (DSCACHE_NATIVE_LINK=proc: kernels before 6.10), or by temp file +
+    rename (DSCACHE_NATIVE_TMPFILE=0): either way a stale file, or a stale directory where the
+    bucket now has a file, is replaced by the object's bytes, read-only, and nothing is left in
+    tmp/. Bodies up to the small limit arrive in several chunks, written as they came (one writev)."""
     monkeypatch.setenv(native.TMPFILE_ENV, tmpfile)
+    monkeypatch.setenv(native.LINK_ENV, link)
     files = {f"d/f{i}": os.urandom(1000 + i) for i in range(20)}
+    files |= {"d/g0": os.urandom((256 << 10) + 7), "d/g1": os.urandom(1 << 20)}
     s3_server.put_tree(bucket, files)
     out = tmp_path / "out"
     (out / "d").mkdir(parents=True)
