@@ -16,7 +16,6 @@ from .names import STAGE_MOUNT_PATH
 from .paths import validate_pod_uid, validate_revision
 from .selection import parse_source
 from .summary import EXIT_CODE_HELP
-from .versions import parse_as_of
 
 
 class ArgsError(ValueError):
@@ -222,6 +221,8 @@ class StageArgs:
             parse_source(self.source)
             validate_revision(self.revision)
             if self.as_of is not None:
+                from .versions import parse_as_of  # only with --as-of: a cold start does without it
+
                 parse_as_of(self.as_of)
             # $(DSCACHE_POD_UID) is expanded by the kubelet; check what reaches the stager.
             if self.pod_uid is not None and not self.pod_uid.startswith("$("):

@@ -136,6 +136,42 @@ class S3Source:
         return settings
 
 
+#: One file holding every trusted root, where distributions keep it (openssl-probe's list, which
+#: rustls-native-certs follows; the stager image is Debian's).
+CA_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+)
+
+
+def roots_from_one_file(source: S3Source, bundles: tuple[str, ...] = CA_BUNDLES) -> bool:
+    """On a plain-HTTP endpoint, make the S3 clients load their TLS roots from one file, not two.
+
+    obstore's client and the native plane's each load the system's roots when built
+    (rustls-native-certs): the bundle file, then every file of /etc/ssl/certs (~140
+    certificates, each opened, read and parsed, also when SSL_CERT_DIR names it). Over
+    plain HTTP no handshake ever uses them, yet that directory cost 9 ms of CPU per
+    client, and after a page-cache drop (bench/stager.py's fixed set) ~25 ms of wall
+    each: about 150 small reads. SSL_CERT_FILE alone (the one set, or the system's
+    bundle) with SSL_CERT_DIR empty (which the loader skips) keeps a valid set of roots
+    (a redirect to HTTPS still verifies against the distribution's roots), from one
+    read. HTTPS endpoints keep the full set: a root added to the directory only stays
+    trusted. Call before any thread starts (the environment is the process's).
+    Returns whether it narrowed anything.
+    """
+    if not source.allow_http:
+        return False
+    bundle = os.environ.get("SSL_CERT_FILE") or next((b for b in bundles if os.path.isfile(b)), None)
+    if bundle is None or not os.path.isfile(bundle):
+        return False
+    os.environ["SSL_CERT_FILE"] = bundle
+    os.environ["SSL_CERT_DIR"] = ""
+    return True
+
+
 def credentials_for_store() -> dict[str, Any]:
     """Credentials from the standard AWS chain, as S3Store keyword arguments.
 
