@@ -70,7 +70,7 @@ class S3Source:
         # (stringprep, unicodedata) cost a cold start ~2 ms and four files; the bytes are the same.
         host: str | bytes = url.hostname.encode("ascii") if url.hostname.isascii() else url.hostname
         try:
-            socket.create_connection((host, port), timeout=timeout).close()
+            socket.create_connection((host, port), timeout=timeout).close()  # type: ignore[arg-type]  # (bytes: as getaddrinfo)
         except OSError as e:
             raise SourceError(
                 f"cannot reach the S3 endpoint {self.endpoint_url}: {e.strerror or e}; "
