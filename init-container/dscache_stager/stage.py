@@ -28,6 +28,7 @@ modules too). Reaching s5cmd's figure needs the cold start out of Python.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -93,6 +94,8 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
             )
         from .sync import cold
 
+        gc_from_here()
+
         if opts.agent and opts.cache and opts.bytes is not None:
             from .room import ask
 
@@ -110,6 +113,18 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
             f"({opts.concurrency} requests in flight)"
         )
         return cold(opts, rev, store, progress, listing if opts.as_of is None else None)
+
+
+def gc_from_here() -> None:
+    """Collect garbage again, if cli.entry turned it off for start-up, leaving what start-up made out.
+
+    A cold copy allocates for as long as it lists (1M keys: minutes); the modules and classes
+    loaded so far live as long as the process, so they go to the permanent generation (freeze)
+    and no full collection walks them again.
+    """
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def _token(path: str | None) -> str:
