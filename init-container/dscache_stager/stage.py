@@ -42,7 +42,7 @@ from dscache_contract import StageSummary, human_bytes
 from .layout import Revision, cache_lock, check_cache_dir, write_lease
 from .listpage import Started, first_page
 from .progress import Progress
-from .source import S3Source, roots_from_one_file, source_error
+from .source import S3Source, source_error
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -55,7 +55,6 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
     progress = progress or Progress()
     started = time.monotonic()
     c = opts.cache_dir
-    roots_from_one_file(opts.source)  # before any thread: it sets the environment
     check_cache_dir(c)
     rev = Revision(c, opts.revision)
     # A complete revision never changes, so its manifest can be read unlocked.
