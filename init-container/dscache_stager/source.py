@@ -155,15 +155,15 @@ def roots_from_one_file(source: S3Source, bundles: tuple[str, ...] = CA_BUNDLES)
 
     obstore's client and the native plane's each load the system's roots when built
     (rustls-native-certs): the bundle file, then every file of /etc/ssl/certs (~140
-    certificates, each opened, read and parsed, also when SSL_CERT_DIR names it). Over
-    plain HTTP no handshake ever uses them, yet that directory cost 9 ms of CPU per
-    client, and after a page-cache drop (bench/stager.py's fixed set) ~25 ms of wall
-    each: about 150 small reads. SSL_CERT_FILE alone (the one set, or the system's
-    bundle) with SSL_CERT_DIR empty (which the loader skips) keeps a valid set of roots
-    (a redirect to HTTPS still verifies against the distribution's roots), from one
-    read. HTTPS endpoints keep the full set: a root added to the directory only stays
-    trusted. Call before any thread starts (the environment is the process's).
-    Returns whether it narrowed anything.
+    certificates, each opened, read and parsed; also when SSL_CERT_DIR names it). Over
+    plain HTTP no handshake uses them, yet the directory cost each client ~5 ms of CPU
+    (9 after a page-cache drop, as bench/stager.py's fixed set makes) and ~25 ms of
+    wall after the drop: about 150 small reads. SSL_CERT_FILE alone (the one set, else
+    the system's bundle) with SSL_CERT_DIR empty (which the loader skips) is one read,
+    and still the distribution's whole set for anything that does make a TLS connection.
+    HTTPS endpoints keep both: a root added to the directory only stays trusted.
+    The environment is the process's: cli.entry calls this in dscache-stage's own
+    process, before any thread starts. Returns whether it narrowed anything.
     """
     if not source.allow_http:
         return False

@@ -13,16 +13,36 @@ No asyncio on this path: the warm start is a process start, one HEAD, a lock
 and a small file write, and importing asyncio (with ssl) alone would cost
 more than the rest.
 
-A cold start's fixed cost (issue 30; bench/stager.py's fixed_s, one 1 KiB
-object) is CPU, nearly all of it imports: ~100 ms per run (perf stat, warm
-page cache), of which the interpreter is 20, dscache_contract 35 (its
-dataclasses, hashlib's OpenSSL, email.utils), the cold path's modules
-(asyncio, sync, the native plane) most of the rest; the Rust extensions take
-2% of the samples. Measured without effect: reading the extensions' shared
-objects ahead (posix_fadvise WILLNEED on a thread, 10 interleaved cold starts:
-median 217 ms against 205 without) and importing peers.py only with peers
-(102.6 against 102.9 ms: http.client and logging come in through other
-modules too). Reaching s5cmd's figure needs the cold start out of Python.
+A cold start's fixed cost (issue 30; bench/stager.py --sets fixed: one 1 KiB
+object, the page cache dropped before each run). Second round, same runs for
+before and after (7 each, 2 shared cores at load 11-17): CPU 0.140-0.149 ->
+0.107-0.108 s (s5cmd 0.017), with the page cache kept 0.110-0.122 -> 0.086-0.100
+s; wall 0.28-0.30 -> 0.15-0.32 s (s5cmd 0.03-0.04): wall is the load's here. A
+traced cold run (ms, cache dropped / kept, load ~17): interpreter and site
+57/32, cli's imports (contract, obstore) 65/30, parse and checks 24/6, the S3
+client 1/1 (was 20/6), the endpoint check 0.5/0.2 (was 5/5), first listing
+page 8/5, lock and lease 1/0.4, waiting for the cold path's imports (asyncio,
+sync, the native plane, on a thread since the start) 71/20, the copy itself
+(Copier, GET, seal) 18/6, exit 4/3. Nothing waits on a sleep, a poll or an
+fsync (none is made). After the drop the process reads ~30 MiB from disk
+(fixed_read_mib): libpython (10 MiB of this venv's build), obstore's extension
+(15), dscache_native (5.6), libcrypto (4.7); s5cmd reads its one 17.5 MiB binary.
+
+Cut this round: the S3 clients' TLS roots on plain HTTP from one bundle file
+(source.roots_from_one_file: each client read every file of /etc/ssl/certs);
+the contract imported lazily, module by module; no shutil (argparse imported it
+for the help's width: zlib, bz2, lzma, ~7 ms), no idna codec (unicodedata, ~6
+ms) and no peers' modules (http.client, email) without peers; no garbage
+collection during start-up (46 runs, ~4 ms). Measured without effect again:
+reading the big shared objects ahead (posix_fadvise WILLNEED at package import,
+14 interleaved drops: median 325 against 340 ms, within the noise) and starting
+the import thread in cli.entry instead of here (cli's own imports come first
+either way). What is left is what the design imports: the interpreter (~7 ms
+bare), asyncio with ssl and concurrent.futures (~30), dataclasses (~12 with
+inspect), obstore's extension (~11), argparse, json, typing, socket. The
+native plane adds ~6 ms and 5.6 MiB for one object (dscache_python in the same
+runs); below ~0.1 s a one-page revision needs a path without asyncio and
+without one of the two S3 clients, or the cold start out of Python.
 """
 
 from __future__ import annotations
