@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .names import STAGE_MOUNT_PATH
 from .paths import validate_pod_uid, validate_revision
@@ -33,9 +33,15 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     """
 
     def __init__(
-        self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None
+        self,
+        prog: str,
+        indent_increment: int = 2,
+        max_help_position: int = 24,
+        width: int | None = None,
+        **kwargs: Any,  # what newer argparse versions add
     ) -> None:
-        super().__init__(prog, indent_increment, max_help_position, _columns() - 2 if width is None else width)
+        width = _columns() - 2 if width is None else width
+        super().__init__(prog, indent_increment, max_help_position, width, **kwargs)
 
 
 def _columns() -> int:
