@@ -161,11 +161,13 @@ def roots_from_one_file(source: S3Source, bundles: tuple[str, ...] = CA_BUNDLES)
     wall after the drop: about 150 small reads. SSL_CERT_FILE alone (the one set, else
     the system's bundle) with SSL_CERT_DIR empty (which the loader skips) is one read,
     and still the distribution's whole set for anything that does make a TLS connection.
-    HTTPS endpoints keep both: a root added to the directory only stays trusted.
-    The environment is the process's: cli.entry calls this in dscache-stage's own
-    process, before any thread starts. Returns whether it narrowed anything.
+    HTTPS endpoints keep both: a root added to the directory only stays trusted; so
+    do other credentials than static keys (web identity asks STS over HTTPS). The
+    environment is the process's: cli.entry calls this in dscache-stage's own process,
+    before any thread starts. Returns whether it narrowed anything.
     """
-    if not source.allow_http:
+    static_keys = os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not source.allow_http or not static_keys:
         return False
     bundle = os.environ.get("SSL_CERT_FILE") or next((b for b in bundles if os.path.isfile(b)), None)
     if bundle is None or not os.path.isfile(bundle):

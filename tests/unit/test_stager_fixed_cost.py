@@ -121,6 +121,8 @@ def test_the_lazy_table_names_what_mypy_sees() -> None:
 def tls_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
 
 
 def test_plain_http_reads_its_roots_from_the_bundle_only(tls_env: None, tmp_path: Path) -> None:
@@ -148,6 +150,15 @@ def test_tls_endpoints_keep_every_root(tls_env: None, tmp_path: Path, endpoint: 
     bundle = tmp_path / "ca.crt"
     bundle.write_text("")
     assert not roots_from_one_file(S3Source.parse("s3://b/p", endpoint_url=endpoint), (str(bundle),))
+    assert "SSL_CERT_FILE" not in os.environ and "SSL_CERT_DIR" not in os.environ
+
+
+def test_other_credentials_keep_every_root(tls_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Web identity (IRSA) asks STS over HTTPS, whatever the endpoint.
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    bundle = tmp_path / "ca.crt"
+    bundle.write_text("")
+    assert not roots_from_one_file(S3Source.parse("s3://b/p", endpoint_url="http://minio:9000"), (str(bundle),))
     assert "SSL_CERT_FILE" not in os.environ and "SSL_CERT_DIR" not in os.environ
 
 
