@@ -14,19 +14,20 @@ and a small file write, and importing asyncio (with ssl) alone would cost
 more than the rest.
 
 A cold start's fixed cost (issue 30; bench/stager.py --sets fixed: one 1 KiB
-object, the page cache dropped before each run). Second round, same runs for
-before and after (7 each, 2 shared cores at load 11-17): CPU 0.140-0.149 ->
-0.107-0.108 s (s5cmd 0.017), with the page cache kept 0.110-0.122 -> 0.086-0.100
-s; wall 0.28-0.30 -> 0.15-0.32 s (s5cmd 0.03-0.04): wall is the load's here. A
-traced cold run (ms, cache dropped / kept, load ~17): interpreter and site
-57/32, cli's imports (contract, obstore) 65/30, parse and checks 24/6, the S3
-client 1/1 (was 20/6), the endpoint check 0.5/0.2 (was 5/5), first listing
-page 8/5, lock and lease 1/0.4, waiting for the cold path's imports (asyncio,
-sync, the native plane, on a thread since the start) 71/20, the copy itself
-(Copier, GET, seal) 18/6, exit 4/3. Nothing waits on a sleep, a poll or an
-fsync (none is made). After the drop the process reads ~30 MiB from disk
-(fixed_read_mib): libpython (10 MiB of this venv's build), obstore's extension
-(15), dscache_native (5.6), libcrypto (4.7); s5cmd reads its one 17.5 MiB binary.
+object, the page cache dropped before each run), before -> after this round,
+7 runs each back to back at load 2.9 on 2 cores: 0.304 -> 0.134 s wall (s5cmd
+0.041, 0.031), 0.149 -> 0.091 s CPU; with the page cache kept 0.113 -> 0.075 s
+wall, 0.108 -> 0.072 s CPU (s5cmd 0.012-0.016). Where a traced cold run's wall
+went (ms, cache dropped / kept, load 2.6, before in brackets): interpreter and
+site 31/17 (32/17), cli's imports (contract, obstore) 45/21 (64/33), parse and
+checks 7/5 (9/6), the S3 client 1/1 (15/4), the endpoint check 0.6/0.6 (5/2),
+first listing page 2/2, lock and lease 1/2, waiting for the cold path's
+imports (asyncio, sync, the native plane, on a thread since the start) 29/16
+(24/16), the copy (Copier, GET, seal) 10/5 (13/7), exit 3/3: 131/73 (174/95).
+Nothing waits on a sleep, a poll or an fsync (none is made). After the drop
+the process reads ~30 MiB (fixed_read_mib): libpython (10 MiB of this venv's
+build), obstore's extension (15), dscache_native (5.6), libcrypto (4.7);
+s5cmd reads its one 17.5 MiB binary.
 
 Cut this round: the S3 clients' TLS roots on plain HTTP from one bundle file
 (source.roots_from_one_file: each client read every file of /etc/ssl/certs);
@@ -39,10 +40,11 @@ reading the big shared objects ahead (posix_fadvise WILLNEED at package import,
 the import thread in cli.entry instead of here (cli's own imports come first
 either way). What is left is what the design imports: the interpreter (~7 ms
 bare), asyncio with ssl and concurrent.futures (~30), dataclasses (~12 with
-inspect), obstore's extension (~11), argparse, json, typing, socket. The
-native plane adds ~6 ms and 5.6 MiB for one object (dscache_python in the same
-runs); below ~0.1 s a one-page revision needs a path without asyncio and
-without one of the two S3 clients, or the cold start out of Python.
+inspect), obstore's extension (~11), argparse, json, typing, socket. For one
+object the native plane costs no more CPU than the Python one but 5 MiB more
+to read (dscache_python in the same runs: 26.0 MiB). Below 0.1 s with the page
+cache dropped, a one-page revision needs a path without asyncio and without one
+of the two S3 clients (and their shared objects), or the cold start out of Python.
 """
 
 from __future__ import annotations
