@@ -37,8 +37,9 @@ ms) and no peers' modules (http.client, email) without peers; no garbage
 collection during start-up (46 runs, ~4 ms). Measured without effect again:
 reading the big shared objects ahead (posix_fadvise WILLNEED at package import,
 14 interleaved drops: median 325 against 340 ms, within the noise) and starting
-the import thread in cli.entry instead of here (cli's own imports come first
-either way). What is left is what the design imports: the interpreter (~7 ms
+the import thread at the package's import instead of here (14 interleaved runs
+at load 2.5: 147 against 148 ms with the drop, 147 against 136 without: its
+imports contend with cli's for the GIL). What is left is what the design imports: the interpreter (~7 ms
 bare), asyncio with ssl and concurrent.futures (~30), dataclasses (~12 with
 inspect), obstore's extension (~11), argparse, json, typing, socket. For one
 object the native plane costs no more CPU than the Python one but 5 MiB more
