@@ -9,62 +9,148 @@ node agent's API and the peers' protocol, and the one timestamp format (clock.py
 
 Standard library only: the stager imports this on every warm start, whose
 whole budget is tens of milliseconds (pydantic alone would cost ~100 ms).
+
+The package imports lazily (PEP 562): ``from dscache_contract import X`` loads
+only X's module. A stager's cold start (issue 30) needs a few of them; the
+whole package (email.utils, the node agent's and the peers' types) cost it
+~20 ms of CPU per run.
 """
 
-from .args import ArgsError, StageArgs, WipeArgs, build_parser
-from .names import *  # noqa: F403 - the names are the API
-from .node import (
-    AGENT_LABEL,
-    AGENT_PORT,
-    ENV_NODE_IP,
-    INVENTORY_ANNOTATION,
-    RESERVE_PATH,
-    WARM_LABEL_PREFIX,
-    WIPE_PATH,
-    HeldRevision,
-    Inventory,
-    ReserveAnswer,
-    ReserveRequest,
-    WipeRequest,
-    cache_digest,
-    parse_warm_label,
-    warm_label,
-)
-from .paths import (
-    TOP_NAMES,
-    cache_dir,
-    complete_path,
-    data_dir,
-    data_subpath,
-    journal_path,
-    lease_dir,
-    lease_path,
-    leases_root,
-    lock_path,
-    manifest_path,
-    meta_dir,
-    meta_subpath,
-    revision_dir,
-    revisions_root,
-    tmp_dir,
-    validate_pod_uid,
-    validate_revision,
-)
-from .peers import PeersAnswer, PeersRequest
-from .revision import RevisionHasher, normalize_etag
-from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
-from .selection import Selection, normalize_key, parse_source, selected
-from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary, human_bytes
-from .versions import (
-    ObjectVersion,
-    Pin,
-    RevisionRef,
-    VersionPicker,
-    format_as_of,
-    page_versions,
-    parse_as_of,
-    pin,
-)
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from .names import *  # noqa: F403 - the names are the API (constants only: cheap)
+
+if TYPE_CHECKING:
+    from .args import ArgsError, StageArgs, WipeArgs, build_parser
+    from .node import (
+        AGENT_LABEL,
+        AGENT_PORT,
+        ENV_NODE_IP,
+        INVENTORY_ANNOTATION,
+        RESERVE_PATH,
+        WARM_LABEL_PREFIX,
+        WIPE_PATH,
+        HeldRevision,
+        Inventory,
+        ReserveAnswer,
+        ReserveRequest,
+        WipeRequest,
+        cache_digest,
+        parse_warm_label,
+        warm_label,
+    )
+    from .paths import (
+        TOP_NAMES,
+        cache_dir,
+        complete_path,
+        data_dir,
+        data_subpath,
+        journal_path,
+        lease_dir,
+        lease_path,
+        leases_root,
+        lock_path,
+        manifest_path,
+        meta_dir,
+        meta_subpath,
+        revision_dir,
+        revisions_root,
+        tmp_dir,
+        validate_pod_uid,
+        validate_revision,
+    )
+    from .peers import PeersAnswer, PeersRequest
+    from .revision import RevisionHasher, normalize_etag
+    from .s3 import DEFAULT_REGION, resolve_addressing_style, resolve_region
+    from .selection import Selection, normalize_key, parse_source, selected
+    from .summary import EXIT_CODE_HELP, ExitCode, ManifestEntry, StageSummary, WipeSummary, human_bytes
+    from .versions import (
+        ObjectVersion,
+        Pin,
+        RevisionRef,
+        VersionPicker,
+        format_as_of,
+        page_versions,
+        parse_as_of,
+        pin,
+    )
+
+#: Which module holds each lazily imported name.
+_WHERE: dict[str, str] = {
+    **dict.fromkeys(("ArgsError", "StageArgs", "WipeArgs", "build_parser"), "args"),
+    **dict.fromkeys(
+        (
+            "AGENT_LABEL",
+            "AGENT_PORT",
+            "ENV_NODE_IP",
+            "INVENTORY_ANNOTATION",
+            "RESERVE_PATH",
+            "WARM_LABEL_PREFIX",
+            "WIPE_PATH",
+            "HeldRevision",
+            "Inventory",
+            "ReserveAnswer",
+            "ReserveRequest",
+            "WipeRequest",
+            "cache_digest",
+            "parse_warm_label",
+            "warm_label",
+        ),
+        "node",
+    ),
+    **dict.fromkeys(
+        (
+            "TOP_NAMES",
+            "cache_dir",
+            "complete_path",
+            "data_dir",
+            "data_subpath",
+            "journal_path",
+            "lease_dir",
+            "lease_path",
+            "leases_root",
+            "lock_path",
+            "manifest_path",
+            "meta_dir",
+            "meta_subpath",
+            "revision_dir",
+            "revisions_root",
+            "tmp_dir",
+            "validate_pod_uid",
+            "validate_revision",
+        ),
+        "paths",
+    ),
+    **dict.fromkeys(("PeersAnswer", "PeersRequest"), "peers"),
+    **dict.fromkeys(("RevisionHasher", "normalize_etag"), "revision"),
+    **dict.fromkeys(("DEFAULT_REGION", "resolve_addressing_style", "resolve_region"), "s3"),
+    **dict.fromkeys(("Selection", "normalize_key", "parse_source", "selected"), "selection"),
+    **dict.fromkeys(
+        ("EXIT_CODE_HELP", "ExitCode", "ManifestEntry", "StageSummary", "WipeSummary", "human_bytes"), "summary"
+    ),
+    **dict.fromkeys(
+        ("ObjectVersion", "Pin", "RevisionRef", "VersionPicker", "format_as_of", "page_versions", "parse_as_of", "pin"),
+        "versions",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that holds ``name`` on first use, then keep the name here."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
 
 __all__ = [
     "AGENT_LABEL",

@@ -41,7 +41,6 @@ Standard library only (see __init__): the caller passes a boto3 client in.
 from __future__ import annotations
 
 import datetime
-import email.utils
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -240,6 +239,8 @@ def versioning_enabled(client: Any, bucket: str) -> tuple[bool, int | None]:
             return False, None
         raise
     date = (got.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date")
+    import email.utils  # here: ~6 ms to import, and the stager's cold start never needs it
+
     server_now = int(email.utils.parsedate_to_datetime(date).timestamp()) if date else None
     return got.get("Status") == "Enabled", server_now
 

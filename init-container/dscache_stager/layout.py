@@ -15,7 +15,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -171,7 +170,10 @@ class Revision:
         try:
             for d in (contract.revisions_root(self.c), self.dir, self.data, self.meta):
                 os.makedirs(d, 0o755, exist_ok=True)
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if os.path.lexists(self.tmp):  # a killed run's; shutil (and zlib, bz2, lzma) only then
+                import shutil
+
+                shutil.rmtree(self.tmp, ignore_errors=True)
             os.mkdir(self.tmp, 0o755)
             with os.scandir(self.data) as it:
                 return any(True for _ in it)
@@ -246,6 +248,7 @@ def remove_tree(path: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(path)  # a symlink or file where a dir was expected: remove the entry only
         return
+    import shutil  # here: it imports zlib, bz2 and lzma, which a cold start does without
 
     def on_error(func: Callable[..., Any], p: str, exc_info: tuple[type[BaseException], BaseException, Any]) -> None:
         exc = exc_info[1]

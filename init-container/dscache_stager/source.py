@@ -66,8 +66,11 @@ class S3Source:
         if url.scheme not in ("http", "https") or not url.hostname:
             raise UsageError(f"--endpoint-url must look like https://HOST[:PORT], got {self.endpoint_url!r}")
         port = url.port or (443 if url.scheme == "https" else 80)
+        # An ASCII name as bytes: a str goes through the idna codec in getaddrinfo, whose import
+        # (stringprep, unicodedata) cost a cold start ~2 ms and four files; the bytes are the same.
+        host: str | bytes = url.hostname.encode("ascii") if url.hostname.isascii() else url.hostname
         try:
-            socket.create_connection((url.hostname, port), timeout=timeout).close()
+            socket.create_connection((host, port), timeout=timeout).close()  # type: ignore[arg-type]  # (bytes: as getaddrinfo)
         except OSError as e:
             raise SourceError(
                 f"cannot reach the S3 endpoint {self.endpoint_url}: {e.strerror or e}; "
@@ -134,6 +137,44 @@ class S3Source:
         if self.endpoint_url:
             settings["endpoint"] = self.endpoint_url
         return settings
+
+
+#: One file holding every trusted root, where distributions keep it (openssl-probe's list, which
+#: rustls-native-certs follows; the stager image is Debian's).
+CA_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+)
+
+
+def roots_from_one_file(source: S3Source, bundles: tuple[str, ...] = CA_BUNDLES) -> bool:
+    """On a plain-HTTP endpoint, make the S3 clients load their TLS roots from one file, not two.
+
+    obstore's client and the native plane's each load the system's roots when built
+    (rustls-native-certs): the bundle file, then every file of /etc/ssl/certs (~140
+    certificates, each opened, read and parsed; also when SSL_CERT_DIR names it). Over
+    plain HTTP no handshake uses them, yet the directory cost each client ~5 ms of CPU
+    (9 after a page-cache drop, as bench/stager.py's fixed set makes) and ~25 ms of
+    wall after the drop: about 150 small reads. SSL_CERT_FILE alone (the one set, else
+    the system's bundle) with SSL_CERT_DIR empty (which the loader skips) is one read,
+    and still the distribution's whole set for anything that does make a TLS connection.
+    HTTPS endpoints keep both: a root added to the directory only stays trusted; so
+    do other credentials than static keys (web identity asks STS over HTTPS). The
+    environment is the process's: cli.entry calls this in dscache-stage's own process,
+    before any thread starts. Returns whether it narrowed anything.
+    """
+    static_keys = os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not source.allow_http or not static_keys:
+        return False
+    bundle = os.environ.get("SSL_CERT_FILE") or next((b for b in bundles if os.path.isfile(b)), None)
+    if bundle is None or not os.path.isfile(bundle):
+        return False
+    os.environ["SSL_CERT_FILE"] = bundle
+    os.environ["SSL_CERT_DIR"] = ""
+    return True
 
 
 def credentials_for_store() -> dict[str, Any]:

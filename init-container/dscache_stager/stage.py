@@ -21,21 +21,45 @@ No asyncio on this path: the warm start is a process start, one HEAD, a lock
 and a small file write, and importing asyncio (with ssl) alone would cost
 more than the rest.
 
-A cold start's fixed cost (issue 30; bench/stager.py's fixed_s, one 1 KiB
-object) is CPU, nearly all of it imports: ~100 ms per run (perf stat, warm
-page cache), of which the interpreter is 20, dscache_contract 35 (its
-dataclasses, hashlib's OpenSSL, email.utils), the cold path's modules
-(asyncio, sync, the native plane) most of the rest; the Rust extensions take
-2% of the samples. Measured without effect: reading the extensions' shared
-objects ahead (posix_fadvise WILLNEED on a thread, 10 interleaved cold starts:
-median 217 ms against 205 without) and importing peers.py only with peers
-(102.6 against 102.9 ms: http.client and logging come in through other
-modules too). Reaching s5cmd's figure needs the cold start out of Python.
+A cold start's fixed cost (issue 30; bench/stager.py --sets fixed: one 1 KiB
+object, the page cache dropped before each run), before -> after this round,
+7 runs each back to back at load 2.9 on 2 cores: 0.304 -> 0.134 s wall (s5cmd
+0.041, 0.031), 0.149 -> 0.091 s CPU; with the page cache kept 0.113 -> 0.075 s
+wall, 0.108 -> 0.072 s CPU (s5cmd 0.012-0.016). Where a traced cold run's wall
+went (ms, cache dropped / kept, load 2.6, before in brackets): interpreter and
+site 31/17 (32/17), cli's imports (contract, obstore) 45/21 (64/33), parse and
+checks 7/5 (9/6), the S3 client 1/1 (15/4), the endpoint check 0.6/0.6 (5/2),
+first listing page 2/2, lock and lease 1/2, waiting for the cold path's
+imports (asyncio, sync, the native plane, on a thread since the start) 29/16
+(24/16), the copy (Copier, GET, seal) 10/5 (13/7), exit 3/3: 131/73 (174/95).
+Nothing waits on a sleep, a poll or an fsync (none is made). After the drop
+the process reads ~30 MiB (fixed_read_mib): libpython (10 MiB of this venv's
+build), obstore's extension (15), dscache_native (5.6), libcrypto (4.7);
+s5cmd reads its one 17.5 MiB binary.
+
+Cut this round: the S3 clients' TLS roots on plain HTTP from one bundle file
+(source.roots_from_one_file: each client read every file of /etc/ssl/certs);
+the contract imported lazily, module by module; no shutil (argparse imported it
+for the help's width: zlib, bz2, lzma, ~7 ms), no idna codec (unicodedata, ~6
+ms) and no peers' modules (http.client, email) without peers; no garbage
+collection during start-up (46 runs, ~4 ms). Measured without effect again:
+reading the big shared objects ahead (posix_fadvise WILLNEED at package import,
+14 interleaved drops: median 325 against 340 ms, within the noise) and starting
+the import thread at the package's import instead of here (14 interleaved runs
+at load 2.5: 147 against 148 ms with the drop, 147 against 136 without: its
+imports contend with cli's for the GIL). What is left is what the design imports: the interpreter (~7 ms
+bare), asyncio with ssl and concurrent.futures (~30), dataclasses (~12 with
+inspect), obstore's extension (~11), argparse, json, typing, socket. For one
+object the native plane costs no more CPU than the Python one but 5 MiB more
+to read (dscache_python in the same runs: 26.0 MiB). Below 0.1 s with the page
+cache dropped, a one-page revision needs a path without asyncio and without one
+of the two S3 clients (and their shared objects), or the cold start out of Python.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -102,6 +126,8 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
             )
         from .sync import cold
 
+        gc_from_here()
+
         if opts.agent and opts.cache and opts.bytes is not None:
             from .room import ask
 
@@ -119,6 +145,18 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
             f"({opts.concurrency} requests in flight)"
         )
         return cold(opts, rev, store, progress, listing if opts.as_of is None else None)
+
+
+def gc_from_here() -> None:
+    """Collect garbage again, if cli.entry turned it off for start-up, leaving what start-up made out.
+
+    A cold copy allocates for as long as it lists (1M keys: minutes); the modules and classes
+    loaded so far live as long as the process, so they go to the permanent generation (freeze)
+    and no full collection walks them again.
+    """
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def _token(path: str | None) -> str:

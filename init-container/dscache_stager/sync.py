@@ -22,13 +22,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from obstore.exceptions import BaseError, PreconditionError
 from obstore.store import S3Store
 
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
-from dscache_contract.peers import COHORT_WINDOW_S, claims_path
 
 from . import native, peer_listing
 from .cpus import available_cpus
@@ -52,12 +51,14 @@ from .listing import (
     list_versions,
 )
 from .listpage import Started
-from .peers import EARLY_REFRESH_S, REFRESH_S, Outcome, Peers
 from .peers_pace import Pace
 from .progress import Progress
 from .source import S3Source, source_error
 from .sync_options import BUFFER_BYTES, SyncOptions
 from .tree import LocalTree
+
+if TYPE_CHECKING:
+    from .peers import Peers
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
@@ -133,6 +134,9 @@ class _Run:
         # nodes hold or copy are taken from them, and the bucket read only at this node's turn.
         self.peers: Peers | None = None
         if opts.agent and opts.cache and opts.peer_token_file:
+            # Imported with peers only: peers.py brings http.client and email (~20 modules) to a cold start.
+            from .peers import Peers
+
             self.peers = Peers(opts.agent, opts.cache, rev.rev, opts.peer_token_file)
         self.peer_queue: asyncio.Queue[Work] | None = None
         self.peers_known = asyncio.Event()
@@ -214,6 +218,8 @@ class _Run:
                 await queue.put(None)
 
         if self.peers is not None:
+            from dscache_contract.peers import claims_path
+
             self.claims = open(claims_path(rev.c, rev.rev), "a", buffering=1 << 16)  # noqa: SIM115 (closed in finally)
         ticker = asyncio.create_task(self._tick())
         finder = asyncio.create_task(self._find_peers()) if self.peers is not None else None
@@ -493,6 +499,8 @@ class _Run:
         revision, or may still come (the cohort window and a second)."""
         if self.peers is None:
             return False
+        from dscache_contract.peers import COHORT_WINDOW_S
+
         return bool(self.peers.others()) or time.monotonic() < self.started + COHORT_WINDOW_S + 1.0
 
     async def _decide(self, batch: list[Task]) -> tuple[list[Coroutine[Any, Any, None]], list[Task]]:
@@ -568,6 +576,10 @@ class _Run:
         does, so a lone node waits for nobody), then every second. A node that starts later sees
         this one at once; this one sees it within a second, and meanwhile the later one looks at
         this one's claims before it reads the bucket (peers.early_peers)."""
+        from dscache_contract.peers import COHORT_WINDOW_S
+
+        from .peers import EARLY_REFRESH_S, REFRESH_S
+
         assert self.peers is not None
         peers = self.peers
         answer = await asyncio.to_thread(peers.ask_agent)
@@ -616,6 +628,8 @@ class _Run:
         return False
 
     async def _peer_worker(self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor) -> None:
+        from .peers import Outcome
+
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
         while (item := await peer_queue.get()) is not None:

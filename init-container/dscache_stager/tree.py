@@ -8,7 +8,6 @@ must go, a symlink left by someone else) is removed rather than followed.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 
@@ -53,6 +52,8 @@ class LocalTree:
             os.rename(tmp, final)
         except IsADirectoryError:
             # A stale directory where the bucket now has a file.
+            import shutil  # here: it imports zlib, bz2 and lzma, which a cold start does without
+
             shutil.rmtree(final)
             os.rename(tmp, final)
 

@@ -54,6 +54,9 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
     assert set(result["large_cpu_s"]) == set(result["large_server_cpu_s"]) == large_runs
     assert result["large_parts"]["count"] == 1 and result["large_parts"]["in_flight"] > 0
     assert set(result["fixed_s"]) == set(result["fixed_cpu_s"]) == tools and min(result["fixed_s"].values()) > 0
+    # The same runs with the page cache kept, and what each read from disk after the drop (0 without root).
+    assert set(result["fixed_cached_s"]) == set(result["fixed_cached_cpu_s"]) == set(result["fixed_read_mib"]) == tools
+    assert min(result["fixed_cached_s"].values()) > 0 and min(result["fixed_read_mib"].values()) >= 0
     wan = result["wan"]
     assert set(wan["small_s"]) == tools and wan["objects"] == 30
     for key in ("cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "proxy_cpu_ms_per_1k_small", "connections"):
