@@ -29,7 +29,7 @@ from obstore.store import S3Store
 
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
 
-from . import native, peer_listing
+from . import native
 from .cpus import available_cpus
 from .errors import (
     DestinationError,
@@ -58,6 +58,7 @@ from .sync_options import BUFFER_BYTES, SyncOptions
 from .tree import LocalTree
 
 if TYPE_CHECKING:
+    from .peer_listing import ListingWriter
     from .peers import Peers
 
 BLOCK = 4096
@@ -146,7 +147,7 @@ class _Run:
         self._peer_seq = 0
         self._peer_seq_lock = threading.Lock()
         self.started_listing = started
-        self.listing_writer: peer_listing.ListingWriter | None = None
+        self.listing_writer: ListingWriter | None = None
         self.started = time.monotonic()
         self.thread_started = time.thread_time()
 
@@ -382,6 +383,8 @@ class _Run:
         revision (peer_listing.py), or the bucket; a node that lists the bucket with peers keeps
         what it lists for them (``listing_writer``, in place once it hashed to the revision)."""
         if self.peers is not None and self.started_listing is None:
+            from . import peer_listing  # with peers only: http.client and the peers' modules
+
             await self.peers_known.wait()
             if not self.peers.others():
                 await asyncio.sleep(peer_listing.SETTLE_S)  # the finder asks again meanwhile
