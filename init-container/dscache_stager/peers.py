@@ -566,7 +566,9 @@ class Peers:
         threads share them, so a node keeps PER_PEER connections to a peer, not one per thread
         (an agent took 16 nodes x 64 threads for a flood, and reset them: issue 30)."""
         with self._lock:
-            pool = self._pools.setdefault(addr, _Pool())
+            pool = self._pools.get(addr)
+            if pool is None:  # not setdefault: it would build a _Pool (a semaphore) on every call
+                pool = self._pools[addr] = _Pool()
         pool.free.acquire()
         with self._lock:
             if pool.idle:

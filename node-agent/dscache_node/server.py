@@ -427,6 +427,12 @@ class AgentServer:
         c = self.agent.c(req.namespace, req.cache)
         deadline = time.monotonic() + req.wait
         loop = asyncio.get_running_loop()
+        # Most objects asked for are whole here already: a few openat on the loop, no thread hop
+        # (poll_object's first look, without its claims file).
+        try:
+            return open_object(c, req.revision, req.path)
+        except FileNotFoundError:
+            pass
         while True:
             # The claims file may be long (a large revision's paths): read off the loop.
             got = await loop.run_in_executor(
