@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import obstore
 from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
@@ -17,6 +17,8 @@ from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedErro
 if TYPE_CHECKING:
     from obstore import ListStream, ObjectMeta
     from obstore.store import S3Store
+
+T = TypeVar("T")
 
 #: Tries of one listing page that fails mid-body (obstore retries the rest itself); also the resumed listing's.
 LIST_ATTEMPTS = 8
@@ -37,20 +39,15 @@ class Started:
 
 def first_page(store: S3Store, prefix: str) -> Started:
     """One ListObjectsV2 page, retried when its body is cut short (obstore retries the rest itself)."""
-    for attempt in range(1, LIST_ATTEMPTS + 1):
+
+    def page() -> Started:
+        stream = obstore.list(store, prefix=prefix or None, chunk_size=LIST_CHUNK)
         try:
-            stream = obstore.list(store, prefix=prefix or None, chunk_size=LIST_CHUNK)
-            try:
-                return Started(next(stream), stream)
-            except StopIteration:
-                return Started([], None)  # nothing under the prefix
-        except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
-            raise
-        except BaseError as e:
-            if attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
-                raise
-            time.sleep(random.uniform(0, 0.1 * 2**attempt))
-    raise AssertionError("unreachable")
+            return Started(next(stream), stream)
+        except StopIteration:
+            return Started([], None)  # nothing under the prefix
+
+    return _retried(page)
 
 
 #: A start-after past every key under a prefix: U+10FFFF is the last code point, and S3 orders
@@ -63,14 +60,24 @@ def empty_page(store: S3Store, prefix: str) -> None:
     s3:ListBucket on the prefix and answers a page of (nearly always) no keys, a few hundred
     bytes, where a first page of 1,000 keys is ~300 KB. For a cold run whose listing may come
     from a peer (peer_listing.py); the errors are first_page's."""
+
+    def page() -> None:
+        # A key past U+10FFFF proves access all the same: the first chunk is enough.
+        next(obstore.list(store, prefix=prefix or None, offset=prefix + PAST_EVERY_KEY, chunk_size=1), None)
+
+    _retried(page)
+
+
+def _retried(page: Callable[[], T]) -> T:
+    """``page()``, tried again (with jittered backoff) when S3 failed it for a reason that may
+    pass; refusals (access, keys obstore cannot represent, no such bucket) are raised at once."""
     for attempt in range(1, LIST_ATTEMPTS + 1):
         try:
-            for _ in obstore.list(store, prefix=prefix or None, offset=prefix + PAST_EVERY_KEY, chunk_size=1):
-                return  # a key past U+10FFFF: access is proven all the same
-            return
+            return page()
         except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
             raise
         except BaseError as e:
             if attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
                 raise
             time.sleep(random.uniform(0, 0.1 * 2**attempt))
+    raise AssertionError("unreachable")
