@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import urllib.parse
 from dataclasses import dataclass
 
 from .paths import meta_dir, tmp_dir, validate_revision
-from .peers import PeersAnswer
+from .peers import PeersAnswer, query_wait, split_target
 
 #: ``GET /v1/listings/<namespace>/<cache>/<revision>?wait=<s>`` with the pod's peer token.
 LISTINGS_PATH = "/v1/listings/"
@@ -91,15 +90,10 @@ class ListingRequest:
     @classmethod
     def parse(cls, target: str) -> ListingRequest:
         """ValueError if malformed."""
-        u = urllib.parse.urlsplit(target)
-        if not u.path.startswith(LISTINGS_PATH):
-            raise ValueError(f"not a listing path: {u.path}")
-        parts = [urllib.parse.unquote(p) for p in u.path[len(LISTINGS_PATH) :].split("/")]
+        parts, query = split_target(target, LISTINGS_PATH)
         if len(parts) != 3 or not all(parts):
             raise ValueError("a listing path is /v1/listings/<namespace>/<cache>/<revision>")
-        wait = float(urllib.parse.parse_qs(u.query).get("wait", ["0"])[0])
-        wait = 0.0 if math.isnan(wait) else min(max(wait, 0.0), MAX_LISTING_WAIT_S)
-        return cls(parts[0], parts[1], validate_revision(parts[2]), wait)
+        return cls(parts[0], parts[1], validate_revision(parts[2]), query_wait(query, MAX_LISTING_WAIT_S))
 
 
 def listing_sources(answer: PeersAnswer) -> list[str]:

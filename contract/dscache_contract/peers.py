@@ -132,6 +132,21 @@ def claims_path(c: str, rev: str) -> str:
     return os.path.join(tmp_dir(c, rev), CLAIMS_NAME)
 
 
+def split_target(target: str, prefix: str) -> tuple[list[str], dict[str, list[str]]]:
+    """A request target under ``prefix``: its path's components after it (unquoted) and its query.
+    ValueError if the path is not under ``prefix``."""
+    u = urllib.parse.urlsplit(target)
+    if not u.path.startswith(prefix):
+        raise ValueError(f"not a {prefix} path: {u.path}")
+    return [urllib.parse.unquote(p) for p in u.path[len(prefix) :].split("/")], urllib.parse.parse_qs(u.query)
+
+
+def query_wait(query: dict[str, list[str]], most: float) -> float:
+    """A request's ``wait`` seconds, within 0..``most`` (NaN would pass min/max: it is 0)."""
+    wait = float(query.get("wait", ["0"])[0])
+    return 0.0 if math.isnan(wait) else min(max(wait, 0.0), most)
+
+
 @dataclass(frozen=True)
 class ObjectRequest:
     """``GET /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>[&probe=1]``: ``wait``: how long
@@ -159,15 +174,10 @@ class ObjectRequest:
     @classmethod
     def parse(cls, target: str) -> ObjectRequest:
         """ValueError if malformed."""
-        u = urllib.parse.urlsplit(target)
-        if not u.path.startswith(OBJECTS_PATH):
-            raise ValueError(f"not an object path: {u.path}")
-        parts = [urllib.parse.unquote(p) for p in u.path[len(OBJECTS_PATH) :].split("/")]
+        parts, q = split_target(target, OBJECTS_PATH)
         if len(parts) < 4 or not all(parts):
             raise ValueError("an object path is /v1/objects/<namespace>/<cache>/<revision>/<path>")
-        q = urllib.parse.parse_qs(u.query)
-        wait = float(q.get("wait", ["0"])[0])
-        wait = 0.0 if math.isnan(wait) else min(max(wait, 0.0), MAX_WAIT_S)  # NaN would pass min/max
+        wait = query_wait(q, MAX_WAIT_S)
         probe = q.get(PROBE_PARAM) == ["1"]
         return cls(
             parts[0],

@@ -39,7 +39,8 @@ def entry() -> None:
     # Start-up allocates what lives as long as the process (modules, classes, the parser), yet
     # the collector ran 46 times over a cold start's imports for ~550 objects of garbage (issue
     # 30: ~4 ms of CPU). stage.sync turns it back on once the cold path's modules are in
-    # (gc_from_here); a warm start ends first.
+    # (gc_from_here); a warm start ends first; the other commands (wipe, revision: whole trees
+    # and listings) get it back once parsed (main).
     gc.disable()
     code = main(owns_process=True)
     sys.stdout.flush()
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
         _write_log(log, f"error: {e}")
         return ExitCode.USAGE
     log = getattr(ns, "termination_log", None) or (TERMINATION_LOG if os.path.exists(TERMINATION_LOG) else None)
+    if ns.command != "sync":
+        gc.enable()  # entry's start-up pause is for sync's cold start only
     try:
         if ns.command == "sync":
             line = _sync(ns, owns_process).to_json()

@@ -65,27 +65,15 @@ def listed_so_far(c: str, rev: str) -> int | None:
 
 async def serve_listing(server: AgentServer, request: web.BaseRequest) -> web.StreamResponse:
     """The route's handler (AgentServer._handle); the object route's gate and bounds."""
-    from .server import _bearer, _Busy, _error, _json, _peer  # the server imports this module
+    from .server import _error, _json, _peer  # the server imports this module
 
     try:
         req = ListingRequest.parse(request.path_qs)
         check_request(req.namespace, req.cache, LISTING_NAME)
     except (ValueError, contract.ArgsError) as e:
         return _error(400, f"bad request: {e}")
-    given = _bearer(request)
-    try:
-        refused = await server._check(
-            request,
-            (LISTINGS_PATH, given, req.namespace, req.cache),
-            lambda offline: server.gate.consumer(given, req.namespace, req.cache, False, offline),
-        )
-    except _Busy as e:
-        return _error(429, str(e))
-    except OSError as e:
-        return _error(503, f"cannot check the token: {e}")
-    if refused is not None:
-        server.agent.metrics.peer_refused.inc()
-        return _error(refused.status, refused.message)
+    if (refused := await server.consumer_gate(request, LISTINGS_PATH, req.namespace, req.cache)) is not None:
+        return refused
     client = _peer(request.transport) if request.transport else "?"
     if not server.objects.take(client):
         return _error(429, f"too many requests in progress (from {client} or in all); ask again")

@@ -367,6 +367,28 @@ class AgentServer:
         finally:
             self.control.give(client)
 
+    async def consumer_gate(
+        self, request: web.BaseRequest, route: str, namespace: str, cache: str
+    ) -> web.Response | None:
+        """The gate of every read a peer makes (objects, listings): a consumer pod's token for
+        ``namespace/cache``, checked once per (route, token, cache) at a time; the answer to send
+        when it is refused or cannot be told, else None."""
+        given = _bearer(request)
+        try:
+            refused = await self._check(
+                request,
+                (route, given, namespace, cache),
+                lambda offline: self.gate.consumer(given, namespace, cache, False, offline),
+            )
+        except _Busy as e:
+            return _error(429, str(e))
+        except (ApiError, OSError) as e:
+            return _error(503, f"cannot check the token: {e}")
+        if refused is None:
+            return None
+        self.agent.metrics.peer_refused.inc()
+        return _error(refused.status, refused.message)
+
     async def _object(self, request: web.BaseRequest) -> web.StreamResponse:
         """One complete object for a peer's stager, streamed from the page cache (sendfile)."""
         try:
@@ -374,20 +396,8 @@ class AgentServer:
             check_request(req.namespace, req.cache, req.path)
         except (ValueError, ArgsError) as e:
             return _error(400, f"bad request: {e}")
-        given = _bearer(request)
-        try:
-            refused = await self._check(
-                request,
-                (OBJECTS_PATH, given, req.namespace, req.cache),
-                lambda offline: self.gate.consumer(given, req.namespace, req.cache, False, offline),
-            )
-        except _Busy as e:
-            return _error(429, str(e))
-        except (ApiError, OSError) as e:
-            return _error(503, f"cannot check the token: {e}")
-        if refused is not None:
-            self.agent.metrics.peer_refused.inc()
-            return _error(refused.status, refused.message)
+        if (refused := await self.consumer_gate(request, OBJECTS_PATH, req.namespace, req.cache)) is not None:
+            return refused
         client = _peer(request.transport) if request.transport else "?"
         if not self.objects.take(client):
             return _error(429, f"too many object requests in progress (from {client} or in all); ask another")
