@@ -419,6 +419,8 @@ def run_phase(
             peer_token = work / f"peer-token-{cache}-{agent.node}"
             peer_token.write_text(agent.peer_token(NS, cache))  # its node's stager pod's token (issue 29)
             argv += ["--peer-token-file", str(peer_token)]
+            if len(agents) > 1:
+                argv.append("--cohort")  # nodes that start together, as the webhook marks a gang's pods
         argvs[agent.node] = argv
     env = stage_env(server)
     drop_page_cache()

@@ -277,6 +277,8 @@ class Scale:
                 tok = self.work / f"peer-token-{name}-{a.node}"
                 tok.write_text(a.peer_token(NS, name))  # its node's stager pod's token (issue 29)
                 argv += ["--peer-token-file", str(tok)]
+                if len(agents) > 1:
+                    argv.append("--cohort")  # nodes that start together, as the webhook marks a gang's pods
             argvs[a.node] = a.host.argv(*argv)
         env = self.stage_env(self.server)
         self.drop_cache()

@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         "from them, verified, and the bucket serves each object once per cluster; missing or empty file: "
         "everything comes from the bucket",
     )
+    s.add_argument(
+        "--cohort",
+        action="store_true",
+        help="this pod starts together with pods on other nodes (a JobSet, a PyTorchJob, a parallel Job; "
+        "needs --peer-token-file): a node that sees no other one yet looks again a moment later before it "
+        "lists the bucket, so the gang lists it once; without it a lone node lists at once",
+    )
 
     w = sub.add_parser(
         "wipe",
@@ -247,10 +254,13 @@ class StageArgs:
     bytes: int | None = None
     peer_token_file: str | None = None
     prestage: bool = False
+    cohort: bool = False
 
     def __post_init__(self) -> None:
         if self.peer_token_file is not None and self.agent is None:
             raise ArgsError("--peer-token-file needs --agent (peers are found through the node agent)")
+        if self.cohort and self.peer_token_file is None:
+            raise ArgsError("--cohort needs --peer-token-file (it is about peers starting together)")
         if self.agent is not None and (self.cache is None or self.cache.count("/") != 1):
             raise ArgsError(f"--agent needs --cache NAMESPACE/NAME, got {self.cache!r}")
         try:
@@ -295,6 +305,8 @@ class StageArgs:
         _opt(argv, "--peer-token-file", self.peer_token_file)
         if self.prestage:
             argv.append("--prestage")
+        if self.cohort:
+            argv.append("--cohort")
         return argv
 
     @classmethod
@@ -319,6 +331,7 @@ class StageArgs:
             bytes=ns.bytes,
             peer_token_file=ns.peer_token_file,
             prestage=ns.prestage,
+            cohort=ns.cohort,
         )
 
     @classmethod

@@ -135,6 +135,7 @@ def _sync(ns: argparse.Namespace, owns_process: bool = False) -> StageSummary:
         bytes=args.bytes,
         peer_token_file=args.peer_token_file,
         prestage=args.prestage,
+        cohort=args.cohort,
     )
     if owns_process:
         roots_from_one_file(opts.source)  # before any thread starts: it sets the environment

@@ -386,8 +386,14 @@ class _Run:
             from . import peer_listing  # with peers only: http.client and the peers' modules
 
             await self.peers_known.wait()
-            if not self.peers.others():
-                await asyncio.sleep(peer_listing.SETTLE_S)  # the finder asks again meanwhile
+            if self.opts.cohort and not self.peers.others():
+                # Pods of a gang start together and may each see only themselves at first; a lone
+                # pod (no --cohort) lists at once. The finder asks the agent again meanwhile.
+                self.progress.note(
+                    f"listing: no other node stages revision {self.rev.rev} yet; looking again in "
+                    f"{peer_listing.SETTLE_S} s before listing the bucket (--cohort: pods on other nodes start too)"
+                )
+                await asyncio.sleep(peer_listing.SETTLE_S)
             got = await asyncio.to_thread(peer_listing.from_peers, self.peers, self.rev, self.progress.note)
             if got is not None:
                 return peer_listing.read(got)

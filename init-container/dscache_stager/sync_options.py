@@ -47,6 +47,9 @@ class SyncOptions:
     peer_token_file: str | None = None
     #: A pre-stage pod's copy: the agent evicts no pre-staged copy and none in use for it.
     prestage: bool = False
+    #: The pod starts with pods on other nodes (--cohort): with peers, a node that sees no other node
+    #: yet waits peer_listing.SETTLE_S before it lists the bucket, so a gang lists it once.
+    cohort: bool = False
 
     @property
     def selection(self) -> Selection:

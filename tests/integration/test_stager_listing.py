@@ -74,7 +74,14 @@ def listed(s3_server: S3Server, bucket: str):
 
 
 def stage_on(
-    s3_server: S3Server, proxy: FaultProxy, agent: NodeAgent, uri: str, rev: str, tmp: Path, cache: str = CACHE
+    s3_server: S3Server,
+    proxy: FaultProxy,
+    agent: NodeAgent,
+    uri: str,
+    rev: str,
+    tmp: Path,
+    cache: str = CACHE,
+    cohort: bool = True,
 ) -> StageResult:
     token = tmp / f"token-{agent.node}"
     token.write_text(agent.peer_token(NS, cache))  # a stager pod of the cache on that agent's node
@@ -86,6 +93,7 @@ def stage_on(
         agent=agent.url,
         cache=f"{NS}/{cache}",
         peer_token_file=str(token),
+        cohort=cohort,
     ).to_argv()
     return run_stage(s3_server, *argv, endpoint=proxy.endpoint)
 
@@ -120,6 +128,21 @@ def test_two_nodes_list_the_bucket_once_between_them(
     for agent in (a, b):
         with open(listing_path(str(agent.cache_root / NS / cache), rev)) as f:
             assert sum(1 for _ in f) == len(FILES)
+
+
+def test_a_lone_node_lists_at_once_and_a_cohort_looks_again(s3_server: S3Server, listed, agents, tmp_path: Path):
+    """Without --cohort (a lone Job) a node that sees no other one lists the bucket at once; with it
+    (a gang's pod) it looks for peers once more before it lists. Either way it lists once."""
+    uri, rev, proxy, counter = listed
+    a = agents.start(f"lone-a{next(RUNS)}")
+    lone = stage_on(s3_server, proxy, a, uri, rev, tmp_path, f"{CACHE}{next(RUNS)}", cohort=False)
+    assert lone.code == 0, lone.stderr
+    assert "looking again" not in lone.stderr, lone.stderr
+    assert counter.listings == 1, (counter.listings, lone.stderr)
+    gang = stage_on(s3_server, proxy, a, uri, rev, tmp_path, f"{CACHE}{next(RUNS)}", cohort=True)
+    assert gang.code == 0, gang.stderr
+    assert f"listing: no other node stages revision {rev} yet; looking again" in gang.stderr, gang.stderr
+    assert counter.listings == 2, (counter.listings, gang.stderr)
 
 
 def test_listing_from_a_peer_is_verified(s3_server: S3Server, listed, agents, tmp_path: Path):

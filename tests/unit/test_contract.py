@@ -71,6 +71,7 @@ def test_release_may_be_repeated_or_comma_separated():
         (["sync", "s3://b/p", "/c", "--revision", REV, "--pod-uid", "../etc"], "plain token"),
         (["sync", "s3://b/p", "/c", "--revision", REV, "--concurrency", "0"], "at least 1"),
         (["sync", "s3://b/p", "/c", "--revision", REV, "--as-of", "2026-11-23"], "as-of must be a UTC time"),
+        (["sync", "s3://b/p", "/c", "--revision", REV, "--cohort"], "--cohort needs --peer-token-file"),
         (["wipe", "/r/n/c", "--root", "/r"], "one of the arguments --revision --all --legacy is required"),
         (["wipe", "/r/n/c", "--root", "/r", "--revision", REV, "--all"], "not allowed with"),
         (["wipe", "/r/n/c", "--root", "/r", "--legacy", "--all"], "not allowed with"),

@@ -771,3 +771,44 @@ def test_with_the_agents_ca_the_stager_speaks_tls_and_trusts_that_ca(tmp_path):
     assert env["DSCACHE_PEER_CA"] == ca.read_text().strip()
     for c in pod_spec(obj)["containers"]:
         assert "DSCACHE_PEER_CA" not in {e["name"] for e in c.get("env") or []}
+
+
+def _cohort_of(obj: dict, kind: str, settings: Settings = SETTINGS) -> bool:
+    inject_object(
+        obj,
+        kind=kind,
+        namespace="ml",
+        cache_name="imagenet",
+        spec=spec(),
+        settings=settings,
+        mode="CSI",
+        revision=PIN,
+    )
+    ps = pod_spec(obj) if kind == "Job" else obj["spec"]
+    return StageArgs.from_argv(ps["initContainers"][0]["args"]).cohort
+
+
+def _labelled_pod(labels: dict[str, str]) -> dict:
+    return {
+        "metadata": {"name": "p", "namespace": "ml", "labels": labels, "annotations": {"dscache.io/cache": "imagenet"}},
+        "spec": {"containers": [{"name": "train", "image": "trainer:1"}]},
+    }
+
+
+def test_a_gang_gets_cohort_and_a_lone_pod_lists_at_once():
+    """--cohort (the stager waits a moment for peers before it lists the bucket) only where pods start
+    together: a lone Job's stager would wait 0.4 s for nobody."""
+    assert not _cohort_of(job(), "Job"), "a Job of one pod at a time starts alone"
+    parallel = job()
+    parallel["spec"]["parallelism"] = 4
+    assert _cohort_of(parallel, "Job")
+    child = job()  # a JobSet's child Job: parallelism 1, one Job per replica
+    child["metadata"]["labels"] = {"jobset.sigs.k8s.io/jobset-name": "train"}
+    assert _cohort_of(child, "Job")
+    assert _cohort_of(_labelled_pod({"training.kubeflow.org/job-name": "pt"}), "Pod")  # a PyTorchJob's worker
+    assert _cohort_of(_labelled_pod({"batch.kubernetes.io/job-completion-index": "3"}), "Pod")
+    assert not _cohort_of(_labelled_pod({"app": "notebook"}), "Pod")
+    no_peers = Settings(cache_root="/mnt/nvme/dscache", stager_image="stager:test", peers=False)
+    fresh = job()
+    fresh["spec"]["parallelism"] = 4
+    assert not _cohort_of(fresh, "Job", no_peers), "--cohort is about peers: none without them"

@@ -70,6 +70,7 @@ def test_the_prestage_pod_stages_like_a_job_but_takes_no_lease():
     args = StageArgs.from_argv(init["args"])
     assert args.pod_uid is None and args.revision == REV and args.bytes == 12345 and args.cache == "ml/c"
     assert args.prestage, "the agent must know a pre-stage copy: it evicts no other pre-staged copy for it"
+    assert args.cohort, "the controller creates every chosen node's pre-stage pod at once: they list the bucket once"
     assert pod["metadata"]["labels"][prestage.PRESTAGE_LABEL] == "true"
 
 

@@ -60,6 +60,7 @@ from dscache_contract.peers import (
 
 from ..api.models import MODE_ANNOTATION, NODE_MODES, DatasetCacheSpec, VolumeMode
 from ..settings import Settings
+from .cohort import starts_together
 
 NONROOT_UID = 65532
 
@@ -128,10 +129,13 @@ def stage_args(
     cache: str | None = None,
     nbytes: int | None = None,
     lease: bool = True,
+    cohort: bool = False,
 ) -> contract.StageArgs:
     """``cache`` (NAMESPACE/NAME, node modes only): the stager asks its node's agent for room
     under the node's byte budget, for ``nbytes`` (the revision's size, when the webhook knows it).
-    ``lease``: the stager writes the pod's lease itself (hostPath; a CSI volume's mount holds it)."""
+    ``lease``: the stager writes the pod's lease itself (hostPath; a CSI volume's mount holds it).
+    ``cohort``: the pod starts with pods on other nodes (cohort.starts_together)."""
+    peers = bool(cache) and settings.peers
     src = spec.source
     return contract.StageArgs(
         source=src.uri,
@@ -151,7 +155,8 @@ def stage_args(
         else None,
         cache=cache,
         bytes=nbytes if cache else None,
-        peer_token_file=PEER_TOKEN_FILE if cache and settings.peers else None,
+        peer_token_file=PEER_TOKEN_FILE if peers else None,
+        cohort=cohort and peers,
     )
 
 
@@ -162,8 +167,9 @@ def stager_args(
     cache: str | None = None,
     nbytes: int | None = None,
     lease: bool = True,
+    cohort: bool = False,
 ) -> list[str]:
-    return stage_args(spec, settings, revision, cache, nbytes, lease).to_argv()
+    return stage_args(spec, settings, revision, cache, nbytes, lease, cohort).to_argv()
 
 
 def stager_security_context(mode: VolumeMode) -> dict[str, Any]:
@@ -197,6 +203,7 @@ def init_container(
     revision: RevisionRef,
     nbytes: int | None = None,
     web_identity: WebIdentity | None = None,
+    cohort: bool = False,
 ) -> dict[str, Any]:
     host_path = mode == VolumeMode.HOST_PATH
     on_node = mode in NODE_MODES
@@ -233,7 +240,13 @@ def init_container(
         "imagePullPolicy": settings.stager_pull_policy,
         "command": [STAGER_COMMAND],
         "args": stager_args(
-            spec, settings, revision, f"{namespace}/{name}" if on_node else None, nbytes, lease=host_path
+            spec,
+            settings,
+            revision,
+            f"{namespace}/{name}" if on_node else None,
+            nbytes,
+            lease=host_path,
+            cohort=cohort,
         ),
         "env": env,
         "volumeMounts": [{"name": VOLUME_NAME, "mountPath": STAGE_MOUNT_PATH}]
@@ -368,6 +381,7 @@ def inject(
     revision: RevisionRef,
     nbytes: int | None = None,
     web_identity: WebIdentity | None = None,
+    cohort: bool = False,
 ) -> bool:
     """Mutate ``pod_spec`` in place; return True if anything changed."""
     check_clashes(pod_spec, name, spec.mountPath)
@@ -400,7 +414,7 @@ def inject(
     inits = pod_spec.setdefault("initContainers", [])
     ours = next((c for c in inits if c.get("name") == STAGER_CONTAINER_NAME), None)
     if ours is None:
-        ours = init_container(namespace, name, spec, settings, mode, revision, nbytes, web_identity)
+        ours = init_container(namespace, name, spec, settings, mode, revision, nbytes, web_identity, cohort)
         inits.insert(0, ours)
         changed = True
     elif inits[0] is not ours:
@@ -487,6 +501,7 @@ def inject_object(
         revision=revision,
         nbytes=nbytes,
         web_identity=web_identity,
+        cohort=starts_together(kind, obj),
     )
     # The pods carry the cache name (for the controller's consumer index), the
     # mode and the revision (for wipe planning per node and revision).

@@ -146,7 +146,9 @@ def build_pod(
     args = contract.StageArgs.from_argv(init["args"])
     # --prestage: the agent makes room for it by evicting no other pre-staged copy (nor one in use);
     # it refuses instead, and the pod's failure is this cache's status (no two caches take turns).
-    init["args"] = dataclasses.replace(args, pod_uid=None, prestage=True).to_argv()
+    # --cohort with peers: the controller creates the pre-stage pods of every chosen node at once.
+    cohort = args.peer_token_file is not None
+    init["args"] = dataclasses.replace(args, pod_uid=None, prestage=True, cohort=cohort).to_argv()
     return pod
 
 
