@@ -63,6 +63,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import shipped  # noqa: E402
 from dscache_stager.fetch import PART_SIZE, SPLICE_THREADS  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 from tests.support.tools import tool_bin  # noqa: E402
@@ -182,12 +183,13 @@ def verify_dscache(dest: Path, revision: str, prefix: str, digests: dict[str, st
 
 
 class Tools:
-    def __init__(self, server: S3Server, env: dict[str, str]) -> None:
+    def __init__(self, server: S3Server, env: dict[str, str], stage: str | None = None) -> None:
         self.server = server
         self.ep = server.endpoint
         self.env = env
         self.s5cmd = str(tool_bin("s5cmd") / "s5cmd")
-        self.stage = shutil.which("dscache-stage") or str(Path(sys.executable).parent / "dscache-stage")
+        # The stager as the image ships it (bench/shipped.py), or the venv's (--dev-stager).
+        self.stage = stage or shutil.which("dscache-stage") or str(Path(sys.executable).parent / "dscache-stage")
         self.aws = shutil.which("aws") or str(Path(sys.executable).parent / "aws")
         self.rclone = shutil.which("rclone")
         # (presigned URL, start, end) of every part of the large set: the "get" peer's requests.
@@ -520,6 +522,11 @@ def main() -> int:
         help="loopback sets to measure (comma list: small, large, fixed); the fields of a set left out are absent",
     )
     ap.add_argument("--workdir", type=Path, help="default: a temp dir under build/ (use /var/tmp for --scale)")
+    ap.add_argument(
+        "--dev-stager",
+        action="store_true",
+        help="measure the venv's dscache-stage (an editable install) instead of the image's layout (bench/shipped.py)",
+    )
     args = ap.parse_args()
     profiles = [p for p in args.profiles.split(",") if p]
     small_count = args.small_count or (5000 if args.quick else 20000)
@@ -539,9 +546,15 @@ def main() -> int:
         log("dscache_native is not installed (make wheels): dscache runs its pure-Python plane only")
     digests: dict[str, str] = {}
     load: dict[str, list[float]] = {"start": loadavg()}
-    byte_compile()
+    if args.dev_stager:
+        byte_compile()
+        stage = None
+    else:
+        stage = str(shipped.build(work / "shipped"))
+        log(f"dscache-stage as the image lays it out: {stage} (bench/shipped.py; --dev-stager: the venv's)")
+    result["stager"] = "dev" if args.dev_stager else "shipped"
     try:
-        tools = Tools(server, env)
+        tools = Tools(server, env, stage)
         server.make_bucket(BUCKET)
         peers = [p for p in args.peers.split(",") if p]
         wan_peers = [p for p in args.wan_peers.split(",") if p]
