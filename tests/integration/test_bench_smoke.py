@@ -42,6 +42,7 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert json.loads((tmp_path / "results" / "stager.json").read_text())["result"] == result
+    assert result["stager"] == "shipped"  # the image's layout (bench/shipped.py), not the venv's editable install
     # Both of dscache's data planes when the native one is installed (issue 18).
     tools = {"dscache", "dscache_python", "s5cmd"} if result["native"] else {"dscache", "s5cmd"}
     for key in ("small_s", "large_s", "cpu_ms_per_1k_small", "server_cpu_ms_per_1k_small", "peak_rss_mib"):
