@@ -64,9 +64,6 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-import obstore
-from obstore.exceptions import BaseError, InvalidPathError
-
 import dscache_contract as contract
 from dscache_contract import StageSummary, human_bytes
 
@@ -74,10 +71,10 @@ from .layout import Revision, cache_lock, check_cache_dir, write_lease
 from .listpage import Started, empty_page, first_page
 from .progress import Progress
 from .source import S3Source, source_error
+from .store import head, kind, open_store
 
 if TYPE_CHECKING:
-    from obstore.store import S3Store
-
+    from .store import AnyStore
     from .sync_options import SyncOptions
 
 
@@ -94,7 +91,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
         # Most likely a cold run: import its modules (asyncio, the native plane: ~0.1 s of CPU)
         # on a thread while this one waits on the network for the access proof and the lock.
         threading.Thread(target=_import_cold_path, name="import-cold", daemon=True).start()
-    store = opts.source.open_store(opts.concurrency)
+    store = open_store(opts.source, opts.concurrency)
     # A cold run that may take its listing from a peer, or lists versions, needs no first page.
     elsewhere = opts.as_of is not None or bool(opts.agent and opts.cache and opts.peer_token_file)
     listing = prove_access(store, opts.source, probe, elsewhere)
@@ -178,7 +175,7 @@ def _import_cold_path() -> None:
         native.load()  # the extension's shared object, loaded on first use otherwise
 
 
-def prove_access(store: S3Store, source: S3Source, probe_key: str | None, empty: bool = False) -> Started | None:
+def prove_access(store: AnyStore, source: S3Source, probe_key: str | None, empty: bool = False) -> Started | None:
     """One request with this process's credentials; raise SourceError if S3 refuses.
 
     A HEAD of an object we are about to serve proves GetObject on it; when it
@@ -190,17 +187,16 @@ def prove_access(store: S3Store, source: S3Source, probe_key: str | None, empty:
     """
     source.check_reachable()
     try:
-        if probe_key is not None:
-            try:
-                obstore.head(store, probe_key)
-                return None
-            except FileNotFoundError:
-                pass  # deleted since: the copy on the node is still whole; prove access by listing
+        # Not found: deleted since; the copy on the node is still whole, so prove access by listing.
+        if probe_key is not None and head(store, probe_key):
+            return None
         if empty:
             empty_page(store, source.prefix)
             return None
         return first_page(store, source.prefix)
-    except InvalidPathError:
-        return None  # S3 answered with keys obstore cannot represent: access is proven; the listing names them
-    except BaseError as e:
+    except Exception as e:
+        if (failed := kind(e)) is None:
+            raise
+        if failed == "invalid_path":
+            return None  # S3 answered with keys the client cannot represent: access is proven; the listing names them
         raise source_error(e, source, 0) from e

@@ -10,12 +10,12 @@ import errno
 import socket
 
 import pytest
-from obstore.exceptions import GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
 from dscache_stager import native
 from dscache_stager.errors import SourceError
 from dscache_stager.fetch import ObjectGone
 from dscache_stager.source import S3Source, source_error
+from dscache_stager.store import GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
 
 def test_failures_are_raised_as_the_python_path_raises_them():
