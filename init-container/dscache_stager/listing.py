@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,7 @@ from dscache_contract import VersionPicker, normalize_key, page_versions, parse_
 from .errors import SourceError, StageError, TransientError
 from .listpage import LIST_ATTEMPTS, LIST_CHUNK, Started
 from .source import S3Source
-from .store import REFUSALS, Listed, kind, list_async, listed
+from .store import REFUSALS, Listed, NativePages, kind, list_async, listed, pages_async
 
 if TYPE_CHECKING:
     from .store import AnyStore
@@ -74,13 +74,12 @@ async def _resumed(started: Started) -> AsyncIterator[list[Listed]]:
     # The same stream, polled from the loop now: S3's continuation token carries it on, so no
     # key is listed twice or missed (a start-after from the last key could not tell "a" from
     # a marker "a/", which the clients list alike).
-    if isinstance(rest, AsyncIterable):  # obstore's stream (which iterates blocking as well)
+    if isinstance(rest, NativePages):  # blocking: each page on a thread
+        async for batch in pages_async(rest):
+            yield batch
+    elif rest is not None:  # obstore's stream
         async for page in rest:
             yield listed(page)
-    elif rest is not None:
-        # The native client's pages block: each is fetched on a thread, the GIL released.
-        while (batch := await asyncio.to_thread(next, rest, None)) is not None:
-            yield batch
 
 
 async def _pages(store: AnyStore, prefix: str, started: Started | None = None) -> AsyncIterator[list[RemoteObject]]:

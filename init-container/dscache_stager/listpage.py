@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from .store import REFUSALS, Listed, NativeStore, kind
+from .store import REFUSALS, Listed, NativePages, NativeStore, kind
 
 if TYPE_CHECKING:
     from obstore import ListStream, ObjectMeta
@@ -36,7 +36,7 @@ class Started:
 
     first: list[Listed]
     #: The native client's pages (blocking: polled on a thread), or obstore's stream.
-    rest: Iterator[list[Listed]] | ListStream[Sequence[ObjectMeta]] | None
+    rest: NativePages | ListStream[Sequence[ObjectMeta]] | None
 
 
 def first_page(store: AnyStore, prefix: str) -> Started:

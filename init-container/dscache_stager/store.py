@@ -139,17 +139,53 @@ class NativeStore:
             raise failure(failed[0], failed[2])
         return found is not None
 
-    def pages(self, prefix: str, offset: str | None, chunk: int) -> Iterator[list[Listed]]:
+    def pages(self, prefix: str, offset: str | None, chunk: int) -> NativePages:
         """The listing of ``prefix`` (after ``offset``), ``chunk`` objects at a time, blocking."""
-        pages = self.store.list(prefix, offset, chunk)
-        while True:
-            batch, failed = pages.next()
+        return NativePages(self.store.list(prefix, offset, chunk))
+
+
+class NativePages(Iterator[list[Listed]]):
+    """dscache_native.Pages as an iterator of batches: each ``next`` blocks (the GIL released) for
+    as long as the page takes; ``cancel`` (from any thread) ends one in flight at once."""
+
+    def __init__(self, pages: Any) -> None:
+        self.pages = pages  # dscache_native.Pages
+        self.failed: tuple[str, int, str, str] | None = None
+        self.done = False
+
+    def __next__(self) -> list[Listed]:
+        if self.failed is not None:
+            failed, self.failed, self.done = self.failed, None, True
+            raise failure(failed[0], failed[2])
+        if self.done:
+            raise StopIteration
+        batch, failed = self.pages.next()
+        if failed is not None:
             if batch:
-                yield batch
-            if failed is not None:
-                raise failure(failed[0], failed[2])
-            if not batch:
-                return
+                self.failed = failed  # what was listed first, then the failure: resumed after it
+                return list(batch)
+            self.done = True
+            raise failure(failed[0], failed[2])
+        if not batch:
+            self.done = True
+            raise StopIteration
+        return list(batch)
+
+    def cancel(self) -> None:
+        self.pages.cancel()
+
+
+async def pages_async(pages: NativePages) -> AsyncIterator[list[Listed]]:
+    """``pages`` from the event loop: each page fetched on a thread, the copier going on meanwhile;
+    a listing abandoned (cancelled, closed) cancels the page in flight, so no thread outlives it
+    for long (asyncio.run waits for its threads)."""
+    import asyncio
+
+    try:
+        while (batch := await asyncio.to_thread(next, pages, None)) is not None:
+            yield batch
+    finally:
+        pages.cancel()
 
 
 def open_store(source: S3Source, concurrency: int) -> AnyStore:
@@ -209,11 +245,7 @@ def listed(batch: Any) -> list[Listed]:
 async def list_async(store: AnyStore, prefix: str, offset: str | None, chunk: int) -> AsyncIterator[list[Listed]]:
     """The listing of ``prefix`` after ``offset``, a chunk at a time, from the event loop."""
     if isinstance(store, NativeStore):
-        import asyncio
-
-        pages = store.pages(prefix, offset, chunk)
-        # Each page is fetched on a thread with the GIL released; the copier goes on meanwhile.
-        while (batch := await asyncio.to_thread(next, pages, None)) is not None:
+        async for batch in pages_async(store.pages(prefix, offset, chunk)):
             yield batch
         return
     import obstore

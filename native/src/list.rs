@@ -20,6 +20,7 @@ use object_store::{ObjectMeta, ObjectStore, StaticCredentialProvider};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use tokio::runtime::Runtime;
+use tokio_util::sync::CancellationToken;
 
 use crate::copy::{store_failure, Failure};
 use crate::{creds, settings};
@@ -87,7 +88,12 @@ impl Store {
             Some(offset) => self.store.list_with_offset(prefix.as_ref(), &path(offset)?),
             None => self.store.list(prefix.as_ref()),
         };
-        Ok(Pages { runtime: self.runtime.clone(), stream: Mutex::new(Some(stream)), chunk: chunk.max(1) })
+        Ok(Pages {
+            runtime: self.runtime.clone(),
+            stream: Mutex::new(Some(stream)),
+            chunk: chunk.max(1),
+            stop: CancellationToken::new(),
+        })
     }
 
     /// HEAD ``key``: ((size, ETag unquoted), None), (None, None) when there is no such
@@ -112,10 +118,18 @@ pub struct Pages {
     /// None once the listing ended or failed.
     stream: Mutex<Option<BoxStream<'static, object_store::Result<ObjectMeta>>>>,
     chunk: usize,
+    /// Cancelled by Pages.cancel: the listing's consumer is gone (the run failed or ended).
+    stop: CancellationToken,
 }
 
 #[pymethods]
 impl Pages {
+    /// End the listing: a page in flight is dropped, and its next() answers at once ("cancelled").
+    /// Called from another thread than the one blocked in next(), which holds the stream.
+    fn cancel(&self) {
+        self.stop.cancel();
+    }
+
     /// The next objects, up to ``chunk`` of them (fewer only at the end of the listing), and the
     /// failure that ended it: what was listed before a failure is handed back with it, so a
     /// resumed listing goes on after the last of them. ([], None): the listing is done.
@@ -126,11 +140,19 @@ impl Pages {
         };
         let chunk = self.chunk;
         let runtime = self.runtime.clone();
+        let stop = self.stop.clone();
         let (batch, failure, ended) = py.allow_threads(|| {
             runtime.block_on(async {
                 let mut batch = Vec::with_capacity(chunk.min(1000));
                 while batch.len() < chunk {
-                    match stream.next().await {
+                    let item = tokio::select! {
+                        biased;
+                        _ = stop.cancelled() => {
+                            return (Vec::new(), Some(Failure::Cancelled.into_tuple(String::new())), true);
+                        }
+                        item = stream.next() => item,
+                    };
+                    match item {
                         Some(Ok(meta)) => batch.push((meta.location.to_string(), meta.size, etag(&meta))),
                         Some(Err(e)) => return (batch, Some(list_failure(e).into_tuple(String::new())), true),
                         None => return (batch, None, true),
