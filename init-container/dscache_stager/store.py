@@ -5,10 +5,11 @@ Issue 30: a cold start imported two S3 clients built on the same Rust crate (obj
 obstore's for the listing, the access proof and the HEADs, and dscache_native's Copier for the
 GETs. After a page-cache drop the process read obstore's 15 MiB extension for a few requests
 the native plane can make as well (native/src/list.rs). Where the native module loads and the
-credentials are static keys in the environment (or none: a public bucket), the stager lists and
-HEADs through it and never imports obstore; obstore stays the fallback: without the extension
-(or with DSCACHE_NATIVE=0), with any other credential source (boto3's chain, which obstore
-refreshes), and for fetch.py's Python data plane (opened lazily there, see fetch.Fetcher).
+credentials are static keys in the environment (a Secret's), the stager lists and HEADs through
+it and never imports obstore; obstore stays the fallback: without the extension (or with
+DSCACHE_NATIVE=0), with any other credential source (boto3's chain, which obstore refreshes; no
+credentials at all, a public bucket), and for fetch.py's Python data plane (opened lazily there,
+at its first request: see fetch.Fetcher), which peers' turns use on either plane.
 
 Kept light: the warm start imports this module for one HEAD, so no asyncio (imported by the
 async helpers when they run, on the cold path, where it is loaded already) and no obstore.
@@ -155,21 +156,23 @@ class NativePages(Iterator[list[Listed]]):
 
     def __next__(self) -> list[Listed]:
         if self.failed is not None:
-            failed, self.failed, self.done = self.failed, None, True
-            raise failure(failed[0], failed[2])
+            pending, self.failed, self.done = self.failed, None, True
+            raise failure(pending[0], pending[2])
         if self.done:
             raise StopIteration
+        batch: list[Listed]
+        failed: tuple[str, int, str, str] | None
         batch, failed = self.pages.next()
         if failed is not None:
             if batch:
                 self.failed = failed  # what was listed first, then the failure: resumed after it
-                return list(batch)
+                return batch
             self.done = True
             raise failure(failed[0], failed[2])
         if not batch:
             self.done = True
             raise StopIteration
-        return list(batch)
+        return batch
 
     def cancel(self) -> None:
         self.pages.cancel()
