@@ -54,6 +54,18 @@ object the native plane costs no more CPU than the Python one but 5 MiB more
 to read (dscache_python in the same runs: 26.0 MiB). Below 0.1 s with the page
 cache dropped, a one-page revision needs a path without asyncio and without one
 of the two S3 clients (and their shared objects), or the cold start out of Python.
+
+Next round: one S3 client on the common path (store.py). With the native module and static
+keys, the access proof, the listing and the HEADs of empty objects go through dscache_native's
+Store (native/src/list.rs, object_store as before), and obstore is imported only by the fallback
+and fetch.py's path (peers' turns, no native module, other credentials). The fixed set, base
+(main) and this branch in turns, 5 runs each, twice, at load 8-16 on 2 cores: read after the
+drop 30.4/30.8 -> 19.6/19.6 MiB (s5cmd 17.7); wall 0.130/0.136 -> 0.118/0.114 s (s5cmd
+0.030-0.033); CPU 0.086/0.092 -> 0.088/0.086 s; with the page cache kept 0.077/0.084 ->
+0.082/0.072 s (noise). A warm start (the revision on the node: one HEAD) got no slower, 9 runs
+each interleaved at load 20-24: 0.099 -> 0.080 s after a drop, 0.049 -> 0.050 s cached, CPU
+0.062 -> 0.059 and 0.047 -> 0.046 s. What is left to read is libpython (22 MiB mapped),
+dscache_native (5.5), libcrypto (4.5: hashlib's and ssl's, which asyncio imports).
 """
 
 from __future__ import annotations
