@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
     from typing import TypeAlias
 
     from obstore.store import S3Store
@@ -225,12 +226,23 @@ def head(store: AnyStore, key: str) -> bool:
         return False
 
 
+#: Threads for the native HEADs of empty objects (sync._settle_empties): made as they are needed,
+#: up to this many, so that as many HEADs fly as the run's request limit lets through (asyncio's
+#: default executor has min(32, CPUs + 4): 6 on 2 cores). Each blocks without the GIL.
+HEAD_THREADS = 64
+_head_pool: ThreadPoolExecutor | None = None
+
+
 async def exists(store: AnyStore, key: str) -> bool:
     """:func:`head` from the event loop (the native HEAD on a thread, obstore's async)."""
     if isinstance(store, NativeStore):
         import asyncio
+        from concurrent.futures import ThreadPoolExecutor
 
-        return await asyncio.to_thread(store.head, key)
+        global _head_pool
+        if _head_pool is None:
+            _head_pool = ThreadPoolExecutor(HEAD_THREADS, thread_name_prefix="native-head")
+        return await asyncio.get_running_loop().run_in_executor(_head_pool, store.head, key)
     import obstore
 
     try:
