@@ -9,7 +9,7 @@ Item = tuple[str, str, str, str | None, int]
 #: (index in the batch, bytes written, ETag the GET answered with, unquoted)
 Done = tuple[int, int, str]
 #: (kind, errno, message, key); kind is one of gone, precondition, permission,
-#: unauthenticated, generic, os, cancelled
+#: unauthenticated, generic, os, cancelled (and invalid_path from a listing)
 Failure = tuple[str, int, str, str]
 
 class Copier:
@@ -39,6 +39,30 @@ class Copier:
         self, tmp_dir: str, item: Item, part_bytes: int
     ) -> tuple[tuple[int, str] | None, Failure | None]: ...
     def counters(self) -> dict[str, int]: ...
+    def cancel(self) -> None: ...
+
+#: (key, size, ETag without quotes or "") of one listed object
+Listed = tuple[str, int, str]
+
+class Store:
+    """Listing and HEADs (native/src/list.rs): the common path's S3 client besides the Copier."""
+
+    def __init__(
+        self,
+        bucket: str,
+        config: Mapping[str, str],
+        *,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        skip_signature: bool = False,
+        credential_provider: Callable[[], Credential] | None = None,
+    ) -> None: ...
+    def list(self, prefix: str, offset: str | None = None, chunk: int = 1000) -> Pages: ...
+    def head(self, key: str) -> tuple[tuple[int, str] | None, Failure | None]: ...
+
+class Pages:
+    def next(self) -> tuple[list[Listed], Failure | None]: ...
     def cancel(self) -> None: ...
 
 def version() -> str: ...

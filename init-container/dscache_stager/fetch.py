@@ -118,15 +118,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-import obstore
-from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
-from obstore.store import S3Store
+from . import rawhttp
+from .store import GenericError, PermissionDeniedError, PreconditionError, kind
+from .tree import LocalTree
 
 if TYPE_CHECKING:
+    # obstore is imported where this path first makes a request (Fetcher.store): on the common
+    # path the native plane copies, and a cold start does not load obstore (store.py).
     from obstore import Bytes, GetOptions, GetResult
-
-from . import rawhttp
-from .tree import LocalTree
+    from obstore.store import S3Store
 
 # Objects up to SMALL_LIMIT are one GET held in memory; the requests this
 # module makes are at most sync_options.BUFFER_BYTES / SMALL_LIMIT (64), so
@@ -151,22 +151,23 @@ class ObjectGone(Exception):
     """The object was deleted after it was listed (obstore raises a bare FileNotFoundError)."""
 
 
-FATAL = (ObjectGone, PermissionDeniedError, UnauthenticatedError, PreconditionError)
+#: S3 failures (store.kind) another try cannot mend; ObjectGone is one too.
+FATAL_KINDS = ("permission", "unauthenticated", "precondition")
+
+
+def _worth_retrying(e: BaseException) -> bool:
+    """An S3 client's failure that may pass (a dropped connection, a 5xx past the client's retries)."""
+    failed = kind(e)
+    return failed is not None and failed not in FATAL_KINDS
 
 
 async def get(store: S3Store, key: str, options: GetOptions | None = None) -> GetResult:
+    import obstore
+
     try:
         return await obstore.get_async(store, key, options=options)
     except FileNotFoundError as e:
         raise ObjectGone(key) from e
-
-
-async def exists(store: S3Store, key: str) -> bool:
-    try:
-        await obstore.head_async(store, key)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 @dataclass(slots=True)
@@ -185,14 +186,15 @@ class Fetcher:
 
     def __init__(
         self,
-        store: S3Store,
+        store: Callable[[], S3Store],
         tree: LocalTree,
         tmp_dir: str,
         requests: asyncio.Semaphore,
         on_bytes: Callable[[int], None],
         zero_copy: bool,
     ) -> None:
-        self.store = store
+        self._open = store  # obstore's client, opened at this path's first request (store)
+        self._store: S3Store | None = None
         self.zero_copy = zero_copy and rawhttp.available()
         self.splicers = ThreadPoolExecutor(SPLICE_THREADS, thread_name_prefix="splice")
         self.tree = tree
@@ -204,6 +206,14 @@ class Fetcher:
         # path a large object took (tests assert on it; it is in no summary).
         self.spliced_parts = 0
         self.streamed_parts = 0
+
+    @property
+    def store(self) -> S3Store:
+        """obstore's client: the run's own when it is obstore's, else opened on first use (on
+        the common path only peers' turns and the fallback reach it)."""
+        if self._store is None:
+            self._store = self._open()
+        return self._store
 
     def close(self) -> None:
         # Splice threads own their descriptors, so they need not be waited for.
@@ -230,7 +240,7 @@ class Fetcher:
                 return got
             except BaseException as e:
                 _unlink_quietly(tmp)
-                if not isinstance(e, BaseError) or isinstance(e, FATAL) or attempt == OBJECT_ATTEMPTS:
+                if not _worth_retrying(e) or attempt == OBJECT_ATTEMPTS:
                     raise
                 await asyncio.sleep(random.uniform(0, 0.2 * 2**attempt))
         raise AssertionError("unreachable")
@@ -273,6 +283,8 @@ class Fetcher:
             # A presigned URL cannot name a version (its query is signed), so a
             # pinned version streams through obstore instead of splice(2).
             if self.zero_copy and version is None:
+                import obstore
+
                 url = await obstore.sign_async(self.store, "GET", key, timedelta(hours=6))
                 part = functools.partial(self._splice_part, url, fd, etag)
             else:

@@ -14,7 +14,9 @@ current one is processed, which hides most of the round trips.
 Measured on a loopback versitygw (4,000 keys): boto3 spends 0.17 ms of CPU
 per key listed plus 0.5 s to import and build a client; obstore (Rust
 object_store) 0.045 ms per key, all of it waiting on the server. boto3 would
-hold the GIL the copier needs, so obstore lists. Its paths are normalised:
+hold the GIL the copier needs, so object_store lists: through dscache_native
+(native/src/list.rs) on the common path, obstore otherwise (store.py says
+when). Either normalises its paths alike:
  - a trailing '/' is dropped, so a directory marker ``a/`` shows up as an empty
    object ``a``; the digest uses the same normalised key (see the contract),
    and the copier settles empty objects in sync.py;
@@ -32,22 +34,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import obstore
-from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
-from obstore.store import S3Store
 
 from dscache_contract import VersionPicker, normalize_key, page_versions, parse_as_of
 
 from .errors import SourceError, StageError, TransientError
 from .listpage import LIST_ATTEMPTS, LIST_CHUNK, Started
 from .source import S3Source
+from .store import REFUSALS, Listed, NativePages, kind, list_async, listed, pages_async
 
 if TYPE_CHECKING:
-    from obstore import ObjectMeta
+    from .store import AnyStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,23 +64,25 @@ class UnrepresentableKeys(Exception):
     """obstore met a key it cannot represent; see :func:`list_keys_raw`."""
 
 
-def _objects(batch: Sequence[ObjectMeta]) -> list[RemoteObject]:
-    return [RemoteObject(o["path"], o["size"], (o.get("e_tag") or "").strip('"')) for o in batch]
+def _objects(batch: list[Listed]) -> list[RemoteObject]:
+    return [RemoteObject(key, size, etag) for key, size, etag in batch]
 
 
-async def _resumed(started: Started) -> AsyncIterator[Sequence[ObjectMeta]]:
+async def _resumed(started: Started) -> AsyncIterator[list[Listed]]:
     yield started.first
-    if started.rest is not None:
-        # The same stream, polled async now: S3's continuation token carries it on, so no key
-        # is listed twice or missed (a start-after from the last key could not tell "a" from
-        # a marker "a/", which obstore lists alike).
-        async for batch in started.rest:
+    rest = started.rest
+    # The same stream, polled from the loop now: S3's continuation token carries it on, so no
+    # key is listed twice or missed (a start-after from the last key could not tell "a" from
+    # a marker "a/", which the clients list alike).
+    if isinstance(rest, NativePages):  # blocking: each page on a thread
+        async for batch in pages_async(rest):
             yield batch
+    elif rest is not None:  # obstore's stream
+        async for page in rest:
+            yield listed(page)
 
 
-async def _pages(
-    store: S3Store, prefix: str | None, started: Started | None = None
-) -> AsyncIterator[list[RemoteObject]]:
+async def _pages(store: AnyStore, prefix: str, started: Started | None = None) -> AsyncIterator[list[RemoteObject]]:
     """One listing, resumed after the last key seen when a page fails mid-body.
 
     obstore retries failed requests, but not a connection dropped while a
@@ -96,10 +97,10 @@ async def _pages(
     while True:
         try:
             if started is not None:
-                batches: AsyncIterator[Sequence[ObjectMeta]] = _resumed(started)
+                batches: AsyncIterator[list[Listed]] = _resumed(started)
                 started = None  # a failure resumes with a listing of its own, from the last key
             else:
-                batches = obstore.list(store, prefix=prefix, offset=last, chunk_size=LIST_CHUNK)
+                batches = list_async(store, prefix, last, LIST_CHUNK)
             async for batch in batches:
                 objs = _objects(batch)
                 if failures:
@@ -110,9 +111,9 @@ async def _pages(
                     failures = 0
                     yield objs
             return
-        except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
-            raise
-        except BaseError as e:
+        except Exception as e:
+            if (failed := kind(e)) is None or failed in REFUSALS:
+                raise
             failures += 1
             if failures >= LIST_ATTEMPTS or "NoSuchBucket" in str(e):
                 raise
@@ -123,11 +124,11 @@ PREFETCH_PAGES = 4
 
 
 async def list_objects(
-    store: S3Store, prefix: str, started: Started | None = None
+    store: AnyStore, prefix: str, started: Started | None = None
 ) -> AsyncIterator[list[RemoteObject]]:
     """Yield batches of objects under ``prefix`` in listing order, each object exactly once
     (going on with ``started``, the access proof's listing, when there is one)."""
-    async for batch in _prefetched(_pages(store, prefix or None, started)):
+    async for batch in _prefetched(_pages(store, prefix, started)):
         yield batch
 
 
@@ -168,10 +169,8 @@ async def _prefetched(pages: AsyncIterator[list[RemoteObject]]) -> AsyncIterator
             async for batch in pages:
                 await out.put(batch)
             await out.put(None)
-        except InvalidPathError as e:
-            await out.put(UnrepresentableKeys(str(e)))
         except Exception as e:
-            await out.put(e)
+            await out.put(UnrepresentableKeys(str(e)) if kind(e) == "invalid_path" else e)
 
     producer = asyncio.create_task(produce())
     try:
@@ -180,7 +179,8 @@ async def _prefetched(pages: AsyncIterator[list[RemoteObject]]) -> AsyncIterator
                 raise item
             yield item
     finally:
-        # Leave no listing in flight: obstore futures must not outlive the loop.
+        # Leave no listing in flight: obstore futures must not outlive the loop (a native page
+        # in flight finishes on its thread, which asyncio.run's shutdown waits for).
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
 

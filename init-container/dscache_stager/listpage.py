@@ -1,7 +1,8 @@
 """A listing's first page: the access proof's (stage.py), which the cold copy goes on from
 (listing.py); or, when the listing may come from a peer, an empty page (``empty_page``).
 Kept apart from listing.py so that a warm start, which needs only this page, does not import
-the cold path (asyncio, the native plane)."""
+the cold path (asyncio, the copier). Either client (store.py) serves it: the native one on the
+common path, obstore's otherwise."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-import obstore
-from obstore.exceptions import BaseError, InvalidPathError, PermissionDeniedError, UnauthenticatedError
+from .store import REFUSALS, Listed, NativePages, NativeStore, kind
 
 if TYPE_CHECKING:
     from obstore import ListStream, ObjectMeta
-    from obstore.store import S3Store
+
+    from .store import AnyStore
 
 T = TypeVar("T")
 
@@ -33,17 +34,26 @@ class Started:
     one the copy needs first; handing it on (listing.list_objects) saves a round trip and the
     server listing it twice."""
 
-    first: Sequence[ObjectMeta]
-    rest: ListStream[Sequence[ObjectMeta]] | None
+    first: list[Listed]
+    #: The native client's pages (blocking: polled on a thread), or obstore's stream.
+    rest: NativePages | ListStream[Sequence[ObjectMeta]] | None
 
 
-def first_page(store: S3Store, prefix: str) -> Started:
-    """One ListObjectsV2 page, retried when its body is cut short (obstore retries the rest itself)."""
+def first_page(store: AnyStore, prefix: str) -> Started:
+    """One ListObjectsV2 page, retried when its body is cut short (the clients retry the rest themselves)."""
 
     def page() -> Started:
+        if isinstance(store, NativeStore):
+            pages = store.pages(prefix, None, LIST_CHUNK)
+            first = next(pages, None)
+            return Started(first, pages) if first is not None else Started([], None)
+        import obstore
+
+        from .store import listed
+
         stream = obstore.list(store, prefix=prefix or None, chunk_size=LIST_CHUNK)
         try:
-            return Started(next(stream), stream)
+            return Started(listed(next(stream)), stream)
         except StopIteration:
             return Started([], None)  # nothing under the prefix
 
@@ -55,7 +65,7 @@ def first_page(store: S3Store, prefix: str) -> Started:
 PAST_EVERY_KEY = "\U0010ffff"
 
 
-def empty_page(store: S3Store, prefix: str) -> None:
+def empty_page(store: AnyStore, prefix: str) -> None:
     """One ListObjectsV2 under ``prefix`` that starts after every key: the bucket checks
     s3:ListBucket on the prefix and answers a page of (nearly always) no keys, a few hundred
     bytes, where a first page of 1,000 keys is ~300 KB. For a cold run whose listing may come
@@ -63,6 +73,11 @@ def empty_page(store: S3Store, prefix: str) -> None:
 
     def page() -> None:
         # A key past U+10FFFF proves access all the same: the first chunk is enough.
+        if isinstance(store, NativeStore):
+            next(store.pages(prefix, prefix + PAST_EVERY_KEY, 1), None)
+            return
+        import obstore
+
         next(obstore.list(store, prefix=prefix or None, offset=prefix + PAST_EVERY_KEY, chunk_size=1), None)
 
     _retried(page)
@@ -70,14 +85,13 @@ def empty_page(store: S3Store, prefix: str) -> None:
 
 def _retried(page: Callable[[], T]) -> T:
     """``page()``, tried again (with jittered backoff) when S3 failed it for a reason that may
-    pass; refusals (access, keys obstore cannot represent, no such bucket) are raised at once."""
+    pass; refusals (access, keys the clients cannot represent, no such bucket) are raised at once."""
     for attempt in range(1, LIST_ATTEMPTS + 1):
         try:
             return page()
-        except (InvalidPathError, PermissionDeniedError, UnauthenticatedError):
-            raise
-        except BaseError as e:
-            if attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
+        except Exception as e:
+            failed = kind(e)
+            if failed is None or failed in REFUSALS or attempt == LIST_ATTEMPTS or "NoSuchBucket" in str(e):
                 raise
             time.sleep(random.uniform(0, 0.1 * 2**attempt))
     raise AssertionError("unreachable")

@@ -55,14 +55,12 @@ from datetime import UTC, datetime
 from types import ModuleType
 from typing import Any
 
-from obstore.exceptions import BaseError, GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
-
 from .fetch import OBJECT_ATTEMPTS, PART_SIZE, SMALL_LIMIT, SPLICE_THREADS, Fetched, ObjectGone
 from .source import S3Source, credentials_for_store
+from .store import ENV, failure
 from .sync_options import BUFFER_BYTES
 
-#: "0" turns the native data plane off (the pure-Python path runs); unset or "1": on when installed.
-ENV = "DSCACHE_NATIVE"
+__all__ = ["ENV", "NativeFetcher", "handles", "load", "threads"]
 
 #: How often a large object's progress is read from the copier while it is copied.
 PROGRESS_S = 0.5
@@ -80,14 +78,11 @@ Item = tuple[str, str, str, str | None, int]
 
 
 def load() -> ModuleType | None:
-    """dscache_native, unless it is absent or switched off."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    try:
-        import dscache_native
-    except ImportError:
-        return None
-    return dscache_native
+    """dscache_native, unless it is absent or switched off (store.load_native, which the access
+    proof uses without importing this module's asyncio)."""
+    from .store import load_native
+
+    return load_native()
 
 
 def threads(cpus: int) -> int:
@@ -194,19 +189,15 @@ class NativeFetcher:
 
 
 def _exception(kind: str, errno: int, message: str, key: str) -> BaseException:
-    """A native failure as the exception fetch.py raises for it, so sync.py maps it to the same exit code."""
+    """A native failure as the exception fetch.py raises for it (of the same store.kind as
+    obstore's), so sync.py maps it to the same exit code."""
     if kind == "gone":
         return ObjectGone(key)
     if kind == "os":
         return OSError(errno, os.strerror(errno), message)
     if kind == "cancelled":
         return asyncio.CancelledError()
-    cls: type[BaseError] = {
-        "precondition": PreconditionError,
-        "permission": PermissionDeniedError,
-        "unauthenticated": UnauthenticatedError,
-    }.get(kind, GenericError)
-    return cls(message)
+    return failure(kind, message)
 
 
 def _credentials() -> dict[str, Any]:

@@ -10,15 +10,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
-from obstore.store import S3Store
-
 from dscache_contract import parse_source, resolve_addressing_style, resolve_region
 
 from .errors import SourceError, StageError, TransientError, UsageError
+from .store import kind
 
 if TYPE_CHECKING:
-    from obstore.store import ClientConfig, RetryConfig, S3Config
+    # obstore is imported where its client is opened (open_store): the common path lists and
+    # copies through dscache_native alone (store.py).
+    from obstore.store import ClientConfig, RetryConfig, S3Config, S3Store
 
 AddressingStyle = Literal["path", "virtual"]
 # obstore's own per-request retry budget; see open_store.
@@ -82,7 +82,10 @@ class S3Source:
 
         obstore retries 5xx (including 503 SlowDown), dropped connections and
         timeouts with exponential backoff and jitter; 4xx errors fail at once.
+        The fallback's, and fetch.py's (store.open_store says when).
         """
+        from obstore.store import S3Store
+
         # Region and addressing style come from the contract, so the operator's
         # source check talks to the bucket exactly as we do.
         config: S3Config = {"region": resolve_region(self.region)}
@@ -202,8 +205,9 @@ def credentials_for_store() -> dict[str, Any]:
     return {"credential_provider": Boto3CredentialProvider(session)}
 
 
-def source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
-    """An obstore failure as the stager reports it: access (3), or S3 kept failing (7)."""
+def source_error(e: Exception, source: S3Source, fetched: int) -> StageError:
+    """An S3 client's failure (obstore's or dscache_native's, store.kind) as the stager reports
+    it: access (3), or S3 kept failing (7)."""
     text = (str(e) or type(e).__name__).split("\n")[0]
     where = f"{source.uri}" + (f" at {source.endpoint_url}" if source.endpoint_url else "")
     if "AssumeRoleWithWebIdentity" in text:
@@ -215,11 +219,7 @@ def source_error(e: BaseError, source: S3Source, fetched: int) -> StageError:
             f"({text})"
         )
     # "403" as a word: the message holds the endpoint's URL, whose port may be 41403.
-    if (
-        isinstance(e, (PermissionDeniedError, UnauthenticatedError))
-        or "AccessDenied" in str(e)
-        or re.search(r"\b403\b", text)
-    ):
+    if kind(e) in ("permission", "unauthenticated") or "AccessDenied" in str(e) or re.search(r"\b403\b", text):
         return SourceError(
             f"access denied to {where} with this pod's credentials: check the credentials "
             f"Secret (or the pod's IAM role) and that the bucket policy allows ListBucket and "

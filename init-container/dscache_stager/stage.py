@@ -54,6 +54,18 @@ object the native plane costs no more CPU than the Python one but 5 MiB more
 to read (dscache_python in the same runs: 26.0 MiB). Below 0.1 s with the page
 cache dropped, a one-page revision needs a path without asyncio and without one
 of the two S3 clients (and their shared objects), or the cold start out of Python.
+
+Next round: one S3 client on the common path (store.py). With the native module and static
+keys, the access proof, the listing and the HEADs of empty objects go through dscache_native's
+Store (native/src/list.rs, object_store as before), and obstore is imported only by the fallback
+and fetch.py's path (peers' turns, no native module, other credentials). The fixed set, base
+(main) and this branch in turns, 5 runs each, twice, at load 8-16 on 2 cores: read after the
+drop 30.4/30.8 -> 19.6/19.6 MiB (s5cmd 17.7); wall 0.130/0.136 -> 0.118/0.114 s (s5cmd
+0.030-0.033); CPU 0.086/0.092 -> 0.088/0.086 s; with the page cache kept 0.077/0.084 ->
+0.082/0.072 s (noise). A warm start (the revision on the node: one HEAD) got no slower, 9 runs
+each interleaved at load 20-24: 0.099 -> 0.080 s after a drop, 0.049 -> 0.050 s cached, CPU
+0.062 -> 0.059 and 0.047 -> 0.046 s. What is left to read is libpython (22 MiB mapped),
+dscache_native (5.5), libcrypto (4.5: hashlib's and ssl's, which asyncio imports).
 """
 
 from __future__ import annotations
@@ -64,9 +76,6 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-import obstore
-from obstore.exceptions import BaseError, InvalidPathError
-
 import dscache_contract as contract
 from dscache_contract import StageSummary, human_bytes
 
@@ -74,10 +83,10 @@ from .layout import Revision, cache_lock, check_cache_dir, write_lease
 from .listpage import Started, empty_page, first_page
 from .progress import Progress
 from .source import S3Source, source_error
+from .store import head, kind, open_store
 
 if TYPE_CHECKING:
-    from obstore.store import S3Store
-
+    from .store import AnyStore
     from .sync_options import SyncOptions
 
 
@@ -94,7 +103,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
         # Most likely a cold run: import its modules (asyncio, the native plane: ~0.1 s of CPU)
         # on a thread while this one waits on the network for the access proof and the lock.
         threading.Thread(target=_import_cold_path, name="import-cold", daemon=True).start()
-    store = opts.source.open_store(opts.concurrency)
+    store = open_store(opts.source, opts.concurrency)
     # A cold run that may take its listing from a peer, or lists versions, needs no first page.
     elsewhere = opts.as_of is not None or bool(opts.agent and opts.cache and opts.peer_token_file)
     listing = prove_access(store, opts.source, probe, elsewhere)
@@ -178,7 +187,7 @@ def _import_cold_path() -> None:
         native.load()  # the extension's shared object, loaded on first use otherwise
 
 
-def prove_access(store: S3Store, source: S3Source, probe_key: str | None, empty: bool = False) -> Started | None:
+def prove_access(store: AnyStore, source: S3Source, probe_key: str | None, empty: bool = False) -> Started | None:
     """One request with this process's credentials; raise SourceError if S3 refuses.
 
     A HEAD of an object we are about to serve proves GetObject on it; when it
@@ -190,17 +199,16 @@ def prove_access(store: S3Store, source: S3Source, probe_key: str | None, empty:
     """
     source.check_reachable()
     try:
-        if probe_key is not None:
-            try:
-                obstore.head(store, probe_key)
-                return None
-            except FileNotFoundError:
-                pass  # deleted since: the copy on the node is still whole; prove access by listing
+        # Not found: deleted since; the copy on the node is still whole, so prove access by listing.
+        if probe_key is not None and head(store, probe_key):
+            return None
         if empty:
             empty_page(store, source.prefix)
             return None
         return first_page(store, source.prefix)
-    except InvalidPathError:
-        return None  # S3 answered with keys obstore cannot represent: access is proven; the listing names them
-    except BaseError as e:
+    except Exception as e:
+        if (failed := kind(e)) is None:
+            raise
+        if failed == "invalid_path":
+            return None  # S3 answered with keys the client cannot represent: access is proven; the listing names them
         raise source_error(e, source, 0) from e

@@ -24,9 +24,6 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
-from obstore.exceptions import BaseError, PreconditionError
-from obstore.store import S3Store
-
 from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
 
 from . import native
@@ -38,7 +35,7 @@ from .errors import (
     RevisionGoneError,
     StageError,
 )
-from .fetch import SMALL_LIMIT, Fetcher, ObjectGone, exists
+from .fetch import SMALL_LIMIT, Fetcher, ObjectGone
 from .keys import TreeShape, unsafe_reason
 from .layout import Revision
 from .listing import (
@@ -54,12 +51,16 @@ from .listpage import Started
 from .peers_pace import Pace
 from .progress import Progress
 from .source import S3Source, source_error
+from .store import NativeStore, exists, kind
 from .sync_options import BUFFER_BYTES, SyncOptions
 from .tree import LocalTree
 
 if TYPE_CHECKING:
+    from obstore.store import S3Store
+
     from .peer_listing import ListingWriter
     from .peers import Peers
+    from .store import AnyStore
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
@@ -76,7 +77,7 @@ Task = tuple[RemoteObject, str, str]
 def cold(
     opts: SyncOptions,
     rev: Revision,
-    store: S3Store,
+    store: AnyStore,
     progress: Progress,
     started: Started | None = None,
 ) -> StageSummary:
@@ -108,7 +109,7 @@ def current_revision(source: S3Source, selection: Selection) -> dict[str, Any]:
 
 class _Run:
     def __init__(
-        self, opts: SyncOptions, rev: Revision, store: S3Store, progress: Progress, started: Started | None = None
+        self, opts: SyncOptions, rev: Revision, store: AnyStore, progress: Progress, started: Started | None = None
     ) -> None:
         self.opts = opts
         self.source = opts.source
@@ -168,7 +169,7 @@ class _Run:
         requests = min(self.opts.concurrency, BUFFER_BYTES // SMALL_LIMIT)
         self.requests = asyncio.Semaphore(requests)
         self.fetcher = Fetcher(
-            self.store,
+            self._python_store,
             self.tree,
             rev.tmp,
             self.requests,
@@ -250,17 +251,22 @@ class _Run:
         except RevisionGoneError:
             self._drop_revision()
             raise
-        except (ObjectGone, PreconditionError) as e:
-            self._drop_revision()
-            raise RevisionGoneError(
-                f"an object under {self.source.uri} changed or was deleted after revision {rev.rev} was "
-                f"pinned ({_first_line(e)}); the bucket can no longer serve revision {rev.rev}, so nothing "
-                f"was staged. {_revision_advice()}"
-            ) from e
-        except OSError as e:
-            raise _destination_error(e, rev.dir) from e
-        except BaseError as e:
-            raise source_error(e, self.source, self.progress.fetched_objects) from e
+        except Exception as e:
+            # Either S3 client's failures, told apart by kind (store.py): obstore is not imported
+            # on the common path, so its classes cannot be named here.
+            failed = kind(e)
+            if isinstance(e, ObjectGone) or failed == "precondition":
+                self._drop_revision()
+                raise RevisionGoneError(
+                    f"an object under {self.source.uri} changed or was deleted after revision {rev.rev} was "
+                    f"pinned ({_first_line(e)}); the bucket can no longer serve revision {rev.rev}, so nothing "
+                    f"was staged. {_revision_advice()}"
+                ) from e
+            if isinstance(e, OSError):
+                raise _destination_error(e, rev.dir) from e
+            if failed is not None:
+                raise source_error(e, self.source, self.progress.fetched_objects) from e
+            raise
         finally:
             ticker.cancel()
             if self.listing_writer is not None:
@@ -401,6 +407,13 @@ class _Run:
         if self.opts.as_of:
             return list_versions(self.source, self.opts.as_of)
         return list_objects(self.store, self.source.prefix, self.started_listing)
+
+    def _python_store(self) -> S3Store:
+        """obstore's client for fetch.py (peers' turns, the fallback): the run's own when it is
+        obstore's, else one opened now, the first time fetch.py makes a request (store.py)."""
+        if isinstance(self.store, NativeStore):
+            return self.source.open_store(self.opts.concurrency)
+        return self.store
 
     def _reserve(self, objs: list[RemoteObject]) -> None:
         self.needed += sum(-(-o.size // BLOCK) * BLOCK for o in objs)

@@ -66,7 +66,7 @@ pub struct Shared {
 /// Why an object failed, in the terms fetch.py's callers understand.
 #[derive(Debug)]
 pub enum Failure {
-    /// Mapped by the Python wrapper onto obstore's exception of the same kind.
+    /// Mapped by the Python wrapper (store.failure) onto the exception of that kind.
     Store {
         kind: &'static str,
         message: String,

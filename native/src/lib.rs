@@ -16,6 +16,7 @@
 mod copy;
 mod creds;
 mod large;
+mod list;
 mod splice;
 mod settings;
 
@@ -212,6 +213,9 @@ fn version() -> &'static str {
 #[pymodule]
 fn dscache_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Copier>()?;
+    // Listing and HEADs (list.rs): the common path's only S3 client with the Copier.
+    m.add_class::<list::Store>()?;
+    m.add_class::<list::Pages>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     Ok(())
 }

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from obstore.exceptions import PreconditionError
 
 import dscache_contract as contract
 from dscache_stager import native
 from dscache_stager.source import S3Source
+from dscache_stager.store import PreconditionError
 from tests.support.faultproxy import FaultProxy
 from tests.support.s3server import S3Server
 from tests.support.stager import boto3_revision, data_dir, run_stage, stage_cmd, stage_env, sync_argv

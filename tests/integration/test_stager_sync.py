@@ -334,7 +334,7 @@ def test_large_object_paths_write_exact_bytes(
     store = S3Source.parse(f"s3://{bucket}/big/", endpoint_url=s3_server.endpoint).open_store(8)
     (tmp_path / "tmp").mkdir()
     fetcher = Fetcher(
-        store,
+        lambda: store,
         LocalTree(str(tmp_path)),
         str(tmp_path / "tmp"),
         asyncio.Semaphore(8),

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -196,3 +197,60 @@ def test_gc_comes_back_frozen_after_start_up() -> None:
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+# The common path's S3 client (store.py): with the native module and static keys, a cold start
+# lists, HEADs and copies through dscache_native alone; obstore's 15 MiB extension is not read.
+COMMON_PATH = """
+import json, sys
+from dscache_stager import cli, fetch, listing, listpage, native, stage, store, sync
+from dscache_stager.source import S3Source, source_error
+listpage.LIST_ATTEMPTS = 1  # one try of the page below: the endpoint does not answer
+src = S3Source.parse("s3://b/p", endpoint_url="http://127.0.0.1:{port}", retry_timeout=0.2)
+client = store.open_store(src, 8)
+failures = []
+for request in (lambda: client.head("p/k") if isinstance(client, store.NativeStore) else store.head(client, "p/k"),
+                lambda: listpage.first_page(client, src.prefix)):
+    try:
+        request()
+    except Exception as e:
+        failures.append([store.kind(e), str(source_error(e, src, 0))])
+print(json.dumps({{"client": type(client).__name__, "failures": failures,
+                  "obstore": sorted(m for m in sys.modules if m.split(".")[0] == "obstore")}}))
+"""
+
+
+def _common_path(env: dict[str, str]) -> dict[str, object]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "DSCACHE_NATIVE"}
+    code = COMMON_PATH.format(port=_closed_port())
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**base, **env}, timeout=60)
+    assert p.returncode == 0, p.stderr
+    out: dict[str, object] = json.loads(p.stdout)
+    return out
+
+
+STATIC_KEYS = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1"}
+
+
+def test_the_common_path_never_imports_obstore() -> None:
+    """Every module of a cold start, the client it opens and its failures (as the stager words
+    them): all without obstore, when the native module loads and the keys are static."""
+    pytest.importorskip("dscache_native")
+    got = _common_path(STATIC_KEYS)
+    assert got["client"] == "NativeStore"
+    assert got["obstore"] == []
+    failures = got["failures"]
+    assert isinstance(failures, list) and len(failures) == 2
+    for kind, message in failures:
+        assert kind == "generic" and "cannot reach the S3 endpoint" in message, (kind, message)
+
+
+def test_without_the_native_plane_obstore_is_the_client() -> None:
+    """The fallback (DSCACHE_NATIVE=0, as without the extension): obstore's client, its failures alike."""
+    got = _common_path({**STATIC_KEYS, "DSCACHE_NATIVE": "0"})
+    assert got["client"] == "S3Store"
+    assert "obstore" in cast(list[str], got["obstore"])
+    failures = got["failures"]
+    assert isinstance(failures, list) and len(failures) == 2
+    for kind, message in failures:
+        assert kind == "generic" and "cannot reach the S3 endpoint" in message, (kind, message)

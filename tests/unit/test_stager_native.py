@@ -8,14 +8,24 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+import threading
+import time
 
 import pytest
-from obstore.exceptions import GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
 from dscache_stager import native
 from dscache_stager.errors import SourceError
 from dscache_stager.fetch import ObjectGone
 from dscache_stager.source import S3Source, source_error
+from dscache_stager.store import (
+    GenericError,
+    NativeStore,
+    PermissionDeniedError,
+    PreconditionError,
+    StoreError,
+    UnauthenticatedError,
+    list_async,
+)
 
 
 def test_failures_are_raised_as_the_python_path_raises_them():
@@ -85,3 +95,52 @@ def test_a_large_object_that_cannot_be_read_raises_and_leaves_nothing(monkeypatc
     finally:
         fetcher.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def _silent_endpoint(sock: socket.socket) -> str:
+    """An endpoint that takes connections (the kernel's backlog) and never answers a request."""
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_native_page_in_flight_is_cancelled_at_once():
+    """Pages.cancel, from another thread, ends a page S3 does not answer (the client would wait
+    TIMEOUT_S = 300 s): next() raises at once."""
+    module = pytest.importorskip("dscache_native")
+    with socket.socket() as silent:
+        source = S3Source("b", "p/", endpoint_url=_silent_endpoint(silent))
+        client = NativeStore(module.Store("b", source.store_settings(4), access_key_id="k", secret_access_key="s"))
+        pages = client.pages("p/", None, 1000)
+        threading.Timer(0.3, pages.cancel).start()
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="cancelled"):
+            next(pages)
+        assert 0.25 < time.monotonic() - started < 5
+        with pytest.raises(StopIteration):
+            next(pages)  # the listing is over
+
+
+def test_an_abandoned_listing_leaves_no_thread_waiting_on_s3():
+    """A listing task cancelled while its page is in flight (the run failed elsewhere): the page's
+    thread ends with it, so asyncio.run (which waits for its threads) returns at once."""
+    module = pytest.importorskip("dscache_native")
+
+    async def abandon(client: NativeStore) -> None:
+        async def consume() -> None:
+            async for _ in list_async(client, "p/", None, 1000):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with socket.socket() as silent:
+        source = S3Source("b", "p/", endpoint_url=_silent_endpoint(silent))
+        client = NativeStore(module.Store("b", source.store_settings(4), access_key_id="k", secret_access_key="s"))
+        # On a thread of its own, so that a run left waiting on S3 fails the test instead of hanging it.
+        run = threading.Thread(target=asyncio.run, args=(abandon(client),), daemon=True)
+        run.start()
+        run.join(timeout=10)
+        assert not run.is_alive(), "asyncio.run still waits for the listing's thread"
