@@ -133,6 +133,9 @@ class StageRun:
     rx_bytes: dict[str, int] = field(default_factory=dict)  # each node's veth, during the run
     served_bytes: dict[str, float] = field(default_factory=dict)  # each agent's /metrics, during the run
     bucket: dict[str, Any] = field(default_factory=dict)  # fanout_stats.bucket_reads, from the server's log
+    #: user+sys seconds during the run per process class: agents, stagers, kube-apiserver, etcd,
+    #: versitygw, and the bench itself (its threads relay the agents' API connections)
+    class_cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def own_s(self) -> dict[str, float]:
@@ -168,6 +171,19 @@ class Scale:
     @property
     def access_log(self) -> Path:
         return (self.work / "s3-access.log").resolve()
+
+    def daemons_cpu_s(self) -> dict[str, float]:
+        """CPU so far of the shared processes: the API server, etcd, the S3 server, this bench."""
+        out: dict[str, float] = {}
+        for cls, proc in (
+            ("etcd", self.kube.procs[0] if self.kube.procs else None),
+            ("kube_apiserver", self.kube.procs[1] if len(self.kube.procs) > 1 else None),
+            ("versitygw", self.server.proc if self.server else None),
+        ):
+            out[cls] = proc_cpu_s(proc.pid) if proc is not None else 0.0
+        t = os.times()
+        out["bench"] = t.user + t.system
+        return out
 
     def served(self, agents: list[NetnsAgent]) -> dict[str, float]:
         out = {}
@@ -282,6 +298,7 @@ class Scale:
         self.drop_cache()
         tx0, rx0 = self.net.server.tx_bytes(), self.net.server.host_rx_bytes()
         cpu0 = {a.node: proc_cpu_s(a.proc.pid) if a.proc else 0.0 for a in agents}
+        daemons0 = self.daemons_cpu_s()
         node_rx0 = {a.node: a.host.rx_bytes() for a in agents if a.host}
         served0 = self.served(agents)
         log_at = self.access_log.stat().st_size
@@ -309,6 +326,11 @@ class Scale:
         for t in threads:
             t.join()
         r.agent_cpu_s = {a.node: (proc_cpu_s(a.proc.pid) if a.proc else 0.0) - cpu0[a.node] for a in agents}
+        r.class_cpu_s = {
+            "agents": sum(r.agent_cpu_s.values()),
+            "stagers": sum(r.cpu_s.values()),
+            **{k: v - daemons0[k] for k, v in self.daemons_cpu_s().items()},
+        }
         r.loadavg = [round(x, 2) for x in os.getloadavg()]
         time.sleep(0.2)  # the last segments are counted
         r.bucket_bytes = self.net.server.tx_bytes() - tx0
@@ -349,7 +371,8 @@ class Scale:
             f"{sum(int(s.get('bucket_bytes', 0)) for s in r.summaries.values()) / 1e6:.1f} MB, peers "
             f"{sum(int(s.get('peer_bytes', 0)) for s in r.summaries.values()) / 1e6:.1f} MB; p99 object "
             f"{percentile(r.latencies, 0.99):.2f}s; agents CPU {sum(r.agent_cpu_s.values()):.1f}s; "
-            f"stagers CPU {sum(r.cpu_s.values()):.1f}s; load {r.loadavg}; every byte verified; the server's log: "
+            f"stagers CPU {sum(r.cpu_s.values()):.1f}s; CPU by class "
+            f"{ {k: round(v, 1) for k, v in r.class_cpu_s.items()} }; load {r.loadavg}; every byte verified; the server's log: "
             f"{len(r.bucket.get('per_node') or {})} nodes read the bucket, {r.bucket.get('keys_read_twice_or_more')} "
             f"keys by more than one ({r.bucket.get('extra_bytes', 0) / 1e6:.1f} MB extra)"
         )
@@ -391,6 +414,7 @@ def by_n_entry(r: StageRun, one_s: float, dataset_bytes: int) -> dict[str, Any]:
         "all_ready_s": round(r.slowest_s, 3),
         "all_ready_span_s": round(r.span_s, 3),
         "stager_cpu_s": round(sum(r.cpu_s.values()), 3),
+        "cpu_s_by_class": {k: round(v, 3) for k, v in r.class_cpu_s.items()},
         "stager_bucket_bytes": sum(int(s.get("bucket_bytes", 0)) for s in r.summaries.values()),
         "peer_bytes": sum(int(s.get("peer_bytes", 0)) for s in r.summaries.values()),
         "nodes_reading_bucket": sum(1 for s in r.summaries.values() if int(s.get("bucket_bytes", 0)) > 0),
