@@ -61,7 +61,9 @@ TARGET_BUCKET_RATIO = 1.1
 TARGET_ALL_READY_OVER_ONE = 1.3  # at the largest N (the issue: N = 32)
 #: The project's own packages (their bytecode is compiled before the run, as in the images).
 REQUESTS_LINE = re.compile(
-    r'^dscache_node_requests_total\{code="(?P<code>[^"]*)",route="(?P<route>[^"]*)"\} (?P<n>\S+)$', re.M
+    r'^dscache_node_requests_total\{code="(?P<code>[^"]*)",route="(?P<route>[^"]*)",state="(?P<state>[^"]*)"\} '
+    r"(?P<n>\S+)$",
+    re.M,
 )
 PACKAGES = ("init-container/dscache_stager", "node-agent/dscache_node", "contract/dscache_contract")
 
@@ -197,7 +199,7 @@ class Scale:
         out: dict[str, float] = {}
         for a in agents:
             for m in REQUESTS_LINE.finditer(a.metrics()):
-                key = f"{m.group('route')} {m.group('code')}"
+                key = " ".join(x for x in (m.group("route"), m.group("code"), m.group("state")) if x)
                 out[key] = out.get(key, 0.0) + float(m.group("n"))
         return out
 

@@ -37,8 +37,9 @@ class AgentMetrics:
         )
         self.requests = Counter(
             "dscache_node_requests",
-            "Requests answered, by kind (objects, objects_probe, peers, listings, reserve, wipe, ...) and status",
-            ["route", "code"],
+            "Requests answered, by kind (objects, objects_probe, peers, listings, reserve, wipe, ...), status, "
+            "and for an object not sent, why (its state: staging, absent, unclaimed)",
+            ["route", "code", "state"],
             registry=r,
         )
         self.token_reviews = Counter(

@@ -181,6 +181,18 @@ def _route(request: web.BaseRequest) -> str:
     )
 
 
+def _state(route: str, resp: web.StreamResponse) -> str:
+    """Why an object was not sent (a 404's ``state``: staging, absent, unclaimed), else ''."""
+    if resp.status != 404 or not route.startswith("objects") or not isinstance(resp, web.Response):
+        return ""
+    body = resp.body
+    if isinstance(body, bytes):
+        for state in RevisionState:
+            if f'"state": "{state.value}"'.encode() in body:
+                return state.value
+    return ""
+
+
 def _json(code: int, body: Any) -> web.Response:
     return web.Response(status=code, text=json.dumps(body), content_type="application/json")
 
@@ -270,7 +282,8 @@ class AgentServer:
         resp = await self._dispatch(request)
         # Requests by kind and answer (issue 30: where a fan-out's requests go, e.g. how many
         # object requests were answered "not yet" for each one served).
-        self.agent.metrics.requests.labels(_route(request), str(resp.status)).inc()
+        route = _route(request)
+        self.agent.metrics.requests.labels(route, str(resp.status), _state(route, resp)).inc()
         return resp
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:

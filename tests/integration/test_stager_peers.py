@@ -264,6 +264,6 @@ def test_objects_need_the_caches_own_token(s3_server: S3Server, counted, agents,
     metrics = a.metrics()
     assert "dscache_node_peer_refused_requests_total" in metrics
     # Every request counted by kind and answer: one object served, and the refusals above.
-    assert 'dscache_node_requests_total{code="200",route="objects"} 1.0' in metrics
-    assert 'dscache_node_requests_total{code="404",route="objects"} 1.0' in metrics  # the symlink
-    assert re.search(r'dscache_node_requests_total\{code="40[13]",route="objects"\} [1-9]', metrics)
+    assert 'dscache_node_requests_total{code="200",route="objects",state=""} 1.0' in metrics
+    assert 'dscache_node_requests_total{code="404",route="objects",state="absent"} 1.0' in metrics  # the symlink
+    assert re.search(r'dscache_node_requests_total\{code="40[13]",route="objects",state=""\} [1-9]', metrics)
