@@ -59,6 +59,13 @@ S3_PORT = 9000
 NS = "fanout-bench"
 TARGET_BUCKET_RATIO = 1.1
 TARGET_ALL_READY_OVER_ONE = 1.3  # at the largest N (the issue: N = 32)
+#: The project's own packages (their bytecode is compiled before the run, as in the images).
+REQUESTS_LINE = re.compile(
+    r'^dscache_node_requests_total\{code="(?P<code>[^"]*)",route="(?P<route>[^"]*)",state="(?P<state>[^"]*)"\} '
+    r"(?P<n>\S+)$",
+    re.M,
+)
+PACKAGES = ("init-container/dscache_stager", "node-agent/dscache_node", "contract/dscache_contract")
 
 
 @dataclass
@@ -133,6 +140,11 @@ class StageRun:
     rx_bytes: dict[str, int] = field(default_factory=dict)  # each node's veth, during the run
     served_bytes: dict[str, float] = field(default_factory=dict)  # each agent's /metrics, during the run
     bucket: dict[str, Any] = field(default_factory=dict)  # fanout_stats.bucket_reads, from the server's log
+    #: user+sys seconds during the run per process class: agents, stagers, kube-apiserver, etcd,
+    #: versitygw, and the bench itself (its threads relay the agents' API connections)
+    class_cpu_s: dict[str, float] = field(default_factory=dict)
+    #: the agents' requests during the run, "<route> <status>" -> count (their /metrics), in all
+    requests: dict[str, int] = field(default_factory=dict)
 
     @property
     def own_s(self) -> dict[str, float]:
@@ -169,6 +181,28 @@ class Scale:
     def access_log(self) -> Path:
         return (self.work / "s3-access.log").resolve()
 
+    def daemons_cpu_s(self) -> dict[str, float]:
+        """CPU so far of the shared processes: the API server, etcd, the S3 server, this bench."""
+        out: dict[str, float] = {}
+        for cls, proc in (
+            ("etcd", self.kube.procs[0] if self.kube.procs else None),
+            ("kube_apiserver", self.kube.procs[1] if len(self.kube.procs) > 1 else None),
+            ("versitygw", self.server.proc if self.server else None),
+        ):
+            out[cls] = proc_cpu_s(proc.pid) if proc is not None else 0.0
+        t = os.times()
+        out["bench"] = t.user + t.system
+        return out
+
+    def requests(self, agents: list[NetnsAgent]) -> dict[str, float]:
+        """The agents' requests so far, by kind and status, summed over ``agents``."""
+        out: dict[str, float] = {}
+        for a in agents:
+            for m in REQUESTS_LINE.finditer(a.metrics()):
+                key = " ".join(x for x in (m.group("route"), m.group("code"), m.group("state")) if x)
+                out[key] = out.get(key, 0.0) + float(m.group("n"))
+        return out
+
     def served(self, agents: list[NetnsAgent]) -> dict[str, float]:
         out = {}
         for a in agents:
@@ -178,6 +212,14 @@ class Scale:
 
     def up(self, stops: list[Callable[[], None]]) -> None:
         """The namespaces, the server in its own, the forwarder and an agent per node."""
+        # The images compile their bytecode when they are built (compileall); a checkout run with
+        # PYTHONDONTWRITEBYTECODE would compile the project's modules in every stager it starts.
+        root = Path(__file__).resolve().parents[1]
+        subprocess.run(
+            [_python(), "-m", "compileall", "-q", *(str(root / d) for d in PACKAGES)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         self.net.up()
         assert self.net.server is not None
         self.server = S3Server(root=self.work / "s3root-scale", host=self.net.server.ip, port=S3_PORT)
@@ -284,8 +326,10 @@ class Scale:
         self.drop_cache()
         tx0, rx0 = self.net.server.tx_bytes(), self.net.server.host_rx_bytes()
         cpu0 = {a.node: proc_cpu_s(a.proc.pid) if a.proc else 0.0 for a in agents}
+        daemons0 = self.daemons_cpu_s()
         node_rx0 = {a.node: a.host.rx_bytes() for a in agents if a.host}
         served0 = self.served(agents)
+        requests0 = self.requests(agents)
         log_at = self.access_log.stat().st_size
         outs: dict[str, str] = {}
         codes: dict[str, int] = {}
@@ -311,12 +355,22 @@ class Scale:
         for t in threads:
             t.join()
         r.agent_cpu_s = {a.node: (proc_cpu_s(a.proc.pid) if a.proc else 0.0) - cpu0[a.node] for a in agents}
+        r.class_cpu_s = {
+            "agents": sum(r.agent_cpu_s.values()),
+            "stagers": sum(r.cpu_s.values()),
+            **{k: v - daemons0[k] for k, v in self.daemons_cpu_s().items()},
+        }
         r.loadavg = [round(x, 2) for x in os.getloadavg()]
         time.sleep(0.2)  # the last segments are counted
         r.bucket_bytes = self.net.server.tx_bytes() - tx0
         r.bucket_host_rx_bytes = self.net.server.host_rx_bytes() - rx0
         r.rx_bytes = {a.node: a.host.rx_bytes() - node_rx0[a.node] for a in agents if a.host}
         r.served_bytes = {n: v - served0[n] for n, v in self.served(agents).items()}
+        r.requests = {
+            k: int(v - requests0.get(k, 0.0))
+            for k, v in sorted(self.requests(agents).items())
+            if v > requests0.get(k, 0.0)
+        }
         with open(self.access_log, "rb") as f:
             f.seek(log_at)
             lines = f.read().decode(errors="replace").splitlines()
@@ -351,7 +405,8 @@ class Scale:
             f"{sum(int(s.get('bucket_bytes', 0)) for s in r.summaries.values()) / 1e6:.1f} MB, peers "
             f"{sum(int(s.get('peer_bytes', 0)) for s in r.summaries.values()) / 1e6:.1f} MB; p99 object "
             f"{percentile(r.latencies, 0.99):.2f}s; agents CPU {sum(r.agent_cpu_s.values()):.1f}s; "
-            f"stagers CPU {sum(r.cpu_s.values()):.1f}s; load {r.loadavg}; every byte verified; the server's log: "
+            f"stagers CPU {sum(r.cpu_s.values()):.1f}s; CPU by class "
+            f"{ {k: round(v, 1) for k, v in r.class_cpu_s.items()} }; agents' requests {r.requests}; load {r.loadavg}; every byte verified; the server's log: "
             f"{len(r.bucket.get('per_node') or {})} nodes read the bucket, {r.bucket.get('keys_read_twice_or_more')} "
             f"keys by more than one ({r.bucket.get('extra_bytes', 0) / 1e6:.1f} MB extra)"
         )
@@ -393,6 +448,8 @@ def by_n_entry(r: StageRun, one_s: float, dataset_bytes: int) -> dict[str, Any]:
         "all_ready_s": round(r.slowest_s, 3),
         "all_ready_span_s": round(r.span_s, 3),
         "stager_cpu_s": round(sum(r.cpu_s.values()), 3),
+        "cpu_s_by_class": {k: round(v, 3) for k, v in r.class_cpu_s.items()},
+        "agent_requests": r.requests,
         "stager_bucket_bytes": sum(int(s.get("bucket_bytes", 0)) for s in r.summaries.values()),
         "peer_bytes": sum(int(s.get("peer_bytes", 0)) for s in r.summaries.values()),
         "nodes_reading_bucket": sum(1 for s in r.summaries.values() if int(s.get("bucket_bytes", 0)) > 0),

@@ -5,6 +5,10 @@ importing it and building a CoreV1Api took the process from 8 to 65 MiB RSS,
 against 20 MiB for http.client + ssl + json; the agent runs on every node, and
 it needs five calls (get, merge-patch, post, list and watch).
 
+Connections are kept alive and reused (at most ``IDLE_MAX`` idle ones): a new TLS
+handshake per call cost the agent and the API server more CPU than the calls themselves
+when every stager asks its agent who its peers are several times a second (issue 30).
+
 In a pod it uses the ServiceAccount token (re-read on every request: kubelet
 rotates it) and CA. Out of a cluster (integration tests): DSCACHE_KUBE_SERVER
 with DSCACHE_KUBE_CA and either DSCACHE_KUBE_CERT/DSCACHE_KUBE_KEY or
@@ -17,11 +21,26 @@ import http.client
 import json
 import os
 import ssl
+import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+#: Idle connections kept for reuse (the agent's threads seldom call at once).
+IDLE_MAX = 4
+#: An idle connection older than this is closed rather than reused (the server may have dropped it).
+IDLE_S = 30.0
+#: What a reused connection raises when the server closed it while it was idle: the request never
+#: reached the server, so it is sent once more on a new connection.
+_STALE = (
+    http.client.RemoteDisconnected,
+    ConnectionResetError,
+    BrokenPipeError,
+    ConnectionAbortedError,
+    ssl.SSLEOFError,
+)
 
 
 class ApiError(Exception):
@@ -35,6 +54,8 @@ class Kube:
         url = urllib.parse.urlsplit(server)
         self.host, self.port = url.hostname or "localhost", url.port or 443
         self.ctx, self.token_file, self.timeout = ctx, token_file, timeout
+        self._idle: list[tuple[float, http.client.HTTPSConnection]] = []
+        self._idle_lock = threading.Lock()
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Kube:
@@ -63,20 +84,62 @@ class Kube:
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
     ) -> dict[str, Any] | None:
         """One call; None on 404; ApiError on any other failure."""
-        conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=self.timeout)
+        data = json.dumps(body).encode() if body is not None else None
+        headers = self._headers(content_type if data else None)
+        conn, reused = self._take()
         try:
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers=self._headers(content_type if data else None))
-            resp = conn.getresponse()
-            text = resp.read().decode(errors="replace")
-        finally:
+            try:
+                status, text, keep = self._exchange(conn, method, path, data, headers)
+            except _STALE:
+                if not reused:
+                    raise
+                conn.close()
+                conn = self._connect()
+                status, text, keep = self._exchange(conn, method, path, data, headers)
+        except BaseException:
             conn.close()
-        if resp.status == 404:
+            raise
+        if keep:
+            self._give(conn)
+        else:
+            conn.close()
+        if status == 404:
             return None
-        if resp.status >= 300:
-            raise ApiError(resp.status, text)
+        if status >= 300:
+            raise ApiError(status, text)
         out: dict[str, Any] = json.loads(text) if text else {}
         return out
+
+    @staticmethod
+    def _exchange(
+        conn: http.client.HTTPSConnection, method: str, path: str, data: bytes | None, headers: dict[str, str]
+    ) -> tuple[int, str, bool]:
+        """(status, body, whether the connection may be reused)."""
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+        return resp.status, text, not resp.will_close
+
+    def _connect(self) -> http.client.HTTPSConnection:
+        return http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=self.timeout)
+
+    def _take(self) -> tuple[http.client.HTTPSConnection, bool]:
+        """An idle connection (reused: True) or a new one."""
+        now = time.monotonic()
+        with self._idle_lock:
+            while self._idle:
+                at, conn = self._idle.pop()
+                if now - at < IDLE_S:
+                    return conn, True
+                conn.close()
+        return self._connect(), False
+
+    def _give(self, conn: http.client.HTTPSConnection) -> None:
+        with self._idle_lock:
+            if len(self._idle) < IDLE_MAX:
+                self._idle.append((time.monotonic(), conn))
+                return
+        conn.close()
 
     def get(self, path: str) -> dict[str, Any] | None:
         return self.request("GET", path)

@@ -35,6 +35,13 @@ class AgentMetrics:
             "Object requests refused: no token, or not a consumer pod of that cache",
             registry=r,
         )
+        self.requests = Counter(
+            "dscache_node_requests",
+            "Requests answered, by kind (objects, objects_probe, peers, listings, reserve, wipe, ...), status, "
+            "and for an object not sent, why (its state: staging, absent, unclaimed)",
+            ["route", "code", "state"],
+            registry=r,
+        )
         self.token_reviews = Counter(
             "dscache_node_token_reviews", "TokenReviews sent to the API server (a verified token is kept)", registry=r
         )

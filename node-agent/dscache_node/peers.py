@@ -1,8 +1,11 @@
 """Fetch once per cluster, the agent's side: who holds a revision, and its objects for peers.
 
-- ``Directory.answer``: the nodes staging or holding a revision, from Node labels (one
-  list call per label, cached for a second: every stager of a revision asks about once
-  a second while it copies);
+- ``Directory.answer``: the nodes staging or holding a revision, from Node labels: per
+  label, the Nodes carrying it are listed once, then kept by a watch of that label
+  (``LabelView``), so an answer is read from memory (a stager asks its agent five times
+  a second while the cohort forms, then every second: two lists per question cost the
+  agents and the API server more CPU than anything else they did for it, issue 30);
+  until a view's watch runs, or after it failed, the labels are listed per answer;
 - ``open_object``: a complete object of a revision on this node, for a peer that shows
   the cache's token (dscache_contract.peers). Only files under ``revs/<rev>/data/`` are
   served, opened one path component at a time without following any symlink, and a
@@ -39,8 +42,15 @@ from .kube import ApiError, Kube
 
 log = logging.getLogger("dscache-node")
 
-#: How long an answer about one revision is reused (each stager of it asks once a second).
+#: How long an answer about one revision is reused while its labels are listed, not watched.
 ANSWER_TTL_S = 0.2
+#: A label's view is dropped (its watch ended) once no stager asked about it for this long.
+VIEW_IDLE_S = 60.0
+#: Each watch lasts this long, then the label is listed and watched anew (a watch that went
+#: silent, its connection lost without a reset, cannot keep a view stale for longer).
+WATCH_S = 30
+#: After a failed list or watch, the next attempt waits this long (answers list meanwhile).
+RETRY_S = 1.0
 #: How often a held request looks again for the object it waits for.
 POLL_S = 0.05
 
@@ -204,28 +214,117 @@ def wait_for_object(
         time.sleep(POLL_S)
 
 
+class LabelView:
+    """The Nodes that carry one label, as (agent address, label value) by Node name: listed,
+    then watched from that listing's version (label selector: a Node that gains the label is
+    ADDED, one that loses it or goes is DELETED), on a thread of its own, until no stager asked
+    for ``VIEW_IDLE_S``. ``synced``: False until the first listing, and whenever a list or
+    watch failed and the next one has not listed yet (the caller lists for itself then)."""
+
+    def __init__(self, kube: Kube, label: str) -> None:
+        self.kube = kube
+        self.label = label
+        self._lock = threading.Lock()
+        self._nodes: dict[str, tuple[str, str]] = {}
+        self.synced = False
+        self.asked = time.monotonic()
+        self.done = threading.Event()
+
+    def start(self) -> LabelView:
+        threading.Thread(target=self._run, name="label-view", daemon=True).start()
+        return self
+
+    def read(self) -> list[tuple[str, str]] | None:
+        """The Nodes with the label now; None while the view is not synced."""
+        self.asked = time.monotonic()
+        with self._lock:
+            return list(self._nodes.values()) if self.synced else None
+
+    def idle(self) -> bool:
+        return time.monotonic() - self.asked > VIEW_IDLE_S
+
+    def _run(self) -> None:
+        selector = urllib.parse.quote(self.label, safe="")
+        try:
+            while not self.idle():
+                try:
+                    self._list_and_watch(selector)
+                except Exception as e:  # the API server restarts, a watch expires: list again
+                    with self._lock:
+                        self.synced = False
+                    log.info(f"the view of Nodes labelled {self.label} failed ({e}); listing again in {RETRY_S} s")
+                    time.sleep(RETRY_S)
+        finally:
+            self.done.set()
+
+    def _list_and_watch(self, selector: str) -> None:
+        listing = self.kube.get(f"/api/v1/nodes?labelSelector={selector}&resourceVersion=0") or {}
+        nodes = {}
+        for node in listing.get("items") or []:
+            if (entry := self._entry(node)) is not None:
+                nodes[entry[0]] = entry[1]
+        with self._lock:
+            self._nodes, self.synced = nodes, True
+        version = (listing.get("metadata") or {}).get("resourceVersion", "")
+        path = f"/api/v1/nodes?labelSelector={selector}&resourceVersion={version}&allowWatchBookmarks=true"
+        for event in self.kube.watch(path, timeout_seconds=WATCH_S):
+            if self.idle():
+                return
+            kind, node = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                raise ApiError(int(node.get("code") or 0), str(node.get("message") or "watch error"))
+            if kind not in ("ADDED", "MODIFIED", "DELETED"):
+                continue  # BOOKMARK
+            name = (node.get("metadata") or {}).get("name", "")
+            entry = self._entry(node) if kind != "DELETED" else None
+            with self._lock:
+                if entry is None:
+                    self._nodes.pop(name, None)
+                else:
+                    self._nodes[name] = entry[1]
+
+    def _entry(self, node: dict[str, Any]) -> tuple[str, tuple[str, str]] | None:
+        """(name, (agent address, label value)) of a Node that carries the label and an address."""
+        meta = node.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        addr = _address(node)
+        if self.label not in labels or not addr:
+            return None
+        return str(meta.get("name", "")), (addr, str(labels[self.label]))
+
+
 class Directory:
     """Which nodes stage or hold a revision, read from their labels (agent addresses: the Node's
     InternalIP and the port its agent labelled it with)."""
 
-    def __init__(self, kube: Kube, node: str) -> None:
+    def __init__(self, kube: Kube, node: str, watch: bool = True) -> None:
         self.kube = kube
         self.node = node
+        self.watch = watch
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str, str], tuple[float, PeersAnswer]] = {}
+        self._views: dict[str, LabelView] = {}
         self._me = ""
 
     def answer(self, namespace: str, cache: str, revision: str, fresh: bool = False) -> PeersAnswer:
+        """``fresh``: this node just labelled itself (its first question about the revision): list,
+        so the answer has this node's own label, whatever the view has seen yet."""
         key = (namespace, cache, revision)
+        staging_key, warm_key = staging_label(namespace, cache, revision), contract.warm_label(*key)
+        views = self._read_views(staging_key, warm_key)  # started on the first question
+        if fresh:
+            views = None
+        if views is None:
+            now = time.monotonic()
+            with self._lock:
+                hit = self._cache.get(key)
+                if hit and not fresh and now - hit[0] < ANSWER_TTL_S:
+                    return hit[1]
+            views = self._nodes(staging_key), self._nodes(warm_key)
+        staging = [Peer(addr, _since(value)) for addr, value in sorted(views[0])]
+        complete = [Peer(addr) for addr, _ in sorted(views[1])]
+        out = PeersAnswer(me=self.me(), staging=staging, complete=complete)
         now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit and not fresh and now - hit[0] < ANSWER_TTL_S:
-                return hit[1]
-        staging = [Peer(addr, _since(value)) for addr, value in self._nodes(staging_label(namespace, cache, revision))]
-        complete = [Peer(addr) for addr, _ in self._nodes(contract.warm_label(namespace, cache, revision))]
-        me = self.me()
-        out = PeersAnswer(me=me, staging=staging, complete=complete)
         with self._lock:
             self._cache[key] = (now, out)
             # Forget answers nobody asked for lately (a revision's copies end).
@@ -233,6 +332,26 @@ class Directory:
                 if now - at > 60:
                     del self._cache[k]
         return out
+
+    def _read_views(self, *labels: str) -> tuple[list[tuple[str, str]], ...] | None:
+        """Each label's Nodes from its view (started if there is none); None unless all are synced."""
+        if not self.watch:
+            return None
+        got = []
+        with self._lock:
+            for k in [k for k, v in self._views.items() if v.done.is_set()]:
+                del self._views[k]
+            views = [self._views.get(label) for label in labels]
+            for i, label in enumerate(labels):
+                if views[i] is None:
+                    views[i] = self._views[label] = LabelView(self.kube, label).start()
+        for view in views:
+            assert view is not None
+            nodes = view.read()
+            if nodes is None:
+                return None
+            got.append(nodes)
+        return tuple(got)
 
     def me(self) -> str:
         # The node's own address as the others compute it; it does not change while the agent runs.

@@ -59,6 +59,7 @@ from dscache_contract.listings import LISTINGS_PATH
 from dscache_contract.peers import (
     OBJECTS_PATH,
     PEERS_PATH,
+    PROBE_PARAM,
     REVISION_HEADER,
     ObjectRequest,
     PeersRequest,
@@ -168,6 +169,30 @@ def _peer(transport: asyncio.BaseTransport) -> str:
     return str(peername[0]) if peername else "?"
 
 
+def _route(request: web.BaseRequest) -> str:
+    """The kind of a request, for the requests metric (a bounded set of values)."""
+    path = request.path
+    if path.startswith(OBJECTS_PATH):
+        return "objects_probe" if f"{PROBE_PARAM}=" in request.query_string else "objects"
+    if path.startswith(LISTINGS_PATH):
+        return "listings"
+    return {PEERS_PATH: "peers", RESERVE_PATH: "reserve", WIPE_PATH: "wipe", "/metrics": "metrics"}.get(
+        path, "healthz" if path == "/healthz" else "other"
+    )
+
+
+def _state(route: str, resp: web.StreamResponse) -> str:
+    """Why an object was not sent (a 404's ``state``: staging, absent, unclaimed), else ''."""
+    if resp.status != 404 or not route.startswith("objects") or not isinstance(resp, web.Response):
+        return ""
+    body = resp.body
+    if isinstance(body, bytes):
+        for state in RevisionState:
+            if f'"state": "{state.value}"'.encode() in body:
+                return state.value
+    return ""
+
+
 def _json(code: int, body: Any) -> web.Response:
     return web.Response(status=code, text=json.dumps(body), content_type="application/json")
 
@@ -254,6 +279,14 @@ class AgentServer:
     # --- requests -----------------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        resp = await self._dispatch(request)
+        # Requests by kind and answer (issue 30: where a fan-out's requests go, e.g. how many
+        # object requests were answered "not yet" for each one served).
+        route = _route(request)
+        self.agent.metrics.requests.labels(route, str(resp.status), _state(route, resp)).inc()
+        return resp
+
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         if self._server is not None and self._server.is_busy(request.protocol):
             busy = _error(429, f"too many connections from {_peer_of(request)}; ask again in a moment")
             busy.force_close()  # this connection was one past the bound: it ends with this answer

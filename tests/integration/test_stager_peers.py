@@ -261,4 +261,9 @@ def test_objects_need_the_caches_own_token(s3_server: S3Server, counted, agents,
     code, body = get(ObjectRequest(NS, CACHE, rev, "link.bin").target(), good)
     assert code == 404 and b"root:" not in body, (code, body[:200])
     assert json.loads(body)["state"] == "absent"
-    assert "dscache_node_peer_refused_requests_total" in a.metrics()
+    metrics = a.metrics()
+    assert "dscache_node_peer_refused_requests_total" in metrics
+    # Every request counted by kind and answer: one object served, and the refusals above.
+    assert 'dscache_node_requests_total{code="200",route="objects",state=""} 1.0' in metrics
+    assert 'dscache_node_requests_total{code="404",route="objects",state="absent"} 1.0' in metrics  # the symlink
+    assert re.search(r'dscache_node_requests_total\{code="40[13]",route="objects",state=""\} [1-9]', metrics)

@@ -1124,7 +1124,7 @@ def test_agent_certificate_is_kept_across_upgrades():
 def test_node_agent_rbac(default_docs):
     rules = _rules(one(default_docs, "ClusterRole", "dscache-node"))
     assert rules == [
-        (("",), ("nodes",), ("get", "list", "patch")),
+        (("",), ("nodes",), ("get", "list", "patch", "watch")),
         (("",), ("pods",), ("get", "list", "watch")),
         (("", "events.k8s.io"), ("events",), ("create", "patch")),
         (("authentication.k8s.io",), ("tokenreviews",), ("create",)),
