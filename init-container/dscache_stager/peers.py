@@ -530,26 +530,31 @@ class Peers:
             return Outcome.NEXT, ""
         if status == 200:
             return Outcome.PLACED, ""
+        return self.answered(addr, rel, status, state, probe), ""
+
+    def answered(self, addr: str, rel: str, status: int, state: str, probe: bool) -> Outcome:
+        """What a peer's answer other than 200 means (``state``: its 404 body's); shared with the
+        native path (peer_native.py), which sends the same requests."""
         if status == 404 and state == RevisionState.UNCLAIMED:
             if probe:
-                return Outcome.UNCLAIMED, ""  # nobody there reads it (yet)
+                return Outcome.UNCLAIMED  # nobody there reads it (yet)
             # Only a probe may be answered so: a peer that says it to a plain request would be asked
             # again and again (a bug, another version, or a stall on purpose).
             self._fail(addr, f"answered 'unclaimed' for {rel} to a request that was no probe")
-            return Outcome.NEXT, ""
+            return Outcome.NEXT
         if status == 404 and state == RevisionState.STAGING:
-            return Outcome.WAIT, ""
+            return Outcome.WAIT
         if status == 429:
-            return Outcome.BUSY, ""  # over its bound for this node now: asked again in a moment
+            return Outcome.BUSY  # over its bound for this node now: asked again in a moment
         if status == 503:
-            return Outcome.NEXT, ""  # cannot read it now: the next one for this object, asked again for others
+            return Outcome.NEXT  # cannot read it now: the next one for this object, asked again for others
         if status in (401, 403):
             self._fail(addr, f"refused this pod's token (HTTP {status})")
         elif status == 404:
             self._fail(addr, f"neither holds nor copies revision {self.revision} (any more)")
         else:
             self._fail(addr, f"answered HTTP {status}")
-        return Outcome.NEXT, ""
+        return Outcome.NEXT
 
     def _new_conn(self, addr: str) -> http.client.HTTPConnection:
         host, _, port = addr.rpartition(":")

@@ -59,7 +59,8 @@ from .tree import LocalTree
 
 if TYPE_CHECKING:
     from .peer_listing import ListingWriter
-    from .peers import Peers
+    from .peer_native import NativePeers
+    from .peers import Obtained, Peers
 
 BLOCK = 4096
 MAX_KEYS_SHOWN = 20
@@ -140,6 +141,7 @@ class _Run:
 
             self.peers = Peers(opts.agent, opts.cache, rev.rev, opts.peer_token_file)
         self.peer_queue: asyncio.Queue[Work] | None = None
+        self.peer_native: NativePeers | None = None
         self.peers_known = asyncio.Event()
         self.pace = Pace()
         self.claims: IO[str] | None = None
@@ -196,6 +198,11 @@ class _Run:
             # threads, not on the loop.
             n = max(8, min(64, self.opts.concurrency))
             peer_pool = ThreadPoolExecutor(n, thread_name_prefix="peer")
+            from . import peer_native
+
+            if pn := peer_native.load(module):
+                # The first request for most objects, many at once on native tasks (peer_native.py).
+                self.peer_native = peer_native.NativePeers(pn, self.peers, native.threads(available_cpus()))
             # Unbounded: a bucket worker hands an object over without waiting (the listing pauses
             # instead, past PEER_BACKLOG). A bucket worker that waited here could wait on this
             # node's peer threads, held on peers whose bucket workers wait the same way.
@@ -269,6 +276,8 @@ class _Run:
                 finder.cancel()
             if self.peers is not None:
                 self.peers.close()
+            if self.peer_native is not None:
+                self.peer_native.close()
             if self.claims is not None:
                 with self._claims_lock:
                     self.claims.close()
@@ -631,30 +640,80 @@ class _Run:
         return False
 
     async def _peer_worker(self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor) -> None:
-        from .peers import Outcome
-
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
+        if self.peer_native is not None:
+            await self._native_peer_worker(peer_queue, pool, self.peer_native)
+            return
         while (item := await peer_queue.get()) is not None:
-            obj, rel, line = item
+            obj, rel, _ = item
             self.tree.ensure_parent(rel)  # on the loop: LocalTree is not shared with threads
             got = await loop.run_in_executor(
                 pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
             )
-            if got.outcome is Outcome.PLACED:
-                self.tree.place(got.tmp, rel)
-                self.journal.write(line)
-                self.fetched_bytes += obj.size
-                self.peer_bytes += obj.size
-                self.progress.peer_bytes += obj.size
-                self.progress.fetched_objects += 1
-                self.progress.add_bytes(obj.size)
-                continue
-            self._claim([item])
-            await self._fetch_one(obj, rel)  # this node's turn: the bucket
-            if got.suspect is not None:
-                # A body that did not hash to the ETag: the bucket's copy says whether the peer lied.
-                await loop.run_in_executor(pool, peers.judge, *got.suspect, obj.etag, self.tree.path(rel))
+            await self._peer_got(item, got, pool)
+
+    async def _native_peer_worker(
+        self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor, pn: NativePeers
+    ) -> None:
+        """Up to peer_native.BATCH objects at a time: each one's first choice asked for them on the
+        native plane, grouped per peer; what that did not place goes through peers.obtain."""
+        from .peer_native import BATCH
+
+        assert self.peers is not None
+        peers, loop = self.peers, asyncio.get_running_loop()
+
+        async def obtain(item: Task) -> None:
+            obj, rel, _ = item
+            got = await loop.run_in_executor(
+                pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
+            )
+            await self._peer_got(item, got, pool)
+
+        async def first(addr: str, group: list[Task]) -> None:
+            wants = [(obj.key, rel, obj.size, obj.etag) for obj, rel, _ in group]
+            gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, self._relay_claim)
+            await asyncio.gather(
+                *(
+                    self._peer_got(item, got, pool) if got is not None else obtain(item)
+                    for item, got in zip(group, gots, strict=True)
+                )
+            )
+
+        ended = False
+        while not ended:
+            batch, ended = await _take(peer_queue, BATCH)
+            groups: dict[str, list[Task]] = {}
+            rest: list[Task] = []
+            for item in batch:
+                self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
+                if addr := pn.takes(item[0].key, item[0].etag, item[0].size):
+                    groups.setdefault(addr, []).append(item)
+                else:
+                    rest.append(item)
+            await asyncio.gather(*(first(a, g) for a, g in groups.items()), *(obtain(i) for i in rest))
+
+    async def _peer_got(self, item: Task, got: Obtained, pool: ThreadPoolExecutor) -> None:
+        """Place what a peer sent, or read the bucket (and judge a suspect peer's body by its copy)."""
+        from .peers import Outcome
+
+        assert self.peers is not None
+        peers, loop = self.peers, asyncio.get_running_loop()
+        obj, rel, line = item
+        if got.outcome is Outcome.PLACED:
+            self.tree.place(got.tmp, rel)
+            self.journal.write(line)
+            self.fetched_bytes += obj.size
+            self.peer_bytes += obj.size
+            self.progress.peer_bytes += obj.size
+            self.progress.fetched_objects += 1
+            self.progress.add_bytes(obj.size)
+            return
+        self._claim([item])
+        await self._fetch_one(obj, rel)  # this node's turn: the bucket
+        if got.suspect is not None:
+            # A body that did not hash to the ETag: the bucket's copy says whether the peer lied.
+            await loop.run_in_executor(pool, peers.judge, *got.suspect, obj.etag, self.tree.path(rel))
 
     def _peer_tmp(self) -> str:
         """A fresh temp file name for a peer's body (called from the peer threads)."""

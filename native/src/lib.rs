@@ -16,6 +16,7 @@
 mod copy;
 mod creds;
 mod large;
+mod peer;
 mod splice;
 mod settings;
 
@@ -212,6 +213,7 @@ fn version() -> &'static str {
 #[pymodule]
 fn dscache_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Copier>()?;
+    m.add_class::<peer::PeerFetcher>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     Ok(())
 }
