@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -84,6 +85,7 @@ class NativePeers:
             idle_s=IDLE_S,
         )
         self.placed = 0  # objects this path placed (the rest went back to obtain)
+        self._lock = threading.Lock()  # first() runs on several peer threads at once
 
     def takes(self, key: str, etag: str, size: int) -> str:
         """The peer to ask for ``key`` in a batch (the first choice of its chain), or "" when it
@@ -112,12 +114,13 @@ class NativePeers:
         out: list[Obtained | None] = []
         for (_, rel, _, etag), path, (kind, code, detail) in zip(wants, paths, outcomes, strict=True):
             out.append(self._outcome(addr, rel, etag, path, kind, code, detail))
+        with self._lock:
+            self.placed += sum(1 for o in out if o is not None and o.outcome is Outcome.PLACED)
         return out
 
     def _outcome(self, addr: str, rel: str, etag: str, path: str, kind: str, code: int, detail: str) -> Obtained | None:
         p = self.peers
         if kind == "placed":
-            self.placed += 1
             return Obtained(Outcome.PLACED, path)
         if kind == "suspect":
             log.info(f"peer {addr}: {rel} does not hash to its ETag {etag}; the bucket's copy decides")

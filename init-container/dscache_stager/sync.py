@@ -278,6 +278,7 @@ class _Run:
                 self.peers.close()
             if self.peer_native is not None:
                 self.peer_native.close()
+                self.progress.note(f"native peers: {self.peer_native.placed} object(s) taken in batches")
             if self.claims is not None:
                 with self._claims_lock:
                     self.claims.close()
