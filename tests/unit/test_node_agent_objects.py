@@ -98,3 +98,40 @@ def test_the_native_fetcher_takes_them_from_a_real_agent(served, tmp_path: Path)
     (kind, code, _), *_ = f.fetch(f"127.0.0.1:{port}", jwt("stager"), other, [(*items[0][:3], str(tmp_path / "x"))])
     assert (kind, code) == ("lied", 200)
     assert not (tmp_path / "x").exists()
+
+
+def test_the_native_fetcher_checks_the_agents_certificate(tmp_path: Path):
+    """TLS as the chart serves it: one certificate naming AGENT_TLS_NAME, the agent reached by IP.
+    The fetcher trusts the agents' CA only: another CA's agent gets no request (no token sent)."""
+    dscache_native = pytest.importorskip("dscache_native")
+    if not hasattr(dscache_native, "PeerFetcher"):
+        pytest.skip("the installed dscache_native has no PeerFetcher")
+    from dscache_contract.peers import AGENT_TLS_NAME
+    from dscache_node.server import tls_context
+    from tests.support.tlscerts import agent_certs
+
+    root = tmp_path / "root"
+    root.mkdir()
+    agent, _ = make_agent(root)
+    stage(root, "ml", "c", R1, 1000)
+    ca, cert, key = agent_certs(tmp_path / "pki")
+    port = free_port()
+    srv = make_server(agent, gate(), port, addr="127.0.0.1", tls=tls_context(str(cert), str(key)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    item = (target("blob"), 1000, hashlib.md5(b"x" * 1000).hexdigest(), str(tmp_path / "t"))
+    try:
+        good = dscache_native.PeerFetcher(
+            revision_header=REVISION_HEADER, ca_pem=ca.read_text(), tls_name=AGENT_TLS_NAME
+        )
+        assert good.fetch(f"127.0.0.1:{port}", jwt("stager"), R1, [item])[0][0] == "placed"
+        assert (tmp_path / "t").read_bytes() == b"x" * 1000
+        other_ca, _, _ = agent_certs(tmp_path / "other")
+        bad = dscache_native.PeerFetcher(
+            revision_header=REVISION_HEADER, ca_pem=other_ca.read_text(), tls_name=AGENT_TLS_NAME
+        )
+        kind, _, detail = bad.fetch(f"127.0.0.1:{port}", jwt("stager"), R1, [(*item[:3], str(tmp_path / "u"))])[0]
+        assert kind in ("transport", "refused"), (kind, detail)
+        assert not (tmp_path / "u").exists()
+    finally:
+        srv.shutdown()
+        srv.server_close()
