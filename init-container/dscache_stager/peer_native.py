@@ -39,7 +39,8 @@ log = logging.getLogger("dscache-stage")
 #: "0" keeps every peer GET on peers.py's threads (the reference path).
 ENV = "DSCACHE_NATIVE_PEERS"
 
-#: Objects one peer worker takes off the queue at once (then grouped per peer).
+#: The most objects asked in one native call (sync's native peer worker groups per peer what is
+#: queued when room frees up; the objects in flight stay as many as peers.py's threads).
 BATCH = 32
 
 #: A pooled connection idle this long is closed by the stager first: the agents close theirs

@@ -215,7 +215,10 @@ class _Run:
                 for _ in range(n):
                     await peer_queue.put(None)
 
-            workers = [bucket_then_peers(), *(self._peer_worker(peer_queue, peer_pool) for _ in range(n))]
+            if self.peer_native is not None:
+                workers = [bucket_then_peers(), self._native_peer_worker(peer_queue, peer_pool, self.peer_native, n)]
+            else:
+                workers = [bucket_then_peers(), *(self._peer_worker(peer_queue, peer_pool) for _ in range(n))]
 
         async def feed() -> None:
             await self._produce(known, queue)
@@ -643,9 +646,6 @@ class _Run:
     async def _peer_worker(self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor) -> None:
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
-        if self.peer_native is not None:
-            await self._native_peer_worker(peer_queue, pool, self.peer_native)
-            return
         while (item := await peer_queue.get()) is not None:
             obj, rel, _ = item
             self.tree.ensure_parent(rel)  # on the loop: LocalTree is not shared with threads
@@ -655,44 +655,98 @@ class _Run:
             await self._peer_got(item, got, pool)
 
     async def _native_peer_worker(
-        self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor, pn: NativePeers
+        self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor, pn: NativePeers, in_flight: int
     ) -> None:
-        """Up to peer_native.BATCH objects at a time: each one's first choice asked for them on the
-        native plane, grouped per peer; what that did not place goes through peers.obtain."""
+        """The peer workers' part on the native plane: at most ``in_flight`` objects at once, as
+        many peer threads as peers.py would run. Whatever is queued when objects end (up to
+        peer_native.BATCH) is asked of each one's first choice in one native call per peer; each
+        object then ends on its own (placed, or peers.obtain for the rest), never waiting for the
+        others of its batch. (Batches of 32 per worker, 64 workers, waiting for their slowest
+        object, had 2,048 objects in flight far ahead of the listing, held by their parents, and
+        ran 4x slower than the threads: bench/fanout.py small files, issue 30.)"""
         from .peer_native import BATCH
 
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
+        room = asyncio.Semaphore(in_flight)
+        tasks: set[asyncio.Task[None]] = set()
+        failed: list[BaseException] = []
+        me = asyncio.current_task()
 
-        async def obtain(item: Task) -> None:
-            obj, rel, _ = item
-            got = await loop.run_in_executor(
-                pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
-            )
-            await self._peer_got(item, got, pool)
+        def ended(t: asyncio.Task[None]) -> None:
+            tasks.discard(t)
+            if not t.cancelled() and (e := t.exception()) is not None and not failed:
+                failed.append(e)
+                if me is not None:
+                    me.cancel()  # the run fails now, not when the queue ends
+
+        def spawn(coro: Coroutine[Any, Any, None]) -> None:
+            t = asyncio.create_task(coro)
+            tasks.add(t)
+            t.add_done_callback(ended)
+
+        async def one(item: Task, got: Obtained | None) -> None:
+            try:
+                if got is None:
+                    obj, rel, _ = item
+                    got = await loop.run_in_executor(
+                        pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
+                    )
+                await self._peer_got(item, got, pool)
+            finally:
+                room.release()
 
         async def first(addr: str, group: list[Task]) -> None:
             wants = [(obj.key, rel, obj.size, obj.etag) for obj, rel, _ in group]
-            gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, self._relay_claim)
-            await asyncio.gather(
-                *(
-                    self._peer_got(item, got, pool) if got is not None else obtain(item)
-                    for item, got in zip(group, gots, strict=True)
-                )
-            )
+            try:
+                gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, self._relay_claim)
+            except BaseException:
+                for _ in group:
+                    room.release()
+                raise
+            for item, got in zip(group, gots, strict=True):
+                spawn(one(item, got))
 
-        ended = False
-        while not ended:
-            batch, ended = await _take(peer_queue, BATCH)
-            groups: dict[str, list[Task]] = {}
-            rest: list[Task] = []
-            for item in batch:
-                self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
-                if addr := pn.takes(item[0].key, item[0].etag, item[0].size):
-                    groups.setdefault(addr, []).append(item)
-                else:
-                    rest.append(item)
-            await asyncio.gather(*(first(a, g) for a, g in groups.items()), *(obtain(i) for i in rest))
+        try:
+            end = False
+            while not end:
+                await room.acquire()
+                item = await peer_queue.get()
+                if item is None:
+                    room.release()
+                    break
+                batch = [item]
+                while len(batch) < BATCH and not room.locked():
+                    try:
+                        more = peer_queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                    if more is None:
+                        end = True
+                        break
+                    await room.acquire()  # free: not locked
+                    batch.append(more)
+                groups: dict[str, list[Task]] = {}
+                for item in batch:
+                    self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
+                    if addr := pn.takes(item[0].key, item[0].etag, item[0].size):
+                        groups.setdefault(addr, []).append(item)
+                    else:
+                        spawn(one(item, None))
+                for addr, group in groups.items():
+                    spawn(first(addr, group))
+            while tasks:
+                await asyncio.wait(set(tasks))
+        except asyncio.CancelledError:
+            if not failed:
+                raise
+        finally:
+            for t in list(tasks):
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        if failed:
+            raise failed[0]
 
     async def _peer_got(self, item: Task, got: Obtained, pool: ThreadPoolExecutor) -> None:
         """Place what a peer sent, or read the bucket (and judge a suspect peer's body by its copy)."""
