@@ -41,7 +41,10 @@ Failure costs a retry, never a wrong byte:
 
 The requests are blocking http.client calls on a small thread pool, over at most
 ``PER_PEER`` keep-alive connections per peer, shared by the threads: the agents serve
-with sendfile, and a held request (``?wait=``) costs a thread, not the event loop.
+with sendfile, and a held request (``?wait=``) costs a thread, not the event loop. With the
+native plane installed, the first request for most objects (small, plain MD5 ETag, first choice of
+the chain) is sent by peer_native.py instead, many objects per call on tokio tasks, with the same
+checks before a byte is written; what it does not place comes here, and every rule above applies.
 """
 
 from __future__ import annotations
