@@ -104,8 +104,8 @@ class NativePeers:
         copy), or None: peers.obtain takes it from here. Blocking (without the GIL)."""
         p = self.peers
         # obtain's relay claim, before the first request: this node's children wait for its copy.
-        for _, rel, _, _ in wants:
-            claim(RELAY_MARK + rel)
+        # One write for the batch (claim adds the last newline).
+        claim("\n".join(RELAY_MARK + rel for _, rel, _, _ in wants))
         paths = [tmp() for _ in wants]
         items = [
             (ObjectRequest(p.namespace, p.cache, p.revision, rel, RERANK_S, True, True).target(), size, etag, path)
