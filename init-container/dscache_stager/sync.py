@@ -704,8 +704,18 @@ class _Run:
                 for _ in group:
                     room.release()
                 raise
-            for item, got in zip(group, gots, strict=True):
-                spawn(one(item, got))
+            for i, (item, got) in enumerate(zip(group, gots, strict=True)):
+                if got is not None and got.tmp:
+                    # Placed (most): here, without a task per object.
+                    try:
+                        self._peer_placed(item, got.tmp)
+                    except BaseException:
+                        for _ in group[i:]:
+                            room.release()
+                        raise
+                    room.release()
+                else:
+                    spawn(one(item, got))
 
         try:
             end = False
@@ -754,21 +764,26 @@ class _Run:
 
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
-        obj, rel, line = item
+        obj, rel, _ = item
         if got.outcome is Outcome.PLACED:
-            self.tree.place(got.tmp, rel)
-            self.journal.write(line)
-            self.fetched_bytes += obj.size
-            self.peer_bytes += obj.size
-            self.progress.peer_bytes += obj.size
-            self.progress.fetched_objects += 1
-            self.progress.add_bytes(obj.size)
+            self._peer_placed(item, got.tmp)
             return
         self._claim([item])
         await self._fetch_one(obj, rel)  # this node's turn: the bucket
         if got.suspect is not None:
             # A body that did not hash to the ETag: the bucket's copy says whether the peer lied.
             await loop.run_in_executor(pool, peers.judge, *got.suspect, obj.etag, self.tree.path(rel))
+
+    def _peer_placed(self, item: Task, tmp: str) -> None:
+        """A peer's verified body in ``tmp``: into place, journalled, counted (on the loop)."""
+        obj, rel, line = item
+        self.tree.place(tmp, rel)
+        self.journal.write(line)
+        self.fetched_bytes += obj.size
+        self.peer_bytes += obj.size
+        self.progress.peer_bytes += obj.size
+        self.progress.fetched_objects += 1
+        self.progress.add_bytes(obj.size)
 
     def _peer_tmp(self) -> str:
         """A fresh temp file name for a peer's body (called from the peer threads)."""
