@@ -414,9 +414,9 @@ class AgentServer:
                 return _json(404, {"state": e.state.value, "error": str(e)})
             except OSError as e:
                 return _error(503, f"cannot read {req.path}: {e}")
-            if opened.size <= SMALL_BODY:
-                return self._small(req.revision, opened)
             try:
+                if opened.size <= SMALL_BODY:
+                    return self._small(req.revision, opened)
                 # At most MAX_SENDING bodies at once, first come first served: all the requests
                 # of many nodes at once would share the uplink so thin that every body took
                 # longer than a stager allows (issue 30: 31 nodes wrote the first one off).
