@@ -63,6 +63,27 @@ class Store:
 
 class Pages:
     def next(self) -> tuple[list[Listed], Failure | None]: ...
+#: (request target, listed size, ETag: a plain MD5 without quotes, temp path to create)
+PeerItem = tuple[str, int, str, str]
+#: (kind, HTTP status or errno, detail); kind is one of placed, status (detail: the 404 body's
+#: "state"), suspect (detail: the body's MD5), lied, stalled, refused, transport, local, cancelled
+PeerOutcome = tuple[str, int, str]
+
+class PeerFetcher:
+    def __init__(
+        self,
+        *,
+        revision_header: str,
+        ca_pem: str | None = None,
+        tls_name: str = "",
+        workers: int = 1,
+        per_peer: int = 12,
+        answer_timeout_s: float = 50.0,
+        read_timeout_s: float = 30.0,
+        min_rate: float = 1048576.0,
+        idle_s: float = 10.0,
+    ) -> None: ...
+    def fetch(self, addr: str, token: str, revision: str, items: list[PeerItem]) -> list[PeerOutcome]: ...
     def cancel(self) -> None: ...
 
 def version() -> str: ...

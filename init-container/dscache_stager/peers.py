@@ -41,7 +41,10 @@ Failure costs a retry, never a wrong byte:
 
 The requests are blocking http.client calls on a small thread pool, over at most
 ``PER_PEER`` keep-alive connections per peer, shared by the threads: the agents serve
-with sendfile, and a held request (``?wait=``) costs a thread, not the event loop.
+with sendfile, and a held request (``?wait=``) costs a thread, not the event loop. With the
+native plane installed, the first request for most objects (small, plain MD5 ETag, first choice of
+the chain) is sent by peer_native.py instead, many objects per call on tokio tasks, with the same
+checks before a byte is written; what it does not place comes here, and every rule above applies.
 """
 
 from __future__ import annotations
@@ -576,26 +579,31 @@ class Peers:
             return Outcome.NEXT, ""
         if status == 200:
             return Outcome.PLACED, ""
+        return self.answered(addr, rel, status, state, probe), ""
+
+    def answered(self, addr: str, rel: str, status: int, state: str, probe: bool) -> Outcome:
+        """What a peer's answer other than 200 means (``state``: its 404 body's); shared with the
+        native path (peer_native.py), which sends the same requests."""
         if status == 404 and state == RevisionState.UNCLAIMED:
             if probe:
-                return Outcome.UNCLAIMED, ""  # nobody there reads it (yet)
+                return Outcome.UNCLAIMED  # nobody there reads it (yet)
             # Only a probe may be answered so: a peer that says it to a plain request would be asked
             # again and again (a bug, another version, or a stall on purpose).
             self._fail(addr, f"answered 'unclaimed' for {rel} to a request that was no probe")
-            return Outcome.NEXT, ""
+            return Outcome.NEXT
         if status == 404 and state == RevisionState.STAGING:
-            return Outcome.WAIT, ""
+            return Outcome.WAIT
         if status == 429:
-            return Outcome.BUSY, ""  # over its bound for this node now: asked again in a moment
+            return Outcome.BUSY  # over its bound for this node now: asked again in a moment
         if status == 503:
-            return Outcome.NEXT, ""  # cannot read it now: the next one for this object, asked again for others
+            return Outcome.NEXT  # cannot read it now: the next one for this object, asked again for others
         if status in (401, 403):
             self._fail(addr, f"refused this pod's token (HTTP {status})")
         elif status == 404:
             self._fail(addr, f"neither holds nor copies revision {self.revision} (any more)")
         else:
             self._fail(addr, f"answered HTTP {status}")
-        return Outcome.NEXT, ""
+        return Outcome.NEXT
 
     def _new_conn(self, addr: str) -> http.client.HTTPConnection:
         host, _, port = addr.rpartition(":")

@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     from obstore.store import S3Store
 
     from .peer_listing import ListingWriter
-    from .peers import Peers
+    from .peer_native import NativePeers
+    from .peers import Obtained, Peers
     from .store import AnyStore
 
 BLOCK = 4096
@@ -141,6 +142,7 @@ class _Run:
 
             self.peers = Peers(opts.agent, opts.cache, rev.rev, opts.peer_token_file)
         self.peer_queue: asyncio.Queue[Work] | None = None
+        self.peer_native: NativePeers | None = None
         self.peers_known = asyncio.Event()
         self.pace = Pace()
         self.claims: IO[str] | None = None
@@ -197,6 +199,11 @@ class _Run:
             # threads, not on the loop.
             n = max(8, min(64, self.opts.concurrency))
             peer_pool = ThreadPoolExecutor(n, thread_name_prefix="peer")
+            from . import peer_native
+
+            if pn := peer_native.load(module):
+                # The first request for most objects, many at once on native tasks (peer_native.py).
+                self.peer_native = peer_native.NativePeers(pn, self.peers, native.threads(available_cpus()))
             # Unbounded: a bucket worker hands an object over without waiting (the listing pauses
             # instead, past PEER_BACKLOG). A bucket worker that waited here could wait on this
             # node's peer threads, held on peers whose bucket workers wait the same way.
@@ -209,7 +216,10 @@ class _Run:
                 for _ in range(n):
                     await peer_queue.put(None)
 
-            workers = [bucket_then_peers(), *(self._peer_worker(peer_queue, peer_pool) for _ in range(n))]
+            if self.peer_native is not None:
+                workers = [bucket_then_peers(), self._native_peer_worker(peer_queue, peer_pool, self.peer_native, n)]
+            else:
+                workers = [bucket_then_peers(), *(self._peer_worker(peer_queue, peer_pool) for _ in range(n))]
 
         async def feed() -> None:
             await self._produce(known, queue)
@@ -275,6 +285,9 @@ class _Run:
                 finder.cancel()
             if self.peers is not None:
                 self.peers.close()
+            if self.peer_native is not None:
+                self.peer_native.close()
+                self.progress.note(f"native peers: {self.peer_native.placed} object(s) taken in batches")
             if self.claims is not None:
                 with self._claims_lock:
                     self.claims.close()
@@ -650,30 +663,146 @@ class _Run:
         return False
 
     async def _peer_worker(self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor) -> None:
-        from .peers import Outcome
-
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
         while (item := await peer_queue.get()) is not None:
-            obj, rel, line = item
+            obj, rel, _ = item
             self.tree.ensure_parent(rel)  # on the loop: LocalTree is not shared with threads
             got = await loop.run_in_executor(
                 pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
             )
-            if got.outcome is Outcome.PLACED:
-                self.tree.place(got.tmp, rel)
-                self.journal.write(line)
-                self.fetched_bytes += obj.size
-                self.peer_bytes += obj.size
-                self.progress.peer_bytes += obj.size
-                self.progress.fetched_objects += 1
-                self.progress.add_bytes(obj.size)
-                continue
-            self._claim([item])
-            await self._fetch_one(obj, rel)  # this node's turn: the bucket
-            if got.suspect is not None:
-                # A body that did not hash to the ETag: the bucket's copy says whether the peer lied.
-                await loop.run_in_executor(pool, peers.judge, *got.suspect, obj.etag, self.tree.path(rel))
+            await self._peer_got(item, got, pool)
+
+    async def _native_peer_worker(
+        self, peer_queue: asyncio.Queue[Work], pool: ThreadPoolExecutor, pn: NativePeers, in_flight: int
+    ) -> None:
+        """The peer workers' part on the native plane: at most ``in_flight`` objects at once, as
+        many peer threads as peers.py would run. Whatever is queued when objects end (up to
+        peer_native.BATCH) is asked of each one's first choice in one native call per peer; each
+        object then ends on its own (placed, or peers.obtain for the rest), never waiting for the
+        others of its batch. (Batches of 32 per worker, 64 workers, waiting for their slowest
+        object, had 2,048 objects in flight far ahead of the listing, held by their parents, and
+        ran 4x slower than the threads: bench/fanout.py small files, issue 30.)"""
+        from .peer_native import BATCH
+
+        assert self.peers is not None
+        peers, loop = self.peers, asyncio.get_running_loop()
+        room = asyncio.Semaphore(in_flight)
+        tasks: set[asyncio.Task[None]] = set()
+        failed: list[BaseException] = []
+        me = asyncio.current_task()
+
+        def ended(t: asyncio.Task[None]) -> None:
+            tasks.discard(t)
+            if not t.cancelled() and (e := t.exception()) is not None and not failed:
+                failed.append(e)
+                if me is not None:
+                    me.cancel()  # the run fails now, not when the queue ends
+
+        def spawn(coro: Coroutine[Any, Any, None]) -> None:
+            t = asyncio.create_task(coro)
+            tasks.add(t)
+            t.add_done_callback(ended)
+
+        async def one(item: Task, got: Obtained | None) -> None:
+            try:
+                if got is None:
+                    obj, rel, _ = item
+                    got = await loop.run_in_executor(
+                        pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
+                    )
+                await self._peer_got(item, got, pool)
+            finally:
+                room.release()
+
+        async def first(addr: str, group: list[Task]) -> None:
+            wants = [(obj.key, rel, obj.size, obj.etag) for obj, rel, _ in group]
+            try:
+                gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, self._relay_claim)
+            except BaseException:
+                for _ in group:
+                    room.release()
+                raise
+            for i, (item, got) in enumerate(zip(group, gots, strict=True)):
+                if got is not None and got.tmp:
+                    # Placed (most): here, without a task per object.
+                    try:
+                        self._peer_placed(item, got.tmp)
+                    except BaseException:
+                        for _ in group[i:]:
+                            room.release()
+                        raise
+                    room.release()
+                else:
+                    spawn(one(item, got))
+
+        try:
+            end = False
+            while not end:
+                await room.acquire()
+                item = await peer_queue.get()
+                if item is None:
+                    room.release()
+                    break
+                batch = [item]
+                while len(batch) < BATCH and not room.locked():
+                    try:
+                        more = peer_queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                    if more is None:
+                        end = True
+                        break
+                    await room.acquire()  # free: not locked
+                    batch.append(more)
+                groups: dict[str, list[Task]] = {}
+                for item in batch:
+                    self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
+                    if addr := pn.takes(item[0].key, item[0].etag, item[0].size):
+                        groups.setdefault(addr, []).append(item)
+                    else:
+                        spawn(one(item, None))
+                for addr, group in groups.items():
+                    spawn(first(addr, group))
+            while tasks:
+                await asyncio.wait(set(tasks))
+        except asyncio.CancelledError:
+            if not failed:
+                raise
+        finally:
+            for t in list(tasks):
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        if failed:
+            raise failed[0]
+
+    async def _peer_got(self, item: Task, got: Obtained, pool: ThreadPoolExecutor) -> None:
+        """Place what a peer sent, or read the bucket (and judge a suspect peer's body by its copy)."""
+        from .peers import Outcome
+
+        assert self.peers is not None
+        peers, loop = self.peers, asyncio.get_running_loop()
+        obj, rel, _ = item
+        if got.outcome is Outcome.PLACED:
+            self._peer_placed(item, got.tmp)
+            return
+        self._claim([item])
+        await self._fetch_one(obj, rel)  # this node's turn: the bucket
+        if got.suspect is not None:
+            # A body that did not hash to the ETag: the bucket's copy says whether the peer lied.
+            await loop.run_in_executor(pool, peers.judge, *got.suspect, obj.etag, self.tree.path(rel))
+
+    def _peer_placed(self, item: Task, tmp: str) -> None:
+        """A peer's verified body in ``tmp``: into place, journalled, counted (on the loop)."""
+        obj, rel, line = item
+        self.tree.place(tmp, rel)
+        self.journal.write(line)
+        self.fetched_bytes += obj.size
+        self.peer_bytes += obj.size
+        self.progress.peer_bytes += obj.size
+        self.progress.fetched_objects += 1
+        self.progress.add_bytes(obj.size)
 
     def _peer_tmp(self) -> str:
         """A fresh temp file name for a peer's body (called from the peer threads)."""

@@ -17,6 +17,7 @@ mod copy;
 mod creds;
 mod large;
 mod list;
+mod peer;
 mod splice;
 mod settings;
 
@@ -216,6 +217,7 @@ fn dscache_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Listing and HEADs (list.rs): the common path's only S3 client with the Copier.
     m.add_class::<list::Store>()?;
     m.add_class::<list::Pages>()?;
+    m.add_class::<peer::PeerFetcher>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     Ok(())
 }

@@ -97,6 +97,11 @@ OBJECTS_PER_CLIENT = 128
 #: MIN_TURN_S): the uplink is shared by that many, not by every request held here.
 MAX_SENDING = 8
 MIN_TURN_S = 1.0
+#: Bodies up to this size are read into memory and sent with their headers in one write, without
+#: a sending turn: a stager's small objects (issue 30: 100,000 x 16 KiB) spent a third of the
+#: agent's loop writing the headers (a send of their own) and a seventh in asyncio's sendfile
+#: machinery (a writer callback, a future, a second send), for a body the socket buffer takes at once.
+SMALL_BODY = 64 << 10
 #: An object's body must be taken within READ_GRACE_S plus its size at MIN_RATE.
 READ_GRACE_S = 30.0
 MIN_RATE = 1 << 20
@@ -443,6 +448,8 @@ class AgentServer:
             except OSError as e:
                 return _error(503, f"cannot read {req.path}: {e}")
             try:
+                if opened.size <= SMALL_BODY:
+                    return self._small(req.revision, opened)
                 # At most MAX_SENDING bodies at once, first come first served: all the requests
                 # of many nodes at once would share the uplink so thin that every body took
                 # longer than a stager allows (issue 30: 31 nodes wrote the first one off).
@@ -497,6 +504,21 @@ class AgentServer:
                     pass
                 if time.monotonic() >= full:
                     break
+
+    def _small(self, revision: str, opened: Opened) -> web.Response:
+        """A small object's answer, headers and body in one write (SMALL_BODY). Read on the loop, as
+        it was opened there: the page cache's copy of a file this node just wrote or sent."""
+        try:
+            body = os.pread(opened.fd, opened.size, 0)
+        except OSError as e:
+            return _error(503, f"cannot read the object: {e}")
+        if len(body) != opened.size:
+            # Shorter than it was a moment ago (a wipe, a broken disk): no body, so no wrong one.
+            return _error(503, "the object changed while it was read")
+        self.agent.metrics.peer_served.inc(len(body))
+        return web.Response(
+            status=200, body=body, headers={"Content-Type": "application/octet-stream", REVISION_HEADER: revision}
+        )
 
     async def _send(self, request: web.BaseRequest, revision: str, opened: Opened) -> web.StreamResponse:
         resp = web.StreamResponse(

@@ -267,3 +267,51 @@ def test_objects_need_the_caches_own_token(s3_server: S3Server, counted, agents,
     assert 'dscache_node_requests_total{code="200",route="objects",state=""} 1.0' in metrics
     assert 'dscache_node_requests_total{code="404",route="objects",state="absent"} 1.0' in metrics  # the symlink
     assert re.search(r'dscache_node_requests_total\{code="40[13]",route="objects",state=""\} [1-9]', metrics)
+
+
+@pytest.mark.parametrize("lie", ["bytes", "length"])
+def test_a_lying_peer_gets_no_byte_placed_through_the_native_path(
+    s3_server: S3Server, counted, agents, tmp_path: Path, data_plane: str | None, lie: str
+):
+    """As above, with the native peer fetcher (peer_native.py) taking B's objects from A in
+    batches: A's copy of one object has wrong bytes of the right length, or one byte too few (the
+    agent then sends its own length, not the manifest's). Not a byte of it is placed: B's copy is
+    exact, that object came from the bucket, A is written off once, and the other objects did come
+    through the native batches."""
+    if data_plane != "native":
+        pytest.skip("the native peer fetcher is the native plane's")
+    uri, rev, proxy, counter = counted
+    a = agents.start(f"native-liar-{lie}-a")
+    c = a.cache_root / NS / CACHE
+    data = data_dir(c, rev)
+    for key, body in FILES.items():
+        path = data / key.removeprefix("d/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(body)
+    victim = sorted(FILES)[1]
+    told = bytes(x ^ 0xFF for x in FILES[victim]) if lie == "bytes" else FILES[victim][:-1]
+    (data / victim.removeprefix("d/")).write_bytes(told)
+    fd = os.open(contract.lock_path(str(c)), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # "a stager is copying here"
+    try:
+        code, text = a._http(
+            "POST",
+            contract.peers.PEERS_PATH,
+            contract.PeersRequest(NS, CACHE, rev).to_json(),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {a.peer_token(NS, CACHE)}"},
+        )
+        assert code == 200, text
+        time.sleep(contract.peers.COHORT_WINDOW_S + 0.5)  # B is not in A's cohort: A ranks first
+        b = agents.start(f"native-liar-{lie}-b")
+        r = stage_on(s3_server, proxy, b, uri, rev, token_file(b, tmp_path))
+    finally:
+        os.close(fd)
+    assert r.code == 0, r.stderr
+    assert_exact(b, rev)
+    assert r.stderr.count("sent bytes that do not match") == 1, r.stderr
+    assert counter.gets[victim] == 1, counter.gets
+    m = re.search(r"native peers: (\d+) object\(s\) taken in batches", r.stderr)
+    assert m and int(m.group(1)) >= 1, r.stderr
+    # What came from A came whole and checked: every byte of B's copy is the bucket's.
+    assert r.summary["bucket_bytes"] >= len(FILES[victim]), r.summary
+    assert r.summary["bucket_bytes"] + r.summary["peer_bytes"] == DATASET, r.summary

@@ -1,0 +1,141 @@
+"""Peer GETs on the native plane (issue 30): the first request for many objects at once.
+
+peers.py asks for one object per blocking http.client call on a Python thread: at 100,000 x
+16 KiB on 4 nodes that was 268 s through peers against 118 s from the bucket alone, and more CPU
+in the stagers than the bucket path spent. Here the first choice of the peer ranking (the
+object's parent in its tree, peers.Peers.chain) is asked for a batch of objects at once, grouped
+per peer, by dscache_native.PeerFetcher (native/src/peer.rs): tokio tasks over at most PER_PEER
+kept-alive connections per peer, the same request as peers.Peers.take's first (a probe with
+relay, held up to RERANK_S), the same checks before anything is written (REVISION_HEADER, the
+Content-Length and the body's length against the manifest, the body's MD5 against its plain
+ETag), the GIL released while the batch runs.
+
+Only what the batch placed is done here. Everything else goes back to peers.Peers.obtain, whose
+whole failure policy applies unchanged: a peer's non-200 answer is read by Peers.answered (the
+same verdicts, e.g. "unclaimed" to no probe writes it off); wrong revision or length writes the
+peer off as take does; a body that does not hash goes to the bucket and Peers.judge as take's
+SUSPECT; no connection at all, or no byte within READ_TIMEOUT_S, writes the peer off; a reset or a
+closed connection gets no verdict here (obtain tells busy from broken). Multipart ETags (rebuilt
+from candidate part sizes in Python), large objects and the early-peer probes stay on peers.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from dscache_contract.peers import AGENT_TLS_NAME, MAX_WAIT_S, PEER_CA_ENV, RELAY_MARK, REVISION_HEADER, ObjectRequest
+
+from .fetch import SMALL_LIMIT
+from .peers import MIN_RATE, PER_PEER, READ_TIMEOUT_S, RERANK_S, Obtained, Outcome, Peers
+
+log = logging.getLogger("dscache-stage")
+
+#: "0" keeps every peer GET on peers.py's threads (the reference path).
+ENV = "DSCACHE_NATIVE_PEERS"
+
+#: The most objects asked in one native call (sync's native peer worker groups per peer what is
+#: queued when room frees up; the objects in flight stay as many as peers.py's threads).
+BATCH = 32
+
+#: A pooled connection idle this long is closed by the stager first: the agents close theirs
+#: after IDLE_S (15 s), and a request sent on one the agent is closing is a reset, not an answer.
+IDLE_S = 10.0
+
+_MD5 = re.compile(r"^[0-9a-f]{32}$")
+
+#: (key, rel, size, ETag) of one object.
+Want = tuple[str, str, int, str]
+
+
+def load(module: ModuleType | None) -> ModuleType | None:
+    """dscache_native, if it has the peer fetcher and it is not switched off."""
+    if module is None or not hasattr(module, "PeerFetcher"):
+        return None
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return module
+
+
+def plain(etag: str, size: int) -> bool:
+    """Objects the native path takes: small ones whose ETag is a plain MD5 of their bytes."""
+    return 0 < size <= SMALL_LIMIT and bool(_MD5.match(etag.strip('"').lower()))
+
+
+class NativePeers:
+    """A dscache_native.PeerFetcher for one run, and how its answers feed peers.py's policy."""
+
+    def __init__(self, module: ModuleType, peers: Peers, workers: int = 1) -> None:
+        self.peers = peers
+        ca = (os.environ.get(PEER_CA_ENV) or "").strip() or None
+        self.fetcher: Any = module.PeerFetcher(
+            revision_header=REVISION_HEADER,
+            ca_pem=ca,
+            tls_name=AGENT_TLS_NAME,
+            workers=workers,
+            per_peer=PER_PEER,
+            # As peers.py's socket timeout: a held request answers within MAX_WAIT_S.
+            answer_timeout_s=READ_TIMEOUT_S + MAX_WAIT_S,
+            read_timeout_s=READ_TIMEOUT_S,
+            min_rate=float(MIN_RATE),
+            idle_s=IDLE_S,
+        )
+        self.placed = 0  # objects this path placed (the rest went back to obtain)
+        self._lock = threading.Lock()  # first() runs on several peer threads at once
+
+    def takes(self, key: str, etag: str, size: int) -> str:
+        """The peer to ask for ``key`` in a batch (the first choice of its chain), or "" when it
+        goes to peers.obtain (a multipart ETag, a large object, this node's turn, an early probe)."""
+        if not plain(etag, size) or not self.peers.verifiable(etag, size):
+            return ""
+        hops = self.peers.chain(key)
+        return hops[0] if hops else ""
+
+    def first(
+        self, addr: str, wants: list[Want], tmp: Callable[[], str], claim: Callable[[str], None]
+    ) -> list[Obtained | None]:
+        """Ask ``addr`` once for each object, as peers.Peers.obtain's first request would; per
+        object PLACED (in its temp file), BUCKET with ``suspect`` (judge it against the bucket's
+        copy), or None: peers.obtain takes it from here. Blocking (without the GIL)."""
+        p = self.peers
+        # obtain's relay claim, before the first request: this node's children wait for its copy.
+        # One write for the batch (claim adds the last newline).
+        claim("\n".join(RELAY_MARK + rel for _, rel, _, _ in wants))
+        paths = [tmp() for _ in wants]
+        items = [
+            (ObjectRequest(p.namespace, p.cache, p.revision, rel, RERANK_S, True, True).target(), size, etag, path)
+            for (_, rel, size, etag), path in zip(wants, paths, strict=True)
+        ]
+        outcomes = self.fetcher.fetch(addr, p.token(), p.revision, items)
+        out: list[Obtained | None] = []
+        for (_, rel, _, etag), path, (kind, code, detail) in zip(wants, paths, outcomes, strict=True):
+            out.append(self._outcome(addr, rel, etag, path, kind, code, detail))
+        with self._lock:
+            self.placed += sum(1 for o in out if o is not None and o.outcome is Outcome.PLACED)
+        return out
+
+    def _outcome(self, addr: str, rel: str, etag: str, path: str, kind: str, code: int, detail: str) -> Obtained | None:
+        p = self.peers
+        if kind == "placed":
+            return Obtained(Outcome.PLACED, path)
+        if kind == "suspect":
+            log.info(f"peer {addr}: {rel} does not hash to its ETag {etag}; the bucket's copy decides")
+            return Obtained(Outcome.BUCKET, suspect=(addr, detail))
+        if kind == "lied":
+            p._fail(addr, f"sent bytes that do not match the revision's manifest ({detail})")
+        elif kind in ("refused", "stalled"):
+            p._fail(addr, f"failed mid-request ({kind}: {detail})")
+        elif kind == "status":
+            p.answered(addr, rel, code, detail, True)  # its verdict on the peer; obtain asks again
+        elif kind == "local":
+            raise OSError(code, os.strerror(code), detail)
+        return None
+
+    def close(self) -> None:
+        """Stop every batch: requests in flight are dropped, nothing more is written."""
+        self.fetcher.cancel()

@@ -1,0 +1,348 @@
+//! Peer GETs on the native plane (issue 30): a batch of objects from one node agent, over at most
+//! ``per_peer`` kept-alive connections per peer, on tokio's workers (no thread per connection,
+//! none per held request), each body verified before a byte of it is written.
+//!
+//! The policy stays in Python (dscache_stager.peers): which peer to ask, what a refusal, a busy
+//! or a stalled peer means, who is written off. This module answers, per object, what happened in
+//! the terms that policy needs, and never writes a body that does not check:
+//! - the answer must name the revision asked for (REVISION_HEADER), have the manifest's size as
+//!   its Content-Length and deliver exactly that many bytes;
+//! - the body must hash to the listed ETag, a plain MD5 (multipart ETags stay on the Python path,
+//!   which rebuilds them for candidate part sizes);
+//! - only then is it written, into a new file (O_EXCL, read-only) that Python places.
+//!
+//! The agents' certificate names one AGENT_TLS_NAME, and a peer is reached by its IP: the client
+//! of each peer resolves that name to the peer's address (reqwest's ``resolve``), so the name is
+//! what rustls checks, against the agents' CA only.
+
+use std::collections::HashMap;
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use md5::{Digest, Md5};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use tokio::runtime::Runtime;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::copy::FILE_MODE;
+
+/// (request target, listed size, ETag unquoted (a plain MD5), temp path to create)
+pub type PeerItem = (String, u64, String, String);
+/// Per item: (kind, HTTP status or errno, detail). Kinds: "placed" (verified, in the temp file);
+/// "status" (a non-200 answer; detail: the 404 body's "state"); "suspect" (the body did not hash
+/// to the ETag; detail: its MD5); "lied" (wrong revision header or length; detail: how);
+/// "stalled" (no byte in time); "refused" (no connection); "transport" (reset, closed, other:
+/// no verdict on the peer); "local" (our own write failed; errno); "cancelled".
+pub type PeerOutcome = (String, i32, String);
+
+/// The 404 bodies are small JSON; anything longer is no answer of an agent's.
+const MAX_ERROR_BODY: usize = 64 << 10;
+
+/// One peer: its client (its own pool, bounded idle connections) and the bound on requests at once.
+struct Peer {
+    client: reqwest::Client,
+    base: String,
+    slots: Semaphore,
+}
+
+#[pyclass(module = "dscache_native", frozen)]
+pub struct PeerFetcher {
+    runtime: Runtime,
+    ca_pem: Option<Vec<u8>>,
+    tls_name: String,
+    revision_header: String,
+    per_peer: usize,
+    /// A held request answers within the agent's wait; past this, silence is a stalled peer.
+    answer_timeout: Duration,
+    /// The longest wait for one read of a body.
+    read_timeout: Duration,
+    /// The slowest body taken (bytes/s), after read_timeout of grace.
+    min_rate: f64,
+    idle: Duration,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    stop: CancellationToken,
+}
+
+#[pymethods]
+impl PeerFetcher {
+    #[new]
+    #[pyo3(signature = (*, revision_header, ca_pem=None, tls_name=String::new(), workers=1, per_peer=12,
+                        answer_timeout_s=50.0, read_timeout_s=30.0, min_rate=1048576.0, idle_s=10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        revision_header: String,
+        ca_pem: Option<String>,
+        tls_name: String,
+        workers: usize,
+        per_peer: usize,
+        answer_timeout_s: f64,
+        read_timeout_s: f64,
+        min_rate: f64,
+        idle_s: f64,
+    ) -> PyResult<Self> {
+        let ca_pem = ca_pem.filter(|p| !p.trim().is_empty()).map(String::into_bytes);
+        if let Some(pem) = &ca_pem {
+            // Refuse a bad CA now, not per peer later.
+            reqwest::Certificate::from_pem(pem).map_err(|e| PyValueError::new_err(format!("the agents' CA: {e}")))?;
+            if tls_name.is_empty() {
+                return Err(PyValueError::new_err("TLS to the agents needs the name their certificate holds"));
+            }
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers.max(1))
+            .thread_name("dscache-peer")
+            .enable_all()
+            .build()
+            .map_err(|e| PyValueError::new_err(format!("cannot start the peers' runtime: {e}")))?;
+        Ok(PeerFetcher {
+            runtime,
+            ca_pem,
+            tls_name,
+            revision_header,
+            per_peer: per_peer.max(1),
+            answer_timeout: Duration::from_secs_f64(answer_timeout_s.max(0.1)),
+            read_timeout: Duration::from_secs_f64(read_timeout_s.max(0.1)),
+            min_rate: min_rate.max(1.0),
+            idle: Duration::from_secs_f64(idle_s.max(0.1)),
+            peers: Mutex::new(HashMap::new()),
+            stop: CancellationToken::new(),
+        })
+    }
+
+    /// GET every item from the agent at ``addr`` (``host:port``, ``[v6]:port``) with ``token``,
+    /// for ``revision``; one outcome per item, in order. Blocks without the GIL.
+    fn fetch(
+        &self,
+        py: Python<'_>,
+        addr: String,
+        token: String,
+        revision: String,
+        items: Vec<PeerItem>,
+    ) -> PyResult<Vec<PeerOutcome>> {
+        let peer = self.peer(&addr)?;
+        let job = Job {
+            peer,
+            auth: format!("Bearer {token}"),
+            revision,
+            header: self.revision_header.clone(),
+            answer_timeout: self.answer_timeout,
+            read_timeout: self.read_timeout,
+            min_rate: self.min_rate,
+        };
+        let job = Arc::new(job);
+        let stop = self.stop.clone();
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let n = items.len();
+        self.runtime.spawn(async move {
+            let handles: Vec<_> = items
+                .into_iter()
+                .map(|item| {
+                    let (job, stop) = (job.clone(), stop.clone());
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            biased;
+                            _ = stop.cancelled() => cancelled(),
+                            out = job.one(item) => out,
+                        }
+                    })
+                })
+                .collect();
+            let mut outs = Vec::with_capacity(handles.len());
+            for h in handles {
+                outs.push(h.await.unwrap_or_else(|e| ("transport".into(), 0, format!("task failed: {e}"))));
+            }
+            let _ = reply.send(outs);
+        });
+        let outs = py.allow_threads(|| answer.blocking_recv()).unwrap_or_else(|_| vec![cancelled(); n]);
+        Ok(outs)
+    }
+
+    /// Stop every batch: requests in flight are dropped, nothing more is written.
+    fn cancel(&self) {
+        self.stop.cancel();
+    }
+}
+
+fn cancelled() -> PeerOutcome {
+    ("cancelled".into(), 0, String::new())
+}
+
+impl PeerFetcher {
+    fn peer(&self, addr: &str) -> PyResult<Arc<Peer>> {
+        let mut peers = self.peers.lock().expect("peers lock");
+        if let Some(p) = peers.get(addr) {
+            return Ok(p.clone());
+        }
+        let mut builder = reqwest::Client::builder()
+            .http1_only()
+            // The stager talks to the agents directly, as http.client does: never through HTTP_PROXY.
+            .no_proxy()
+            .pool_max_idle_per_host(self.per_peer)
+            // Shorter than the agent keeps an idle connection (IDLE_S), so a reused one is seldom
+            // one the agent is closing.
+            .pool_idle_timeout(self.idle)
+            .connect_timeout(self.read_timeout)
+            .tcp_nodelay(true);
+        let base = if let Some(pem) = &self.ca_pem {
+            let ip: SocketAddr = addr
+                .parse()
+                .map_err(|e| PyValueError::new_err(format!("peer address {addr:?} is no ip:port: {e}")))?;
+            let ca = reqwest::Certificate::from_pem(pem).map_err(|e| PyValueError::new_err(format!("{e}")))?;
+            builder = builder
+                .use_rustls_tls()
+                .tls_built_in_root_certs(false)
+                .add_root_certificate(ca)
+                .min_tls_version(reqwest::tls::Version::TLS_1_2)
+                .resolve(&self.tls_name, ip);
+            format!("https://{}:{}", self.tls_name, ip.port())
+        } else {
+            format!("http://{addr}")
+        };
+        let client = builder.build().map_err(|e| PyValueError::new_err(format!("peer client: {e}")))?;
+        let peer = Arc::new(Peer { client, base, slots: Semaphore::new(self.per_peer) });
+        peers.insert(addr.to_string(), peer.clone());
+        Ok(peer)
+    }
+}
+
+struct Job {
+    peer: Arc<Peer>,
+    auth: String,
+    revision: String,
+    header: String,
+    answer_timeout: Duration,
+    read_timeout: Duration,
+    min_rate: f64,
+}
+
+impl Job {
+    async fn one(&self, (target, size, etag, tmp): PeerItem) -> PeerOutcome {
+        let Ok(_slot) = self.peer.slots.acquire().await else { return cancelled() };
+        let url = format!("{}{}", self.peer.base, target);
+        let send = self.peer.client.get(url).header("Authorization", &self.auth).send();
+        let mut resp = match tokio::time::timeout(self.answer_timeout, send).await {
+            Err(_) => return ("stalled".into(), 0, format!("no answer in {:?}", self.answer_timeout)),
+            Ok(Err(e)) => return transport(e),
+            Ok(Ok(r)) => r,
+        };
+        let status = resp.status().as_u16();
+        if status != 200 {
+            // Read whole (the connection is reused), within the read timeout.
+            let mut body = Vec::new();
+            let read = async {
+                while let Some(chunk) = resp.chunk().await? {
+                    if body.len() + chunk.len() > MAX_ERROR_BODY {
+                        break;
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok::<(), reqwest::Error>(())
+            };
+            let _ = tokio::time::timeout(self.read_timeout, read).await;
+            let state = if status == 404 { state_of(&body) } else { String::new() };
+            return ("status".into(), i32::from(status), state);
+        }
+        let said = resp.headers().get(&self.header).and_then(|v| v.to_str().ok()).unwrap_or("");
+        if said != self.revision {
+            return ("lied".into(), 200, format!("it answered for revision {said:?}"));
+        }
+        // The header itself, not reqwest's content_length() (which a body's hint may fill in).
+        let length = resp
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if length != Some(size) {
+            let shown = length.map_or("no".to_string(), |n| n.to_string());
+            return ("lied".into(), 200, format!("{shown} bytes where the manifest says {size}"));
+        }
+        // The whole body within read_timeout plus its size at min_rate; each read within read_timeout.
+        let deadline = Instant::now() + self.read_timeout + Duration::from_secs_f64(size as f64 / self.min_rate);
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut hash = Md5::new();
+        let mut got: u64 = 0;
+        while got < size {
+            let left = deadline.saturating_duration_since(Instant::now()).min(self.read_timeout);
+            if left.is_zero() {
+                return ("stalled".into(), 0, format!("{got} of {size} bytes in time"));
+            }
+            let chunk = match tokio::time::timeout(left, resp.chunk()).await {
+                Err(_) => return ("stalled".into(), 0, format!("{got} of {size} bytes in time")),
+                Ok(Err(e)) => return transport(e),
+                Ok(Ok(None)) => return ("transport".into(), 0, format!("the body ended after {got} of {size} bytes")),
+                Ok(Ok(Some(c))) => c,
+            };
+            got += chunk.len() as u64;
+            if got > size {
+                return ("lied".into(), 200, format!("more than the {size} bytes it announced"));
+            }
+            hash.update(&chunk);
+            chunks.push(chunk);
+        }
+        let md5 = hex(&hash.finalize());
+        if md5 != etag.trim_matches('"').to_ascii_lowercase() {
+            return ("suspect".into(), 200, md5);
+        }
+        match write_new(&tmp, &chunks) {
+            Ok(()) => ("placed".into(), 200, String::new()),
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                ("local".into(), e.raw_os_error().unwrap_or(libc::EIO), format!("writing {tmp}: {e}"))
+            }
+        }
+    }
+}
+
+/// A request that failed below HTTP: no connection at all is "refused" (peers.py writes the peer
+/// off, as for ConnectionRefusedError); the rest (a reset, a kept-alive connection closed under
+/// the request) gets no verdict here: the object goes back to the Python path, which tells busy
+/// from broken.
+fn transport(e: reqwest::Error) -> PeerOutcome {
+    let kind = if e.is_connect() && refused(&e) { "refused" } else if e.is_timeout() { "stalled" } else { "transport" };
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        message.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    (kind.into(), 0, message)
+}
+
+fn refused(e: &reqwest::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return io.kind() == std::io::ErrorKind::ConnectionRefused;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// The "state" of an agent's 404 body (``{"state": "staging", ...}``), "" if none.
+fn state_of(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("state").and_then(|s| s.as_str()).map(str::to_string))
+        .unwrap_or_default()
+}
+
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A new read-only file (O_EXCL: never through a file or symlink someone left there) with the body.
+fn write_new(tmp: &str, chunks: &[Bytes]) -> std::io::Result<()> {
+    let mut f = OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).custom_flags(libc::O_CLOEXEC).open(tmp)?;
+    for c in chunks {
+        f.write_all(c)?;
+    }
+    Ok(())
+}
