@@ -63,6 +63,7 @@ class Store:
 
 class Pages:
     def next(self) -> tuple[list[Listed], Failure | None]: ...
+
 #: (request target, listed size, ETag: a plain MD5 without quotes, temp path to create)
 PeerItem = tuple[str, int, str, str]
 #: (kind, HTTP status or errno, detail); kind is one of placed, status (detail: the 404 body's
