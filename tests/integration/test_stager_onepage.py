@@ -56,6 +56,13 @@ def _path_taken(r: StageResult) -> str:
     return "onepage" if ONEPAGE in r.stderr else "sync"
 
 
+def _imported(r: StageResult, module: str) -> bool:
+    """Whether a run with PYTHONPROFILEIMPORTTIME imported ``module`` ("import time: ... | name")."""
+    return any(
+        ln.startswith("import time:") and ln.rsplit("|", 1)[-1].strip() == module for ln in r.stderr.splitlines()
+    )
+
+
 def _one_page_path(data_plane: str) -> str:
     """The path a one-page small revision takes: onepage.py needs the native plane."""
     return "onepage" if data_plane == "native" else "sync"
@@ -67,12 +74,20 @@ def test_one_page_copy_stages_what_sync_stages(s3_server: S3Server, bucket: str,
     uri = f"s3://{bucket}/o/"
     rev = boto3_revision(s3_server, uri)
 
-    one = stage(s3_server, uri, tmp_path / "one", rev)
-    ref = stage(s3_server, uri, tmp_path / "ref", rev, env=stage_env(s3_server, DSCACHE_ONEPAGE="0"))
+    # PYTHONPROFILEIMPORTTIME: every module the run imported, on stderr.
+    one = stage(s3_server, uri, tmp_path / "one", rev, env=stage_env(s3_server, PYTHONPROFILEIMPORTTIME="1"))
+    ref = stage(
+        s3_server,
+        uri,
+        tmp_path / "ref",
+        rev,
+        env=stage_env(s3_server, DSCACHE_ONEPAGE="0", PYTHONPROFILEIMPORTTIME="1"),
+    )
 
     assert one.code == 0, one.stderr
     assert ref.code == 0, ref.stderr
     assert (_path_taken(one), _path_taken(ref)) == (_one_page_path(data_plane), "sync")
+    assert (_imported(one, "asyncio"), _imported(ref, "asyncio")) == (data_plane != "native", True)
     want = expected_tree({k: v for k, v in files.items() if k != "o/lone/"}, "o/")
     assert data_tree(data_dir(tmp_path / "one", rev)) == data_tree(data_dir(tmp_path / "ref", rev)) == want
     assert not (data_dir(tmp_path / "one", rev) / "lone").exists()
