@@ -3,15 +3,16 @@
 stage.py runs the whole command (access proof, lock, lease, warm start; see
 its docstring); this module is imported only when the revision is not on the
 node yet and is more than one small listing page (onepage.py copies those;
-asyncio alone costs a start ~20 ms, ~40 after a page-cache drop). What is done
-with each object, the checks, the journal and the errors are copyrun.CopyRun's,
-shared with onepage.py; this module adds asyncio's orchestration and the peers. Here: list (streamed,
-hashed with the contract's RevisionHasher), GET with If-Match, write into
-C/revs/<rev>; if the listing is not revision <rev> any more, or an object
+asyncio alone costs a start ~20 ms, ~40 after a page-cache drop). Here: list
+(streamed, hashed with the contract's RevisionHasher), GET with If-Match, write
+into C/revs/<rev>; if the listing is not revision <rev> any more, or an object
 changed under us, remove the incomplete revision and fail (exit 9): the pod
 never sees a mix of two versions. A revision pinned in a versioned bucket
 (--as-of) is found among the bucket's versions and fetched by versionId, so
 overwrites and deletes after the pin do not matter while the versions last.
+What is done with each object, the checks, the journal and the errors are
+copyrun.CopyRun's, shared with onepage.py; this module adds asyncio's
+orchestration (the listing a page ahead, batches in flight) and the peers.
 A complete revision is never modified: a newer one is staged beside it.
 """
 
