@@ -11,6 +11,14 @@ objects settled by HEAD, sealed. Everything but this orchestration is sync._Run'
 Why: asyncio, with ssl, selectors, subprocess and their shared objects (~35 modules), cost a
 cold start ~40 ms of ~135 after a page-cache drop (~15 ms cached) on a copy of one small object.
 DSCACHE_ONEPAGE=0 turns this path off (sync.py copies every revision; the tests compare both).
+
+Measured (bench/stager.py --quick --profiles=loopback --sets fixed --peers s5cmd --workers=
+--runs 7, the shipped layout; main d25d60b and this path in turns, medians of 7): at load 6-10,
+main 0.216/0.132 s wall after the drop, this path 0.162/0.099 (s5cmd 0.030-0.040); CPU
+0.098/0.091 -> 0.079/0.072 s; page cache kept 0.093/0.090 -> 0.073/0.065 s (CPU 0.077/0.075
+-> 0.062/0.061); read after the drop 19.5 -> 17.5 MiB. The Python plane (sync.py either way) in
+the same runs: 0.100/0.094 and 0.099/0.099 s CPU. At load 17-54 (three pairs) CPU 0.098-0.120
+-> 0.081-0.093 s; wall there is noise.
 """
 
 from __future__ import annotations
