@@ -114,11 +114,11 @@ import os
 import random
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from . import rawhttp
+from .objects import OBJECT_ATTEMPTS, PART_SIZE, SMALL_LIMIT, SPLICE_THREADS, Fetched, ObjectGone
 from .store import GenericError, PermissionDeniedError, PreconditionError, kind
 from .tree import LocalTree
 
@@ -127,28 +127,6 @@ if TYPE_CHECKING:
     # path the native plane copies, and a cold start does not load obstore (store.py).
     from obstore import Bytes, GetOptions, GetResult
     from obstore.store import S3Store
-
-# Objects up to SMALL_LIMIT are one GET held in memory; the requests this
-# module makes are at most sync_options.BUFFER_BYTES / SMALL_LIMIT (64), so
-# memory stays under 64 MiB of bodies. Larger ones stream in parts.
-SMALL_LIMIT = 1 << 20
-# 32 MiB parts, not 16 (issue 30, third round; the module docstring has the
-# sweeps): the same bytes in half the ranged GETs cost the loopback server
-# 20-25% less CPU in every sweep, and the copy 8-15% less wall at load 6-8
-# (within the noise at load 15-20), for both planes and for the bench's
-# ceiling alike; 64 MiB ranges doubled the server's CPU. Real S3 is
-# served the same way (s5cmd's parts are 50 MB), and parts in flight, which
-# bound its throughput per connection, stay SPLICE_THREADS.
-PART_SIZE = 32 << 20
-#: Ranged parts spliced at once (each on its own thread and connection).
-SPLICE_THREADS = 16
-# obstore retries each request; a connection dropped mid-body surfaces to us,
-# so the whole object is retried too, with jittered backoff.
-OBJECT_ATTEMPTS = 5
-
-
-class ObjectGone(Exception):
-    """The object was deleted after it was listed (obstore raises a bare FileNotFoundError)."""
 
 
 #: S3 failures (store.kind) another try cannot mend; ObjectGone is one too.
@@ -168,12 +146,6 @@ async def get(store: S3Store, key: str, options: GetOptions | None = None) -> Ge
         return await obstore.get_async(store, key, options=options)
     except FileNotFoundError as e:
         raise ObjectGone(key) from e
-
-
-@dataclass(slots=True)
-class Fetched:
-    size: int
-    etag: str
 
 
 # Files are born read-only: a complete revision must not change, and this

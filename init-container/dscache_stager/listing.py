@@ -35,37 +35,18 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dscache_contract import VersionPicker, normalize_key, page_versions, parse_as_of
 
 from .errors import SourceError, StageError, TransientError
 from .listpage import LIST_ATTEMPTS, LIST_CHUNK, Started
+from .objects import RemoteObject, UnrepresentableKeys, remote_objects
 from .source import S3Source
 from .store import REFUSALS, Listed, NativePages, kind, list_async, listed, pages_async
 
 if TYPE_CHECKING:
     from .store import AnyStore
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteObject:
-    key: str
-    size: int
-    etag: str
-    #: Versioned listings only: the version to GET, and whether the key was a
-    #: directory marker ``a/`` (obstore's listing cannot tell; see sync._settle_empties).
-    version_id: str | None = None
-    marker: bool = False
-
-
-class UnrepresentableKeys(Exception):
-    """obstore met a key it cannot represent; see :func:`list_keys_raw`."""
-
-
-def _objects(batch: list[Listed]) -> list[RemoteObject]:
-    return [RemoteObject(key, size, etag) for key, size, etag in batch]
 
 
 async def _resumed(started: Started) -> AsyncIterator[list[Listed]]:
@@ -102,7 +83,7 @@ async def _pages(store: AnyStore, prefix: str, started: Started | None = None) -
             else:
                 batches = list_async(store, prefix, last, LIST_CHUNK)
             async for batch in batches:
-                objs = _objects(batch)
+                objs = remote_objects(batch)
                 if failures:
                     objs = [o for o in objs if o.key not in previous and o.key not in older]
                 if objs:

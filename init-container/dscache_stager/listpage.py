@@ -46,7 +46,13 @@ def first_page(store: AnyStore, prefix: str) -> Started:
         if isinstance(store, NativeStore):
             pages = store.pages(prefix, None, LIST_CHUNK)
             first = next(pages, None)
-            return Started(first, pages) if first is not None else Started([], None)
+            if first is None:
+                return Started([], None)
+            # A short chunk is the listing's last (native/src/list.rs: fewer than ``chunk`` only
+            # at its end), unless a failure cut it short (pages.failed, raised by the next call).
+            # Knowing it here lets a one-page revision be copied without asyncio (onepage.py).
+            ended = len(first) < LIST_CHUNK and pages.failed is None
+            return Started(first, None if ended else pages)
         import obstore
 
         from .store import listed

@@ -47,7 +47,6 @@ reference: the test suite runs against both.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +54,7 @@ from datetime import UTC, datetime
 from types import ModuleType
 from typing import Any
 
-from .fetch import OBJECT_ATTEMPTS, PART_SIZE, SMALL_LIMIT, SPLICE_THREADS, Fetched, ObjectGone
+from .objects import OBJECT_ATTEMPTS, PART_SIZE, SMALL_LIMIT, SPLICE_THREADS, Fetched, ObjectGone
 from .source import S3Source, credentials_for_store
 from .store import ENV, failure
 from .sync_options import BUFFER_BYTES
@@ -79,7 +78,7 @@ Item = tuple[str, str, str, str | None, int]
 
 def load() -> ModuleType | None:
     """dscache_native, unless it is absent or switched off (store.load_native, which the access
-    proof uses without importing this module's asyncio)."""
+    proof uses)."""
     from .store import load_native
 
     return load_native()
@@ -145,9 +144,17 @@ class NativeFetcher:
         self.closed = False
 
     async def fetch(self, items: list[Item]) -> tuple[list[tuple[int, Fetched]], BaseException | None]:
-        """Copy a batch; (index, Fetched) of each object placed, and the failure that stopped the rest."""
+        """Copy a batch on a thread of the pool; (index, Fetched) of each object placed, and the
+        failure that stopped the rest."""
+        import asyncio  # here, not at the top: onepage.py uses this module without asyncio
+
         loop = asyncio.get_running_loop()
-        done, failure = await loop.run_in_executor(self.pool, self.copier.fetch, self.tmp_dir, items)
+        return await loop.run_in_executor(self.pool, self.fetch_blocking, items)
+
+    def fetch_blocking(self, items: list[Item]) -> tuple[list[tuple[int, Fetched]], BaseException | None]:
+        """:meth:`fetch` on this thread: the copier bounds its own requests and buffers, so a
+        whole listing page may be handed down at once (onepage.py)."""
+        done, failure = self.copier.fetch(self.tmp_dir, items)
         placed = [(i, Fetched(size, etag)) for i, size, etag in done]
         return placed, (_exception(*failure) if failure is not None else None)
 
@@ -157,6 +164,8 @@ class NativeFetcher:
         The object completes to Python once; meanwhile ``on_bytes`` hears of its parts as they are
         written (every PROGRESS_S, from the copier's byte counter, shared by the objects in flight).
         """
+        import asyncio
+
         loop = asyncio.get_running_loop()
         job = loop.run_in_executor(self.pool, self.copier.fetch_large, self.tmp_dir, item, self.part_bytes)
         if on_bytes is not None:
@@ -196,6 +205,8 @@ def _exception(kind: str, errno: int, message: str, key: str) -> BaseException:
     if kind == "os":
         return OSError(errno, os.strerror(errno), message)
     if kind == "cancelled":
+        import asyncio
+
         return asyncio.CancelledError()
     return failure(kind, message)
 

@@ -48,8 +48,8 @@ from dscache_contract.peers import REVISION_HEADER, RevisionState
 
 from . import agenttls
 from .layout import Revision
-from .listing import RemoteObject
 from .listpage import LIST_CHUNK
+from .objects import RemoteObject
 from .peers import Peers
 
 log = logging.getLogger("dscache-stage")

@@ -31,7 +31,7 @@ from typing import Any
 
 from dscache_contract.peers import AGENT_TLS_NAME, MAX_WAIT_S, PEER_CA_ENV, RELAY_MARK, REVISION_HEADER, ObjectRequest
 
-from .fetch import SMALL_LIMIT
+from .objects import SMALL_LIMIT
 from .peers import MIN_RATE, PER_PEER, READ_TIMEOUT_S, RERANK_S, Obtained, Outcome, Peers
 
 log = logging.getLogger("dscache-stage")

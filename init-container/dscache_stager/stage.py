@@ -16,6 +16,9 @@
    - warm: the revision is complete on the node; done, without listing;
    - cold (sync.py): list, hash, GET with If-Match, seal; a listing that is
      not the revision any more fails with exit 9 and leaves nothing behind.
+     A revision whose whole listing was the access proof's page, without peers
+     or --as-of, every object small, is copied the same way without asyncio
+     (onepage.py, chosen by onepage.fits once the page is in).
 
 No asyncio on this path: the warm start is a process start, one HEAD, a lock
 and a small file write, and importing asyncio (with ssl) alone would cost
@@ -107,6 +110,10 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
     # A cold run that may take its listing from a peer, or lists versions, needs no first page.
     elsewhere = opts.as_of is not None or bool(opts.agent and opts.cache and opts.peer_token_file)
     listing = prove_access(store, opts.source, probe, elsewhere)
+    one_page = probe is None and onepage_fits(opts, listing)
+    if probe is None and not one_page:
+        # Not a one-page copy (onepage.fits): asyncio's path, imported meanwhile too.
+        threading.Thread(target=_import_sync, name="import-sync", daemon=True).start()
 
     def on_wait() -> None:
         progress.note(f"another stager or a wipe holds {contract.lock_path(c)}; waiting for it")
@@ -133,8 +140,6 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
                 revision=opts.revision,
                 warm=True,
             )
-        from .sync import cold
-
         gc_from_here()
 
         if opts.agent and opts.cache and opts.bytes is not None:
@@ -153,7 +158,20 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
             f"staging revision {opts.revision} of {opts.source.uri} into {rev.dir} "
             f"({opts.concurrency} requests in flight)"
         )
+        if one_page and listing is not None:
+            from . import onepage
+
+            return onepage.cold(opts, rev, store, progress, listing)
+        from .sync import cold
+
         return cold(opts, rev, store, progress, listing if opts.as_of is None else None)
+
+
+def onepage_fits(opts: SyncOptions, listing: Started | None) -> bool:
+    """Whether the cold copy runs without asyncio (onepage.fits; onepage.py is on the import thread's list)."""
+    from .onepage import fits
+
+    return fits(opts, listing)
 
 
 def gc_from_here() -> None:
@@ -180,11 +198,19 @@ def _token(path: str | None) -> str:
 
 
 def _import_cold_path() -> None:
-    # An error here (none is expected) surfaces again where sync.py is imported for real.
+    # Only what every cold copy needs, without asyncio: a one-page revision (onepage.py) never
+    # imports it (~40 ms after a page-cache drop); the others import sync.py once the access
+    # proof's page shows them (_import_sync). An error here (none is expected) surfaces again
+    # where the module is imported for real.
     with contextlib.suppress(Exception):
-        from . import native, sync  # noqa: F401
+        from . import native, onepage  # noqa: F401
 
         native.load()  # the extension's shared object, loaded on first use otherwise
+
+
+def _import_sync() -> None:
+    with contextlib.suppress(Exception):
+        from . import sync  # noqa: F401
 
 
 def prove_access(store: AnyStore, source: S3Source, probe_key: str | None, empty: bool = False) -> Started | None:

@@ -2,77 +2,60 @@
 
 stage.py runs the whole command (access proof, lock, lease, warm start; see
 its docstring); this module is imported only when the revision is not on the
-node yet (asyncio alone costs a warm start ~20 ms). Here: list (streamed,
-hashed with the contract's RevisionHasher), GET with If-Match, write into
-C/revs/<rev>; if the listing is not revision <rev> any more, or an object
+node yet and is more than one small listing page (onepage.py copies those;
+asyncio alone costs a start ~20 ms, ~40 after a page-cache drop). Here: list
+(streamed, hashed with the contract's RevisionHasher), GET with If-Match, write
+into C/revs/<rev>; if the listing is not revision <rev> any more, or an object
 changed under us, remove the incomplete revision and fail (exit 9): the pod
 never sees a mix of two versions. A revision pinned in a versioned bucket
 (--as-of) is found among the bucket's versions and fetched by versionId, so
 overwrites and deletes after the pin do not matter while the versions last.
+What is done with each object, the checks, the journal and the errors are
+copyrun.CopyRun's, shared with onepage.py; this module adds asyncio's
+orchestration (the listing a page ahead, batches in flight) and the peers.
 A complete revision is never modified: a newer one is staged beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import heapq
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
-from dscache_contract import ManifestEntry, RevisionHasher, Selection, StageSummary, human_bytes
+from dscache_contract import ManifestEntry, Selection, StageSummary
 
 from . import native
+from .copyrun import CopyRun, Task
 from .cpus import available_cpus
-from .errors import (
-    DestinationError,
-    HostileKeysError,
-    NoSpaceError,
-    RevisionGoneError,
-    StageError,
-)
-from .fetch import SMALL_LIMIT, Fetcher, ObjectGone
-from .keys import TreeShape, unsafe_reason
+from .fetch import Fetcher
 from .layout import Revision
-from .listing import (
-    RemoteObject,
-    UnrepresentableKeys,
-    boto3_client,
-    boto3_error,
-    list_keys_raw,
-    list_objects,
-    list_versions,
-)
+from .listing import boto3_client, boto3_error, list_keys_raw, list_objects, list_versions
 from .listpage import Started
+from .objects import SMALL_LIMIT, RemoteObject, UnrepresentableKeys
 from .peers_pace import Pace
 from .progress import Progress
-from .source import S3Source, source_error
-from .store import NativeStore, exists, kind
+from .source import S3Source
+from .store import NativeStore, exists
 from .sync_options import BUFFER_BYTES, SyncOptions
-from .tree import LocalTree
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
-    from .peer_listing import ListingWriter
     from .peer_native import NativePeers
     from .peers import Obtained, Peers
     from .store import AnyStore
 
-BLOCK = 4096
-MAX_KEYS_SHOWN = 20
 #: Objects waiting for the peer workers past which the listing pauses (the bucket's workers never
 #: wait on the peer workers: issue 30 traced a stall of every node to that wait).
 PEER_BACKLOG = 16384
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
-Work = tuple[RemoteObject, str, str] | None
-Task = tuple[RemoteObject, str, str]
+Work = Task | None
 
 
 def cold(
@@ -108,31 +91,13 @@ def current_revision(source: S3Source, selection: Selection) -> dict[str, Any]:
     return out
 
 
-class _Run:
+class _Run(CopyRun):
+    """The copy on asyncio: the listing streamed a page ahead, batches in flight, peers."""
+
     def __init__(
         self, opts: SyncOptions, rev: Revision, store: AnyStore, progress: Progress, started: Started | None = None
     ) -> None:
-        self.opts = opts
-        self.source = opts.source
-        self.selection = opts.selection
-        self.rev = rev
-        self.store = store
-        self.progress = progress
-        self.tree = LocalTree(rev.data)
-        self.shape = TreeShape()
-        self.hasher = RevisionHasher()
-        # Nothing here grows with the listing (issue 9: 1M keys in <= 256 MiB):
-        # each object's manifest line goes to a file in listing order the
-        # moment it is listed, and the counts are counters. Only empty objects
-        # (few; each needs a HEAD, see _settle_empties) and directories are held.
-        self.objects = 0
-        self.bytes = 0
-        self.manifest_tmp = os.path.join(rev.tmp, "manifest.listed")
-        self.hostile: list[tuple[str, str]] = []
-        self.empties: list[tuple[RemoteObject, str, str | None]] = []
-        self.placed_empties: dict[str, ManifestEntry] = {}
-        self.fetched_bytes = 0
-        self.peer_bytes = 0
+        super().__init__(opts, rev, store, progress, started)
         # Fetch once per cluster (peers.py): with the agent and the cache's token, objects other
         # nodes hold or copy are taken from them, and the bucket read only at this node's turn.
         self.peers: Peers | None = None
@@ -149,21 +114,10 @@ class _Run:
         self._claims_lock = threading.Lock()  # the loop and the peer threads append
         self._peer_seq = 0
         self._peer_seq_lock = threading.Lock()
-        self.started_listing = started
-        self.listing_writer: ListingWriter | None = None
-        self.started = time.monotonic()
-        self.thread_started = time.thread_time()
 
     async def run(self) -> StageSummary:
         rev = self.rev
-        try:
-            resuming = rev.prepare()
-            known = rev.known_entries()
-            st = os.statvfs(rev.data)
-        except OSError as e:
-            raise _destination_error(e, rev.dir) from e
-        self.free = st.f_bavail * st.f_frsize
-        self.needed = 0
+        resuming, known = self._open()
         # Python's own requests (fetch.py: every object on the Python plane, the large ones'
         # parts on the native plane, HEADs of empty objects) hold a body of up to 1 MiB, or a
         # 1 MiB chunk of a part, each and have no byte budget: as many as BUFFER_BYTES holds.
@@ -179,7 +133,6 @@ class _Run:
             zero_copy=(self.source.endpoint_url or "").startswith("http://"),
         )
         queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=4 * self.opts.concurrency)
-        self.native: native.NativeFetcher | None = None
         if module := native.load():
             # Small objects: GET, write and rename in native code on one thread
             # per CPU the container may use, a batch at a time (native.py).
@@ -240,17 +193,7 @@ class _Run:
                 with open(self.manifest_tmp, "w", buffering=1 << 16) as self.manifest:
                     await _gather_or_cancel([asyncio.create_task(c) for c in (feed(), *workers)])
                 await self._settle_empties(known)
-                if self.hostile:
-                    raise HostileKeysError(self._hostile_message())
-                manifest = self._final_manifest()
-                # Only a resumed run can find files it did not place (a killed
-                # run of an earlier listing); a fresh data dir holds none. This
-                # is the one place that holds every path (a resume at 1M keys
-                # costs ~100 MiB more, once).
-                stale = self.tree.stale(set(_paths(manifest))) if resuming else []
-                if stale:
-                    self.tree.remove(stale)
-                summary = self._summary(len(stale))
+                manifest, summary = self._conclude(resuming)
             if self.claims is not None:
                 # Every object is placed: nobody need wait on a claim any more, and tmp/ must be empty to seal.
                 with self._claims_lock:
@@ -258,25 +201,10 @@ class _Run:
                 os.unlink(self.claims.name)
             rev.seal(manifest, self.tree.dirs, summary)
             return summary
-        except RevisionGoneError:
-            self._drop_revision()
-            raise
         except Exception as e:
-            # Either S3 client's failures, told apart by kind (store.py): obstore is not imported
-            # on the common path, so its classes cannot be named here.
-            failed = kind(e)
-            if isinstance(e, ObjectGone) or failed == "precondition":
-                self._drop_revision()
-                raise RevisionGoneError(
-                    f"an object under {self.source.uri} changed or was deleted after revision {rev.rev} was "
-                    f"pinned ({_first_line(e)}); the bucket can no longer serve revision {rev.rev}, so nothing "
-                    f"was staged. {_revision_advice()}"
-                ) from e
-            if isinstance(e, OSError):
-                raise _destination_error(e, rev.dir) from e
-            if failed is not None:
-                raise source_error(e, self.source, self.progress.fetched_objects) from e
-            raise
+            if (failed := self._failure(e)) is e:
+                raise
+            raise failed from e
         finally:
             ticker.cancel()
             if self.listing_writer is not None:
@@ -294,93 +222,15 @@ class _Run:
             if peer_pool is not None:
                 peer_pool.shutdown(wait=False, cancel_futures=True)
             self.fetcher.close()
-            if self.native:
-                self.native.close()
-                if (large := self.native.counters())["large_parts"] or large["parts_retried"]:
-                    self.progress.note(
-                        f"native data plane: {large['large_objects']} large object(s) in {large['large_parts']} "
-                        f"ranged parts, {large['parts_retried']} part(s) tried again"
-                    )
-            # A failed run leaves no half manifest in tmp/ (a sealed one was moved out).
-            for leftover in (self.manifest_tmp, os.path.join(rev.tmp, "manifest.merged")):
-                try:
-                    os.unlink(leftover)
-                except FileNotFoundError:
-                    pass
-            self.progress.report()
-            # The control plane runs on this one thread whatever the data plane's
-            # threads: its CPU per object bounds objects/s on a big node
-            # (bench/stager.py reads this line). Start-up is counted apart.
-            self.progress.note(
-                f"control plane: {time.thread_time() - self.thread_started:.3f} s CPU on the event-loop thread "
-                f"(+{self.thread_started:.3f} s to start)"
-            )
-
-    def _drop_revision(self) -> None:
-        if self.native:
-            self.native.close()  # no native thread may place a file while the revision is removed
-        try:
-            self.journal.close()
-        except Exception:
-            pass
-        self.rev.remove()
-
-    def _check_revision(self) -> None:
-        got = self.hasher.revision_id()
-        if got != self.rev.rev:
-            raise RevisionGoneError(
-                f"revision {self.rev.rev} of {self.source.uri} (the one this pod was admitted with) is no "
-                f"longer in the bucket: it lists as revision {got} now ({self.hasher.objects} objects, "
-                f"{self.hasher.bytes} bytes). Objects were changed, added or deleted after the revision was "
-                f"pinned, so nothing was staged. {_revision_advice()}"
-            )
+            self._close()
 
     # --- listing ------------------------------------------------------------
 
     async def _produce(self, known: dict[str, ManifestEntry], queue: asyncio.Queue[Work]) -> None:
-        relative, hasher, progress = self.selection.relative, self.hasher, self.progress
         listing = await self._listing()
-        writer = self.listing_writer
         try:
             async for batch in listing:
-                fetch: list[Task] = []
-                for obj in batch:
-                    rel = relative(obj.key)
-                    if rel is None:
-                        continue  # outside the selection, or the prefix's own directory marker
-                    hasher.add(obj.key, obj.size, obj.etag, obj.version_id)
-                    if writer is not None:
-                        writer.add(obj.key, obj.size, obj.etag, obj.version_id, obj.marker)
-                    if reason := unsafe_reason(rel):
-                        self.hostile.append((obj.key, reason))
-                        continue
-                    if obj.size == 0:
-                        # Maybe a directory marker; see _settle_empties. Either
-                        # way its parents are directories. Whether it sits at or
-                        # under a file is only known now, in listing order.
-                        self.shape.add_parents(rel)
-                        self.empties.append((obj, rel, self.shape.file_at_or_above(rel)))
-                        continue
-                    if clash := self.shape.clash(rel):
-                        self.hostile.append((obj.key, f"file and directory at once ({clash})"))
-                        continue
-                    if self.hostile:
-                        continue  # the run will fail; keep listing only to name every bad key
-                    old = known.get(rel)
-                    if old and _same(old, obj) and self.tree.is_current(rel, obj.size):
-                        self._list_entry(old)
-                        progress.skipped += 1
-                        continue
-                    # Listed now, fetched later: the run fails unless every
-                    # GET succeeds (If-Match: these very bytes), so the line
-                    # can be written before the file exists.
-                    line = self._list_entry(ManifestEntry(obj.key, rel, obj.size, obj.etag, obj.version_id))
-                    fetch.append((obj, rel, line))
-                if writer is not None:
-                    writer.flush()
-                # Space is reserved a page at a time, so a short listing is
-                # judged on its exact total before any of it is fetched.
-                self._reserve([o for o, _, _ in fetch])
+                fetch = self._plan(batch, known)
                 for item in fetch:
                     while self.peer_queue is not None and self.peer_queue.qsize() >= PEER_BACKLOG:
                         await asyncio.sleep(0.05)
@@ -388,14 +238,8 @@ class _Run:
         except UnrepresentableKeys as e:
             # obstore refused a key; list verbatim with boto3 to name them all.
             keys = await asyncio.to_thread(list_keys_raw, self.source)
-            for key in keys:
-                rel = relative(key)
-                if rel and not key.endswith("/") and (reason := unsafe_reason(rel)):
-                    self.hostile.append((key, reason))
-            raise HostileKeysError(
-                self._hostile_message() if self.hostile else f"a key under {self.source.uri} cannot be copied: {e}"
-            ) from e
-        progress.listing_done = True
+            raise self._unrepresentable(e, keys) from e
+        self.progress.listing_done = True
 
     async def _listing(self) -> AsyncIterator[list[RemoteObject]]:
         """Where the listing comes from: a peer's or this node's earlier one, checked against the
@@ -428,20 +272,6 @@ class _Run:
             return self.source.open_store(self.opts.concurrency)
         return self.store
 
-    def _reserve(self, objs: list[RemoteObject]) -> None:
-        self.needed += sum(-(-o.size // BLOCK) * BLOCK for o in objs)
-        self.progress.to_fetch_objects += len(objs)
-        self.progress.to_fetch_bytes += sum(o.size for o in objs)
-        if self.needed > self.free:
-            more = "" if self.progress.listing_done else "at least "
-            raise NoSpaceError(
-                f"not enough space in {self.rev.c}: the objects still to copy need {more}"
-                f"{self.needed} bytes ({human_bytes(self.needed)}) but only {self.free} bytes "
-                f"({human_bytes(self.free)}) are free; free space on the node's cache disk (older "
-                f"revisions are removed once no pod holds them), narrow the source with include/exclude, "
-                f"or use a larger disk"
-            )
-
     async def _settle_empties(self, known: dict[str, ManifestEntry]) -> None:
         """Empty objects: a real empty file, or a directory marker ``a/`` that obstore shows as ``a``.
 
@@ -453,32 +283,11 @@ class _Run:
         """
 
         async def settle(obj: RemoteObject, rel: str, above: str | None) -> None:
-            if self.shape.is_dir(rel):
-                return  # a directory marker of a directory we fill anyway
-            if obj.version_id is not None:
-                present = not obj.marker  # a versioned listing keeps the key verbatim
-            else:
+            present = self._listed_presence(obj, rel)
+            if present is None:
                 async with self.requests:
                     present = await exists(self.store, obj.key)
-            if not present:
-                return  # only "key/" exists: a directory marker of an empty directory, skipped quietly
-            if above == rel or rel in self.placed_empties:
-                return  # "key" and "key/" both exist; the real object already won
-            if above is not None:
-                self.hostile.append((obj.key, f"file and directory at once ({above})"))
-                return
-            old = known.get(rel)
-            if old and _same(old, obj) and self.tree.is_current(rel, 0):
-                self.placed_empties[rel] = old
-                self.progress.skipped += 1
-                return
-            self.tree.ensure_parent(rel)
-            tmp = os.path.join(self.rev.tmp, f"empty-{len(self.placed_empties)}-{id(obj)}")
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444))
-            self.tree.place(tmp, rel)
-            entry = ManifestEntry(obj.key, rel, 0, obj.etag, obj.version_id)
-            self.placed_empties[rel] = entry
-            self.journal.write(entry.to_json() + "\n")
+            self._settle_empty(obj, rel, above, known, present)
 
         await _gather_or_cancel([asyncio.create_task(settle(*e)) for e in self.empties])
 
@@ -493,10 +302,7 @@ class _Run:
                 self._claim([item])
             obj, rel, _ = item
             got = await fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
-            entry = ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
-            self.journal.write(entry.to_json() + "\n")
-            self.fetched_bytes += got.size
-            self.progress.fetched_objects += 1
+            self._record(obj, rel, got)
 
     async def _native_worker(self, queue: asyncio.Queue[Work]) -> None:
         """A batch at a time: small objects to the native copier, the others to fetch.py. While
@@ -544,7 +350,6 @@ class _Run:
         assert self.native is not None
         tree = self.tree
         small: list[Task] = []
-        items: list[native.Item] = []
         jobs: list[Coroutine[Any, Any, None]] = []
         claimed: list[Task] = []
         for task in batch:
@@ -557,34 +362,18 @@ class _Run:
                 jobs.append(self._fetch_native_large(obj, rel))
                 claimed.append(task)
                 continue
-            # Directories are made here, in listing order, as LocalTree
-            # records them for the seal; the native side only renames into them.
-            tree.ensure_parent(rel)
             small.append(task)
-            items.append((obj.key, tree.path(rel), obj.etag, obj.version_id, obj.size))
         claimed += small
         if self.peers is not None:
             self._claim(claimed)
-        if items:
-            jobs.append(self._fetch_native(small, items))
+        if small:
+            jobs.append(self._fetch_native(small, self._native_items(small)))
         return jobs, claimed
 
     async def _fetch_native(self, small: list[Task], items: list[native.Item]) -> None:
         assert self.native is not None
         placed, failure = await self.native.fetch(items)
-        # Journal what was placed even when the batch failed: a resumed run skips it.
-        fetched = 0
-        write = self.journal.write
-        for i, got in placed:
-            obj, rel, line = small[i]
-            if got.size == obj.size and got.etag in ("", obj.etag):
-                write(line)  # the object as listed: its manifest line, already encoded
-            else:
-                write(ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id).to_json() + "\n")
-            fetched += got.size
-        self.fetched_bytes += fetched
-        self.progress.fetched_objects += len(placed)
-        self.progress.add_bytes(fetched)
+        self._record_native(small, placed)
         if failure is not None:
             raise failure
 
@@ -592,17 +381,11 @@ class _Run:
         assert self.native is not None
         item = (obj.key, self.tree.path(rel), obj.etag, obj.version_id, obj.size)
         got = await self.native.fetch_large(item, self.progress.add_bytes)
-        entry = ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
-        self.journal.write(entry.to_json() + "\n")
-        self.fetched_bytes += got.size
-        self.progress.fetched_objects += 1
+        self._record(obj, rel, got)
 
     async def _fetch_one(self, obj: RemoteObject, rel: str) -> None:
         got = await self.fetcher.fetch(obj.key, rel, obj.size, obj.etag, obj.version_id)
-        entry = ManifestEntry(obj.key, rel, got.size, got.etag or obj.etag, obj.version_id)
-        self.journal.write(entry.to_json() + "\n")
-        self.fetched_bytes += got.size
-        self.progress.fetched_objects += 1
+        self._record(obj, rel, got)
 
     # --- fetch once per cluster ----------------------------------------------
 
@@ -810,87 +593,12 @@ class _Run:
             self._peer_seq += 1
             return os.path.join(self.rev.tmp, f"peer-{self._peer_seq}")
 
-    def _list_entry(self, entry: ManifestEntry) -> str:
-        line = entry.to_json() + "\n"
-        self.manifest.write(line)
-        self.objects += 1
-        self.bytes += entry.size
-        return line
-
-    def _final_manifest(self) -> str:
-        """The manifest's file: the listed lines, with the empty files merged in path order.
-
-        Listing order is path order (keys in UTF-8 byte order; the prefix is
-        common), so without empty files the listed file is the manifest as is.
-        """
-        if not self.placed_empties:
-            return self.manifest_tmp
-        merged = os.path.join(self.rev.tmp, "manifest.merged")
-        empties = sorted(self.placed_empties.values(), key=lambda e: e.path)
-        with open(self.manifest_tmp) as listed, open(merged, "w", buffering=1 << 16) as out:
-            lines = ((ManifestEntry.from_json(line).path, line) for line in listed)
-            extra = ((e.path, e.to_json() + "\n") for e in empties)
-            for _, line in heapq.merge(lines, extra, key=lambda t: t[0]):
-                out.write(line)
-        os.unlink(self.manifest_tmp)
-        self.objects += len(empties)
-        return merged
-
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.opts.progress_interval)
             if not self.journal.closed:
                 self.journal.flush()  # a killed run loses at most one interval of records
             self.progress.report()
-
-    # --- results ------------------------------------------------------------
-
-    def _summary(self, deleted: int) -> StageSummary:
-        return StageSummary(
-            objects=self.objects,
-            bytes=self.bytes,
-            skipped=self.progress.skipped,
-            fetched_bytes=self.fetched_bytes,
-            deleted=deleted,
-            seconds=time.monotonic() - self.started,
-            revision=self.rev.rev,
-            warm=False,
-            fetched_objects=self.progress.fetched_objects,
-            bucket_bytes=self.fetched_bytes - self.peer_bytes,
-            peer_bytes=self.peer_bytes,
-        )
-
-    def _hostile_message(self) -> str:
-        shown = "; ".join(f"{k!r} ({why})" for k, why in self.hostile[:MAX_KEYS_SHOWN])
-        more = f" and {len(self.hostile) - MAX_KEYS_SHOWN} more" if len(self.hostile) > MAX_KEYS_SHOWN else ""
-        return (
-            f"{len(self.hostile)} object key(s) under {self.source.uri} cannot be written safely "
-            f"under the cache dir: {shown}{more}; rename them in the bucket or exclude them "
-            f"with an exclude glob"
-        )
-
-
-def _same(placed: ManifestEntry, listed: RemoteObject) -> bool:
-    """A file a killed run placed is the listed object (same size, ETag and version)."""
-    return (placed.size, placed.etag, placed.version_id) == (listed.size, listed.etag, listed.version_id)
-
-
-def _paths(manifest: str) -> Iterator[str]:
-    with open(manifest) as f:
-        for line in f:
-            yield ManifestEntry.from_json(line).path
-
-
-def _revision_advice() -> str:
-    return (
-        "Pods admitted from now on get the bucket's current revision: re-run the Job (or delete its "
-        "pending pods), or restore the objects. Data that must stay fixed while Jobs run belongs "
-        "under a new prefix per version."
-    )
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e) or type(e).__name__).split("\n")[0]
 
 
 async def _take(queue: asyncio.Queue[Work], most: int, room: int | None = None) -> tuple[list[Task], bool]:
@@ -920,11 +628,3 @@ async def _gather_or_cancel(tasks: list[asyncio.Task[None]]) -> None:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-def _destination_error(e: OSError, dest: str) -> StageError:
-    if e.errno == errno.ENOSPC:
-        return DestinationError(f"disk full while writing {dest}: free space on the node's cache disk and retry")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return DestinationError(f"cannot write {dest}: {e.strerror}; the stager needs a writable cache volume")
-    return DestinationError(f"writing {dest} failed: {e}")

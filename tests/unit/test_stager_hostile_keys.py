@@ -48,8 +48,8 @@ def revision(endpoint: str, uri: str, exclude=()) -> str:
     return h.revision_id()
 
 
-def stage(endpoint: str, uri: str, dest: Path, log: Path, exclude=()):
-    env = {"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+def stage(endpoint: str, uri: str, dest: Path, log: Path, exclude=(), **extra: str):
+    env = {"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", **extra}
     argv = contract.StageArgs(
         source=uri,
         revision=revision(endpoint, uri, exclude),
@@ -102,12 +102,14 @@ def test_file_directory_clash_is_refused(moto_endpoint: str, tmp_path: Path):
     assert "'c/x/y' (file and directory at once (x))" in (tmp_path / "t").read_text()
 
 
-def test_clash_is_found_across_keys_listed_in_between(moto_endpoint: str, tmp_path: Path):
+# A one-page revision is copied by onepage.py (with the native plane), else by sync.py: both name the clashes.
+@pytest.mark.parametrize("onepage", ["1", "0"])
+def test_clash_is_found_across_keys_listed_in_between(moto_endpoint: str, tmp_path: Path, onepage: str):
     # 'x.txt' and 'x-1/z' sort between 'x' and 'x/...': the stager keeps no set of every
     # file, only the files a later key can still sit under, so this is the case to prove.
     keys = {"c/x": b"file", "c/x-1/z": b"z", "c/x.txt": b"t", "c/x/e": b"", "c/x/y": b"under it"}
-    put(moto_endpoint, "clash3", keys)
-    r = stage(moto_endpoint, "s3://clash3/c/", tmp_path / "dest", tmp_path / "t")
+    put(moto_endpoint, f"clash3-{onepage}", keys)
+    r = stage(moto_endpoint, f"s3://clash3-{onepage}/c/", tmp_path / "dest", tmp_path / "t", DSCACHE_ONEPAGE=onepage)
     assert r.returncode == 5, r.stderr
     msg = (tmp_path / "t").read_text()
     assert msg.startswith("error: 2 object key(s)"), msg

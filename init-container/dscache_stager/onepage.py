@@ -1,0 +1,126 @@
+"""The cold copy of a small revision, without asyncio (issue 30).
+
+When the access proof's first listing page was the whole listing (listpage.Started with no
+rest), no peers take part, the revision is not pinned by version (--as-of) and the native
+plane copies every object in one GET (native.handles), there is nothing to overlap: the
+listing is in hand, and the native copier bounds its own requests and buffers. So the copy
+runs on this thread: the page planned (copyrun.CopyRun: hash, hostile keys, space), the
+revision checked before any byte is fetched, the objects handed to the copier, the empty
+objects settled by HEAD, sealed. Everything but this orchestration is sync._Run's, shared.
+
+Why: asyncio, with ssl, selectors, subprocess and their shared objects (~35 modules), cost a
+cold start ~40 ms of ~135 after a page-cache drop (~15 ms cached) on a copy of one small object.
+DSCACHE_ONEPAGE=0 turns this path off (sync.py copies every revision; the tests compare both).
+
+Measured (bench/stager.py --quick --profiles=loopback --sets fixed --peers s5cmd --workers=
+--runs 7, the shipped layout; main d25d60b and this path in turns, medians of 7): at load 6-10,
+main 0.216/0.132 s wall after the drop, this path 0.162/0.099 (s5cmd 0.030-0.040); CPU
+0.098/0.091 -> 0.079/0.072 s; page cache kept 0.093/0.090 -> 0.073/0.065 s (CPU 0.077/0.075
+-> 0.062/0.061); read after the drop 19.5 -> 17.5 MiB. The Python plane (sync.py either way) in
+the same runs: 0.100/0.094 and 0.099/0.099 s CPU. At load 17-54 (three pairs) CPU 0.098-0.120
+-> 0.081-0.093 s; wall there is noise.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from dscache_contract import ManifestEntry, StageSummary
+
+from . import native
+from .copyrun import CopyRun, Task
+from .cpus import available_cpus
+from .objects import SMALL_LIMIT, remote_objects
+from .store import head
+
+if TYPE_CHECKING:
+    from .layout import Revision
+    from .listpage import Started
+    from .progress import Progress
+    from .store import AnyStore
+    from .sync_options import SyncOptions
+
+#: "0": every cold copy runs on asyncio (sync.py), as before this path existed.
+ENV = "DSCACHE_ONEPAGE"
+
+
+def fits(opts: SyncOptions, listing: Started | None) -> bool:
+    """Whether this path copies the revision (stage.py asks once the access proof listed)."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if listing is None or listing.rest is not None or opts.as_of is not None:
+        return False
+    if opts.agent and opts.cache and opts.peer_token_file:
+        return False  # peers: sync.py (the listing and objects may come from other nodes)
+    if native.load() is None:
+        return False
+    return all(size <= SMALL_LIMIT for _, size, _ in listing.first)  # empty or one native GET each
+
+
+def cold(opts: SyncOptions, rev: Revision, store: AnyStore, progress: Progress, listing: Started) -> StageSummary:
+    """Stage ``rev`` from the one page ``listing`` holds (called by stage.sync with C's lock held)."""
+    return OnePage(opts, rev, store, progress, listing).run()
+
+
+class OnePage(CopyRun):
+    """sync._Run's copy for a revision of one listing page, on this thread."""
+
+    control_thread = "main thread"
+
+    def run(self) -> StageSummary:
+        rev, listing = self.rev, self.started_listing
+        assert listing is not None and listing.rest is None
+        resuming, known = self._open()
+        module = native.load()
+        assert module is not None  # fits() saw it load
+        self.native = nat = native.NativeFetcher(
+            module, self.source, self.opts.concurrency, native.threads(available_cpus()), rev.tmp
+        )
+        self.progress.note(f"native data plane: {nat.workers} threads, one listing page on this thread")
+        try:
+            with rev.open_journal() as self.journal:
+                with open(self.manifest_tmp, "w", buffering=1 << 16) as self.manifest:
+                    fetch = self._plan(remote_objects(listing.first), known)
+                    self.progress.listing_done = True
+                    # The whole listing is in hand: check it before a byte is fetched.
+                    self._check_revision()
+                    if not self.hostile:
+                        self._copy(fetch)
+                self._settle_empties(known)
+                manifest, summary = self._conclude(resuming)
+            rev.seal(manifest, self.tree.dirs, summary)
+            return summary
+        except Exception as e:
+            if (failed := self._failure(e)) is e:
+                raise
+            raise failed from e
+        finally:
+            self._close()
+
+    def _copy(self, fetch: list[Task]) -> None:
+        """Every object to the copier, in chunks of twice --concurrency (what sync.py keeps in
+        flight), with the progress reported and the journal flushed between them at
+        --progress-interval, as sync._Run's ticker does."""
+        assert self.native is not None
+        step = max(self.native.batch_size, 2 * self.opts.concurrency)
+        last = time.monotonic()
+        for start in range(0, len(fetch), step):
+            small = fetch[start : start + step]
+            placed, failure = self.native.fetch_blocking(self._native_items(small))
+            self._record_native(small, placed)
+            if failure is not None:
+                raise failure
+            if time.monotonic() - last >= self.opts.progress_interval:
+                last = time.monotonic()
+                self.journal.flush()  # a killed run loses at most one interval of records
+                self.progress.report()
+
+    def _settle_empties(self, known: dict[str, ManifestEntry]) -> None:
+        """sync._Run._settle_empties one at a time: a one-page revision holds few empty objects."""
+        for obj, rel, above in self.empties:
+            present = self._listed_presence(obj, rel)
+            if present is None:
+                present = head(self.store, obj.key)
+            self._settle_empty(obj, rel, above, known, present)
