@@ -63,3 +63,34 @@ impl CredentialProvider for PyCredentials {
         Ok(cred)
     }
 }
+
+/// The credentials a client was given, as the Copier and the Store take them from Python:
+/// no signature (a public bucket), a Python provider (boto3's chain), or static keys.
+pub struct Given {
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    pub session_token: Option<String>,
+    pub skip_signature: bool,
+    pub credential_provider: Option<PyObject>,
+}
+
+/// ``builder`` with ``given`` applied; ``who`` names the class in the error for none at all.
+pub fn apply(
+    mut builder: object_store::aws::AmazonS3Builder,
+    given: Given,
+    who: &str,
+) -> PyResult<object_store::aws::AmazonS3Builder> {
+    if given.skip_signature {
+        builder = builder.with_skip_signature(true);
+    } else if let Some(provider) = given.credential_provider {
+        builder = builder.with_credentials(Arc::new(PyCredentials::new(provider)));
+    } else if let (Some(key), Some(secret)) = (given.access_key_id, given.secret_access_key) {
+        let cred = AwsCredential { key_id: key, secret_key: secret, token: given.session_token };
+        builder = builder.with_credentials(Arc::new(object_store::StaticCredentialProvider::new(cred)));
+    } else {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "dscache_native.{who} needs static keys, a credential_provider or skip_signature=True"
+        )));
+    }
+    Ok(builder)
+}

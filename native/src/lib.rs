@@ -24,8 +24,7 @@ mod settings;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use object_store::aws::{AmazonS3, AmazonS3Builder, AwsCredential};
-use object_store::StaticCredentialProvider;
+use object_store::aws::AmazonS3;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use tokio::runtime::Runtime;
@@ -80,19 +79,9 @@ impl Copier {
         let workers = workers.max(1);
         let buffer_units = u32::try_from(buffer_bytes.div_ceil(copy::BUFFER_UNIT).max(1))
             .map_err(|_| PyValueError::new_err(format!("buffer_bytes={buffer_bytes} is too large")))?;
-        let mut builder: AmazonS3Builder = settings::builder(bucket, &config)?;
-        if skip_signature {
-            builder = builder.with_skip_signature(true);
-        } else if let Some(provider) = credential_provider {
-            builder = builder.with_credentials(Arc::new(creds::PyCredentials::new(provider)));
-        } else if let (Some(key), Some(secret)) = (access_key_id, secret_access_key) {
-            let cred = AwsCredential { key_id: key, secret_key: secret, token: session_token };
-            builder = builder.with_credentials(Arc::new(StaticCredentialProvider::new(cred)));
-        } else {
-            return Err(PyValueError::new_err(
-                "dscache_native.Copier needs static keys, a credential_provider or skip_signature=True",
-            ));
-        }
+        let given =
+            creds::Given { access_key_id, secret_access_key, session_token, skip_signature, credential_provider };
+        let builder = creds::apply(settings::builder(bucket, &config)?, given, "Copier")?;
         let store: AmazonS3 =
             builder.build().map_err(|e| PyValueError::new_err(format!("cannot configure the S3 client: {e}")))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -14,9 +14,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use futures::stream::{BoxStream, StreamExt};
-use object_store::aws::{AmazonS3, AmazonS3Builder, AwsCredential};
+use object_store::aws::AmazonS3;
 use object_store::path::Path;
-use object_store::{ObjectMeta, ObjectStore, StaticCredentialProvider};
+use object_store::{ObjectMeta, ObjectStore};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use tokio::runtime::Runtime;
@@ -52,19 +52,9 @@ impl Store {
         skip_signature: bool,
         credential_provider: Option<PyObject>,
     ) -> PyResult<Self> {
-        let mut builder: AmazonS3Builder = settings::builder(bucket, &config)?;
-        if skip_signature {
-            builder = builder.with_skip_signature(true);
-        } else if let Some(provider) = credential_provider {
-            builder = builder.with_credentials(Arc::new(creds::PyCredentials::new(provider)));
-        } else if let (Some(key), Some(secret)) = (access_key_id, secret_access_key) {
-            let cred = AwsCredential { key_id: key, secret_key: secret, token: session_token };
-            builder = builder.with_credentials(Arc::new(StaticCredentialProvider::new(cred)));
-        } else {
-            return Err(PyValueError::new_err(
-                "dscache_native.Store needs static keys, a credential_provider or skip_signature=True",
-            ));
-        }
+        let given =
+            creds::Given { access_key_id, secret_access_key, session_token, skip_signature, credential_provider };
+        let builder = creds::apply(settings::builder(bucket, &config)?, given, "Store")?;
         let store =
             builder.build().map_err(|e| PyValueError::new_err(format!("cannot configure the S3 client: {e}")))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
