@@ -57,10 +57,8 @@ import os
 import random
 import re
 import socket
-import ssl
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -79,7 +77,7 @@ from dscache_contract.peers import (
     owner_ranking,
 )
 
-from . import agenttls
+from . import agentcall, agenttls
 from .fetch import FILE_MODE
 
 log = logging.getLogger("dscache-stage")
@@ -120,14 +118,6 @@ PER_PEER = 12
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
 
-#: What a kept-alive connection raises when the other end closed it while it was idle.
-_STALE = (
-    http.client.RemoteDisconnected,
-    ConnectionResetError,
-    BrokenPipeError,
-    ConnectionAbortedError,
-    ssl.SSLEOFError,
-)
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
 _MULTIPART = re.compile(r"^([0-9a-f]{32})-([0-9]+)$")
 MiB = 1 << 20
@@ -232,7 +222,6 @@ class Peers:
     """This node's view of the other nodes of its revision, and the client that asks them."""
 
     def __init__(self, agent: str, cache: str, revision: str, token_file: str) -> None:
-        self.agent = agent
         self.namespace, self.cache = cache.split("/", 1)
         self.revision = revision
         self.token_file = token_file
@@ -244,7 +233,8 @@ class Peers:
         self._lock = threading.Lock()
         self._all: list[http.client.HTTPConnection] = []
         # The connection to this node's agent, kept alive between questions (one thread asks).
-        self._agent_conn: http.client.HTTPConnection | None = None
+        # Asked five times a second while the cohort forms, then every second: one kept connection.
+        self._agent = agentcall.AgentConnection(agent, 10)
         # ETag forms (etag_form) that the bucket showed do not check their bytes (SSE-KMS, a
         # multipart ETag of an unusual part size): objects with them are not asked of peers.
         self.unverifiable: set[str] = set()
@@ -275,7 +265,7 @@ class Peers:
         if not token:
             return None  # the agent publishes nothing for a stager that cannot show the cache's token
         try:
-            answer = PeersAnswer.from_json(self._ask_agent(body, token))
+            answer = PeersAnswer.from_json(self._agent.post(PEERS_PATH, body, token))
         except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as e:
             log.debug(f"peers: the agent did not answer: {e}")
             return None
@@ -283,40 +273,6 @@ class Peers:
             return None  # the agent does not know its own address: no peer could reach us either
         self.answer = answer
         return answer
-
-    def _ask_agent(self, body: str, token: str) -> str:
-        """POST the question on the connection kept from the last one (asked five times a second
-        while the cohort forms, then every second: a TCP and TLS handshake per question cost both
-        sides more than the question), as ``agentcall.post`` does; a kept connection the agent
-        closed while idle is opened anew once. OSError on any answer but 200."""
-        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
-        for attempt in (0, 1):
-            conn, reused = self._agent_conn, self._agent_conn is not None
-            if conn is None:
-                url = urllib.parse.urlsplit(self.agent)
-                tls = url.scheme == "https"
-                conn = agenttls.connection(url.hostname or "localhost", url.port or (443 if tls else 80), 10, tls)
-            self._agent_conn = None
-            try:
-                conn.request("POST", PEERS_PATH, body=body, headers=headers)
-                resp = conn.getresponse()
-                text = resp.read().decode(errors="replace")
-            except _STALE:
-                conn.close()
-                if reused and attempt == 0:
-                    continue
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            if resp.will_close:
-                conn.close()
-            else:
-                self._agent_conn = conn
-            if resp.status != 200:
-                raise OSError(f"HTTP {resp.status}: {text[:200]}")
-            return text
-        raise AssertionError("unreachable")
 
     def others(self) -> list[str]:
         a = self.answer
