@@ -4,7 +4,9 @@ its revision (issue 29: two replicas, Lease leader election).
 
 The delete is an ordinary `kubectl delete pod` (what a drain or a rollout does): the
 leader gets SIGTERM and releases the Lease first, before the rest of its shutdown
-(operator __main__.operate), so the standby takes it on its next try (every 2 s). The
+(operator __main__.operate), so the standby takes it on its next try (every 2 s); the
+Deployment's replacement pod stands only once its views are listed, plus 2 s (a CI run saw
+it win the race before that wait existed). The
 webhook is its own Deployment: it admits Jobs all through the handover. A leader that dies without releasing (SIGKILL, a lost node) is the
 integration test's case (tests/integration/test_operator_leader.py): ~15 s.
 """

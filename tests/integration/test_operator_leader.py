@@ -254,6 +254,28 @@ def test_sigterm_releases_the_lease_before_a_slow_shutdown(kube_api, dscache_ope
         assert b.leads()
 
 
+def test_a_released_lease_goes_to_the_warm_standby(kube_api, dscache_operator):
+    """A rolling update or `kubectl delete pod`: the leader gets SIGTERM and empties the Lease,
+    and the Deployment starts its replacement at the same moment. The warm standby must take
+    the Lease, not the replacement, which has not listed yet (e2e's test_controller_failover
+    saw the replacement win this race). Twice: each standby in turn was once a replacement."""
+    k = kube_api
+    with own_controllers(dscache_operator) as start:
+        leader = start("ctl-a")
+        k.wait_for(lambda: holder(k) == "ctl-a", 20, what="ctl-a holds the Lease")
+        standby = start("ctl-b")
+        k.wait_for(leader.leads, 10, what="ctl-a's leader gauge")
+        for replacement in ("ctl-c", "ctl-d"):
+            time.sleep(2.5)  # the standby's views are listed (start() waited for its metrics)
+            leader.proc.send_signal(signal.SIGTERM)
+            fresh = start(replacement)  # the Deployment's new pod, started as the old one stops
+            k.wait_for(lambda s=standby: holder(k) == s.name, 10, interval=0.1, what=f"{standby.name} takes the Lease")
+            time.sleep(4)  # the replacement has listed and tried by now
+            assert holder(k) == standby.name and standby.leads() and not fresh.leads(), k.get(LEASE)
+            leader.proc.wait(20)
+            leader, standby = standby, fresh
+
+
 def test_prestage_pull_secrets(kube_api, dscache_operator, s3_server, bucket, opted_ns):
     """Issue 29: a pre-stage pod the controller creates carries the chart's pull secrets
     (DSCACHE_IMAGE_PULL_SECRETS), then the cache's own (spec.prestage.imagePullSecrets, a

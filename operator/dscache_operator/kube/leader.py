@@ -22,7 +22,9 @@ Why it is safe (never two leaders acting):
   rest of the process's shutdown takes, instead of a lease duration.
 
 The identity is the pod's name: a restarted container of the same pod takes its own Lease
-back at once (the old container is dead; the kubelet starts a new one only then).
+back on its first try (the old container is dead; the kubelet starts a new one only then).
+When a replica makes that first try is the caller's choice (control/reconcile.py: once its
+views are warm, so that a released Lease goes to the warm standby).
 """
 
 from __future__ import annotations
