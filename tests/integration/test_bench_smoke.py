@@ -143,9 +143,10 @@ def test_fanout_bench_nodes_runs_in_namespaces_and_reports_by_nodes(tmp_path):
         f"--workdir={tmp_path}",
     ]
     env = {**os.environ, "DSCACHE_BENCH_RESULTS": str(tmp_path / "results")}
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    fanout = json.loads(out.stdout.strip().splitlines()[-1])["fanout"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as bench:
+        stdout, stderr = bench.communicate(timeout=600)
+    assert bench.returncode == 0, stderr[-3000:]
+    fanout = json.loads(stdout.strip().splitlines()[-1])["fanout"]
     assert fanout["scale_dataset_objects"] == 21 and fanout["one_alone_s"] > 0
     assert fanout["link_check"]["from_bucket_ns_mbit"] > 0 and fanout["link_check"]["from_peer_ns_mbit"] > 0
     assert set(fanout["by_nodes"]) == {"2", "3"}
@@ -164,5 +165,7 @@ def test_fanout_bench_nodes_runs_in_namespaces_and_reports_by_nodes(tmp_path):
     assert small["objects"] == 60 and small["nodes"] == 2
     assert small["peers_all_ready_s"] > 0 and small["bucket_alone_s"] > 0
     assert small["bucket_alone_bucket_ratio"] >= 2.0  # both nodes read every object from the bucket
+    # Nothing of this run's namespaces is left (bench/netsim.py tags them with the bench's pid;
+    # another fan-out bench running on the machine meanwhile has its own).
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not [line for line in netns.splitlines() if line.startswith("dsn-")]
+    assert not [line for line in netns.splitlines() if line.startswith(f"dsn-{bench.pid}-")]

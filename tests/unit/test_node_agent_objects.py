@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -94,9 +95,12 @@ def test_a_small_object_without_the_token_is_refused(served):
     port, files = served
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        conn.request("GET", target("f1"))
+        # 4 KiB of random bytes: a 1-byte object's one byte may well appear in the error message.
+        conn.request("GET", target("f4096"))
         resp = conn.getresponse()
-        assert resp.status == 401 and files["f1"] not in resp.read()
+        body = resp.read()
+        assert resp.status == 401 and files["f4096"] not in body
+        assert "token" in json.loads(body)["error"], body
     finally:
         conn.close()
 
