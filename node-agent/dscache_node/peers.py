@@ -59,6 +59,12 @@ RETRY_S = 1.0
 #: after 10 s: at N = 32 on a loaded API server, a PATCH, two lists and a GET in turn took longer
 #: (1-5 s each), and that node read every object from the bucket (issue 30).
 VIEW_WAIT_S = 4.0
+#: And its answer waits, until this long after the question's views were started, for the watch
+#: to bring this node's own new label: events come in order, so every label written before it has
+#: come too, and the answer is as fresh as a list after the PATCH. (Without it, a first answer made
+#: of a list taken while the label was written missed nodes labelled just before, and their first
+#: objects were read twice at N = 16.) Past it, the answer goes with what the views have.
+OWN_LABEL_BY_S = 6.0
 #: How often a held request looks again for the object it waits for.
 POLL_S = 0.05
 
@@ -233,6 +239,7 @@ class LabelView:
         self.kube = kube
         self.label = label
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified on every listing and event
         self._nodes: dict[str, tuple[str, str]] = {}
         self.synced = False
         #: Set once the first listing is in, or the first list or watch failed (wait_synced).
@@ -255,6 +262,11 @@ class LabelView:
         than until it failed: then the caller lists for itself at once)."""
         self._settled.wait(timeout)
         return self.synced
+
+    def wait_for(self, name: str, timeout: float) -> bool:
+        """Whether Node ``name`` is in the view, waiting up to ``timeout`` for it."""
+        with self._changed:
+            return self._changed.wait_for(lambda: name in self._nodes, max(0.0, timeout))
 
     def idle(self) -> bool:
         return time.monotonic() - self.asked > VIEW_IDLE_S
@@ -282,6 +294,7 @@ class LabelView:
                 nodes[entry[0]] = entry[1]
         with self._lock:
             self._nodes, self.synced = nodes, True
+            self._changed.notify_all()
         self._settled.set()
         version = (listing.get("metadata") or {}).get("resourceVersion", "")
         path = f"/api/v1/nodes?labelSelector={selector}&resourceVersion={version}&allowWatchBookmarks=true"
@@ -300,6 +313,7 @@ class LabelView:
                     self._nodes.pop(name, None)
                 else:
                     self._nodes[name] = entry[1]
+                self._changed.notify_all()
 
     def _entry(self, node: dict[str, Any]) -> tuple[str, tuple[str, str]] | None:
         """(name, (agent address, label value)) of a Node that carries the label and an address."""
@@ -322,24 +336,36 @@ class Directory:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str, str], tuple[float, PeersAnswer]] = {}
         self._views: dict[str, LabelView] = {}
+        #: When each revision's first question started its views (prepare), until it is answered.
+        self._prepared: dict[tuple[str, str, str], float] = {}
         self._me = ""
 
     def prepare(self, namespace: str, cache: str, revision: str) -> None:
         """Start the views of a revision's labels (if they are not running): a stager's first
         question, before its node is labelled, so they list meanwhile."""
+        with self._lock:
+            self._prepared[(namespace, cache, revision)] = time.monotonic()
         self._read_views(staging_label(namespace, cache, revision), contract.warm_label(namespace, cache, revision))
 
     def answer(
         self, namespace: str, cache: str, revision: str, fresh: bool = False, since: float | None = None
     ) -> PeersAnswer:
         """``fresh``: this node just labelled itself (its first question about the revision): the
-        views' first listings are waited for (``VIEW_WAIT_S`` at most, else the labels are listed).
+        views' first listings are waited for (``VIEW_WAIT_S`` at most, else the labels are listed),
+        then this node's own label's event (``OWN_LABEL_BY_S`` after ``prepare`` at most).
         ``since``: this node's staging label's value (the agent answers only while it stages the
         revision): its own entry is in the answer whatever the views have seen yet (they listed
         while the label was written, and its watch event may come later on a loaded API server)."""
         key = (namespace, cache, revision)
         staging_key, warm_key = staging_label(namespace, cache, revision), contract.warm_label(*key)
+        with self._lock:
+            prepared = self._prepared.pop(key, None)
         views = self._read_views(staging_key, warm_key, wait=VIEW_WAIT_S if fresh else 0.0)
+        if views is not None and fresh:
+            own = self._views.get(staging_key)
+            by = (prepared if prepared is not None else time.monotonic()) + OWN_LABEL_BY_S
+            if own is not None and own.wait_for(self.node, by - time.monotonic()):
+                views = self._read_views(staging_key, warm_key)
         if views is None:
             now = time.monotonic()
             with self._lock:

@@ -54,6 +54,11 @@ def kube() -> Iterator[SlowKube]:
         q.put(None)
 
 
+@pytest.fixture(autouse=True)
+def _short_own_label_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_peers, "OWN_LABEL_BY_S", 0.5)
+
+
 def test_first_question_lists_once_per_label_at_once_and_needs_no_get(kube: SlowKube) -> None:
     d = Directory(kube, "me")  # type: ignore[arg-type]
     d.prepare(NS, CACHE, REV)  # as the agent does before it writes the label
@@ -66,6 +71,29 @@ def test_first_question_lists_once_per_label_at_once_and_needs_no_get(kube: Slow
     assert sorted(kube.lists) == sorted([STAGING, WARM])  # the views' lists only: none of its own
     assert kube.most_at_once == 2  # side by side
     assert kube.node_gets == []  # its own address came with the PATCH's answer
+
+
+def test_first_answer_waits_for_its_own_label_and_so_has_every_earlier_one(
+    kube: SlowKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node labelled while this one's views listed (d) comes by the watch, before this node's own
+    label (events come in order): the first answer waits for its own, so it has d too."""
+    monkeypatch.setattr(agent_peers, "OWN_LABEL_BY_S", 10.0)
+    d = Directory(kube, "me")  # type: ignore[arg-type]
+    d.prepare(NS, CACHE, REV)
+    d.learn(node("me", "10.0.0.1", {STAGING: "100.0"}))
+
+    def events() -> None:
+        time.sleep(SlowKube.LIST_S + 0.3)  # after the views' lists
+        kube.events[STAGING].put({"type": "ADDED", "object": node("d", "10.0.0.4", {STAGING: "100.5"})})
+        time.sleep(0.3)
+        kube.events[STAGING].put({"type": "ADDED", "object": node("me", "10.0.0.1", {STAGING: "100.0"})})
+
+    threading.Thread(target=events, daemon=True).start()
+    t0 = time.monotonic()
+    first = d.answer(NS, CACHE, REV, fresh=True, since=100.0)
+    assert time.monotonic() - t0 < 5.0  # not OWN_LABEL_BY_S: its own label's event ended the wait
+    assert addrs(first.staging) == [("10.0.0.1:9478", 100.0), ("10.0.0.2:9478", 101.5), ("10.0.0.4:9478", 100.5)]
 
 
 def test_first_question_lists_for_itself_when_the_views_fail(kube: SlowKube, monkeypatch: pytest.MonkeyPatch) -> None:
