@@ -8,6 +8,9 @@ import urllib.parse
 
 from . import agenttls
 
+#: How long a stager's first question for its peers may take when it was retried after the usual
+#: timeout: a safety net for an agent slowed by a cohort's start (issue 30), not its remedy.
+FIRST_RETRY_S = 20.0
 #: What a kept-alive connection raises when the agent closed it while it was idle: the request never
 #: reached the agent, so it is sent once more on a new connection.
 STALE = (
@@ -32,11 +35,12 @@ class AgentConnection:
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
 
-    def post(self, path: str, body: str, token: str = "") -> str:
+    def post(self, path: str, body: str, token: str = "", timeout: float | None = None) -> str:
         """POST ``body`` with the pod's projected ``token`` (the agent writes to its Node or its disk
         only for a consumer pod of the cache on its node); the answer's text. A kept connection the
-        agent closed while idle is opened anew once. OSError when the agent does not answer or
-        answers anything but 200 (with the status and the start of its answer)."""
+        agent closed while idle is opened anew once. OSError when the agent does not answer (within
+        ``timeout``, else the connection's) or answers anything but 200 (with the status and the
+        start of its answer)."""
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -44,6 +48,9 @@ class AgentConnection:
             conn, reused = self._conn, self._conn is not None
             if conn is None:
                 conn = agenttls.connection(self.host, self.port, self.timeout, self.tls)
+            conn.timeout = timeout or self.timeout  # a kept connection: set back to its own
+            if conn.sock is not None:
+                conn.sock.settimeout(conn.timeout)
             self._conn = None
             try:
                 conn.request("POST", path, body=body, headers=headers)

@@ -257,6 +257,9 @@ class Peers:
             self._token = (time.monotonic(), text)
         return text
 
+    #: Whether the first question was asked again after a timeout (ask_agent: once per run).
+    _retried = False
+
     def ask_agent(self) -> PeersAnswer | None:
         """Ask the node's agent (this also publishes this node as staging the revision).
         None: the agent did not answer (then this node reads the bucket for everything)."""
@@ -265,7 +268,19 @@ class Peers:
         if not token:
             return None  # the agent publishes nothing for a stager that cannot show the cache's token
         try:
-            answer = PeersAnswer.from_json(self._agent.post(PEERS_PATH, body, token))
+            try:
+                text = self._agent.post(PEERS_PATH, body, token)
+            except TimeoutError as e:
+                if self.answer is not None or self._retried:
+                    raise
+                # A safety net (issue 30): an agent that took longer than the timeout to answer the
+                # first question (its Node's label, its views' lists, on an API server busy with a
+                # cohort's start) answers a second one from memory. Without an answer this node
+                # would read every object from the bucket until a later question is answered.
+                self._retried = True
+                log.debug(f"peers: the agent did not answer at once ({e}); asking once more")
+                text = self._agent.post(PEERS_PATH, body, token, timeout=agentcall.FIRST_RETRY_S)
+            answer = PeersAnswer.from_json(text)
         except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as e:
             log.debug(f"peers: the agent did not answer: {e}")
             return None

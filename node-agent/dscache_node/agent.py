@@ -526,13 +526,17 @@ class Agent:
                 self._staging[key] = time.time()
                 self._published = None
             since = self._staging[key]
+        if fresh and self.directory is not None:
+            self.directory.prepare(*key)  # its views list while the label is written (issue 30)
         if (fresh or dropped) and self.kube is not None:
             labels: dict[str, str | None] = {staging_label(*k): None for k in dropped}
             labels[staging_label(*key)] = f"{since:.3f}"
-            self.kube.merge_patch(f"/api/v1/nodes/{self.s.node}", {"metadata": {"labels": labels}})
+            node = self.kube.merge_patch(f"/api/v1/nodes/{self.s.node}", {"metadata": {"labels": labels}})
+            if self.directory is not None:
+                self.directory.learn(node)
         if self.directory is None:
             return PeersAnswer(me="")
-        return self.directory.answer(*key, fresh=fresh)
+        return self.directory.answer(*key, fresh=fresh, since=since)
 
     # --- the controller's wipes -------------------------------------------------------------
 

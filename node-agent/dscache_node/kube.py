@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import ssl
 import threading
@@ -27,9 +28,15 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
+log = logging.getLogger("dscache-node")
+
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-#: Idle connections kept for reuse (the agent's threads seldom call at once).
-IDLE_MAX = 4
+#: A call that took this long is logged.
+SLOW_CALL_S = 2.0
+#: Idle connections kept for reuse: one per thread that calls (the server's control and check
+#: pools). At a cohort's start both pools call at once, for seconds (issue 30); with 4 kept, every
+#: burst past 4 paid a TLS handshake per call on a CPU-bound API server.
+IDLE_MAX = 16
 #: An idle connection older than this is closed rather than reused (the server may have dropped it).
 IDLE_S = 30.0
 #: What a reused connection raises when the server closed it while it was idle: the request never
@@ -86,6 +93,17 @@ class Kube:
         """One call; None on 404; ApiError on any other failure."""
         data = json.dumps(body).encode() if body is not None else None
         headers = self._headers(content_type if data else None)
+        started = time.monotonic()
+        try:
+            return self._request(method, path, data, headers)
+        finally:
+            took = time.monotonic() - started
+            if took >= SLOW_CALL_S:
+                # Calls take milliseconds on a healthy API server; the agent's callers (a stager
+                # asking for its peers, a peer's token check) wait seconds if not (issue 30).
+                log.info(f"the API server took {took:.1f} s to answer {method} {path.split('?')[0]}")
+
+    def _request(self, method: str, path: str, data: bytes | None, headers: dict[str, str]) -> dict[str, Any] | None:
         conn, reused = self._take()
         try:
             try:

@@ -5,7 +5,10 @@
   (``LabelView``), so an answer is read from memory (a stager asks its agent five times
   a second while the cohort forms, then every second: two lists per question cost the
   agents and the API server more CPU than anything else they did for it, issue 30);
-  until a view's watch runs, or after it failed, the labels are listed per answer;
+  until a view's watch runs, or after it failed, the labels are listed per answer. A
+  stager's first question starts the views before its node's label is written, and its
+  answer waits (``VIEW_WAIT_S`` at most) for their first listings, this node's own label
+  added from memory: one label PATCH and two lists at once, not in turn (issue 30);
 - ``open_object``: a complete object of a revision on this node, for a peer that shows
   the cache's token (dscache_contract.peers). Only files under ``revs/<rev>/data/`` are
   served, opened one path component at a time without following any symlink, and a
@@ -51,6 +54,17 @@ VIEW_IDLE_S = 60.0
 WATCH_S = 30
 #: After a failed list or watch, the next attempt waits this long (answers list meanwhile).
 RETRY_S = 1.0
+#: A stager's first question waits this long at most for its views' first listings (started with
+#: the question, they list while the Node is labelled), then lists for itself. Its stager gives up
+#: after 10 s: at N = 32 on a loaded API server, a PATCH, two lists and a GET in turn took longer
+#: (1-5 s each), and that node read every object from the bucket (issue 30).
+VIEW_WAIT_S = 4.0
+#: And its answer waits, until this long after the question's views were started, for the watch
+#: to bring this node's own new label: events come in order, so every label written before it has
+#: come too, and the answer is as fresh as a list after the PATCH. (Without it, a first answer made
+#: of a list taken while the label was written missed nodes labelled just before, and their first
+#: objects were read twice at N = 16.) Past it, the answer goes with what the views have.
+OWN_LABEL_BY_S = 6.0
 #: How often a held request looks again for the object it waits for.
 POLL_S = 0.05
 
@@ -225,8 +239,11 @@ class LabelView:
         self.kube = kube
         self.label = label
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified on every listing and event
         self._nodes: dict[str, tuple[str, str]] = {}
         self.synced = False
+        #: Set once the first listing is in, or the first list or watch failed (wait_synced).
+        self._settled = threading.Event()
         self.asked = time.monotonic()
         self.done = threading.Event()
 
@@ -240,6 +257,17 @@ class LabelView:
         with self._lock:
             return list(self._nodes.values()) if self.synced else None
 
+    def wait_synced(self, timeout: float) -> bool:
+        """Whether the view is synced, waiting up to ``timeout`` for its first listing (not longer
+        than until it failed: then the caller lists for itself at once)."""
+        self._settled.wait(timeout)
+        return self.synced
+
+    def wait_for(self, name: str, timeout: float) -> bool:
+        """Whether Node ``name`` is in the view, waiting up to ``timeout`` for it."""
+        with self._changed:
+            return self._changed.wait_for(lambda: name in self._nodes, max(0.0, timeout))
+
     def idle(self) -> bool:
         return time.monotonic() - self.asked > VIEW_IDLE_S
 
@@ -252,6 +280,7 @@ class LabelView:
                 except Exception as e:  # the API server restarts, a watch expires: list again
                     with self._lock:
                         self.synced = False
+                    self._settled.set()
                     log.info(f"the view of Nodes labelled {self.label} failed ({e}); listing again in {RETRY_S} s")
                     time.sleep(RETRY_S)
         finally:
@@ -265,6 +294,8 @@ class LabelView:
                 nodes[entry[0]] = entry[1]
         with self._lock:
             self._nodes, self.synced = nodes, True
+            self._changed.notify_all()
+        self._settled.set()
         version = (listing.get("metadata") or {}).get("resourceVersion", "")
         path = f"/api/v1/nodes?labelSelector={selector}&resourceVersion={version}&allowWatchBookmarks=true"
         for event in self.kube.watch(path, timeout_seconds=WATCH_S):
@@ -282,6 +313,7 @@ class LabelView:
                     self._nodes.pop(name, None)
                 else:
                     self._nodes[name] = entry[1]
+                self._changed.notify_all()
 
     def _entry(self, node: dict[str, Any]) -> tuple[str, tuple[str, str]] | None:
         """(name, (agent address, label value)) of a Node that carries the label and an address."""
@@ -304,16 +336,36 @@ class Directory:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str, str], tuple[float, PeersAnswer]] = {}
         self._views: dict[str, LabelView] = {}
+        #: When each revision's first question started its views (prepare), until it is answered.
+        self._prepared: dict[tuple[str, str, str], float] = {}
         self._me = ""
 
-    def answer(self, namespace: str, cache: str, revision: str, fresh: bool = False) -> PeersAnswer:
-        """``fresh``: this node just labelled itself (its first question about the revision): list,
-        so the answer has this node's own label, whatever the view has seen yet."""
+    def prepare(self, namespace: str, cache: str, revision: str) -> None:
+        """Start the views of a revision's labels (if they are not running): a stager's first
+        question, before its node is labelled, so they list meanwhile."""
+        with self._lock:
+            self._prepared[(namespace, cache, revision)] = time.monotonic()
+        self._read_views(staging_label(namespace, cache, revision), contract.warm_label(namespace, cache, revision))
+
+    def answer(
+        self, namespace: str, cache: str, revision: str, fresh: bool = False, since: float | None = None
+    ) -> PeersAnswer:
+        """``fresh``: this node just labelled itself (its first question about the revision): the
+        views' first listings are waited for (``VIEW_WAIT_S`` at most, else the labels are listed),
+        then this node's own label's event (``OWN_LABEL_BY_S`` after ``prepare`` at most).
+        ``since``: this node's staging label's value (the agent answers only while it stages the
+        revision): its own entry is in the answer whatever the views have seen yet (they listed
+        while the label was written, and its watch event may come later on a loaded API server)."""
         key = (namespace, cache, revision)
         staging_key, warm_key = staging_label(namespace, cache, revision), contract.warm_label(*key)
-        views = self._read_views(staging_key, warm_key)  # started on the first question
-        if fresh:
-            views = None
+        with self._lock:
+            prepared = self._prepared.pop(key, None)
+        views = self._read_views(staging_key, warm_key, wait=VIEW_WAIT_S if fresh else 0.0)
+        if views is not None and fresh:
+            own = self._views.get(staging_key)
+            by = (prepared if prepared is not None else time.monotonic()) + OWN_LABEL_BY_S
+            if own is not None and own.wait_for(self.node, by - time.monotonic()):
+                views = self._read_views(staging_key, warm_key)
         if views is None:
             now = time.monotonic()
             with self._lock:
@@ -321,9 +373,13 @@ class Directory:
                 if hit and not fresh and now - hit[0] < ANSWER_TTL_S:
                     return hit[1]
             views = self._nodes(staging_key), self._nodes(warm_key)
-        staging = [Peer(addr, _since(value)) for addr, value in sorted(views[0])]
+        me = self.me()
+        stages = views[0]
+        if me and since is not None:
+            stages = [e for e in stages if e[0] != me] + [(me, f"{since:.3f}")]
+        staging = [Peer(addr, _since(value)) for addr, value in sorted(stages)]
         complete = [Peer(addr) for addr, _ in sorted(views[1])]
-        out = PeersAnswer(me=self.me(), staging=staging, complete=complete)
+        out = PeersAnswer(me=me, staging=staging, complete=complete)
         now = time.monotonic()
         with self._lock:
             self._cache[key] = (now, out)
@@ -333,8 +389,9 @@ class Directory:
                     del self._cache[k]
         return out
 
-    def _read_views(self, *labels: str) -> tuple[list[tuple[str, str]], ...] | None:
-        """Each label's Nodes from its view (started if there is none); None unless all are synced."""
+    def _read_views(self, *labels: str, wait: float = 0.0) -> tuple[list[tuple[str, str]], ...] | None:
+        """Each label's Nodes from its view (started if there is none; up to ``wait`` seconds for its
+        first listing); None unless all are synced."""
         if not self.watch:
             return None
         got = []
@@ -345,13 +402,22 @@ class Directory:
             for i, label in enumerate(labels):
                 if views[i] is None:
                     views[i] = self._views[label] = LabelView(self.kube, label).start()
+        deadline = time.monotonic() + wait
         for view in views:
             assert view is not None
+            if wait > 0:
+                view.wait_synced(max(0.0, deadline - time.monotonic()))
             nodes = view.read()
             if nodes is None:
                 return None
             got.append(nodes)
         return tuple(got)
+
+    def learn(self, node: dict[str, Any] | None) -> None:
+        """This node's own address from its Node as the API server just returned it (the answer to
+        the staging label's PATCH): the first question needs no GET of its own for it."""
+        if not self._me and node and (addr := _address(node)):
+            self._me = addr
 
     def me(self) -> str:
         # The node's own address as the others compute it; it does not change while the agent runs.

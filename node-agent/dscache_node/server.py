@@ -26,7 +26,10 @@ object, not a thread):
   trickled in) is closed; a request body must arrive within ``BODY_S``, and an
   object's body be taken at ``MIN_RATE`` at least;
 - work: the calls that read or change the disk or the Node run on a small pool
-  (``CONTROL_THREADS``), at most ``CONTROL_PER_CLIENT`` of them per address; held
+  (``CONTROL_THREADS``), at most ``CONTROL_PER_CLIENT`` of them per address; the token
+  checks of the peers' reads (objects, listings) on a pool of their own (``CHECK_THREADS``,
+  the same share per address), so this node's own stager and the controller never wait
+  behind the other nodes' first requests; held
   object requests at most ``OBJECTS_PER_CLIENT`` per address and ``MAX_OBJECTS`` in
   all. Past a bound the answer is 429 (the stager asks the next node or the
   bucket), so healthz and wipes always find room;
@@ -90,6 +93,14 @@ BODY_S = 10.0
 #: Threads for the calls that touch the disk or the API server, and how many one address may use.
 CONTROL_THREADS = 8
 CONTROL_PER_CLIENT = 4
+#: Threads for the token checks of the peers' reads (a TokenReview and a pod's GET per new token).
+#: Not the control pool: at a cohort's start every other node's stager shows this agent a new token
+#: at once (N - 1 checks, each seconds long on a loaded API server); on the control pool they held
+#: every thread while this node's own stager waited to reserve and to ask for its peers, past its
+#: 10 s timeout (issue 30, N = 32: those nodes read every object from the bucket).
+CHECK_THREADS = 8
+#: A control call answered after this long is logged, with where the time went.
+SLOW_ANSWER_S = 2.0
 #: Object requests in progress (held or sending), in all and from one address (two stagers).
 MAX_OBJECTS = 256
 OBJECTS_PER_CLIENT = 128
@@ -131,6 +142,15 @@ class _Limits:
         self.by_client[client] -= 1
         if self.by_client[client] <= 0:
             del self.by_client[client]
+
+
+class _Pool:
+    """Threads for blocking calls, with their per-address and overall bounds (past them: 429)."""
+
+    def __init__(self, threads: int, per_client: int, name: str) -> None:
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        #: Calls running or queued: a few per thread, so a burst waits briefly instead of a 429.
+        self.limits = _Limits(threads * 4, per_client)
 
 
 class _Server(web.Server):
@@ -233,8 +253,8 @@ class AgentServer:
         self.server_address = self.sock.getsockname()
         self.connections = _Limits(MAX_CONNECTIONS, MAX_PER_CLIENT)
         self.objects = _Limits(MAX_OBJECTS, OBJECTS_PER_CLIENT)
-        self.control = _Limits(CONTROL_THREADS * 4, CONTROL_PER_CLIENT)
-        self.pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="agent-call")
+        self.control = _Pool(CONTROL_THREADS, CONTROL_PER_CLIENT, "agent-call")
+        self.checks = _Pool(CHECK_THREADS, CONTROL_PER_CLIENT, "agent-check")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._sending: asyncio.Semaphore | None = None  # made on the loop
@@ -255,7 +275,8 @@ class AgentServer:
             self._stopped.wait(30)
 
     def server_close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.control.executor.shutdown(wait=False, cancel_futures=True)
+        self.checks.executor.shutdown(wait=False, cancel_futures=True)
         self.sock.close()
 
     async def _serve(self) -> None:
@@ -319,6 +340,7 @@ class AgentServer:
             return _error(500, f"{type(e).__name__}: {e}")
 
     async def _post(self, request: web.BaseRequest) -> web.Response:
+        started = time.monotonic()
         if (request.content_length or 0) > MAX_BODY:
             return _error(413, "request too large")
         try:
@@ -360,10 +382,21 @@ class AgentServer:
         except (ArgsError, UsageError, ValueError, KeyError, TypeError, AttributeError) as e:
             return _error(400, f"bad request: {e}")
         try:
-            refused = await self._check(request, key, check)
+            refused = await self._check(request, key, check, self.control)
+            checked = time.monotonic()
             if refused is not None:
                 return _error(refused.status, refused.message)
-            return _json_text(200, await self._call(request, work))
+            waits: list[float] = []
+            answer = await self._call(request, self.control, work, waits)
+            took = time.monotonic() - started
+            if took >= SLOW_ANSWER_S:
+                # Its stager waits for this answer (10 s at most for the peers question): say where
+                # the time went (issue 30: a thread, the token's check, or the work's API calls).
+                log.info(
+                    f"{path} answered in {took:.1f} s: {checked - started:.1f} s to check the token, "
+                    f"{sum(waits):.1f} s waiting for a thread, then {took - (checked - started) - sum(waits):.1f} s"
+                )
+            return _json_text(200, answer)
         except _Busy as e:
             return _error(429, str(e))
         except (BusyError, _Conflict) as e:
@@ -376,10 +409,10 @@ class AgentServer:
             return _error(503, f"{path} failed: {e}")
 
     async def _check(
-        self, request: web.BaseRequest, key: tuple[str, ...], check: Callable[[bool], Refusal | None]
+        self, request: web.BaseRequest, key: tuple[str, ...], check: Callable[[bool], Refusal | None], pool: _Pool
     ) -> Refusal | None:
-        """``check`` from what is known (a cached token: no thread, no API call), else on the control
-        pool (a TokenReview, a pod's GET), once for all the requests that ask the same question
+        """``check`` from what is known (a cached token: no thread, no API call), else on ``pool``
+        (a TokenReview, a pod's GET), once for all the requests that ask the same question
         (``key``) meanwhile: a stager opens up to 64 connections at once with a token the agent has
         not seen, and one per address may use only CONTROL_PER_CLIENT threads (the rest would be
         told "busy"). _Busy, ApiError or OSError when it cannot be told."""
@@ -389,21 +422,32 @@ class AgentServer:
             pass
         pending = self._checks.get(key)
         if pending is None:
-            pending = asyncio.ensure_future(self._call(request, lambda: check(False)))
+            pending = asyncio.ensure_future(self._call(request, pool, lambda: check(False)))
             self._checks[key] = pending
             pending.add_done_callback(lambda _: self._checks.pop(key, None))
         return await asyncio.shield(pending)
 
-    async def _call(self, request: web.BaseRequest, fn: Callable[[], T]) -> T:
-        """``fn`` on the control pool, within this address's share of it."""
+    async def _call(
+        self, request: web.BaseRequest, pool: _Pool, fn: Callable[[], T], waits: list[float] | None = None
+    ) -> T:
+        """``fn`` on ``pool``, within this address's share of it; ``waits``: how long it waited for a
+        thread is appended there."""
         client = _peer(request.transport) if request.transport else "?"
-        if not self.control.take(client):
+        if not pool.limits.take(client):
             raise _Busy(f"too many requests from {client} in progress; retry")
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.pool, fn)
+            if waits is None:
+                return await loop.run_in_executor(pool.executor, fn)
+            queued = time.monotonic()
+
+            def timed() -> T:
+                waits.append(time.monotonic() - queued)
+                return fn()
+
+            return await loop.run_in_executor(pool.executor, timed)
         finally:
-            self.control.give(client)
+            pool.limits.give(client)
 
     async def consumer_gate(
         self, request: web.BaseRequest, route: str, namespace: str, cache: str
@@ -417,6 +461,7 @@ class AgentServer:
                 request,
                 (route, given, namespace, cache),
                 lambda offline: self.gate.consumer(given, namespace, cache, False, offline),
+                self.checks,
             )
         except _Busy as e:
             return _error(429, str(e))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from dscache_contract.peers import PEERS_PATH, Peer, PeersAnswer, PeersRequest
+from dscache_stager import agentcall
 from dscache_stager.peers import Peers
 
 REV = "r-0123456789abcdef0123"
@@ -26,6 +28,7 @@ class _Agent(http.server.ThreadingHTTPServer):
         self.connections = 0
         self.asked: list[tuple[str, str, str]] = []  # path, token, revision
         self.mode = "keep"  # "drop": close after each answer without saying so; "refuse": 409
+        self.delay = 0.0  # seconds before each answer (a loaded agent)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -43,6 +46,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
         req = PeersRequest.from_json(body)
         self.server.asked.append((self.path, self.headers.get("Authorization", ""), req.revision))
+        time.sleep(self.server.delay)
         status, out = (409, b"no copy here") if self.server.mode == "refuse" else (200, ANSWER.to_json().encode())
         self.send_response(status)
         self.send_header("Content-Length", str(len(out)))
@@ -103,3 +107,25 @@ def test_an_agent_that_does_not_answer_is_no_answer(tmp_path: Path) -> None:
         peers = Peers(f"http://127.0.0.1:{s.getsockname()[1]}", "ml/imagenet", REV, str(tok))
         assert peers.ask_agent() is None
         assert peers.ask_agent() is None
+
+
+def test_a_first_question_answered_late_is_asked_once_more_with_a_longer_timeout(
+    agent: _Agent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30: at N = 32 an agent answered some first questions after the stager's timeout; the
+    stager then read every object from the bucket. The first question is asked once more, with
+    FIRST_RETRY_S; only once per run, and the later questions keep the usual timeout."""
+    monkeypatch.setattr(agentcall, "FIRST_RETRY_S", 3.0)
+    peers = _peers(agent, tmp_path)
+    peers._agent.timeout = 0.3
+    agent.delay = 0.8  # longer than the timeout, shorter than FIRST_RETRY_S
+    assert peers.ask_agent() == ANSWER
+    assert len(agent.asked) == 2
+    # Answered, then late again: no answer this time (the stager asks again a second later).
+    peers.answer = None
+    t0 = time.monotonic()
+    assert peers.ask_agent() is None
+    assert time.monotonic() - t0 < 0.8  # the usual timeout, not FIRST_RETRY_S
+    assert len(agent.asked) == 3  # not asked twice: the safety net is spent
+    agent.delay = 0.0
+    assert peers.ask_agent() == ANSWER
