@@ -180,6 +180,35 @@ def test_an_object_replaced_mid_copy_fails_with_exit_9(
     assert not os.path.exists(contract.revision_dir(str(cache), pinned))
 
 
+def test_a_large_object_replaced_mid_copy_fails_with_exit_9_and_leaves_no_part(
+    s3_server: S3Server, bucket: str, tmp_path: Path, data_plane: str
+):
+    rng = random.Random(7)
+    files = {"x/big.bin": rng.randbytes(3 << 20), **{f"x/s{i}.bin": rng.randbytes(1000) for i in range(5)}}
+    s3_server.put_tree(bucket, files)
+    uri, cache = f"s3://{bucket}/x/", tmp_path / "c"
+    pinned = boto3_revision(s3_server, uri)
+    client, replaced = s3_server.client(), []
+
+    def policy(n: int, line: str) -> str:
+        # The large object's first GET (one of its ranged parts): replace it upstream, then let the GET through.
+        if not replaced and line.startswith("GET ") and "/x/big.bin" in line:
+            client.put_object(Bucket=bucket, Key="x/big.bin", Body=b"replaced while staging")
+            replaced.append(line)
+        return "pass"
+
+    proxy = FaultProxy((s3_server.host, s3_server.port), policy).start()
+    try:
+        r = stage(s3_server, uri, cache, pinned, endpoint=proxy.endpoint)
+    finally:
+        proxy.stop()
+    assert replaced
+    assert r.code == 9, r.stderr
+    assert _path_taken(r) == _one_page_path(data_plane)
+    assert "changed or was deleted after revision" in r.stderr
+    assert not os.path.exists(contract.revision_dir(str(cache), pinned))  # no part, no temp file
+
+
 def test_resume_after_sigkill_skips_what_the_journal_holds(
     s3_server: S3Server, bucket: str, tmp_path: Path, data_plane: str
 ):
