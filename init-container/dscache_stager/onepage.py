@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TYPE_CHECKING
 
 from dscache_contract import ManifestEntry, StageSummary
@@ -130,14 +129,14 @@ class OnePage(CopyRun):
             if failure is not None:
                 raise failure
             self._tick()
-        for (obj, rel, _), job in zip(large, jobs, strict=True):
-            while True:
-                try:
-                    got = job.result(timeout=self._tick())
-                    break
-                except FuturesTimeout:
-                    continue
-            self._record(obj, rel, got)
+        # Recorded as each ends; the first failure raised at once (the rest are then cancelled
+        # by _close), after the objects placed with it are journalled.
+        pending = dict(zip(jobs, large, strict=True))
+        while pending:
+            done, _ = wait(pending, timeout=self._tick(), return_when=FIRST_EXCEPTION)
+            for job in sorted(done, key=lambda j: j.exception() is not None):
+                obj, rel, _ = pending.pop(job)
+                self._record(obj, rel, job.result())
         if large:
             nat.report_large(self.progress.add_bytes)
 
