@@ -115,6 +115,11 @@ benchmarking sessions at load 30-90, so CPU is the figure, walls are noise):
    33-63 ms, the rest scheduling delay at that load (no syscall in the gap). Bench, same run
    (load 60-77, medians of 7): client CPU 0.258 s against 0.279 s through sync.py
    (dscache_sync, --large-variants), server CPU equal (0.19 s); curl's ceiling 0.145 s.
+   Walls, bench/stager.py --quick --sets large --large-variants dscache_sync, medians of 7
+   at load 15-29: dscache 0.928 s, 0.80x the ceiling (0.744 s), through sync.py 1.176 s
+   (0.63x), s5cmd 1.538 s (0.48x); of 11 at load 48-97: 0.72x, 0.51x, 0.47x. The ratio
+   still moves with the load more than with anything here: the ~0.1 s of CPU a stager
+   spends starting (cli, imports; not this module's) is wall time on 2 shared cores.
  - The data phase (a direct NativeFetcher.fetch_large of both objects against curl's same
    ranged GETs into /dev/null, interleaved, medians of 5, client CPU / server CPU):
    32 MiB x 16 in flight 0.163/0.19 s (curl 0.149/0.16); x 8 0.169/0.19; x 4 0.160/0.20;
