@@ -130,9 +130,10 @@ benchmarking sessions at load 30-90, so CPU is the figure, walls are noise):
    pwrite instead of splice 0.212 s. So the parts, the pipe and splice stay as they were:
    the client's data phase is within ~15 ms of CPU of curl's, which writes nothing, and what
    was left to take from large_s was the start-up path above.
- - strace -c -f of the whole copy (2 objects, start-up included): 4,480 syscalls through
-   onepage.py (1,258 splice, 336 futex, 28 epoll_wait) against 5,073 through sync.py
-   (1,168 splice, 250 futex, 389 read of modules, 49 epoll_wait).
+ - strace -c -f of the whole copy (2 objects, start-up included, medians of 3): 4,369
+   syscalls through onepage.py against 5,204 through sync.py; a 1 KiB revision the same
+   way 2,484 against 3,329. So per large object ~940 either way (~630 splice, 58-84 futex):
+   what went is the start-up's ~850 (sync.py's imports), not anything per object.
 """
 
 from __future__ import annotations
