@@ -78,7 +78,9 @@ DSCACHE_TOOLS = ("dscache", "dscache_python")
 # "dscache_rename" places small objects by temp file + rename in tmp/, as before issue 30
 # (DSCACHE_NATIVE_TMPFILE=0), for a same-run comparison with what ships; "dscache_proclink"
 # links them through /proc/self/fd (DSCACHE_NATIVE_LINK=proc), as on kernels before 6.10.
-DSCACHE_VARIANTS = ("dscache_rename", "dscache_proclink")
+# "dscache_sync" copies every revision on asyncio (DSCACHE_ONEPAGE=0), as large objects were
+# before issue 30's large35 round; the large set measures it with --large-variants dscache_sync.
+DSCACHE_VARIANTS = ("dscache_rename", "dscache_proclink", "dscache_sync")
 STAGED = (*DSCACHE_TOOLS, *DSCACHE_VARIANTS)
 
 
@@ -96,6 +98,8 @@ def tool_env(tool: str, env: dict[str, str], workers: int | None = None) -> dict
         return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_NATIVE_TMPFILE": "0"}
     if tool == "dscache_proclink":
         return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_NATIVE_LINK": "proc"}
+    if tool == "dscache_sync":
+        return {**env, "DSCACHE_NATIVE": "1", "DSCACHE_ONEPAGE": "0"}
     if tool in ("dscache", "warm"):
         out = {**env, "DSCACHE_NATIVE": "1"}
         if workers:
@@ -504,6 +508,11 @@ def main() -> int:
     ap.add_argument("--small-size", type=int, default=64 << 10)
     ap.add_argument("--large-count", type=int, default=2)
     ap.add_argument("--large-size", type=int)
+    ap.add_argument(
+        "--large-variants",
+        default="",
+        help="comma list of dscache variants also timed on the large set (dscache_sync: without onepage.py)",
+    )
     ap.add_argument("--peers", default="s5cmd,rclone,awscli", help="comma list of peer tools for the small set")
     ap.add_argument("--profiles", default="loopback,wan", help="comma list: loopback, wan (empty: none)")
     ap.add_argument("--wan-count", type=int, help="small objects in the wan profile (default 3000, quick 2000)")
@@ -782,8 +791,11 @@ def small_set(tools, env, work, args, small_count, peers, digests, revs) -> dict
 def large_set(tools, env, work, args, large_size, digests, revs) -> dict:
     # "get" (the server's ceiling: the stager's ranged GETs read into /dev/null) and
     # "source-read" (the server's backing files read cold) bound what any client can do here.
+    variants = [v for v in args.large_variants.split(",") if v]
+    if unknown := set(variants) - set(DSCACHE_VARIANTS):
+        raise SystemExit(f"--large-variants: unknown {sorted(unknown)} (known: {DSCACHE_VARIANTS})")
     large: dict[str, list[Run]] = {
-        t: [] for t in [*dscache_tools(), "s5cmd", "dd", "dd-fdatasync", "get", "source-read"]
+        t: [] for t in [*dscache_tools(), *variants, "s5cmd", "dd", "dd-fdatasync", "get", "source-read"]
     }
     tools.presign_large(args.large_count, large_size)
     server_pid = tools.server.proc.pid if tools.server.proc else None
@@ -799,7 +811,7 @@ def large_set(tools, env, work, args, large_size, digests, revs) -> dict:
             )
             if server_pid:
                 run = dataclasses.replace(run, server_cpu_s=proc_cpu_s(server_pid) - before)
-            if tool in DSCACHE_TOOLS:
+            if tool in STAGED:
                 verify_dscache(dest, revs["large"], "large", digests, json.loads(run.out), warm=False)
             if tool == "get":
                 got = [int(n) for n in run.stdout.split()]
@@ -832,6 +844,9 @@ def large_set(tools, env, work, args, large_size, digests, revs) -> dict:
         "large_server_cpu_s": {k: round(med(large[k], "server_cpu_s"), 3) for k in large},
         "large_parts": {"part_bytes": PART_SIZE, "in_flight": SPLICE_THREADS, "count": len(tools.large_parts)},
     }
+    if variants:
+        result["large_variants_s"] = {v: lmed[v] for v in variants}
+        result["large_variants_vs_ceiling"] = {v: round(lmed["get"] / lmed[v], 2) for v in variants}
     log(f"large: cpu per GiB: {result['cpu_s_per_gib']} s")
     log(
         f"large: {lmed['s5cmd'] / lmed['dscache']:.2f}x s5cmd (target 1.2), "

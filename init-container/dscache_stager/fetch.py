@@ -104,6 +104,36 @@ machine shared with four other benchmarking sessions):
  - Not the cause, measured: Copier start-up (3 ms, TLS roots included), the
    fsync policy (nothing is fsynced), dirty-page writeback (512 MiB stays under
    the dirty thresholds), fallocate (not used: see _fetch_parts).
+
+Issue 30's large35 round (2 x 256 MiB from loopback versitygw; the machine shared with other
+benchmarking sessions at load 30-90, so CPU is the figure, walls are noise):
+ - Where the time between process start and the first ranged GET went (strace -f -ttt, page
+   cache dropped): a large object sent the copy to sync.py, so after the listing answered
+   the run imported asyncio, ssl, subprocess, sync.py, fetch.py... before its first part:
+   listing to first part's connect 74-460 ms at load 40. onepage.py now copies a one-page
+   revision's large objects too (NativeFetcher.fetch_large_blocking on the pool's threads):
+   33-63 ms, the rest scheduling delay at that load (no syscall in the gap). Bench, same run
+   (load 60-77, medians of 7): client CPU 0.258 s against 0.279 s through sync.py
+   (dscache_sync, --large-variants), server CPU equal (0.19 s); curl's ceiling 0.145 s.
+   Walls, bench/stager.py --quick --sets large --large-variants dscache_sync, medians of 7
+   at load 15-29: dscache 0.928 s, 0.80x the ceiling (0.744 s), through sync.py 1.176 s
+   (0.63x), s5cmd 1.538 s (0.48x); of 11 at load 48-97: 0.72x, 0.51x, 0.47x. The ratio
+   still moves with the load more than with anything here: the ~0.1 s of CPU a stager
+   spends starting (cli, imports; not this module's) is wall time on 2 shared cores.
+ - The data phase (a direct NativeFetcher.fetch_large of both objects against curl's same
+   ranged GETs into /dev/null, interleaved, medians of 5, client CPU / server CPU):
+   32 MiB x 16 in flight 0.163/0.19 s (curl 0.149/0.16); x 8 0.169/0.19; x 4 0.160/0.20;
+   64 MiB x 8 0.158/0.49 and 128 MiB x 4 0.175/0.58 (versitygw again spends 2-3x its CPU on
+   our large ranges, not on curl's: curl's 64 MiB x 8 0.16-0.21 s with or without If-Match
+   and Connection: close). The splice pipe: 1 MiB (pipe-max-size here) 0.163, 256 KiB
+   0.243, 64 KiB 0.335 s; SPLICE_F_MORE no different (0.175); recv into a 1 MiB buffer +
+   pwrite instead of splice 0.212 s. So the parts, the pipe and splice stay as they were:
+   the client's data phase is within ~15 ms of CPU of curl's, which writes nothing, and what
+   was left to take from large_s was the start-up path above.
+ - strace -c -f of the whole copy (2 objects, start-up included, medians of 3): 4,369
+   syscalls through onepage.py against 5,204 through sync.py; a 1 KiB revision the same
+   way 2,484 against 3,329. So per large object ~940 either way (~630 splice, 58-84 futex):
+   what went is the start-up's ~850 (sync.py's imports), not anything per object.
 """
 
 from __future__ import annotations

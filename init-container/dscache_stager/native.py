@@ -167,18 +167,24 @@ class NativeFetcher:
         import asyncio
 
         loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self.pool, self.copier.fetch_large, self.tmp_dir, item, self.part_bytes)
+        job = loop.run_in_executor(self.pool, self.fetch_large_blocking, item)
         if on_bytes is not None:
             while not job.done():
                 await asyncio.wait({job}, timeout=PROGRESS_S)
-                self._report(on_bytes)
-        done, failure = await job
+                self.report_large(on_bytes)
+        return await job
+
+    def fetch_large_blocking(self, item: Item) -> Fetched:
+        """:meth:`fetch_large` on this thread, without progress (onepage.py runs it on the pool's
+        threads and reads :meth:`report_large` itself)."""
+        done, failure = self.copier.fetch_large(self.tmp_dir, item, self.part_bytes)
         if failure is not None:
             raise _exception(*failure)
         size, etag = done
         return Fetched(size, etag)
 
-    def _report(self, on_bytes: Callable[[int], None]) -> None:
+    def report_large(self, on_bytes: Callable[[int], None]) -> None:
+        """Hand ``on_bytes`` the large parts' bytes written since the last call."""
         written = self.copier.counters()["large_bytes"]
         if written > self.reported:
             on_bytes(written - self.reported)

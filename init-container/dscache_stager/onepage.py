@@ -1,12 +1,19 @@
-"""The cold copy of a small revision, without asyncio (issue 30).
+"""The cold copy of a one-page revision, without asyncio (issue 30).
 
 When the access proof's first listing page was the whole listing (listpage.Started with no
 rest), no peers take part, the revision is not pinned by version (--as-of) and the native
-plane copies every object in one GET (native.handles), there is nothing to overlap: the
-listing is in hand, and the native copier bounds its own requests and buffers. So the copy
-runs on this thread: the page planned (copyrun.CopyRun: hash, hostile keys, space), the
-revision checked before any byte is fetched, the objects handed to the copier, the empty
-objects settled by HEAD, sealed. Everything but this orchestration is sync._Run's, shared.
+plane is loaded, there is nothing to overlap: the listing is in hand, and the native copier
+bounds its own requests, buffers and ranged parts. So the copy runs on this thread: the page
+planned (copyrun.CopyRun: hash, hostile keys, space), the revision checked before any byte is
+fetched, the large objects handed to the copier on the pool's threads (one blocking
+fetch_large each, in ranged parts) and the small ones in batches on this thread meanwhile, the
+empty objects settled by HEAD, sealed. Everything but this orchestration is sync._Run's, shared.
+
+Large objects came here too in issue 30's large35 round: on sync.py, a revision of a few
+large shards paid for asyncio's imports (and sync.py's, fetch.py's, ssl's) between its
+listing and its first ranged GET, ~50-90 ms of a 0.3 s copy of 2 x 256 MiB (strace -f -ttt:
+listing answered at 0.18 s, first part's connect at 0.29 s under load ~30), all of it on the
+critical path. See native.py for the figures.
 
 Why: asyncio, with ssl, selectors, subprocess and their shared objects (~35 modules), cost a
 cold start ~40 ms of ~135 after a page-cache drop (~15 ms cached) on a copy of one small object.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TYPE_CHECKING
 
 from dscache_contract import ManifestEntry, StageSummary
@@ -32,7 +40,7 @@ from dscache_contract import ManifestEntry, StageSummary
 from . import native
 from .copyrun import CopyRun, Task
 from .cpus import available_cpus
-from .objects import SMALL_LIMIT, remote_objects
+from .objects import Fetched, remote_objects
 from .store import head
 
 if TYPE_CHECKING:
@@ -54,9 +62,7 @@ def fits(opts: SyncOptions, listing: Started | None) -> bool:
         return False
     if opts.agent and opts.cache and opts.peer_token_file:
         return False  # peers: sync.py (the listing and objects may come from other nodes)
-    if native.load() is None:
-        return False
-    return all(size <= SMALL_LIMIT for _, size, _ in listing.first)  # empty or one native GET each
+    return native.load() is not None  # large objects too: NativeFetcher.fetch_large_blocking
 
 
 def cold(opts: SyncOptions, rev: Revision, store: AnyStore, progress: Progress, listing: Started) -> StageSummary:
@@ -100,22 +106,52 @@ class OnePage(CopyRun):
             self._close()
 
     def _copy(self, fetch: list[Task]) -> None:
-        """Every object to the copier, in chunks of twice --concurrency (what sync.py keeps in
-        flight), with the progress reported and the journal flushed between them at
-        --progress-interval, as sync._Run's ticker does."""
-        assert self.native is not None
-        step = max(self.native.batch_size, 2 * self.opts.concurrency)
-        last = time.monotonic()
-        for start in range(0, len(fetch), step):
-            small = fetch[start : start + step]
-            placed, failure = self.native.fetch_blocking(self._native_items(small))
-            self._record_native(small, placed)
+        """Every object to the copier: the large ones first, each on a thread of the native pool
+        (as sync.py runs them; the copier bounds their parts in flight), then the small ones on
+        this thread in chunks of twice --concurrency (what sync.py keeps in flight) while the
+        large ones' parts arrive; then the large ones recorded as they end. The progress is
+        reported and the journal flushed at --progress-interval, as sync._Run's ticker does."""
+        nat = self.native
+        assert nat is not None
+        large = [t for t in fetch if not native.handles(t[0].size)]
+        small = [t for t in fetch if native.handles(t[0].size)]
+        jobs: list[Future[Fetched]] = []
+        for obj, rel, _ in large:
+            self.tree.ensure_parent(rel)
+            item = (obj.key, self.tree.path(rel), obj.etag, obj.version_id, obj.size)
+            jobs.append(nat.pool.submit(nat.fetch_large_blocking, item))
+        self.last_tick: float = time.monotonic()
+        step = max(nat.batch_size, 2 * self.opts.concurrency)
+        for start in range(0, len(small), step):
+            chunk = small[start : start + step]
+            placed, failure = nat.fetch_blocking(self._native_items(chunk))
+            self._record_native(chunk, placed)
             if failure is not None:
                 raise failure
-            if time.monotonic() - last >= self.opts.progress_interval:
-                last = time.monotonic()
-                self.journal.flush()  # a killed run loses at most one interval of records
-                self.progress.report()
+            self._tick()
+        # Recorded as each ends; the first failure raised at once (the rest are then cancelled
+        # by _close), after the objects placed with it are journalled.
+        pending = dict(zip(jobs, large, strict=True))
+        while pending:
+            done, _ = wait(pending, timeout=self._tick(), return_when=FIRST_EXCEPTION)
+            for job in sorted(done, key=lambda j: j.exception() is not None):
+                obj, rel, _ = pending.pop(job)
+                self._record(obj, rel, job.result())
+        if large:
+            nat.report_large(self.progress.add_bytes)
+
+    def _tick(self) -> float:
+        """At --progress-interval: the large parts' bytes counted, the journal flushed (a killed
+        run loses at most one interval of records), the progress reported. Seconds to the next
+        tick (at least 10 ms: how long a wait on a large object may block)."""
+        assert self.native is not None
+        now = time.monotonic()
+        if now - self.last_tick >= self.opts.progress_interval:
+            self.last_tick = now
+            self.native.report_large(self.progress.add_bytes)
+            self.journal.flush()
+            self.progress.report()
+        return max(0.01, self.last_tick + self.opts.progress_interval - now)
 
     def _settle_empties(self, known: dict[str, ManifestEntry]) -> None:
         """sync._Run._settle_empties one at a time: a one-page revision holds few empty objects."""

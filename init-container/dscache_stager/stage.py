@@ -17,8 +17,8 @@
    - cold (sync.py): list, hash, GET with If-Match, seal; a listing that is
      not the revision any more fails with exit 9 and leaves nothing behind.
      A revision whose whole listing was the access proof's page, without peers
-     or --as-of, every object small, is copied the same way without asyncio
-     (onepage.py, chosen by onepage.fits once the page is in).
+     or --as-of, is copied the same way without asyncio, its large objects in
+     ranged parts too (onepage.py, chosen by onepage.fits once the page is in).
 
 No asyncio on this path: the warm start is a process start, one HEAD, a lock
 and a small file write, and importing asyncio (with ssl) alone would cost

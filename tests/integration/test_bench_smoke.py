@@ -27,6 +27,7 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
         "--small-count=30",
         "--large-count=1",
         f"--large-size={4 << 20}",
+        "--large-variants=dscache_sync",
         "--peers=s5cmd",
         "--wan-count=30",
         "--wan-peers=s5cmd",
@@ -51,7 +52,10 @@ def test_every_bench_profile_runs_and_reports_its_fields(tmp_path):
     # The large set's bounds: the server's ceiling (raw GETs into /dev/null) and its disk.
     assert result["large_server_ceiling_s"] > 0 and result["large_source_read_s"] > 0 and result["dd_fdatasync_s"] > 0
     assert set(result["large_vs_ceiling"]) == tools
-    large_runs = tools | {"dd", "dd-fdatasync", "get", "source-read"}
+    # The large set through sync.py too (DSCACHE_ONEPAGE=0), verified and timed beside the others.
+    assert set(result["large_variants_s"]) == set(result["large_variants_vs_ceiling"]) == {"dscache_sync"}
+    assert result["large_variants_s"]["dscache_sync"] > 0
+    large_runs = tools | {"dscache_sync", "dd", "dd-fdatasync", "get", "source-read"}
     assert set(result["large_cpu_s"]) == set(result["large_server_cpu_s"]) == large_runs
     assert result["large_parts"]["count"] == 1 and result["large_parts"]["in_flight"] > 0
     assert set(result["fixed_s"]) == set(result["fixed_cpu_s"]) == tools and min(result["fixed_s"].values()) > 0

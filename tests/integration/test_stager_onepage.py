@@ -100,12 +100,38 @@ def test_one_page_copy_stages_what_sync_stages(s3_server: S3Server, bucket: str,
         assert sorted(os.listdir(contract.revision_dir(str(cache), rev))) == ["data", "meta"]  # no tmp left
 
 
-def test_a_large_object_goes_to_sync(s3_server: S3Server, bucket: str, tmp_path: Path):
-    s3_server.put_tree(bucket, {"l/small.bin": b"s", "l/large.bin": os.urandom((1 << 20) + 1)})
+def test_large_objects_are_copied_in_parts_on_this_thread_as_sync_copies_them(
+    s3_server: S3Server, bucket: str, tmp_path: Path, data_plane: str
+):
+    # Two large objects (ranged parts; SMALL_LIMIT is 1 MiB) beside small ones and an empty one:
+    # the large ones on the native pool's threads while the small ones go on the main thread.
+    rng = random.Random(5)
+    files = {
+        "l/small.bin": b"s",
+        "l/d/large.bin": rng.randbytes((1 << 20) + 1),
+        "l/d/e/larger.bin": rng.randbytes(3 << 20),
+        "l/empty.txt": b"",
+        **{f"l/s/f{i}.bin": rng.randbytes(rng.randrange(1, 100_000)) for i in range(20)},
+    }
+    s3_server.put_tree(bucket, files)
     uri = f"s3://{bucket}/l/"
-    r = stage(s3_server, uri, tmp_path / "c", boto3_revision(s3_server, uri))
-    assert r.code == 0, r.stderr
-    assert _path_taken(r) == "sync"
+    rev = boto3_revision(s3_server, uri)
+    one = stage(s3_server, uri, tmp_path / "one", rev)
+    ref = stage(s3_server, uri, tmp_path / "ref", rev, env=stage_env(s3_server, DSCACHE_ONEPAGE="0"))
+    assert one.code == 0, one.stderr
+    assert ref.code == 0, ref.stderr
+    assert (_path_taken(one), _path_taken(ref)) == (_one_page_path(data_plane), "sync")
+    if data_plane == "native":
+        assert "2 large object(s) in " in one.stderr, one.stderr  # NativeFetcher's ranged parts
+    want = expected_tree(files, "l/")
+    assert data_tree(data_dir(tmp_path / "one", rev)) == data_tree(data_dir(tmp_path / "ref", rev)) == want
+    assert _manifest(tmp_path / "one", rev) == _manifest(tmp_path / "ref", rev)
+    a, b = dict(one.summary), dict(ref.summary)
+    for timed in ("seconds", "mb_s"):
+        assert a.pop(timed) >= 0 and b.pop(timed) >= 0
+    assert a == b and a["objects"] == len(files) and a["fetched_bytes"] == sum(map(len, files.values())), (a, b)
+    for cache in (tmp_path / "one", tmp_path / "ref"):
+        assert sorted(os.listdir(contract.revision_dir(str(cache), rev))) == ["data", "meta"]  # no tmp left
 
 
 def test_an_object_changed_after_pinning_fails_with_exit_9_and_stages_nothing(
@@ -152,6 +178,35 @@ def test_an_object_replaced_mid_copy_fails_with_exit_9(
     assert _path_taken(r) == _one_page_path(data_plane)
     assert "changed or was deleted after revision" in r.stderr
     assert not os.path.exists(contract.revision_dir(str(cache), pinned))
+
+
+def test_a_large_object_replaced_mid_copy_fails_with_exit_9_and_leaves_no_part(
+    s3_server: S3Server, bucket: str, tmp_path: Path, data_plane: str
+):
+    rng = random.Random(7)
+    files = {"x/big.bin": rng.randbytes(3 << 20), **{f"x/s{i}.bin": rng.randbytes(1000) for i in range(5)}}
+    s3_server.put_tree(bucket, files)
+    uri, cache = f"s3://{bucket}/x/", tmp_path / "c"
+    pinned = boto3_revision(s3_server, uri)
+    client, replaced = s3_server.client(), []
+
+    def policy(n: int, line: str) -> str:
+        # The large object's first GET (one of its ranged parts): replace it upstream, then let the GET through.
+        if not replaced and line.startswith("GET ") and "/x/big.bin" in line:
+            client.put_object(Bucket=bucket, Key="x/big.bin", Body=b"replaced while staging")
+            replaced.append(line)
+        return "pass"
+
+    proxy = FaultProxy((s3_server.host, s3_server.port), policy).start()
+    try:
+        r = stage(s3_server, uri, cache, pinned, endpoint=proxy.endpoint)
+    finally:
+        proxy.stop()
+    assert replaced
+    assert r.code == 9, r.stderr
+    assert _path_taken(r) == _one_page_path(data_plane)
+    assert "changed or was deleted after revision" in r.stderr
+    assert not os.path.exists(contract.revision_dir(str(cache), pinned))  # no part, no temp file
 
 
 def test_resume_after_sigkill_skips_what_the_journal_holds(

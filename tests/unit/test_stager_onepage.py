@@ -1,7 +1,7 @@
 """Which cold copy runs (onepage.fits), and that the one without asyncio imports none of it.
 
-A one-page small revision (the access proof's page was the whole listing, no peers, no --as-of,
-the native plane, every object copied in one GET) is copied on this thread (onepage.py);
+A one-page revision (the access proof's page was the whole listing, no peers, no --as-of,
+the native plane; large objects too, in ranged parts) is copied on this thread (onepage.py);
 everything else by sync.py. The copies themselves run against a real S3 server in
 tests/integration/test_stager_onepage.py."""
 
@@ -35,9 +35,11 @@ def native_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(onepage.ENV, raising=False)
 
 
-def test_a_one_page_small_revision_without_peers_is_copied_without_asyncio(native_loads: None) -> None:
+def test_a_one_page_revision_without_peers_is_copied_without_asyncio(native_loads: None) -> None:
     assert onepage.fits(_opts(), ONE_PAGE)
     assert onepage.fits(_opts(), Started([], None))  # an empty revision too
+    # Large objects too: the native copier's ranged parts, one blocking fetch_large each.
+    assert onepage.fits(_opts(), Started([*ONE_PAGE.first, ("p/l", SMALL_LIMIT + 1, "e")], None))
 
 
 @pytest.mark.parametrize(
@@ -45,7 +47,6 @@ def test_a_one_page_small_revision_without_peers_is_copied_without_asyncio(nativ
     [
         ("no listing page (a warm probe, keys the client refused)", {}, None),
         ("more pages to come", {}, Started(ONE_PAGE.first, iter([]))),  # type: ignore[arg-type]
-        ("a large object", {}, Started([("p/a", SMALL_LIMIT + 1, "e")], None)),
         ("--as-of", {"as_of": "2026-01-01T00:00:00Z"}, ONE_PAGE),
         ("peers", {"agent": "https://agent:8443", "cache": "ns/c", "peer_token_file": "/t"}, ONE_PAGE),
     ],
