@@ -10,8 +10,9 @@ relay, held up to RERANK_S), the same checks before anything is written (REVISIO
 Content-Length and the body's length against the manifest, the body's MD5 against its plain
 ETag), the GIL released while the batch runs.
 
-Only what the batch placed is done here. Everything else goes back to peers.Peers.obtain, whose
-whole failure policy applies unchanged: a peer's non-200 answer is read by Peers.answered (the
+Only what the batch placed is done here, and an "unclaimed" answer is told apart (sync's native
+peer worker asks the parent's parent, or the root again after obtain's pause, in further batches).
+Everything else goes back to peers.Peers.obtain, whose whole failure policy applies unchanged: a peer's non-200 answer is read by Peers.answered (the
 same verdicts, e.g. "unclaimed" to no probe writes it off); wrong revision or length writes the
 peer off as take does; a body that does not hash goes to the bucket and Peers.judge as take's
 SUSPECT; no connection at all, or no byte within READ_TIMEOUT_S, writes the peer off; a reset or a
