@@ -87,6 +87,7 @@ class NativePeers:
             idle_s=IDLE_S,
         )
         self.placed = 0  # objects this path placed (the rest went back to obtain)
+        self.calls = 0  # native calls (batches) made
         self._lock = threading.Lock()  # first() runs on several peer threads at once
 
     def takes(self, key: str, etag: str, size: int, hop: int = 0) -> str:
@@ -126,6 +127,7 @@ class NativePeers:
             out.append(self._outcome(addr, rel, etag, path, kind, code, detail))
         with self._lock:
             self.placed += sum(1 for o in out if o is not None and o.outcome is Outcome.PLACED)
+            self.calls += 1
         return out
 
     def _outcome(self, addr: str, rel: str, etag: str, path: str, kind: str, code: int, detail: str) -> Obtained | None:

@@ -224,7 +224,8 @@ class _Run(CopyRun):
                 self.peers.close()
             if self.peer_native is not None:
                 self.peer_native.close()
-                self.progress.note(f"native peers: {self.peer_native.placed} object(s) taken in batches")
+                done = self.peer_native
+                self.progress.note(f"native peers: {done.placed} object(s) taken in batches ({done.calls} calls)")
             if self.claims is not None:
                 with self._claims_lock:
                     self.claims.close()
