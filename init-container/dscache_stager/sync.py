@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 #: Objects waiting for the peer workers past which the listing pauses (the bucket's workers never
 #: wait on the peer workers: issue 30 traced a stall of every node to that wait).
 PEER_BACKLOG = 16384
+#: While every object the native peer worker may have in flight is, it waits this long once for
+#: more of them to end before it asks for the next ones (a batch, not one call per object).
+PEER_GATHER_S = 0.005
 #: Objects the peer workers send to the bucket are gathered this long into one native batch.
 BUCKET_GATHER_S = 0.01
 
@@ -594,7 +597,17 @@ class _Run(CopyRun):
                     room.release()
                     break
                 batch = [item]
-                while len(batch) < BATCH and not room.locked():
+                waited = False
+                while len(batch) < BATCH:
+                    if room.locked():
+                        if waited or peer_queue.empty():
+                            break
+                        # All in flight, more queued: let a few more end first, and ask for them
+                        # in one call. (Room freed one object at a time made a call per object:
+                        # 15,000 objects in 10,000 calls per node, a thread hop each.)
+                        waited = True
+                        await asyncio.sleep(PEER_GATHER_S)
+                        continue
                     try:
                         more = peer_queue.get_nowait()
                     except asyncio.QueueEmpty:
