@@ -10,8 +10,9 @@ relay, held up to RERANK_S), the same checks before anything is written (REVISIO
 Content-Length and the body's length against the manifest, the body's MD5 against its plain
 ETag), the GIL released while the batch runs.
 
-Only what the batch placed is done here. Everything else goes back to peers.Peers.obtain, whose
-whole failure policy applies unchanged: a peer's non-200 answer is read by Peers.answered (the
+Only what the batch placed is done here, and an "unclaimed" answer is told apart (sync's native
+peer worker asks the parent's parent, or the root again after obtain's pause, in further batches).
+Everything else goes back to peers.Peers.obtain, whose whole failure policy applies unchanged: a peer's non-200 answer is read by Peers.answered (the
 same verdicts, e.g. "unclaimed" to no probe writes it off); wrong revision or length writes the
 peer off as take does; a body that does not hash goes to the bucket and Peers.judge as take's
 SUSPECT; no connection at all, or no byte within READ_TIMEOUT_S, writes the peer off; a reset or a
@@ -86,26 +87,35 @@ class NativePeers:
             idle_s=IDLE_S,
         )
         self.placed = 0  # objects this path placed (the rest went back to obtain)
+        self.calls = 0  # native calls (batches) made
         self._lock = threading.Lock()  # first() runs on several peer threads at once
 
-    def takes(self, key: str, etag: str, size: int) -> str:
-        """The peer to ask for ``key`` in a batch (the first choice of its chain), or "" when it
-        goes to peers.obtain (a multipart ETag, a large object, this node's turn, an early probe)."""
+    def takes(self, key: str, etag: str, size: int, hop: int = 0) -> str:
+        """The peer to ask for ``key`` in a batch: the ``hop``-th of its chain (0: its parent; the
+        last there is when the chain is shorter now), or "" when it goes to peers.obtain (a
+        multipart ETag, a large object, this node's turn, an early probe)."""
         if not plain(etag, size) or not self.peers.verifiable(etag, size):
             return ""
         hops = self.peers.chain(key)
-        return hops[0] if hops else ""
+        return hops[min(hop, len(hops) - 1)] if hops else ""
+
+    def hops(self, key: str) -> int:
+        """How many nodes the chain of ``key`` has now (its parent ... its root)."""
+        return len(self.peers.chain(key))
 
     def first(
-        self, addr: str, wants: list[Want], tmp: Callable[[], str], claim: Callable[[str], None]
+        self, addr: str, wants: list[Want], tmp: Callable[[], str], claim: Callable[[str], None] | None
     ) -> list[Obtained | None]:
         """Ask ``addr`` once for each object, as peers.Peers.obtain's first request would; per
         object PLACED (in its temp file), BUCKET with ``suspect`` (judge it against the bucket's
-        copy), or None: peers.obtain takes it from here. Blocking (without the GIL)."""
+        copy), UNCLAIMED (the peer neither holds, reads nor takes it: its parent next, or the root
+        again after a pause, as peers.obtain would do), or None: peers.obtain takes it from here.
+        Blocking (without the GIL). ``claim`` None: the objects were claimed by an earlier call."""
         p = self.peers
         # obtain's relay claim, before the first request: this node's children wait for its copy.
         # One write for the batch (claim adds the last newline).
-        claim("\n".join(RELAY_MARK + rel for _, rel, _, _ in wants))
+        if claim is not None:
+            claim("\n".join(RELAY_MARK + rel for _, rel, _, _ in wants))
         paths = [tmp() for _ in wants]
         items = [
             (ObjectRequest(p.namespace, p.cache, p.revision, rel, RERANK_S, True, True).target(), size, etag, path)
@@ -117,6 +127,7 @@ class NativePeers:
             out.append(self._outcome(addr, rel, etag, path, kind, code, detail))
         with self._lock:
             self.placed += sum(1 for o in out if o is not None and o.outcome is Outcome.PLACED)
+            self.calls += 1
         return out
 
     def _outcome(self, addr: str, rel: str, etag: str, path: str, kind: str, code: int, detail: str) -> Obtained | None:
@@ -131,7 +142,9 @@ class NativePeers:
         elif kind in ("refused", "stalled"):
             p._fail(addr, f"failed mid-request ({kind}: {detail})")
         elif kind == "status":
-            p.answered(addr, rel, code, detail, True)  # its verdict on the peer; obtain asks again
+            # Its verdict on the peer; obtain asks again, but for "unclaimed" (sync asks natively).
+            if p.answered(addr, rel, code, detail, True) is Outcome.UNCLAIMED:
+                return Obtained(Outcome.UNCLAIMED)
         elif kind == "local":
             raise OSError(code, os.strerror(code), detail)
         return None

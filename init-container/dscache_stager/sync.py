@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -52,10 +53,18 @@ if TYPE_CHECKING:
 #: Objects waiting for the peer workers past which the listing pauses (the bucket's workers never
 #: wait on the peer workers: issue 30 traced a stall of every node to that wait).
 PEER_BACKLOG = 16384
+#: While every object the native peer worker may have in flight is, it waits this long once for
+#: more of them to end before it asks for the next ones (a batch, not one call per object).
+PEER_GATHER_S = 0.005
+#: Objects the peer workers send to the bucket are gathered this long into one native batch.
+BUCKET_GATHER_S = 0.01
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
 Work = Task | None
+# An object for the native peer worker: the task, which node of its chain to ask (0: its parent),
+# and the pause before the root is asked again if it has not come to the object yet.
+_Ask = tuple[Task, int, float]
 
 
 def cold(
@@ -114,6 +123,9 @@ class _Run(CopyRun):
         self._claims_lock = threading.Lock()  # the loop and the peer threads append
         self._peer_seq = 0
         self._peer_seq_lock = threading.Lock()
+        # Objects the peer workers read from the bucket after all, gathered into native batches.
+        self._to_bucket: list[tuple[Task, asyncio.Future[None]]] = []
+        self._bucket_batches: set[asyncio.Future[None]] = set()
 
     async def run(self) -> StageSummary:
         rev = self.rev
@@ -215,7 +227,8 @@ class _Run(CopyRun):
                 self.peers.close()
             if self.peer_native is not None:
                 self.peer_native.close()
-                self.progress.note(f"native peers: {self.peer_native.placed} object(s) taken in batches")
+                done = self.peer_native
+                self.progress.note(f"native peers: {done.placed} object(s) taken in batches ({done.calls} calls)")
             if self.claims is not None:
                 with self._claims_lock:
                     self.claims.close()
@@ -465,8 +478,17 @@ class _Run(CopyRun):
         object then ends on its own (placed, or peers.obtain for the rest), never waiting for the
         others of its batch. (Batches of 32 per worker, 64 workers, waiting for their slowest
         object, had 2,048 objects in flight far ahead of the listing, held by their parents, and
-        ran 4x slower than the threads: bench/fanout.py small files, issue 30.)"""
+        ran 4x slower than the threads: bench/fanout.py small files, issue 30.)
+
+        An "unclaimed" answer is followed here as peers.obtain follows it, on the native plane too:
+        the parent's parent at once, or, from the root, the object's chain again after obtain's
+        pause (ROOT_PAUSE_S doubling up to ROOT_PAUSE_MAX_S); those objects of a batch go on
+        together. (Each went to obtain: a thread, http.client, a Python hash and write per
+        request; a sixth of the first requests were answered so, 20,000 x 16 KiB on 4 nodes.)
+        An object that is this node's own to read by now goes to the native copier, in a batch
+        with the others (``_bucket_native``), not through obtain and fetch.py."""
         from .peer_native import BATCH
+        from .peers import ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
 
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
@@ -498,26 +520,73 @@ class _Run(CopyRun):
             finally:
                 room.release()
 
-        async def first(addr: str, group: list[Task]) -> None:
-            wants = [(obj.key, rel, obj.size, obj.etag) for obj, rel, _ in group]
+        async def bucket(item: Task) -> None:
+            # This node's own by now (no peer ranks before it, the early peers answered).
             try:
-                gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, self._relay_claim)
+                self._claim([item])
+                await self._bucket_native(item)
+            finally:
+                room.release()
+
+        def dispatch(asks: list[_Ask], claimed: bool) -> None:
+            """Each object to the peer its chain names now (``hop``), in one native call per peer;
+            the rest to the native copier (this node's turn) or to peers.obtain."""
+            groups: dict[str, list[_Ask]] = {}
+            for ask in asks:
+                obj = ask[0][0]
+                if addr := pn.takes(obj.key, obj.etag, obj.size, ask[1]):
+                    groups.setdefault(addr, []).append(ask)
+                elif self.native is not None and native.handles(obj.size) and not peers.to_peers(obj.key):
+                    spawn(bucket(ask[0]))
+                else:
+                    spawn(one(ask[0], None))
+            for addr, group in groups.items():
+                for i in range(0, len(group), BATCH):
+                    spawn(first(addr, group[i : i + BATCH], claimed))
+
+        async def first(addr: str, group: list[_Ask], claimed: bool) -> None:
+            wants = [(obj.key, rel, obj.size, obj.etag) for (obj, rel, _), _, _ in group]
+            claim = None if claimed else self._relay_claim
+            owned = len(group)  # room this call holds: released, or handed on with its object
+            try:
+                gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, claim)
+                nxt: list[_Ask] = []
+                later: dict[float, list[_Ask]] = {}
+                for (item, hop, pause), got in zip(group, gots, strict=True):
+                    if got is not None and got.tmp:
+                        # Placed (most): here, without a task per object.
+                        self._peer_placed(item, got.tmp)
+                        owned -= 1
+                        room.release()
+                    elif got is not None and got.outcome is Outcome.UNCLAIMED:
+                        if hop + 1 < pn.hops(item[0].key):
+                            nxt.append((item, hop + 1, pause))  # a parent not there yet: its parent
+                        else:
+                            # The root has not come to it yet: ask again in a moment (not the
+                            # bucket: that would read it twice).
+                            later.setdefault(pause, []).append((item, 0, min(pause * 2, ROOT_PAUSE_MAX_S)))
+                    else:
+                        owned -= 1
+                        spawn(one(item, got))
+                owned = 0  # every one below is handed on
+                if nxt:
+                    dispatch(nxt, True)
+                for pause, asks in later.items():
+                    spawn(again(pause, asks))
             except BaseException:
-                for _ in group:
+                for _ in range(owned):
                     room.release()
                 raise
-            for i, (item, got) in enumerate(zip(group, gots, strict=True)):
-                if got is not None and got.tmp:
-                    # Placed (most): here, without a task per object.
-                    try:
-                        self._peer_placed(item, got.tmp)
-                    except BaseException:
-                        for _ in group[i:]:
-                            room.release()
-                        raise
+
+        async def again(pause: float, asks: list[_Ask]) -> None:
+            try:
+                # jitter: the nodes do not all ask again at once
+                await asyncio.sleep(pause * (0.5 + random.random()))
+            except BaseException:
+                for _ in asks:
                     room.release()
-                else:
-                    spawn(one(item, got))
+                raise
+            dispatch(asks, True)
 
         try:
             end = False
@@ -528,7 +597,17 @@ class _Run(CopyRun):
                     room.release()
                     break
                 batch = [item]
-                while len(batch) < BATCH and not room.locked():
+                waited = False
+                while len(batch) < BATCH:
+                    if room.locked():
+                        if waited or peer_queue.empty():
+                            break
+                        # All in flight, more queued: let a few more end first, and ask for them
+                        # in one call. (Room freed one object at a time made a call per object:
+                        # 15,000 objects in 10,000 calls per node, a thread hop each.)
+                        waited = True
+                        await asyncio.sleep(PEER_GATHER_S)
+                        continue
                     try:
                         more = peer_queue.get_nowait()
                     except asyncio.QueueEmpty:
@@ -538,15 +617,9 @@ class _Run(CopyRun):
                         break
                     await room.acquire()  # free: not locked
                     batch.append(more)
-                groups: dict[str, list[Task]] = {}
                 for item in batch:
                     self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
-                    if addr := pn.takes(item[0].key, item[0].etag, item[0].size):
-                        groups.setdefault(addr, []).append(item)
-                    else:
-                        spawn(one(item, None))
-                for addr, group in groups.items():
-                    spawn(first(addr, group))
+                dispatch([(item, 0, ROOT_PAUSE_S) for item in batch], False)
             while tasks:
                 await asyncio.wait(set(tasks))
         except asyncio.CancelledError:
@@ -560,6 +633,43 @@ class _Run(CopyRun):
         if failed:
             raise failed[0]
 
+    async def _bucket_native(self, item: Task) -> None:
+        """Read ``item`` from the bucket on the native copier, in one batch with the others that
+        come within BUCKET_GATHER_S (objects no peer gave: fetch.py's obstore GET and Python write,
+        on a thread hop each, cost more than a peer's transfer, issue 30)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._to_bucket.append((item, fut))
+        if len(self._to_bucket) == 1:
+            loop.call_later(BUCKET_GATHER_S, self._flush_bucket)
+        await fut
+
+    def _flush_bucket(self) -> None:
+        assert self.native is not None
+        pending, self._to_bucket = self._to_bucket, []
+        size = self.native.batch_size
+        for i in range(0, len(pending), size):
+            t = asyncio.ensure_future(self._bucket_batch(pending[i : i + size]))
+            self._bucket_batches.add(t)
+            t.add_done_callback(self._bucket_batches.discard)
+
+    async def _bucket_batch(self, chunk: list[tuple[Task, asyncio.Future[None]]]) -> None:
+        small = [task for task, _ in chunk]
+        try:
+            await self._fetch_native(small, self._native_items(small))
+        except asyncio.CancelledError:
+            for _, f in chunk:
+                f.cancel()
+            raise
+        except BaseException as e:
+            for _, f in chunk:
+                if not f.done():
+                    f.set_exception(e)  # each waiting object's task fails: the run does
+            return
+        for _, f in chunk:
+            if not f.done():
+                f.set_result(None)
+
     async def _peer_got(self, item: Task, got: Obtained, pool: ThreadPoolExecutor) -> None:
         """Place what a peer sent, or read the bucket (and judge a suspect peer's body by its copy)."""
         from .peers import Outcome
@@ -571,7 +681,10 @@ class _Run(CopyRun):
             self._peer_placed(item, got.tmp)
             return
         self._claim([item])
-        await self._fetch_one(obj, rel)  # this node's turn: the bucket
+        if self.native is not None and native.handles(obj.size):
+            await self._bucket_native(item)  # this node's turn: the bucket, in a native batch
+        else:
+            await self._fetch_one(obj, rel)  # this node's turn: the bucket
         if got.suspect is not None:
             # A body that did not hash to the ETag: the bucket's copy says whether the peer lied.
             await loop.run_in_executor(pool, peers.judge, *got.suspect, obj.etag, self.tree.path(rel))

@@ -162,3 +162,63 @@ def test_the_native_fetcher_checks_the_agents_certificate(tmp_path: Path):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_probes_are_answered_alike_on_the_loop_and_on_a_thread(tmp_path: Path):
+    """A copy in progress (its lock held, a claims file): a probe for an unclaimed object is answered
+    "unclaimed" at once, one for a claimed object waits for it; whether the look was made on the
+    loop (the claims grew by little) or on a thread (first seen, or grown by LOOP_CLAIMS_BYTES)."""
+    import fcntl
+    import json
+    import time
+
+    from dscache_contract.peers import claims_path
+    from dscache_node import server as server_mod
+
+    root = tmp_path / "root"
+    root.mkdir()
+    agent, _ = make_agent(root)
+    c = stage(root, "ml", "c", R1, 10)
+    os.unlink(contract.complete_path(c, R1))  # in progress, not complete
+    os.makedirs(contract.tmp_dir(c, R1), exist_ok=True)
+    claims = Path(claims_path(c, R1))
+    claims.write_text("")
+    lock = os.open(contract.lock_path(c), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    port = free_port()
+    srv = make_server(agent, gate(), port, addr="127.0.0.1")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+
+    def probe(name: str, wait: float) -> tuple[int, str]:
+        path = ObjectRequest("ml", "c", R1, name, wait, True).target()
+        conn.request("GET", path, headers={"Authorization": f"Bearer {jwt('stager')}"})
+        resp = conn.getresponse()
+        body = resp.read()
+        return resp.status, (json.loads(body).get("state", "") if resp.status == 404 else body.decode())
+
+    try:
+        on_loop: list[bool] = []
+        decide = srv._look_on_loop
+        srv._look_on_loop = lambda *a: on_loop.append(decide(*a)) or on_loop[-1]  # type: ignore[method-assign]
+        assert probe("nobody", 0.5) == (404, "unclaimed")  # first look at these claims: a thread
+        assert probe("nobody", 0.5) == (404, "unclaimed")  # grown by nothing: the loop
+        with claims.open("a") as f:
+            f.write("x" * server_mod.LOOP_CLAIMS_BYTES + "\nsoon\n")
+        placed = threading.Timer(0.3, lambda: (Path(contract.data_dir(c, R1)) / "soon").write_bytes(b"hello"))
+        placed.start()
+        t0 = time.monotonic()
+        assert probe("soon", 5.0) == (200, "hello")  # claimed: held until it is there (a thread)
+        assert time.monotonic() - t0 >= 0.25
+        with claims.open("a") as f:
+            f.write("later\n")
+        placed = threading.Timer(0.3, lambda: (Path(contract.data_dir(c, R1)) / "later").write_bytes(b"again"))
+        placed.start()
+        assert probe("later", 5.0) == (200, "again")  # the same, looked at on the loop
+        assert probe("nobody", 0.5) == (404, "unclaimed")
+        assert on_loop[:2] == [False, True] and False in on_loop[2:] and on_loop[-1] is True
+    finally:
+        conn.close()
+        srv.shutdown()
+        srv.server_close()
+        os.close(lock)
