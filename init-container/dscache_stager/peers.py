@@ -230,6 +230,8 @@ class Peers:
         self.revision = revision
         self.token_file = token_file
         self.answer: PeersAnswer | None = None
+        #: Whether the first question was asked again after a timeout (ask_agent: once per run).
+        self._retried = False
         # Peers no longer asked in this run, and why (each is logged once).
         self.failed: dict[str, str] = {}
         self._token: tuple[float, str] = (0.0, "")
@@ -264,9 +266,6 @@ class Peers:
                 text = ""
             self._token = (time.monotonic(), text)
         return text
-
-    #: Whether the first question was asked again after a timeout (ask_agent: once per run).
-    _retried = False
 
     def ask_agent(self) -> PeersAnswer | None:
         """Ask the node's agent (this also publishes this node as staging the revision).
