@@ -63,8 +63,9 @@ BUCKET_GATHER_S = 0.01
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
 Work = Task | None
 # An object for the native peer worker: the task, which node of its chain to ask (0: its parent),
-# and the pause before the root is asked again if it has not come to the object yet.
-_Ask = tuple[Task, int, float]
+# the pause before the root is asked again if it has not come to the object yet, and when
+# (monotonic) it was first asked.
+_Ask = tuple[Task, int, float, float]
 
 
 def cold(
@@ -485,10 +486,13 @@ class _Run(CopyRun):
         pause (ROOT_PAUSE_S doubling up to ROOT_PAUSE_MAX_S); those objects of a batch go on
         together. (Each went to obtain: a thread, http.client, a Python hash and write per
         request; a sixth of the first requests were answered so, 20,000 x 16 KiB on 4 nodes.)
+        A root that has not come to an object within peers.PATIENCE_S hands it to obtain, whose
+        patience then writes that root off: a live root that never reads it cannot hold the
+        object, and the run, for ever.
         An object that is this node's own to read by now goes to the native copier, in a batch
         with the others (``_bucket_native``), not through obtain and fetch.py."""
         from .peer_native import BATCH
-        from .peers import ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
+        from .peers import PATIENCE_S, ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
 
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
@@ -545,14 +549,14 @@ class _Run(CopyRun):
                     spawn(first(addr, group[i : i + BATCH], claimed))
 
         async def first(addr: str, group: list[_Ask], claimed: bool) -> None:
-            wants = [(obj.key, rel, obj.size, obj.etag) for (obj, rel, _), _, _ in group]
+            wants = [(obj.key, rel, obj.size, obj.etag) for (obj, rel, _), *_ in group]
             claim = None if claimed else self._relay_claim
             owned = len(group)  # room this call holds: released, or handed on with its object
             try:
                 gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, claim)
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
-                for (item, hop, pause), got in zip(group, gots, strict=True):
+                for (item, hop, pause, since), got in zip(group, gots, strict=True):
                     if got is not None and got.tmp:
                         # Placed (most): here, without a task per object.
                         self._peer_placed(item, got.tmp)
@@ -560,11 +564,14 @@ class _Run(CopyRun):
                         room.release()
                     elif got is not None and got.outcome is Outcome.UNCLAIMED:
                         if hop + 1 < pn.hops(item[0].key):
-                            nxt.append((item, hop + 1, pause))  # a parent not there yet: its parent
+                            nxt.append((item, hop + 1, pause, since))  # a parent not there yet: its parent
+                        elif time.monotonic() - since >= PATIENCE_S:
+                            owned -= 1
+                            spawn(one(item, None))  # the root's patience is up: obtain's policy
                         else:
                             # The root has not come to it yet: ask again in a moment (not the
                             # bucket: that would read it twice).
-                            later.setdefault(pause, []).append((item, 0, min(pause * 2, ROOT_PAUSE_MAX_S)))
+                            later.setdefault(pause, []).append((item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since))
                     else:
                         owned -= 1
                         spawn(one(item, got))
@@ -619,7 +626,8 @@ class _Run(CopyRun):
                     batch.append(more)
                 for item in batch:
                     self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
-                dispatch([(item, 0, ROOT_PAUSE_S) for item in batch], False)
+                now = time.monotonic()
+                dispatch([(item, 0, ROOT_PAUSE_S, now) for item in batch], False)
             while tasks:
                 await asyncio.wait(set(tasks))
         except asyncio.CancelledError:

@@ -246,3 +246,17 @@ def test_the_worker_ends_with_every_room_given_back(monkeypatch: pytest.MonkeyPa
     pn = Script({k: [root] for k in keys}, {(k, root): ["unclaimed", "placed"] for k in keys})
     run = work(pn, keys)
     assert sorted(run.placed) == sorted(keys)
+
+
+def test_a_root_that_never_reads_the_object_hands_it_to_obtain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live root that answers "unclaimed" for ever: past peers.PATIENCE_S the object goes to
+    obtain (whose patience writes that root off), not round the native loop for ever."""
+    root = "r:1"
+    monkeypatch.setattr(peers_mod, "ROOT_PAUSE_S", 0.001)
+    monkeypatch.setattr(peers_mod, "ROOT_PAUSE_MAX_S", 0.005)
+    monkeypatch.setattr(peers_mod, "PATIENCE_S", 0.2)
+    pn = Script({"a": [root], "b": [root]}, {("a", root): ["unclaimed"], ("b", root): ["unclaimed", "placed"]})
+    run = work(pn, ["a", "b"])
+    assert run.obtained == ["a"] and sorted(run.placed) == ["a", "b"]
+    asked_a = [t for k, _, t in pn.asked if k == "a"]
+    assert len(asked_a) > 2 and asked_a[-1] - asked_a[0] >= 0.2 * 0.9
