@@ -267,6 +267,9 @@ class AgentServer:
         self._sending: asyncio.Semaphore | None = None  # made on the loop
         self._server: _Server | None = None
         self._stopped = threading.Event()
+        #: Set by shutdown, whenever it comes: a serve_forever that had not started yet then
+        #: returns at once instead of serving a socket server_close is about to close.
+        self._shutting_down = threading.Event()
         #: The size of each copy's claims file at the last full look (event loop only).
         self._claims_seen: dict[str, int] = {}
         #: Token checks in progress (event loop only), by the question they answer.
@@ -278,6 +281,9 @@ class AgentServer:
         asyncio.run(self._serve())
 
     def shutdown(self) -> None:
+        """Stop serving and wait for it (at most 30 s). Before serve_forever has started its loop,
+        it only tells it not to serve (the socketserver's shutdown would wait for ever then)."""
+        self._shutting_down.set()
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None:
             loop.call_soon_threadsafe(stop.set)
@@ -291,6 +297,9 @@ class AgentServer:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        if self._shutting_down.is_set():  # after _loop is set: a later shutdown finds the loop
+            self._stopped.set()
+            return
         self._sending = asyncio.Semaphore(MAX_SENDING)
         server = _Server(
             self._handle,

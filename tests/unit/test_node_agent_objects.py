@@ -222,3 +222,27 @@ def test_probes_are_answered_alike_on_the_loop_and_on_a_thread(tmp_path: Path):
         srv.shutdown()
         srv.server_close()
         os.close(lock)
+
+
+def test_a_shutdown_before_the_loop_starts_stops_it_cleanly(tmp_path: Path) -> None:
+    """shutdown and server_close before the serving thread has started its loop (a loaded machine,
+    a short test): serve_forever then returns at once, and never serves the closed socket (it
+    raised "Bad file descriptor" in its thread, seen in CI)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    agent, _ = make_agent(root)
+    srv = make_server(agent, gate(), free_port(), addr="127.0.0.1")
+    srv.shutdown()  # returns at once: nothing to wait for
+    srv.server_close()
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            srv.serve_forever()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and not errors, errors
