@@ -16,7 +16,9 @@ printed), all with the cache's peer token. Measured:
    over ``one_alone_s``: node 0 staging alone, peers on, the same links and dataset; the wall
    span (first start to last ready, the skew in it) is ``all_ready_span_s``;
  - ``p99_object_s``: bench/fanout_stats.py ``propagation``, p99 over every (node, object);
- - ``agent_cpu_s``: the N agents' user+sys seconds during the run (/proc/<pid>/stat).
+ - ``agent_cpu_s``: the N agents' user+sys seconds during the run (/proc/<pid>/stat);
+ - ``cpu_floor_s``: every process's CPU in the run (agents, stagers, S3 server, kube-apiserver,
+   etcd, the bench) over the machine's cores: on one machine the span cannot be shorter.
 Every byte of every copy is checked (sha256) before the copies are wiped through the agents.
 
 ``small_files``: ``--small-files`` objects of ``--small-files-size`` on ``--small-files-nodes``
@@ -449,6 +451,9 @@ def by_n_entry(r: StageRun, one_s: float, dataset_bytes: int) -> dict[str, Any]:
         "all_ready_span_s": round(r.span_s, 3),
         "stager_cpu_s": round(sum(r.cpu_s.values()), 3),
         "cpu_s_by_class": {k: round(v, 3) for k, v in r.class_cpu_s.items()},
+        # The least the span could be on this machine: every process's CPU over its cores. Where it
+        # nears all_ready_span_s, the run is bound by the one machine's CPU, not by the protocol.
+        "cpu_floor_s": round(sum(r.class_cpu_s.values()) / len(os.sched_getaffinity(0)), 3),
         "agent_requests": r.requests,
         "stager_bucket_bytes": sum(int(s.get("bucket_bytes", 0)) for s in r.summaries.values()),
         "peer_bytes": sum(int(s.get("peer_bytes", 0)) for s in r.summaries.values()),
