@@ -24,6 +24,21 @@ when). Either normalises its paths alike:
    abort the listing. They are unsafe for us too, so we list again with boto3,
    which passes every key through, and the error names them all.
 
+Where a cold copy of many pages idles (issue 30, smallwan36; DSCACHE_TRACE=1, trace.py, beside a
+sampler of /proc/<pid>/stat every 20 ms; bench/stager.py's 5,000 x 64 KiB on its loopback versitygw,
+the client and the server under SCHED_RR to keep the shared cores' other work out): the prefetch
+asks for page N+1 as soon as page N is in, but the server answers it only once the GETs of page N
+have all ended (asked at 0.55 s, answered at 0.88 s, 7 ms after the last of those GETs), at each of
+the 4 page boundaries, with 256 or 32 requests in flight, into ext4 or tmpfs, from this process or
+another; a HEAD meanwhile waited 50-80 ms. So the copy runs dry at each boundary while the server
+walks the next page alone (~30-50 ms each), ~10% of a 1.6 s copy. Not cut here, because listing
+ahead did not help: the whole listing first (~1.86 s against 1.76, 4 runs each), the rest fanned
+out over the prefix's common prefixes, 32 at once (1.665 against 1.652 s, 3 each; the fanned
+requests too were answered only at drains, and 80 of them cost the server 0.13 s more CPU), or in
+~700-key ranges asked for at once from a delimited listing taken with the first page (1.679
+against 1.662 s, 4 each; answered at the first drain, but the server then walked them all, and
+past their ends). A server that answers listings while it serves GETs (S3) pays none of it.
+
 A revision pinned in a versioned bucket (``--as-of``) is listed with boto3's
 ListObjectVersions instead (obstore lists no versions): per key, the version
 the revision means (dscache_contract.versions), with its versionId for the
@@ -44,6 +59,7 @@ from .listpage import LIST_ATTEMPTS, LIST_CHUNK, Started
 from .objects import RemoteObject, UnrepresentableKeys, remote_objects
 from .source import S3Source
 from .store import REFUSALS, Listed, NativePages, kind, list_async, listed, pages_async
+from .trace import mark
 
 if TYPE_CHECKING:
     from .store import AnyStore
@@ -90,6 +106,7 @@ async def _pages(store: AnyStore, prefix: str, started: Started | None = None) -
                     last = objs[-1].key
                     older, previous = previous, {o.key for o in objs}
                     failures = 0
+                    mark("page", len(objs))
                     yield objs
             return
         except Exception as e:

@@ -87,6 +87,7 @@ from .listpage import Started, empty_page, first_page
 from .progress import Progress
 from .source import S3Source, source_error
 from .store import head, kind, open_store
+from .trace import mark
 
 if TYPE_CHECKING:
     from .store import AnyStore
@@ -97,6 +98,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
     """Run ``dscache-stage sync`` for ``opts`` (a sync.SyncOptions)."""
     progress = progress or Progress()
     started = time.monotonic()
+    mark("start")
     c = opts.cache_dir
     check_cache_dir(c)
     rev = Revision(c, opts.revision)
@@ -110,6 +112,7 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
     # A cold run that may take its listing from a peer, or lists versions, needs no first page.
     elsewhere = opts.as_of is not None or bool(opts.agent and opts.cache and opts.peer_token_file)
     listing = prove_access(store, opts.source, probe, elsewhere)
+    mark("first-page", len(listing.first) if listing is not None else 0)
     one_page = probe is None and onepage_fits(opts, listing)
     if probe is None and not one_page:
         # Not a one-page copy (onepage.fits): asyncio's path, imported meanwhile too.
@@ -161,10 +164,13 @@ def sync(opts: SyncOptions, progress: Progress | None = None) -> StageSummary:
         if one_page and listing is not None:
             from . import onepage
 
-            return onepage.cold(opts, rev, store, progress, listing)
-        from .sync import cold
+            summary = onepage.cold(opts, rev, store, progress, listing)
+        else:
+            from .sync import cold
 
-        return cold(opts, rev, store, progress, listing if opts.as_of is None else None)
+            summary = cold(opts, rev, store, progress, listing if opts.as_of is None else None)
+        mark("done", summary.objects)
+        return summary
 
 
 def onepage_fits(opts: SyncOptions, listing: Started | None) -> bool:

@@ -42,6 +42,7 @@ from .progress import Progress
 from .source import S3Source
 from .store import NativeStore, exists
 from .sync_options import BUFFER_BYTES, SyncOptions
+from .trace import mark
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -386,7 +387,9 @@ class _Run(CopyRun):
 
     async def _fetch_native(self, small: list[Task], items: list[native.Item]) -> None:
         assert self.native is not None
+        mark("batch-go", len(items))
         placed, failure = await self.native.fetch(items)
+        mark("batch-done", len(placed))
         self._record_native(small, placed)
         if failure is not None:
             raise failure

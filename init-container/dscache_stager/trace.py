@@ -1,0 +1,29 @@
+"""``DSCACHE_TRACE=1``: a cold copy's timeline on stderr, one line per event, for finding idle time.
+
+Each line is ``dscache-trace <CLOCK_MONOTONIC seconds> <event> <count>``, the clock a sampler of
+/proc/<pid>/stat (or perf, or strace -ttt's monotonic twin) can line up with. The events:
+``start`` (stage.sync entered), ``first-page`` (the access proof's page is in: its keys),
+``page`` (a listing page reached the copy: its keys), ``batch-go`` and ``batch-done`` (objects
+handed to the native copier, and back), ``done`` (the revision is sealed).
+
+Issue 30 (smallwan36) found with it where bench/stager.py's small set idles: the listing pages
+after the first are answered by the server only once the GETs of the page before have drained
+(listing.py has the figures). Off, it costs one boolean test per event.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ENV = "DSCACHE_TRACE"
+
+#: Read once: the events are many (two per batch), the switch is the process's.
+ON = os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def mark(event: str, count: int = 0) -> None:
+    """One timeline line on stderr when tracing is on; nothing otherwise."""
+    if ON:
+        sys.stderr.write(f"dscache-trace {time.monotonic():.4f} {event} {count}\n")
