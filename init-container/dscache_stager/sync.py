@@ -63,9 +63,10 @@ BUCKET_GATHER_S = 0.01
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
 Work = Task | None
 # An object for the native peer worker: the task, which node of its chain to ask (0: its parent),
-# the pause before the root is asked again if it has not come to the object yet, and when
-# (monotonic) it was first asked.
-_Ask = tuple[Task, int, float, float]
+# the pause before the root is asked again if it has not come to the object yet, when (monotonic)
+# it was first asked, per peer when its patience for the object ends (None until one held a
+# request for it without sending), and the hops that did so (peers.obtain's "slow").
+_Ask = tuple[Task, int, float, float, dict[str, float] | None, frozenset[str]]
 
 
 def cold(
@@ -489,10 +490,17 @@ class _Run(CopyRun):
         A root that has not come to an object within peers.PATIENCE_S hands it to obtain, whose
         patience then writes that root off: a live root that never reads it cannot hold the
         object, and the run, for ever.
+        A held request answered "still copying" is followed here too, as obtain follows it: the
+        chain ranked afresh and asked again at once, each peer's patience for the object kept
+        (PATIENCE_S in all; past it, obtain, seeded with it, writes the peer off), a hop below the
+        root that held without sending passed over while a complete copy is up the chain. (Each
+        went to obtain: a Python GET read a few kB per call through the shaped links, the heaviest
+        Python of a stager at 16 nodes.) The native calls run on the loop (NativePeers.ask): no
+        thread of the pool waits on one (a thread start and two hops per call, hundreds per node).
         An object that is this node's own to read by now goes to the native copier, in a batch
         with the others (``_bucket_native``), not through obtain and fetch.py."""
         from .peer_native import BATCH
-        from .peers import PATIENCE_S, ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
+        from .peers import PATIENCE_S, RERANK_S, ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
 
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
@@ -513,12 +521,26 @@ class _Run(CopyRun):
             tasks.add(t)
             t.add_done_callback(ended)
 
-        async def one(item: Task, got: Obtained | None) -> None:
+        async def one(
+            item: Task,
+            got: Obtained | None,
+            patience: dict[str, float] | None = None,
+            held: frozenset[str] = frozenset(),
+        ) -> None:
             try:
                 if got is None:
                     obj, rel, _ = item
                     got = await loop.run_in_executor(
-                        pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
+                        pool,
+                        peers.obtain,
+                        obj.key,
+                        rel,
+                        obj.size,
+                        obj.etag,
+                        self._peer_tmp,
+                        self._relay_claim,
+                        patience,
+                        held,
                     )
                 await self._peer_got(item, got, pool)
             finally:
@@ -538,12 +560,12 @@ class _Run(CopyRun):
             groups: dict[str, list[_Ask]] = {}
             for ask in asks:
                 obj = ask[0][0]
-                if addr := pn.takes(obj.key, obj.etag, obj.size, ask[1]):
+                if addr := pn.takes(obj.key, obj.etag, obj.size, ask[1], ask[5]):
                     groups.setdefault(addr, []).append(ask)
                 elif self.native is not None and native.handles(obj.size) and not peers.to_peers(obj.key):
                     spawn(bucket(ask[0]))
                 else:
-                    spawn(one(ask[0], None))
+                    spawn(one(ask[0], None, ask[4], ask[5]))
             for addr, group in groups.items():
                 for i in range(0, len(group), BATCH):
                     spawn(first(addr, group[i : i + BATCH], claimed))
@@ -552,26 +574,50 @@ class _Run(CopyRun):
             wants = [(obj.key, rel, obj.size, obj.etag) for (obj, rel, _), *_ in group]
             claim = None if claimed else self._relay_claim
             owned = len(group)  # room this call holds: released, or handed on with its object
+            asked_at = time.monotonic()
+            # A held request lasts RERANK_S, or what is left of the peer's patience for the object.
+            waits = (
+                [
+                    min(RERANK_S, max(0.0, p[addr] - asked_at)) if p and addr in p else RERANK_S
+                    for _, _, _, _, p, _ in group
+                ]
+                if any(a[4] for a in group)
+                else None
+            )
             try:
-                gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, claim)
+                gots = await pn.ask(addr, wants, self._peer_tmp, claim, waits)
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
-                for (item, hop, pause, since), got in zip(group, gots, strict=True):
+                for (item, hop, pause, since, patience, slow), got in zip(group, gots, strict=True):
                     if got is not None and got.tmp:
                         # Placed (most): here, without a task per object.
                         self._peer_placed(item, got.tmp)
                         owned -= 1
                         room.release()
                     elif got is not None and got.outcome is Outcome.UNCLAIMED:
-                        if hop + 1 < pn.hops(item[0].key):
-                            nxt.append((item, hop + 1, pause, since))  # a parent not there yet: its parent
+                        if hop + 1 < pn.hops(item[0].key, slow):
+                            # a parent not there yet: its parent
+                            nxt.append((item, hop + 1, pause, since, patience, slow))
                         elif time.monotonic() - since >= PATIENCE_S:
                             owned -= 1
-                            spawn(one(item, None))  # the root's patience is up: obtain's policy
+                            spawn(one(item, None, patience, slow))  # the root's patience is up: obtain's policy
                         else:
                             # The root has not come to it yet: ask again in a moment (not the
                             # bucket: that would read it twice).
-                            later.setdefault(pause, []).append((item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since))
+                            again_ask = (item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since, patience, slow)
+                            later.setdefault(pause, []).append(again_ask)
+                    elif got is not None and got.outcome is Outcome.WAIT:
+                        # Still copying it after the held request: as obtain, rank again and ask at
+                        # once, within this peer's patience for the object.
+                        patience = dict(patience or {})
+                        deadline = patience.setdefault(addr, asked_at + PATIENCE_S)
+                        if hop + 1 < pn.hops(item[0].key, slow):
+                            slow = slow | {addr}  # below the root: passed over for a complete copy
+                        if time.monotonic() >= deadline:
+                            owned -= 1
+                            spawn(one(item, None, patience, slow))  # obtain writes the peer off
+                        else:
+                            nxt.append((item, 0, pause, since, patience, slow))
                     else:
                         owned -= 1
                         spawn(one(item, got))
@@ -627,7 +673,7 @@ class _Run(CopyRun):
                 for item in batch:
                     self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
                 now = time.monotonic()
-                dispatch([(item, 0, ROOT_PAUSE_S, now) for item in batch], False)
+                dispatch([(item, 0, ROOT_PAUSE_S, now, None, frozenset()) for item in batch], False)
             while tasks:
                 await asyncio.wait(set(tasks))
         except asyncio.CancelledError:
