@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -93,6 +94,8 @@ class NativePeers:
         )
         self.placed = 0  # objects this path placed (the rest went back to obtain)
         self.calls = 0  # native calls (batches) made
+        # Objects handed to peers.obtain, by why (an answer's kind or status; sync's own reasons).
+        self.handed: Counter[str] = Counter()
         self._lock = threading.Lock()  # first() runs on several peer threads at once
         # ask(): the batches started and not yet completed, by id; the loop whose reader drains them.
         self._pending: dict[int, asyncio.Future[list[Answer]]] = {}
@@ -219,6 +222,7 @@ class NativePeers:
                 return Obtained(said)
         elif kind == "local":
             raise OSError(code, os.strerror(code), detail)
+        self.handed[f"{kind} {code}" if kind == "status" else kind] += 1
         return None
 
     def close(self) -> None:

@@ -230,7 +230,11 @@ class _Run(CopyRun):
             if self.peer_native is not None:
                 self.peer_native.close()
                 done = self.peer_native
-                self.progress.note(f"native peers: {done.placed} object(s) taken in batches ({done.calls} calls)")
+                handed = ", ".join(f"{why} {n}" for why, n in done.handed.most_common())
+                self.progress.note(
+                    f"native peers: {done.placed} object(s) taken in batches ({done.calls} calls)"
+                    + (f"; to the Python path: {handed}" if handed else "")
+                )
             if self.claims is not None:
                 with self._claims_lock:
                     self.claims.close()
@@ -565,6 +569,8 @@ class _Run(CopyRun):
                 elif self.native is not None and native.handles(obj.size) and not peers.to_peers(obj.key):
                     spawn(bucket(ask[0]))
                 else:
+                    # Not native (multipart, large), or this node's own with earlier peers to probe.
+                    pn.handed["no native hop"] += 1
                     spawn(one(ask[0], None, ask[4], ask[5]))
             for addr, group in groups.items():
                 for i in range(0, len(group), BATCH):
@@ -600,6 +606,7 @@ class _Run(CopyRun):
                             nxt.append((item, hop + 1, pause, since, patience, slow))
                         elif time.monotonic() - since >= PATIENCE_S:
                             owned -= 1
+                            pn.handed["unclaimed past patience"] += 1
                             spawn(one(item, None, patience, slow))  # the root's patience is up: obtain's policy
                         else:
                             # The root has not come to it yet: ask again in a moment (not the
@@ -615,6 +622,7 @@ class _Run(CopyRun):
                             slow = slow | {addr}  # below the root: passed over for a complete copy
                         if time.monotonic() >= deadline:
                             owned -= 1
+                            pn.handed["copying past patience"] += 1
                             spawn(one(item, None, patience, slow))  # obtain writes the peer off
                         else:
                             nxt.append((item, 0, pause, since, patience, slow))

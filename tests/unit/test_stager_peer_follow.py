@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -124,6 +125,7 @@ class Script:
         self.claims: list[str] = []
         self.calls = 0
         self.waits: list[list[float] | None] = []
+        self.handed: Counter[str] = Counter()
 
     def takes(self, key: str, etag: str, size: int, hop: int = 0, slow: frozenset[str] = frozenset()) -> str:
         hops = self.chains[key]
