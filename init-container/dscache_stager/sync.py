@@ -58,6 +58,11 @@ PEER_BACKLOG = 16384
 PEER_GATHER_S = 0.005
 #: Objects the peer workers send to the bucket are gathered this long into one native batch.
 BUCKET_GATHER_S = 0.01
+#: How long a root's "not come to it yet" for one key holds for the keys after it, unless that key
+#: is asked again meanwhile (it is, every ROOT_PAUSE_MAX_S and jitter at most).
+BEHIND_S = 0.5
+#: NativePeers.takes' hop for an object's root: the last of its chain.
+ROOT_HOP = 1 << 30
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
@@ -558,12 +563,31 @@ class _Run(CopyRun):
             finally:
                 room.release()
 
+        # Per root, the first key (listing order) it said it has not come to yet, and when (last
+        # said). A root claims what it reads in listing order: it had not come to any later key
+        # either. An object asked again after a pause whose root is behind it (fresh) waits one
+        # more pause without a request: only the first such key per root is asked each round,
+        # not every object waiting on it (two requests each: parent and root, every round, were
+        # an "unclaimed" answer per object served at 16 nodes, issue 30). Its answer moves or
+        # drops the mark; an unrefreshed mark expires after BEHIND_S.
+        behind: dict[str, tuple[str, float]] = {}
+
         def dispatch(asks: list[_Ask], claimed: bool) -> None:
             """Each object to the peer its chain names now (``hop``), in one native call per peer;
-            the rest to the native copier (this node's turn) or to peers.obtain."""
+            the rest to the native copier (this node's turn) or to peers.obtain. ``claimed``: asked
+            before (relay claimed): one behind its root's mark waits a pause more instead."""
             groups: dict[str, list[_Ask]] = {}
+            wait_more: dict[float, list[_Ask]] = {}
+            now = time.monotonic()
             for ask in asks:
                 obj = ask[0][0]
+                if claimed and behind and ask[1] == 0:
+                    root = pn.takes(obj.key, obj.etag, obj.size, ROOT_HOP, ask[5])
+                    mark = behind.get(root)
+                    if mark is not None and obj.key > mark[0] and now - mark[1] < BEHIND_S:
+                        pause = ask[2]
+                        wait_more.setdefault(pause, []).append((ask[0], 0, min(pause * 2, ROOT_PAUSE_MAX_S), *ask[3:]))
+                        continue
                 if addr := pn.takes(obj.key, obj.etag, obj.size, ask[1], ask[5]):
                     groups.setdefault(addr, []).append(ask)
                 elif self.native is not None and native.handles(obj.size) and not peers.to_peers(obj.key):
@@ -575,6 +599,8 @@ class _Run(CopyRun):
             for addr, group in groups.items():
                 for i in range(0, len(group), BATCH):
                     spawn(first(addr, group[i : i + BATCH], claimed))
+            for pause, parked in wait_more.items():
+                spawn(again(pause, parked))
 
         async def first(addr: str, group: list[_Ask], claimed: bool) -> None:
             wants = [(obj.key, rel, obj.size, obj.etag) for (obj, rel, _), *_ in group]
@@ -595,13 +621,24 @@ class _Run(CopyRun):
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
                 for (item, hop, pause, since, patience, slow), got in zip(group, gots, strict=True):
+                    if (
+                        (mark := behind.get(addr)) is not None
+                        and item[0].key >= mark[0]
+                        and (got is None or got.outcome is not Outcome.UNCLAIMED)
+                    ):
+                        del behind[addr]  # it has come to the mark's key: the others are asked again
                     if got is not None and got.tmp:
                         # Placed (most): here, without a task per object.
                         self._peer_placed(item, got.tmp)
                         owned -= 1
                         room.release()
                     elif got is not None and got.outcome is Outcome.UNCLAIMED:
-                        if hop + 1 < pn.hops(item[0].key, slow):
+                        last = hop + 1 >= pn.hops(item[0].key, slow)
+                        if last:
+                            key, mark = item[0].key, behind.get(addr)
+                            if mark is None or key <= mark[0] or time.monotonic() - mark[1] >= BEHIND_S:
+                                behind[addr] = (key, time.monotonic())
+                        if not last:
                             # a parent not there yet: its parent
                             nxt.append((item, hop + 1, pause, since, patience, slow))
                         elif time.monotonic() - since >= PATIENCE_S:

@@ -300,3 +300,23 @@ def test_a_peer_still_copying_past_its_patience_goes_to_obtain_with_it(monkeypat
     assert set(patience) == {parent} and started + 0.2 <= patience[parent] <= time.monotonic()
     assert held == frozenset({parent})  # below the root: obtain passes it over for a complete copy
     assert {addr for _, addr, _ in pn.asked} == {parent}
+
+
+def test_objects_behind_their_roots_first_unclaimed_key_wait_without_asking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root that has not come to k0 has not come to k1..k5 (it claims in listing order): while it
+    says so for k0, only k0 is asked again; the others wait, and are asked once it has come to k0."""
+    root = "r:1"
+    monkeypatch.setattr(peers_mod, "ROOT_PAUSE_S", 0.01)
+    monkeypatch.setattr(peers_mod, "ROOT_PAUSE_MAX_S", 0.02)
+    keys = [f"k{i}" for i in range(6)]
+    answers = {(k, root): ["unclaimed"] * (4 if k == "k0" else 1) + ["placed"] for k in keys}
+    pn = Script({k: [root] for k in keys}, answers)
+    run = work(pn, keys)
+    assert sorted(run.placed) == keys and run.obtained == []
+    k0_done = max(t for k, _, t in pn.asked if k == "k0")
+    before = [k for k, _, t in pn.asked if t < k0_done]
+    assert before.count("k0") == 4  # asked round after round
+    assert sorted(k for k in before if k != "k0") == keys[1:]  # the others: their first request only
+    # k0: 4 x "unclaimed" and the body; k1..k5: one "unclaimed" and the body (without the mark
+    # each was asked every round k0 was: 5 + 5 x 5 requests)
+    assert len(pn.asked) == 5 + 5 * 2
