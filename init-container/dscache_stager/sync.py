@@ -571,6 +571,16 @@ class _Run(CopyRun):
         # an "unclaimed" answer per object served at 16 nodes, issue 30). Its answer moves or
         # drops the mark; an unrefreshed mark expires after BEHIND_S.
         behind: dict[str, tuple[str, float]] = {}
+        # The same for a hop below the root (a parent): it takes objects in listing order too (it
+        # claims the relay when it first asks), so it has not come to later keys either: those
+        # are asked of the next hop up at once, as after its "unclaimed". (The first request of
+        # an object whose parent started after this node was an "unclaimed" almost every time.)
+        # A root's mark holds for it as a parent as well (it relays no further than it claims).
+        behind_hop: dict[str, tuple[str, float]] = {}
+
+        def passed(marks: list[dict[str, tuple[str, float]]], addr: str, key: str, now: float) -> bool:
+            """Whether ``addr`` said, within BEHIND_S, that it has not come to a key before ``key``."""
+            return any((mark := m.get(addr)) is not None and key > mark[0] and now - mark[1] < BEHIND_S for m in marks)
 
         def dispatch(asks: list[_Ask], claimed: bool) -> None:
             """Each object to the peer its chain names now (``hop``), in one native call per peer;
@@ -581,10 +591,19 @@ class _Run(CopyRun):
             now = time.monotonic()
             for ask in asks:
                 obj = ask[0][0]
-                if claimed and behind and ask[1] == 0:
-                    root = pn.takes(obj.key, obj.etag, obj.size, ROOT_HOP, ask[5])
-                    mark = behind.get(root)
-                    if mark is not None and obj.key > mark[0] and now - mark[1] < BEHIND_S:
+                if behind_hop or behind:
+                    # Parents that have not come to an earlier key: the next hop up at once.
+                    hop, hops = ask[1], pn.hops(obj.key, ask[5])
+                    key, etag, size, slow = obj.key, obj.etag, obj.size, ask[5]
+                    while hop < hops - 1 and passed(
+                        [behind_hop, behind], pn.takes(key, etag, size, hop, slow), key, now
+                    ):
+                        hop += 1
+                    if hop != ask[1]:
+                        ask = (ask[0], hop, *ask[2:])
+                    # Asked before, its root behind: a pause more (its first request claims the relay).
+                    root = pn.takes(key, etag, size, ROOT_HOP, slow)
+                    if claimed and hop >= hops - 1 and passed([behind], root, key, now):
                         pause = ask[2]
                         wait_more.setdefault(pause, []).append((ask[0], 0, min(pause * 2, ROOT_PAUSE_MAX_S), *ask[3:]))
                         continue
@@ -621,12 +640,10 @@ class _Run(CopyRun):
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
                 for (item, hop, pause, since, patience, slow), got in zip(group, gots, strict=True):
-                    if (
-                        (mark := behind.get(addr)) is not None
-                        and item[0].key >= mark[0]
-                        and (got is None or got.outcome is not Outcome.UNCLAIMED)
-                    ):
-                        del behind[addr]  # it has come to the mark's key: the others are asked again
+                    if got is None or got.outcome is not Outcome.UNCLAIMED:
+                        for marks in (behind, behind_hop):
+                            if (mark := marks.get(addr)) is not None and item[0].key >= mark[0]:
+                                del marks[addr]  # it has come to the mark's key: the others are asked again
                     if got is not None and got.tmp:
                         # Placed (most): here, without a task per object.
                         self._peer_placed(item, got.tmp)
@@ -634,10 +651,10 @@ class _Run(CopyRun):
                         room.release()
                     elif got is not None and got.outcome is Outcome.UNCLAIMED:
                         last = hop + 1 >= pn.hops(item[0].key, slow)
-                        if last:
-                            key, mark = item[0].key, behind.get(addr)
-                            if mark is None or key <= mark[0] or time.monotonic() - mark[1] >= BEHIND_S:
-                                behind[addr] = (key, time.monotonic())
+                        marks = behind if last else behind_hop
+                        key, mark = item[0].key, marks.get(addr)
+                        if mark is None or key <= mark[0] or time.monotonic() - mark[1] >= BEHIND_S:
+                            marks[addr] = (key, time.monotonic())
                         if not last:
                             # a parent not there yet: its parent
                             nxt.append((item, hop + 1, pause, since, patience, slow))

@@ -320,3 +320,20 @@ def test_objects_behind_their_roots_first_unclaimed_key_wait_without_asking(monk
     # k0: 4 x "unclaimed" and the body; k1..k5: one "unclaimed" and the body (without the mark
     # each was asked every round k0 was: 5 + 5 x 5 requests)
     assert len(pn.asked) == 5 + 5 * 2
+
+
+def test_a_parent_behind_an_earlier_key_is_passed_for_the_root_at_once() -> None:
+    """A parent that has not come to k00 has not come to the keys after it: objects dispatched
+    after its "unclaimed" go to the next hop up without asking it first."""
+    parent, root = "p:1", "r:1"
+    keys = [f"k{i:02}" for i in range(12)]
+    pn = Script(
+        {k: [parent, root] for k in keys},
+        {**{(k, parent): ["unclaimed"] for k in keys}, **{(k, root): ["placed"] for k in keys}},
+    )
+    run = work(pn, keys)  # 8 in flight at most: k08.. are dispatched after the first answers
+    assert sorted(run.placed) == keys and run.obtained == []
+    asked_parent = sorted(k for k, addr, _ in pn.asked if addr == parent)
+    assert asked_parent == keys[:8]  # the first batch asked it; the later objects did not
+    assert sorted(k for k, addr, _ in pn.asked if addr == root) == keys
+    assert sorted(run.relays) == sorted("+" + k for k in keys)  # every relay claimed, once
