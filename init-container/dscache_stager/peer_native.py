@@ -10,9 +10,11 @@ relay, held up to RERANK_S), the same checks before anything is written (REVISIO
 Content-Length and the body's length against the manifest, the body's MD5 against its plain
 ETag), the GIL released while the batch runs.
 
-Only what the batch placed is done here, and an "unclaimed" answer is told apart (sync's native
-peer worker asks the parent's parent, or the root again after obtain's pause, in further batches).
-Everything else goes back to peers.Peers.obtain, whose whole failure policy applies unchanged: a peer's non-200 answer is read by Peers.answered (the
+Only what the batch placed is done here, and two answers are told apart, which sync's native peer
+worker follows in further batches as peers.Peers.obtain would: "unclaimed" (the parent's parent,
+or the root again after obtain's pause) and "still copying" (404 staging after a held request:
+the chain ranked afresh and asked again, each peer's patience per object kept, a hop that held
+without sending passed over once a complete copy is up the chain). Everything else goes back to peers.Peers.obtain, whose whole failure policy applies unchanged: a peer's non-200 answer is read by Peers.answered (the
 same verdicts, e.g. "unclaimed" to no probe writes it off); wrong revision or length writes the
 peer off as take does; a body that does not hash goes to the bucket and Peers.judge as take's
 SUSPECT; no connection at all, or no byte within READ_TIMEOUT_S, writes the peer off; a reset or a
@@ -22,10 +24,12 @@ from candidate part sizes in Python), large objects and the early-peer probes st
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -52,6 +56,8 @@ _MD5 = re.compile(r"^[0-9a-f]{32}$")
 
 #: (key, rel, size, ETag) of one object.
 Want = tuple[str, str, int, str]
+#: Per item of a native call: (kind, HTTP status or errno, detail); see native/src/peer.rs.
+Answer = tuple[str, int, str]
 
 
 def load(module: ModuleType | None) -> ModuleType | None:
@@ -88,20 +94,55 @@ class NativePeers:
         )
         self.placed = 0  # objects this path placed (the rest went back to obtain)
         self.calls = 0  # native calls (batches) made
+        # Objects handed to peers.obtain, by why (an answer's kind or status; sync's own reasons).
+        self.handed: Counter[str] = Counter()
         self._lock = threading.Lock()  # first() runs on several peer threads at once
+        # ask(): the batches started and not yet completed, by id; the loop whose reader drains them.
+        self._pending: dict[int, asyncio.Future[list[Answer]]] = {}
+        self._ids = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def takes(self, key: str, etag: str, size: int, hop: int = 0) -> str:
+    def takes(self, key: str, etag: str, size: int, hop: int = 0, slow: frozenset[str] = frozenset()) -> str:
         """The peer to ask for ``key`` in a batch: the ``hop``-th of its chain (0: its parent; the
         last there is when the chain is shorter now), or "" when it goes to peers.obtain (a
-        multipart ETag, a large object, this node's turn, an early probe)."""
+        multipart ETag, a large object, this node's turn, an early probe). ``slow``: hops that held
+        a request for it without sending, passed over while a complete copy is up the chain (as
+        obtain does)."""
         if not plain(etag, size) or not self.peers.verifiable(etag, size):
             return ""
-        hops = self.peers.chain(key)
+        hops = self._chain(key, slow)
         return hops[min(hop, len(hops) - 1)] if hops else ""
 
-    def hops(self, key: str) -> int:
+    def hops(self, key: str, slow: frozenset[str] = frozenset()) -> int:
         """How many nodes the chain of ``key`` has now (its parent ... its root)."""
-        return len(self.peers.chain(key))
+        return len(self._chain(key, slow))
+
+    def _chain(self, key: str, slow: frozenset[str]) -> list[str]:
+        hops = self.peers.chain(key)
+        if slow and (whole := self.peers.complete()) and any(h in whole for h in hops):
+            hops = [h for h in hops if h not in slow]
+        return hops
+
+    def _items(
+        self,
+        wants: list[Want],
+        tmp: Callable[[], str],
+        claim: Callable[[str], None] | None,
+        waits: list[float] | None,
+    ) -> tuple[list[str], list[tuple[str, int, str, str]]]:
+        """The temp paths and the native call's items; the relay claim written first."""
+        p = self.peers
+        # obtain's relay claim, before the first request: this node's children wait for its copy.
+        # One write for the batch (claim adds the last newline).
+        if claim is not None:
+            claim("\n".join(RELAY_MARK + rel for _, rel, _, _ in wants))
+        paths = [tmp() for _ in wants]
+        held = waits or [RERANK_S] * len(wants)
+        items = [
+            (ObjectRequest(p.namespace, p.cache, p.revision, rel, wait, True, True).target(), size, etag, path)
+            for (_, rel, size, etag), path, wait in zip(wants, paths, held, strict=True)
+        ]
+        return paths, items
 
     def first(
         self, addr: str, wants: list[Want], tmp: Callable[[], str], claim: Callable[[str], None] | None
@@ -109,19 +150,52 @@ class NativePeers:
         """Ask ``addr`` once for each object, as peers.Peers.obtain's first request would; per
         object PLACED (in its temp file), BUCKET with ``suspect`` (judge it against the bucket's
         copy), UNCLAIMED (the peer neither holds, reads nor takes it: its parent next, or the root
-        again after a pause, as peers.obtain would do), or None: peers.obtain takes it from here.
-        Blocking (without the GIL). ``claim`` None: the objects were claimed by an earlier call."""
-        p = self.peers
-        # obtain's relay claim, before the first request: this node's children wait for its copy.
-        # One write for the batch (claim adds the last newline).
-        if claim is not None:
-            claim("\n".join(RELAY_MARK + rel for _, rel, _, _ in wants))
-        paths = [tmp() for _ in wants]
-        items = [
-            (ObjectRequest(p.namespace, p.cache, p.revision, rel, RERANK_S, True, True).target(), size, etag, path)
-            for (_, rel, size, etag), path in zip(wants, paths, strict=True)
-        ]
-        outcomes = self.fetcher.fetch(addr, p.token(), p.revision, items)
+        again after a pause, as peers.obtain would do), WAIT (still copying it after the held
+        request: the chain ranked again), or None: peers.obtain takes it from here. Blocking
+        (without the GIL); ``ask`` is the event loop's way. ``claim`` None: the objects were
+        claimed by an earlier call."""
+        paths, items = self._items(wants, tmp, claim, None)
+        outcomes = self.fetcher.fetch(addr, self.peers.token(), self.peers.revision, items)
+        return self._outcomes(addr, wants, paths, outcomes)
+
+    async def ask(
+        self,
+        addr: str,
+        wants: list[Want],
+        tmp: Callable[[], str],
+        claim: Callable[[str], None] | None,
+        waits: list[float] | None = None,
+    ) -> list[Obtained | None]:
+        """``first`` on the event loop, with no thread waiting: the batch runs on the native
+        runtime, which says on a pipe when it is done. ``waits``: each request's hold (default
+        RERANK_S; less when a peer's patience for the object is nearly spent)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            loop.add_reader(self.fetcher.notify_fd(), self._drain)
+            self._loop = loop
+        paths, items = self._items(wants, tmp, claim, waits)
+        self._ids += 1
+        batch = self._ids
+        done: asyncio.Future[list[Answer]] = loop.create_future()
+        self._pending[batch] = done
+        try:
+            self.fetcher.start(addr, self.peers.token(), self.peers.revision, items, batch)
+        except BaseException:
+            self._pending.pop(batch, None)
+            raise
+        outcomes = await done
+        return self._outcomes(addr, wants, paths, outcomes)
+
+    def _drain(self) -> None:
+        """The loop's reader: hand each completed batch to the call that awaits it."""
+        for batch, outcomes in self.fetcher.completed():
+            done = self._pending.pop(batch, None)
+            if done is not None and not done.done():  # a cancelled call left its future done
+                done.set_result(outcomes)
+
+    def _outcomes(
+        self, addr: str, wants: list[Want], paths: list[str], outcomes: list[Answer]
+    ) -> list[Obtained | None]:
         out: list[Obtained | None] = []
         for (_, rel, _, etag), path, (kind, code, detail) in zip(wants, paths, outcomes, strict=True):
             out.append(self._outcome(addr, rel, etag, path, kind, code, detail))
@@ -142,13 +216,18 @@ class NativePeers:
         elif kind in ("refused", "stalled"):
             p._fail(addr, f"failed mid-request ({kind}: {detail})")
         elif kind == "status":
-            # Its verdict on the peer; obtain asks again, but for "unclaimed" (sync asks natively).
-            if p.answered(addr, rel, code, detail, True) is Outcome.UNCLAIMED:
-                return Obtained(Outcome.UNCLAIMED)
+            # Its verdict on the peer; obtain asks again, but for "unclaimed" and "still copying"
+            # (sync asks natively again).
+            if (said := p.answered(addr, rel, code, detail, True)) in (Outcome.UNCLAIMED, Outcome.WAIT):
+                return Obtained(said)
         elif kind == "local":
             raise OSError(code, os.strerror(code), detail)
+        self.handed[f"{kind} {code}" if kind == "status" else kind] += 1
         return None
 
     def close(self) -> None:
         """Stop every batch: requests in flight are dropped, nothing more is written."""
         self.fetcher.cancel()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.fetcher.notify_fd())
+            self._loop = None

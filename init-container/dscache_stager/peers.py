@@ -450,6 +450,8 @@ class Peers:
         etag: str,
         tmp: Callable[[], str],
         claim: Callable[[str], None] = lambda line: None,
+        patience: dict[str, float] | None = None,
+        slow_hops: frozenset[str] = frozenset(),
     ) -> Obtained:
         """Take ``key`` (``rel`` under data/) from the peers, verified, into a temp file ``tmp()``
         makes up; BUCKET when this node is the object's root. Up the object's tree (``chain``): a
@@ -458,9 +460,11 @@ class Peers:
         asked again after a pause. Before the first request ``claim`` gets the claims line saying
         that this node takes the object from a peer (its own children then wait for it). The
         ranking is computed afresh after each held request; each peer gets PATIENCE_S per object
-        in all; one that says no is not asked for this object again. Blocking: a worker thread."""
+        in all; one that says no is not asked for this object again. ``patience`` and ``slow_hops``:
+        what the native peer worker's requests for it spent and saw (per peer, when its patience
+        for the object ends; the hops that held a request for it without sending). Blocking: a worker thread."""
         skip: set[str] = set()
-        patience: dict[str, float] = {}
+        patience = dict(patience or {})
         busy: dict[str, float] = {}
         pause = ROOT_PAUSE_S
         relayed = False
@@ -469,7 +473,7 @@ class Peers:
         reading: list[str] = []
         probed: set[str] = set()
         # Hops that held a request without sending: passed over when a complete copy is up the chain.
-        slow: set[str] = set()
+        slow: set[str] = set(slow_hops)
         while True:
             hops = self.chain(key, skip)
             if slow and (whole := self.complete()) and any(h in whole for h in hops):

@@ -59,14 +59,20 @@ PEER_BACKLOG = 16384
 PEER_GATHER_S = 0.005
 #: Objects the peer workers send to the bucket are gathered this long into one native batch.
 BUCKET_GATHER_S = 0.01
+#: How long a root's "not come to it yet" for one key holds for the keys after it, unless that key
+#: is asked again meanwhile (it is, every ROOT_PAUSE_MAX_S and jitter at most).
+BEHIND_S = 0.5
+#: NativePeers.takes' hop for an object's root: the last of its chain.
+ROOT_HOP = 1 << 30
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
 Work = Task | None
 # An object for the native peer worker: the task, which node of its chain to ask (0: its parent),
-# the pause before the root is asked again if it has not come to the object yet, and when
-# (monotonic) it was first asked.
-_Ask = tuple[Task, int, float, float]
+# the pause before the root is asked again if it has not come to the object yet, when (monotonic)
+# it was first asked, per peer when its patience for the object ends (None until one held a
+# request for it without sending), and the hops that did so (peers.obtain's "slow").
+_Ask = tuple[Task, int, float, float, dict[str, float] | None, frozenset[str]]
 
 
 def cold(
@@ -230,7 +236,11 @@ class _Run(CopyRun):
             if self.peer_native is not None:
                 self.peer_native.close()
                 done = self.peer_native
-                self.progress.note(f"native peers: {done.placed} object(s) taken in batches ({done.calls} calls)")
+                handed = ", ".join(f"{why} {n}" for why, n in done.handed.most_common())
+                self.progress.note(
+                    f"native peers: {done.placed} object(s) taken in batches ({done.calls} calls)"
+                    + (f"; to the Python path: {handed}" if handed else "")
+                )
             if self.claims is not None:
                 with self._claims_lock:
                     self.claims.close()
@@ -492,10 +502,17 @@ class _Run(CopyRun):
         A root that has not come to an object within peers.PATIENCE_S hands it to obtain, whose
         patience then writes that root off: a live root that never reads it cannot hold the
         object, and the run, for ever.
+        A held request answered "still copying" is followed here too, as obtain follows it: the
+        chain ranked afresh and asked again at once, each peer's patience for the object kept
+        (PATIENCE_S in all; past it, obtain, seeded with it, writes the peer off), a hop below the
+        root that held without sending passed over while a complete copy is up the chain. (Each
+        went to obtain: a Python GET read a few kB per call through the shaped links, the heaviest
+        Python of a stager at 16 nodes.) The native calls run on the loop (NativePeers.ask): no
+        thread of the pool waits on one (a thread start and two hops per call, hundreds per node).
         An object that is this node's own to read by now goes to the native copier, in a batch
         with the others (``_bucket_native``), not through obtain and fetch.py."""
         from .peer_native import BATCH
-        from .peers import PATIENCE_S, ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
+        from .peers import PATIENCE_S, RERANK_S, ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
 
         assert self.peers is not None
         peers, loop = self.peers, asyncio.get_running_loop()
@@ -516,12 +533,26 @@ class _Run(CopyRun):
             tasks.add(t)
             t.add_done_callback(ended)
 
-        async def one(item: Task, got: Obtained | None) -> None:
+        async def one(
+            item: Task,
+            got: Obtained | None,
+            patience: dict[str, float] | None = None,
+            held: frozenset[str] = frozenset(),
+        ) -> None:
             try:
                 if got is None:
                     obj, rel, _ = item
                     got = await loop.run_in_executor(
-                        pool, peers.obtain, obj.key, rel, obj.size, obj.etag, self._peer_tmp, self._relay_claim
+                        pool,
+                        peers.obtain,
+                        obj.key,
+                        rel,
+                        obj.size,
+                        obj.etag,
+                        self._peer_tmp,
+                        self._relay_claim,
+                        patience,
+                        held,
                     )
                 await self._peer_got(item, got, pool)
             finally:
@@ -535,46 +566,123 @@ class _Run(CopyRun):
             finally:
                 room.release()
 
+        # Per root, the first key (listing order) it said it has not come to yet, and when (last
+        # said). A root claims what it reads in listing order: it had not come to any later key
+        # either. An object asked again after a pause whose root is behind it (fresh) waits one
+        # more pause without a request: only the first such key per root is asked each round,
+        # not every object waiting on it (two requests each: parent and root, every round, were
+        # an "unclaimed" answer per object served at 16 nodes, issue 30). Its answer moves or
+        # drops the mark; an unrefreshed mark expires after BEHIND_S.
+        behind: dict[str, tuple[str, float]] = {}
+        # The same for a hop below the root (a parent): it takes objects in listing order too (it
+        # claims the relay when it first asks), so it has not come to later keys either: those
+        # are asked of the next hop up at once, as after its "unclaimed". (The first request of
+        # an object whose parent started after this node was an "unclaimed" almost every time.)
+        # A root's mark holds for it as a parent as well (it relays no further than it claims).
+        behind_hop: dict[str, tuple[str, float]] = {}
+
+        def passed(marks: list[dict[str, tuple[str, float]]], addr: str, key: str, now: float) -> bool:
+            """Whether ``addr`` said, within BEHIND_S, that it has not come to a key before ``key``."""
+            return any((mark := m.get(addr)) is not None and key > mark[0] and now - mark[1] < BEHIND_S for m in marks)
+
         def dispatch(asks: list[_Ask], claimed: bool) -> None:
             """Each object to the peer its chain names now (``hop``), in one native call per peer;
-            the rest to the native copier (this node's turn) or to peers.obtain."""
+            the rest to the native copier (this node's turn) or to peers.obtain. ``claimed``: asked
+            before (relay claimed): one behind its root's mark waits a pause more instead."""
             groups: dict[str, list[_Ask]] = {}
+            wait_more: dict[float, list[_Ask]] = {}
+            now = time.monotonic()
             for ask in asks:
                 obj = ask[0][0]
-                if addr := pn.takes(obj.key, obj.etag, obj.size, ask[1]):
+                if behind_hop or behind:
+                    # Parents that have not come to an earlier key: the next hop up at once.
+                    hop, hops = ask[1], pn.hops(obj.key, ask[5])
+                    key, etag, size, slow = obj.key, obj.etag, obj.size, ask[5]
+                    while hop < hops - 1 and passed(
+                        [behind_hop, behind], pn.takes(key, etag, size, hop, slow), key, now
+                    ):
+                        hop += 1
+                    if hop != ask[1]:
+                        ask = (ask[0], hop, *ask[2:])
+                    # Asked before, its root behind: a pause more (its first request claims the relay).
+                    root = pn.takes(key, etag, size, ROOT_HOP, slow)
+                    if claimed and hop >= hops - 1 and passed([behind], root, key, now):
+                        pause = ask[2]
+                        wait_more.setdefault(pause, []).append((ask[0], 0, min(pause * 2, ROOT_PAUSE_MAX_S), *ask[3:]))
+                        continue
+                if addr := pn.takes(obj.key, obj.etag, obj.size, ask[1], ask[5]):
                     groups.setdefault(addr, []).append(ask)
                 elif self.native is not None and native.handles(obj.size) and not peers.to_peers(obj.key):
                     spawn(bucket(ask[0]))
                 else:
-                    spawn(one(ask[0], None))
+                    # Not native (multipart, large), or this node's own with earlier peers to probe.
+                    pn.handed["no native hop"] += 1
+                    spawn(one(ask[0], None, ask[4], ask[5]))
             for addr, group in groups.items():
                 for i in range(0, len(group), BATCH):
                     spawn(first(addr, group[i : i + BATCH], claimed))
+            for pause, parked in wait_more.items():
+                spawn(again(pause, parked))
 
         async def first(addr: str, group: list[_Ask], claimed: bool) -> None:
             wants = [(obj.key, rel, obj.size, obj.etag) for (obj, rel, _), *_ in group]
             claim = None if claimed else self._relay_claim
             owned = len(group)  # room this call holds: released, or handed on with its object
+            asked_at = time.monotonic()
+            # A held request lasts RERANK_S, or what is left of the peer's patience for the object.
+            waits = (
+                [
+                    min(RERANK_S, max(0.0, p[addr] - asked_at)) if p and addr in p else RERANK_S
+                    for _, _, _, _, p, _ in group
+                ]
+                if any(a[4] for a in group)
+                else None
+            )
             try:
-                gots = await loop.run_in_executor(pool, pn.first, addr, wants, self._peer_tmp, claim)
+                gots = await pn.ask(addr, wants, self._peer_tmp, claim, waits)
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
-                for (item, hop, pause, since), got in zip(group, gots, strict=True):
+                for (item, hop, pause, since, patience, slow), got in zip(group, gots, strict=True):
+                    if got is None or got.outcome is not Outcome.UNCLAIMED:
+                        for marks in (behind, behind_hop):
+                            if (mark := marks.get(addr)) is not None and item[0].key >= mark[0]:
+                                del marks[addr]  # it has come to the mark's key: the others are asked again
                     if got is not None and got.tmp:
                         # Placed (most): here, without a task per object.
                         self._peer_placed(item, got.tmp)
                         owned -= 1
                         room.release()
                     elif got is not None and got.outcome is Outcome.UNCLAIMED:
-                        if hop + 1 < pn.hops(item[0].key):
-                            nxt.append((item, hop + 1, pause, since))  # a parent not there yet: its parent
+                        last = hop + 1 >= pn.hops(item[0].key, slow)
+                        marks = behind if last else behind_hop
+                        key, mark = item[0].key, marks.get(addr)
+                        if mark is None or key <= mark[0] or time.monotonic() - mark[1] >= BEHIND_S:
+                            marks[addr] = (key, time.monotonic())
+                        if not last:
+                            # a parent not there yet: its parent
+                            nxt.append((item, hop + 1, pause, since, patience, slow))
                         elif time.monotonic() - since >= PATIENCE_S:
                             owned -= 1
-                            spawn(one(item, None))  # the root's patience is up: obtain's policy
+                            pn.handed["unclaimed past patience"] += 1
+                            spawn(one(item, None, patience, slow))  # the root's patience is up: obtain's policy
                         else:
                             # The root has not come to it yet: ask again in a moment (not the
                             # bucket: that would read it twice).
-                            later.setdefault(pause, []).append((item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since))
+                            again_ask = (item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since, patience, slow)
+                            later.setdefault(pause, []).append(again_ask)
+                    elif got is not None and got.outcome is Outcome.WAIT:
+                        # Still copying it after the held request: as obtain, rank again and ask at
+                        # once, within this peer's patience for the object.
+                        patience = dict(patience or {})
+                        deadline = patience.setdefault(addr, asked_at + PATIENCE_S)
+                        if hop + 1 < pn.hops(item[0].key, slow):
+                            slow = slow | {addr}  # below the root: passed over for a complete copy
+                        if time.monotonic() >= deadline:
+                            owned -= 1
+                            pn.handed["copying past patience"] += 1
+                            spawn(one(item, None, patience, slow))  # obtain writes the peer off
+                        else:
+                            nxt.append((item, 0, pause, since, patience, slow))
                     else:
                         owned -= 1
                         spawn(one(item, got))
@@ -630,7 +738,7 @@ class _Run(CopyRun):
                 for item in batch:
                     self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
                 now = time.monotonic()
-                dispatch([(item, 0, ROOT_PAUSE_S, now) for item in batch], False)
+                dispatch([(item, 0, ROOT_PAUSE_S, now, None, frozenset()) for item in batch], False)
             while tasks:
                 await asyncio.wait(set(tasks))
         except asyncio.CancelledError:

@@ -68,6 +68,51 @@ pub struct PeerFetcher {
     idle: Duration,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     stop: CancellationToken,
+    done: Arc<Done>,
+}
+
+/// The batches ``start``ed that completed, and the pipe that says so to an event loop.
+struct Done {
+    batches: Mutex<Vec<(u64, Vec<PeerOutcome>)>>,
+    read_fd: i32,
+    write_fd: i32,
+}
+
+impl Done {
+    fn new() -> std::io::Result<Self> {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 writes two descriptors into the array it is given.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Done { batches: Mutex::new(Vec::new()), read_fd: fds[0], write_fd: fds[1] })
+    }
+
+    fn push(&self, id: u64, outs: Vec<PeerOutcome>) {
+        self.batches.lock().expect("done lock").push((id, outs));
+        // One byte per batch; a full pipe (EAGAIN) already says "readable": nothing is lost.
+        let byte = 1u8;
+        // SAFETY: a one-byte write from a live buffer to our own descriptor.
+        unsafe { libc::write(self.write_fd, std::ptr::addr_of!(byte).cast(), 1) };
+    }
+
+    fn take(&self) -> Vec<(u64, Vec<PeerOutcome>)> {
+        // The pipe first, then the batches: a batch pushed after this drain writes a byte anew.
+        let mut buf = [0u8; 512];
+        // SAFETY: reads into a live buffer of its length from our own non-blocking descriptor.
+        while unsafe { libc::read(self.read_fd, buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+        std::mem::take(&mut *self.batches.lock().expect("done lock"))
+    }
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        // SAFETY: the descriptors are ours and closed once.
+        unsafe {
+            libc::close(self.read_fd);
+            libc::close(self.write_fd);
+        }
+    }
 }
 
 #[pymethods]
@@ -113,6 +158,9 @@ impl PeerFetcher {
             idle: Duration::from_secs_f64(idle_s.max(0.1)),
             peers: Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
+            done: Arc::new(
+                Done::new().map_err(|e| PyValueError::new_err(format!("cannot open the completion pipe: {e}")))?,
+            ),
         })
     }
 
@@ -126,8 +174,56 @@ impl PeerFetcher {
         revision: String,
         items: Vec<PeerItem>,
     ) -> PyResult<Vec<PeerOutcome>> {
-        let peer = self.peer(&addr)?;
-        let job = Job {
+        let n = items.len();
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.launch(&addr, token, revision, items, move |outs| {
+            let _ = reply.send(outs);
+        })?;
+        let outs = py.allow_threads(|| answer.blocking_recv()).unwrap_or_else(|_| vec![cancelled(); n]);
+        Ok(outs)
+    }
+
+    /// As ``fetch``, without blocking: the outcomes of batch ``id`` come out of ``completed``
+    /// once every item has one, and a byte is written to ``notify_fd`` then (an event loop's
+    /// reader). No thread waits on the batch: sync's native peer worker asked one batch per
+    /// thread of a pool (a thread start, a hop and a wake-up each), hundreds per node (issue 30).
+    fn start(&self, addr: String, token: String, revision: String, items: Vec<PeerItem>, id: u64) -> PyResult<()> {
+        let done = self.done.clone();
+        self.launch(&addr, token, revision, items, move |outs| done.push(id, outs))
+    }
+
+    /// The file descriptor that becomes readable when a batch ``start``ed has completed.
+    fn notify_fd(&self) -> i32 {
+        self.done.read_fd
+    }
+
+    /// The batches completed since the last call: (id, outcomes in order), in completion order.
+    fn completed(&self) -> Vec<(u64, Vec<PeerOutcome>)> {
+        self.done.take()
+    }
+
+    /// Stop every batch: requests in flight are dropped, nothing more is written.
+    fn cancel(&self) {
+        self.stop.cancel();
+    }
+}
+
+fn cancelled() -> PeerOutcome {
+    ("cancelled".into(), 0, String::new())
+}
+
+impl PeerFetcher {
+    /// Spawn every item of a batch on the runtime; ``reply`` gets their outcomes, in order.
+    fn launch(
+        &self,
+        addr: &str,
+        token: String,
+        revision: String,
+        items: Vec<PeerItem>,
+        reply: impl FnOnce(Vec<PeerOutcome>) + Send + 'static,
+    ) -> PyResult<()> {
+        let peer = self.peer(addr)?;
+        let job = Arc::new(Job {
             peer,
             auth: format!("Bearer {token}"),
             revision,
@@ -135,11 +231,8 @@ impl PeerFetcher {
             answer_timeout: self.answer_timeout,
             read_timeout: self.read_timeout,
             min_rate: self.min_rate,
-        };
-        let job = Arc::new(job);
+        });
         let stop = self.stop.clone();
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        let n = items.len();
         self.runtime.spawn(async move {
             let handles: Vec<_> = items
                 .into_iter()
@@ -158,23 +251,11 @@ impl PeerFetcher {
             for h in handles {
                 outs.push(h.await.unwrap_or_else(|e| ("transport".into(), 0, format!("task failed: {e}"))));
             }
-            let _ = reply.send(outs);
+            reply(outs);
         });
-        let outs = py.allow_threads(|| answer.blocking_recv()).unwrap_or_else(|_| vec![cancelled(); n]);
-        Ok(outs)
+        Ok(())
     }
 
-    /// Stop every batch: requests in flight are dropped, nothing more is written.
-    fn cancel(&self) {
-        self.stop.cancel();
-    }
-}
-
-fn cancelled() -> PeerOutcome {
-    ("cancelled".into(), 0, String::new())
-}
-
-impl PeerFetcher {
     fn peer(&self, addr: &str) -> PyResult<Arc<Peer>> {
         let mut peers = self.peers.lock().expect("peers lock");
         if let Some(p) = peers.get(addr) {

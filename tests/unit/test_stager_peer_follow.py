@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +27,7 @@ from dscache_contract.peers import Peer, PeersAnswer, fetch_chain, owner_ranking
 from dscache_stager import peers as peers_mod
 from dscache_stager import sync
 from dscache_stager.objects import RemoteObject
-from dscache_stager.peers import ROOT_PAUSE_S, Obtained, Outcome, Peers
+from dscache_stager.peers import RERANK_S, ROOT_PAUSE_S, Obtained, Outcome, Peers
 
 REV = "r-" + "0123456789abcdef0123"
 ETAG = "0" * 32
@@ -123,13 +124,21 @@ class Script:
         self.asked: list[tuple[str, str, float]] = []  # (key, peer, when)
         self.claims: list[str] = []
         self.calls = 0
+        self.waits: list[list[float] | None] = []
+        self.handed: Counter[str] = Counter()
 
-    def takes(self, key: str, etag: str, size: int, hop: int = 0) -> str:
+    def takes(self, key: str, etag: str, size: int, hop: int = 0, slow: frozenset[str] = frozenset()) -> str:
         hops = self.chains[key]
         return hops[min(hop, len(hops) - 1)] if hops else ""
 
-    def hops(self, key: str) -> int:
+    def hops(self, key: str, slow: frozenset[str] = frozenset()) -> int:
         return len(self.chains[key])
+
+    async def ask(
+        self, addr: str, wants: list[Any], tmp: Any, claim: Any, waits: list[float] | None = None
+    ) -> list[Obtained | None]:
+        self.waits.append(waits)
+        return self.first(addr, wants, tmp, claim)
 
     def first(self, addr: str, wants: list[Any], tmp: Any, claim: Any) -> list[Obtained | None]:
         self.calls += 1
@@ -145,6 +154,8 @@ class Script:
                 if said == "placed"
                 else Obtained(Outcome.UNCLAIMED)
                 if said == "unclaimed"
+                else Obtained(Outcome.WAIT)
+                if said == "wait"
                 else None
             )
         return out
@@ -152,11 +163,12 @@ class Script:
 
 def fake_run(pn: Script, own: set[str]) -> Any:
     """The parts of sync._Run the native peer worker uses, recording what it was given."""
-    run = SimpleNamespace(placed=[], obtained=[], to_bucket=[], claimed=[], relays=[])
+    run = SimpleNamespace(placed=[], obtained=[], obtained_with={}, to_bucket=[], claimed=[], relays=[])
 
     class FakePeers:
         def obtain(self, key: str, *a: Any) -> Obtained:
             run.obtained.append(key)
+            run.obtained_with[key] = a[5:]  # (patience, held)
             return Obtained(Outcome.PLACED, f"tmp-{key}")
 
         def to_peers(self, key: str) -> bool:
@@ -260,3 +272,68 @@ def test_a_root_that_never_reads_the_object_hands_it_to_obtain(monkeypatch: pyte
     assert run.obtained == ["a"] and sorted(run.placed) == ["a", "b"]
     asked_a = [t for k, _, t in pn.asked if k == "a"]
     assert len(asked_a) > 2 and asked_a[-1] - asked_a[0] >= 0.2 * 0.9
+
+
+def test_a_copy_still_in_progress_is_asked_again_natively() -> None:
+    """A held request answered "still copying": the chain again at once, on the native plane, the
+    peer's patience for the object carried (its hold no longer than what is left of it)."""
+    parent, root = "p:1", "r:1"
+    pn = Script({"a": [parent, root]}, {("a", parent): ["wait", "placed"], ("a", root): ["unclaimed"]})
+    run = work(pn, ["a"])
+    assert run.placed == ["a"] and run.obtained == []
+    assert [addr for _, addr, _ in pn.asked] == [parent, parent]
+    assert pn.waits[0] is None  # the first request: obtain's RERANK_S hold
+    assert pn.waits[1] is not None and 0 < pn.waits[1][0] <= RERANK_S
+    assert run.relays == ["+a"]
+
+
+def test_a_peer_still_copying_past_its_patience_goes_to_obtain_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past peers.PATIENCE_S of "still copying", obtain gets the object with the patience spent
+    (it writes that peer off at once) and the hop that held without sending (passed over)."""
+    parent, root = "p:1", "r:1"
+    monkeypatch.setattr(peers_mod, "PATIENCE_S", 0.2)
+    pn = Script({"a": [parent, root]}, {("a", parent): ["wait"], ("a", root): ["unclaimed"]})
+    started = time.monotonic()
+    run = work(pn, ["a"])
+    assert run.obtained == ["a"] and run.placed == ["a"]
+    patience, held = run.obtained_with["a"]
+    assert set(patience) == {parent} and started + 0.2 <= patience[parent] <= time.monotonic()
+    assert held == frozenset({parent})  # below the root: obtain passes it over for a complete copy
+    assert {addr for _, addr, _ in pn.asked} == {parent}
+
+
+def test_objects_behind_their_roots_first_unclaimed_key_wait_without_asking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root that has not come to k0 has not come to k1..k5 (it claims in listing order): while it
+    says so for k0, only k0 is asked again; the others wait, and are asked once it has come to k0."""
+    root = "r:1"
+    monkeypatch.setattr(peers_mod, "ROOT_PAUSE_S", 0.01)
+    monkeypatch.setattr(peers_mod, "ROOT_PAUSE_MAX_S", 0.02)
+    keys = [f"k{i}" for i in range(6)]
+    answers = {(k, root): ["unclaimed"] * (4 if k == "k0" else 1) + ["placed"] for k in keys}
+    pn = Script({k: [root] for k in keys}, answers)
+    run = work(pn, keys)
+    assert sorted(run.placed) == keys and run.obtained == []
+    k0_done = max(t for k, _, t in pn.asked if k == "k0")
+    before = [k for k, _, t in pn.asked if t < k0_done]
+    assert before.count("k0") == 4  # asked round after round
+    assert sorted(k for k in before if k != "k0") == keys[1:]  # the others: their first request only
+    # k0: 4 x "unclaimed" and the body; k1..k5: one "unclaimed" and the body (without the mark
+    # each was asked every round k0 was: 5 + 5 x 5 requests)
+    assert len(pn.asked) == 5 + 5 * 2
+
+
+def test_a_parent_behind_an_earlier_key_is_passed_for_the_root_at_once() -> None:
+    """A parent that has not come to k00 has not come to the keys after it: objects dispatched
+    after its "unclaimed" go to the next hop up without asking it first."""
+    parent, root = "p:1", "r:1"
+    keys = [f"k{i:02}" for i in range(12)]
+    pn = Script(
+        {k: [parent, root] for k in keys},
+        {**{(k, parent): ["unclaimed"] for k in keys}, **{(k, root): ["placed"] for k in keys}},
+    )
+    run = work(pn, keys)  # 8 in flight at most: k08.. are dispatched after the first answers
+    assert sorted(run.placed) == keys and run.obtained == []
+    asked_parent = sorted(k for k, addr, _ in pn.asked if addr == parent)
+    assert asked_parent == keys[:8]  # the first batch asked it; the later objects did not
+    assert sorted(k for k, addr, _ in pn.asked if addr == root) == keys
+    assert sorted(run.relays) == sorted("+" + k for k in keys)  # every relay claimed, once

@@ -8,6 +8,7 @@ is ever written; every other answer comes back with what peers.py's policy needs
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import socket
@@ -262,3 +263,57 @@ def test_only_small_plain_md5_objects_go_native(tmp_path: Path):
     assert np.takes("k", f"{ETAG}-3", 20 << 20) == ""  # multipart: peers.py rebuilds it
     assert np.takes("k", ETAG, 2 << 20) == ""  # large
     assert np.takes("k", ETAG, 0) == ""
+
+
+def test_ask_on_the_event_loop_places_and_tells_still_copying_apart(peer_with, tmp_path: Path):
+    """NativePeers.ask (no thread waits on the call): the same outcomes as first; a 404 "staging"
+    after the held request is WAIT (sync asks the chain again natively), and the hold asked for
+    is sent (a peer's patience nearly spent)."""
+    staging = b'{"state": "staging"}'
+    seen: list[str] = []
+
+    def respond(path: str) -> Answer:
+        seen.append(path)
+        if "/d/0" in path:
+            return honest(path)
+        return 404, {"Content-Length": str(len(staging))}, staging, None, 0.0
+
+    p = peer_with(respond)
+    np = native_peers(tmp_path, [p.addr])
+    seq = iter(range(1000))
+    claims: list[str] = []
+    wants = [(f"k{i}", f"d/{i}", len(BODY), ETAG) for i in range(2)]
+
+    async def go() -> list[object]:
+        try:
+            return await np.ask(p.addr, wants, lambda: str(tmp_path / f"peer-{next(seq)}"), claims.append, [5.0, 0.5])
+        finally:
+            np.close()
+
+    placed, waiting = asyncio.run(go())
+    assert placed is not None and placed.outcome is Outcome.PLACED and Path(placed.tmp).read_bytes() == BODY
+    assert waiting is not None and waiting.outcome is Outcome.WAIT
+    assert claims == [f"{RELAY_MARK}d/0\n{RELAY_MARK}d/1"] and np.peers.failed == {}
+    assert np.placed == 1 and np.calls == 1
+    assert sorted("wait=0.5" in path for path in seen) == [False, True]
+
+
+def test_many_asks_at_once_each_get_their_own_outcomes(peer_with, tmp_path: Path):
+    p = peer_with(honest)
+    np = native_peers(tmp_path, [p.addr])
+    seq = iter(range(1000))
+
+    async def go() -> list[list[object]]:
+        asks = [
+            np.ask(p.addr, [(f"k{i}", f"d/{i}", len(BODY), ETAG)], lambda: str(tmp_path / f"peer-{next(seq)}"), None)
+            for i in range(20)
+        ]
+        try:
+            return await asyncio.gather(*asks)
+        finally:
+            np.close()
+
+    got = asyncio.run(go())
+    assert [len(g) for g in got] == [1] * 20
+    assert all(o is not None and o.outcome is Outcome.PLACED for (o,) in got)
+    assert len({o.tmp for (o,) in got}) == 20 and np.calls == 20
