@@ -217,7 +217,7 @@ def _route(request: web.BaseRequest) -> str:
 
 #: The key under which an object's 404 answer keeps its ``state`` (staging, absent, unclaimed) for the
 #: requests metric (an aiohttp response is a mapping of such values for its handler).
-STATE_KEY = "dscache_state"
+STATE_KEY = web.ResponseKey("dscache_state", str)
 
 
 def _not_here(state: RevisionState, message: str) -> web.Response:
