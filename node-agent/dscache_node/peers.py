@@ -329,13 +329,16 @@ def poll_object(
     claims: Claims,
     probe: bool = False,
     relay: bool = False,
+    first: bool = True,
 ) -> Opened | NotHere:
     """One look: the object if it is whole here; raises NotHere when it will not come (absent,
-    or a probe for an object nobody here reads); returns NotHere(STAGING) while it may still come."""
-    try:
-        return open_object(c, rev, path)
-    except FileNotFoundError:
-        pass
+    or a probe for an object nobody here reads); returns NotHere(STAGING) while it may still come.
+    ``first``: try to open it first (False: the caller just did, and it was not there)."""
+    if first:
+        try:
+            return open_object(c, rev, path)
+        except FileNotFoundError:
+            pass
     state = revision_state(c, rev, locked(c))
     if state is RevisionState.COMPLETE:
         # Re-check: the last object may have been placed between the open and the marker.

@@ -505,7 +505,9 @@ class AgentServer:
     async def _object(self, request: web.BaseRequest) -> web.StreamResponse:
         """One complete object for a peer's stager, streamed from the page cache (sendfile)."""
         try:
-            req = ObjectRequest.parse(request.path_qs)
+            # The target as sent (a peer's stager quotes it as ObjectRequest.target does): path_qs
+            # would build a URL of it per request; parse unquotes, and check_request refuses "..".
+            req = ObjectRequest.parse(request.raw_path)
             check_request(req.namespace, req.cache, req.path)
         except (ValueError, ArgsError) as e:
             return _error(400, f"bad request: {e}")
@@ -556,8 +558,10 @@ class AgentServer:
             return open_object(c, req.revision, req.path)
         except FileNotFoundError:
             pass
+        just_tried = True  # the look just made: the next full look need not open the file again at once
         while True:
-            look = (c, req.revision, req.path, _locked, self.claims, req.probe, req.relay)
+            look = (c, req.revision, req.path, _locked, self.claims, req.probe, req.relay, not just_tried)
+            just_tried = False
             if self._look_on_loop(c, req.revision, req.probe):
                 got = poll_object(*look)
             else:
@@ -577,7 +581,7 @@ class AgentServer:
                 try:
                     return open_object(c, req.revision, req.path)
                 except FileNotFoundError:
-                    pass
+                    just_tried = True
                 if time.monotonic() >= full:
                     break
 
