@@ -154,6 +154,7 @@ class _RevisionDir:
     identity: tuple[int, int]
     data_fd: int = -1
     data_identity: tuple[int, int] = (0, 0)
+    used: float = 0.0
 
     def close(self) -> None:
         os.close(self.fd)
@@ -172,6 +173,9 @@ class RevisionDirs:
     Thread-safe: the opens run under the lock, so a descriptor is never closed while in use."""
 
     MAX = 64
+    #: A directory nobody asked about for this long is closed (a wiped revision's directory is not
+    #: held open after it was removed, nor the disk kept busy for an unmount).
+    IDLE_S = 60.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -181,6 +185,7 @@ class RevisionDirs:
         """``C/revs/<rev>/<parts...>`` as _open_beneath opens it."""
         path = os.path.join(c, contract.REVS_DIR, rev)
         with self._lock:
+            self._close_idle()
             if parts[0] == contract.DATA_DIR and len(parts) > 1:
                 data = self._data(c, rev, path)
                 return _open_at(data, parts[1:], flags)
@@ -192,6 +197,15 @@ class RevisionDirs:
                 d.close()
             self._dirs.clear()
 
+    def _close_idle(self) -> None:
+        """Close the directories unused for IDLE_S (the least recently used come first)."""
+        now = time.monotonic()
+        while self._dirs:
+            oldest = next(iter(self._dirs.values()))
+            if now - oldest.used < self.IDLE_S:
+                return
+            self._dirs.popitem(last=False)[1].close()
+
     def _revision(self, c: str, rev: str, path: str) -> _RevisionDir:
         key = (c, rev)
         known = self._dirs.get(key)
@@ -202,12 +216,13 @@ class RevisionDirs:
         if known is not None:
             if known.identity == now:
                 self._dirs.move_to_end(key)
+                known.used = time.monotonic()
                 return known
             del self._dirs[key]
             known.close()
         fd = _open_from_root(c, [contract.REVS_DIR, rev], os.O_RDONLY | os.O_DIRECTORY)
         try:
-            d = _RevisionDir(fd, _identity(os.fstat(fd)))
+            d = _RevisionDir(fd, _identity(os.fstat(fd)), used=time.monotonic())
         except OSError as e:
             os.close(fd)
             raise FileNotFoundError(path) from e
@@ -222,6 +237,7 @@ class RevisionDirs:
             try:
                 if _identity(os.lstat(os.path.join(path, contract.DATA_DIR))) == known.data_identity:
                     self._dirs.move_to_end((c, rev))
+                    known.used = time.monotonic()
                     return known.data_fd
             except OSError:
                 pass

@@ -308,7 +308,6 @@ class AgentServer:
             self._stopped.set()
             return
         self._sending = asyncio.Semaphore(MAX_SENDING)
-        self._arrivals = Arrivals(self._loop)
         server = _Server(
             self._handle,
             self.connections,
@@ -322,11 +321,12 @@ class AgentServer:
         await runner.setup()
         site = web.SockSite(runner, self.sock, ssl_context=self.tls)
         await site.start()
+        arrivals = self._arrivals = Arrivals(self._loop)
         try:
             await self._stop.wait()
         finally:
             await runner.cleanup()
-            self._arrivals.close()
+            arrivals.close()
             self._stopped.set()
 
     # --- requests -----------------------------------------------------------------------------
@@ -335,7 +335,7 @@ class AgentServer:
         resp = await self._dispatch(request)
         # Requests by kind and answer (issue 30: where a fan-out's requests go, e.g. how many
         # object requests were answered "not yet" for each one served).
-        key = (_route(request), resp.status, resp.get(STATE_KEY, ""))
+        key = (_route(request), resp.status, resp.get(STATE_KEY, "") if resp.status == 404 else "")
         counter = self._counted.get(key)
         if counter is None:  # labels() per request was a lookup with string work each time
             counter = self._counted[key] = self.agent.metrics.requests.labels(key[0], str(key[1]), key[2])

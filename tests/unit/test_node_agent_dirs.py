@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,21 @@ def test_the_agents_set_walks_only_what_is_beneath(cache):
         read(cache, "train2/b.bin")
     REVISION_DIRS.clear()
     assert read(cache, "train/b.bin") == b"B"
+
+
+def test_a_directory_unused_for_a_while_is_closed(tmp_path, monkeypatch):
+    monkeypatch.setattr(RevisionDirs, "IDLE_S", 0.2)
+    dirs = RevisionDirs()
+    caches = []
+    for name in ("a", "b"):
+        c = contract.cache_dir(str(tmp_path / "root"), "ns", name)
+        os.makedirs(contract.data_dir(c, REV))
+        Path(contract.data_dir(c, REV), "x").write_bytes(b"x")
+        caches.append(c)
+    before = len(os.listdir("/proc/self/fd"))
+    os.close(dirs.open(caches[0], REV, [contract.DATA_DIR, "x"], os.O_RDONLY))
+    assert len(os.listdir("/proc/self/fd")) - before == 2  # its revision dir and data/ kept open
+    time.sleep(0.3)
+    os.close(dirs.open(caches[1], REV, [contract.DATA_DIR, "x"], os.O_RDONLY))
+    assert len(os.listdir("/proc/self/fd")) - before == 2  # a's closed, b's open
+    dirs.clear()
