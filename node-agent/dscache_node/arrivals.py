@@ -7,8 +7,9 @@ Held requests were a tenth of the agent's CPU at N = 16: each looked for its fil
 waits for in the deepest directory that exists on its way (peers.RevisionDirs.nearest, reached
 beneath C without a symlink); the directory is watched through its open descriptor
 (``/proc/self/fd/<n>``: the directory itself, whatever its path names now) for names created
-or renamed into it (the stager links or renames every object into place, and makes
-directories). A wake-up only says "look again": the request opens its object as ever, beneath C,
+or renamed into it (the stager links or renames every object into place, whole, and makes
+directories: a file written in place under its final name would be served as soon as its name
+appears, as a poll could serve it, only sooner). A wake-up only says "look again": the request opens its object as ever, beneath C,
 never through a symlink. Without inotify (no room for another instance: the kernel's per-user
 bound, shared with the node's other programs), ``expect`` says so and the request polls.
 """
