@@ -72,10 +72,11 @@ from dscache_contract.peers import (
 from dscache_stager.errors import BusyError, UsageError
 
 from .agent import Agent, _locked
+from .arrivals import Arrivals
 from .auth import Gate, NeedsApi, Refusal
 from .kube import ApiError
 from .listings import serve_listing
-from .peers import Claims, NotHere, Opened, check_request, open_object, poll_object
+from .peers import REVISION_DIRS, Claims, NotHere, Opened, check_request, open_object, poll_object
 
 log = logging.getLogger("dscache-node")
 T = TypeVar("T")
@@ -117,8 +118,9 @@ SMALL_BODY = 64 << 10
 #: An object's body must be taken within READ_GRACE_S plus its size at MIN_RATE.
 READ_GRACE_S = 30.0
 MIN_RATE = 1 << 20
-#: How often a held request looks again for the object it waits for (whether the file is there),
-#: and how often it looks at the lock, the revision's state and the claims too.
+#: How often a held request looks again for the object it waits for (whether the file is there)
+#: when its directory cannot be watched (arrivals.py), and how often it looks at the lock, the
+#: revision's state and the claims too.
 POLL_S = 0.05
 FULL_LOOK_S = 1.0
 #: A full look (the lock, the revision's state, the claims) is made on the loop, not on a thread,
@@ -213,16 +215,18 @@ def _route(request: web.BaseRequest) -> str:
     )
 
 
-def _state(route: str, resp: web.StreamResponse) -> str:
-    """Why an object was not sent (a 404's ``state``: staging, absent, unclaimed), else ''."""
-    if resp.status != 404 or not route.startswith("objects") or not isinstance(resp, web.Response):
-        return ""
-    body = resp.body
-    if isinstance(body, bytes):
-        for state in RevisionState:
-            if f'"state": "{state.value}"'.encode() in body:
-                return state.value
-    return ""
+#: The key under which an object's 404 answer keeps its ``state`` (staging, absent, unclaimed) for the
+#: requests metric (an aiohttp response is a mapping of such values for its handler).
+STATE_KEY = web.ResponseKey("dscache_state", str)
+
+
+def _not_here(state: RevisionState, message: str) -> web.Response:
+    """An object's "not here" answer (404 with its ``state``), made without a dict to dump: one of
+    these goes with each object served (issue 30: the probes answered "unclaimed")."""
+    body = b'{"state": "%s", "error": %s}' % (state.value.encode(), json.dumps(message).encode())
+    resp = web.Response(status=404, body=body, content_type="application/json")
+    resp[STATE_KEY] = state.value
+    return resp
 
 
 def _json(code: int, body: Any) -> web.Response:
@@ -265,6 +269,7 @@ class AgentServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._sending: asyncio.Semaphore | None = None  # made on the loop
+        self._arrivals: Arrivals | None = None  # made on the loop
         self._server: _Server | None = None
         self._stopped = threading.Event()
         #: Set by shutdown, whenever it comes: a serve_forever that had not started yet then
@@ -272,6 +277,8 @@ class AgentServer:
         self._shutting_down = threading.Event()
         #: The size of each copy's claims file at the last full look (event loop only).
         self._claims_seen: dict[str, int] = {}
+        #: The requests metric's counters by (route, status, state) (event loop only).
+        self._counted: dict[tuple[str, int, str], Any] = {}
         #: Token checks in progress (event loop only), by the question they answer.
         self._checks: dict[tuple[str, ...], asyncio.Future[Refusal | None]] = {}
 
@@ -314,10 +321,12 @@ class AgentServer:
         await runner.setup()
         site = web.SockSite(runner, self.sock, ssl_context=self.tls)
         await site.start()
+        arrivals = self._arrivals = Arrivals(self._loop)
         try:
             await self._stop.wait()
         finally:
             await runner.cleanup()
+            arrivals.close()
             self._stopped.set()
 
     # --- requests -----------------------------------------------------------------------------
@@ -326,8 +335,11 @@ class AgentServer:
         resp = await self._dispatch(request)
         # Requests by kind and answer (issue 30: where a fan-out's requests go, e.g. how many
         # object requests were answered "not yet" for each one served).
-        route = _route(request)
-        self.agent.metrics.requests.labels(route, str(resp.status), _state(route, resp)).inc()
+        key = (_route(request), resp.status, resp.get(STATE_KEY, "") if resp.status == 404 else "")
+        counter = self._counted.get(key)
+        if counter is None:  # labels() per request was a lookup with string work each time
+            counter = self._counted[key] = self.agent.metrics.requests.labels(key[0], str(key[1]), key[2])
+        counter.inc()
         return resp
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -493,7 +505,9 @@ class AgentServer:
     async def _object(self, request: web.BaseRequest) -> web.StreamResponse:
         """One complete object for a peer's stager, streamed from the page cache (sendfile)."""
         try:
-            req = ObjectRequest.parse(request.path_qs)
+            # The target as sent (a peer's stager quotes it as ObjectRequest.target does): path_qs
+            # would build a URL of it per request; parse unquotes, and check_request refuses "..".
+            req = ObjectRequest.parse(request.raw_path)
             check_request(req.namespace, req.cache, req.path)
         except (ValueError, ArgsError) as e:
             return _error(400, f"bad request: {e}")
@@ -507,7 +521,7 @@ class AgentServer:
             try:
                 opened = await self._wait_for(req)
             except NotHere as e:
-                return _json(404, {"state": e.state.value, "error": str(e)})
+                return _not_here(e.state, str(e))
             except OSError as e:
                 return _error(503, f"cannot read {req.path}: {e}")
             try:
@@ -523,9 +537,7 @@ class AgentServer:
                     async with asyncio.timeout(max(turn, MIN_TURN_S)):
                         await self._sending.acquire()
                 except TimeoutError:
-                    return _json(
-                        404, {"state": RevisionState.STAGING.value, "error": f"{req.path}: every sending slot is busy"}
-                    )
+                    return _not_here(RevisionState.STAGING, f"{req.path}: every sending slot is busy")
                 try:
                     return await self._send(request, req.revision, opened)
                 finally:
@@ -546,8 +558,10 @@ class AgentServer:
             return open_object(c, req.revision, req.path)
         except FileNotFoundError:
             pass
+        just_tried = True  # the look just made: the next full look need not open the file again at once
         while True:
-            look = (c, req.revision, req.path, _locked, self.claims, req.probe, req.relay)
+            look = (c, req.revision, req.path, _locked, self.claims, req.probe, req.relay, not just_tried)
+            just_tried = False
             if self._look_on_loop(c, req.revision, req.probe):
                 got = poll_object(*look)
             else:
@@ -555,20 +569,55 @@ class AgentServer:
                 got = await loop.run_in_executor(None, poll_object, *look)
             if isinstance(got, Opened):
                 return got
-            # Between two full looks (the lock, the revision's state, the claims: a thread each),
-            # only whether the file is there now, on the loop: a few openat calls, no thread hop.
-            # Hundreds of held requests would otherwise keep the pool busy polling (issue 30).
+            # Between two full looks (the lock, the revision's state, the claims), only whether
+            # the file is there now, when its directory says something was placed in it (or every
+            # POLL_S without inotify): no thread hop, no look for nothing (issue 30).
             full = time.monotonic() + FULL_LOOK_S
             while True:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise got
-                await asyncio.sleep(POLL_S)
+                await self._placed(c, req.revision, req.path, min(full, deadline) - now)
                 try:
                     return open_object(c, req.revision, req.path)
                 except FileNotFoundError:
-                    pass
+                    just_tried = True
                 if time.monotonic() >= full:
                     break
+
+    async def _placed(self, c: str, revision: str, path: str, most: float) -> None:
+        """Until something is placed on the way to ``data/<path>`` (its file, or a directory it is
+        to be in), ``most`` seconds at most; POLL_S when that cannot be watched."""
+        arrivals = self._arrivals
+        nearest = REVISION_DIRS.nearest(c, revision, path) if arrivals is not None and arrivals.working else None
+        if nearest is None:
+            await asyncio.sleep(min(POLL_S, most))
+            return
+        dir_fd, name = nearest
+        try:
+            assert arrivals is not None
+            expected = arrivals.expect(dir_fd, name)
+            try:
+                # Placed between the walk and the watch? (Or there and not a file: then poll.)
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                there = True
+            except OSError:
+                there = False
+        finally:
+            os.close(dir_fd)
+        if expected is None or there:
+            if expected is not None:
+                expected[1]()
+            await asyncio.sleep(min(POLL_S, most))
+            return
+        fut, done = expected
+        try:
+            async with asyncio.timeout(most):
+                await fut
+        except TimeoutError:
+            pass
+        finally:
+            done()
 
     def _look_on_loop(self, c: str, revision: str, probe: bool) -> bool:
         """Whether the next full look at ``revision`` reads little enough to be made on the loop

@@ -164,6 +164,14 @@ def test_the_native_fetcher_checks_the_agents_certificate(tmp_path: Path):
         srv.server_close()
 
 
+def place(c: str, name: str, body: bytes) -> None:
+    """An object placed as a stager places it: whole once its name appears (temp + rename). Written in
+    place, a held request woken by the name's creation (arrivals.py) could read it still empty."""
+    tmp = Path(contract.tmp_dir(c, R1)) / f".{name}.part"
+    tmp.write_bytes(body)
+    os.rename(tmp, Path(contract.data_dir(c, R1)) / name)
+
+
 def test_probes_are_answered_alike_on_the_loop_and_on_a_thread(tmp_path: Path):
     """A copy in progress (its lock held, a claims file): a probe for an unclaimed object is answered
     "unclaimed" at once, one for a claimed object waits for it; whether the look was made on the
@@ -205,14 +213,14 @@ def test_probes_are_answered_alike_on_the_loop_and_on_a_thread(tmp_path: Path):
         assert probe("nobody", 0.5) == (404, "unclaimed")  # grown by nothing: the loop
         with claims.open("a") as f:
             f.write("x" * server_mod.LOOP_CLAIMS_BYTES + "\nsoon\n")
-        placed = threading.Timer(0.3, lambda: (Path(contract.data_dir(c, R1)) / "soon").write_bytes(b"hello"))
+        placed = threading.Timer(0.3, lambda: place(c, "soon", b"hello"))
         placed.start()
         t0 = time.monotonic()
         assert probe("soon", 5.0) == (200, "hello")  # claimed: held until it is there (a thread)
         assert time.monotonic() - t0 >= 0.25
         with claims.open("a") as f:
             f.write("later\n")
-        placed = threading.Timer(0.3, lambda: (Path(contract.data_dir(c, R1)) / "later").write_bytes(b"again"))
+        placed = threading.Timer(0.3, lambda: place(c, "later", b"again"))
         placed.start()
         assert probe("later", 5.0) == (200, "again")  # the same, looked at on the loop
         assert probe("nobody", 0.5) == (404, "unclaimed")
