@@ -102,16 +102,14 @@ class NativePeers:
         self._ids = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def takes(self, key: str, etag: str, size: int, hop: int = 0, slow: frozenset[str] = frozenset()) -> str:
-        """The peer to ask for ``key`` in a batch: the ``hop``-th of its chain (0: its parent; the
-        last there is when the chain is shorter now), or "" when it goes to peers.obtain (a
-        multipart ETag, a large object, this node's turn, an early probe). ``slow``: hops that held
-        a request for it without sending, passed over while a complete copy is up the chain (as
-        obtain does)."""
+    def route(self, key: str, etag: str, size: int, slow: frozenset[str] = frozenset()) -> list[str]:
+        """Where to ask for ``key`` in a batch: its chain now (its parent ... its root; a batch asks
+        one hop of it), or [] when it goes to peers.obtain (a multipart ETag, a large object, this
+        node's turn, an early probe). ``slow``: hops that held a request for it without sending,
+        passed over while a complete copy is up the chain (as obtain does)."""
         if not plain(etag, size) or not self.peers.verifiable(etag, size):
-            return ""
-        hops = self._chain(key, slow)
-        return hops[min(hop, len(hops) - 1)] if hops else ""
+            return []
+        return self._chain(key, slow)
 
     def hops(self, key: str, slow: frozenset[str] = frozenset()) -> int:
         """How many nodes the chain of ``key`` has now (its parent ... its root)."""

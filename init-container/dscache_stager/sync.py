@@ -62,8 +62,6 @@ BUCKET_GATHER_S = 0.01
 #: How long a root's "not come to it yet" for one key holds for the keys after it, unless that key
 #: is asked again meanwhile (it is, every ROOT_PAUSE_MAX_S and jitter at most).
 BEHIND_S = 0.5
-#: NativePeers.takes' hop for an object's root: the last of its chain.
-ROOT_HOP = 1 << 30
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
@@ -594,24 +592,21 @@ class _Run(CopyRun):
             now = time.monotonic()
             for ask in asks:
                 obj = ask[0][0]
-                if behind_hop or behind:
+                chain = pn.route(obj.key, obj.etag, obj.size, ask[5])  # []: not on the native plane
+                if chain and (behind_hop or behind):
                     # Parents that have not come to an earlier key: the next hop up at once.
-                    hop, hops = ask[1], pn.hops(obj.key, ask[5])
-                    key, etag, size, slow = obj.key, obj.etag, obj.size, ask[5]
-                    while hop < hops - 1 and passed(
-                        [behind_hop, behind], pn.takes(key, etag, size, hop, slow), key, now
-                    ):
+                    hop, last = ask[1], len(chain) - 1
+                    while hop < last and passed([behind_hop, behind], chain[hop], obj.key, now):
                         hop += 1
                     if hop != ask[1]:
                         ask = (ask[0], hop, *ask[2:])
                     # Asked before, its root behind: a pause more (its first request claims the relay).
-                    root = pn.takes(key, etag, size, ROOT_HOP, slow)
-                    if claimed and hop >= hops - 1 and passed([behind], root, key, now):
+                    if claimed and hop >= last and passed([behind], chain[-1], obj.key, now):
                         pause = ask[2]
                         wait_more.setdefault(pause, []).append((ask[0], 0, min(pause * 2, ROOT_PAUSE_MAX_S), *ask[3:]))
                         continue
-                if addr := pn.takes(obj.key, obj.etag, obj.size, ask[1], ask[5]):
-                    groups.setdefault(addr, []).append(ask)
+                if chain:
+                    groups.setdefault(chain[min(ask[1], len(chain) - 1)], []).append(ask)
                 elif self.native is not None and native.handles(obj.size) and not peers.to_peers(obj.key):
                     spawn(bucket(ask[0]))
                 else:

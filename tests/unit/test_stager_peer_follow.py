@@ -127,9 +127,8 @@ class Script:
         self.waits: list[list[float] | None] = []
         self.handed: Counter[str] = Counter()
 
-    def takes(self, key: str, etag: str, size: int, hop: int = 0, slow: frozenset[str] = frozenset()) -> str:
-        hops = self.chains[key]
-        return hops[min(hop, len(hops) - 1)] if hops else ""
+    def route(self, key: str, etag: str, size: int, slow: frozenset[str] = frozenset()) -> list[str]:
+        return list(self.chains[key])
 
     def hops(self, key: str, slow: frozenset[str] = frozenset()) -> int:
         return len(self.chains[key])
