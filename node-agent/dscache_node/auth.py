@@ -216,7 +216,12 @@ class Gate:
         if ident.namespace != namespace or not ident.pod or not ident.pod_uid:
             return Refusal(403, f"{ident.username} is not a pod of namespace {namespace}")
         pod = self._pod(namespace, ident.pod, ident.pod_uid, offline)
-        if pod is None or pod.cache != cache:
+        if pod is None:
+            # A bound token dies with its pod. The API server's TokenReview learns of the deletion
+            # from its own informer, a moment after the pod is gone from a GET: the same answer
+            # either way, so the caller cannot tell which of the two noticed first.
+            return Refusal(401, f"pod {namespace}/{ident.pod}, the one this token is bound to, no longer exists")
+        if pod.cache != cache:
             return Refusal(403, f"pod {namespace}/{ident.pod} is not a consumer of {cache}")
         if this_node and pod.node != self.node:
             return Refusal(403, f"pod {namespace}/{ident.pod} does not run on node {self.node}")

@@ -129,7 +129,7 @@ def test_consumers_of_the_cache_only(gate: Gate):
         (jwt("bystander"), "ml", "data", False, 403),  # names no cache
         (jwt("stager"), "ml", "other", False, 403),  # another cache's
         (jwt("tenant-b"), "ml", "data", False, 403),  # another namespace's pod
-        (jwt("gone"), "ml", "data", False, 403),  # its pod is not there (another uid, or none)
+        (jwt("gone"), "ml", "data", False, 401),  # its pod is not there (another uid, or none): the token is dead
         (jwt("nobody"), "ml", "data", False, 401),  # the API server does not vouch for it
         (jwt("controller"), "ml", "data", False, 401),  # the controller's audience is not the peers'
         ("not-a-jwt", "ml", "data", False, 401),
@@ -206,4 +206,4 @@ def test_recreated_cache_gets_its_token(clock: Clock):
     assert gate.consumer(jwt("new-stager"), "ml", "data", this_node=True) is None
     clock.t += MAX_TRUST_S + 1  # what was verified of the old pod's token is asked again
     refused = gate.consumer(jwt("old-stager"), "ml", "data", this_node=True)
-    assert refused is not None and refused.status == 403, refused
+    assert refused is not None and refused.status == 401, refused
