@@ -255,8 +255,9 @@ def spread_subdirs(directory: str) -> bool:
     the block group the old one's were freed from, when both sit next to revs/. Without a
     journal (a common setup for a node's scratch NVMe), ext4 skips inodes freed in the last
     minute (five while their table block is dirty) and scans the group's free inodes from its
-    start, each a buffer-cache lookup, for every file it creates: measured in
-    bench/stager.py, up to two thirds of the native threads' CPU. Best effort: other
+    start, each a buffer-cache lookup, for every file it creates (recently_deleted, under
+    find_inode_bit): in bench/stager.py's small set, a fifth of the native threads' CPU
+    samples and a sixth of the stager's own; none once revs/ has the flag. Best effort: other
     filesystems (xfs, tmpfs, overlayfs) have no such flag (ENOTTY, EOPNOTSUPP, EINVAL), and a
     revs/ another uid owns refuses it (EPERM); the copy is correct either way. True if set.
     """
