@@ -193,3 +193,22 @@ def test_prepare_makes_a_new_revision_dir_under_an_interim_name(
     assert renames[0][0].startswith(f"{GONE_PREFIX}new-{REV}-")
     rev.prepare()  # it exists now: made once
     assert len(renames) == 1
+
+
+def test_a_real_tmpfs_refuses_the_flag_and_the_revision_is_prepared(tmp_path: Path) -> None:
+    """The emptyDir mode's medium may be memory: tmpfs has no FS_TOPDIR_FL."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.statvfs(shm).f_fsid == os.statvfs(tmp_path).f_fsid:
+        pytest.skip("no tmpfs at /dev/shm distinct from the test's filesystem")
+    with open("/proc/self/mountinfo") as f:
+        if not any(line.split()[4] == "/dev/shm" and " - tmpfs " in line for line in f):
+            pytest.skip("/dev/shm is not a tmpfs here")
+    c = shm / f"dscache-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        rev = Revision(str(c), REV)
+        assert rev.prepare() is False
+        assert spread_subdirs(str(c / "revs")) is False
+        assert not (fs_flags(c / "revs") or 0) & FS_TOPDIR_FL
+        assert sorted(os.listdir(c / "revs")) == [REV]
+    finally:
+        layout.remove_tree(str(c))
