@@ -124,6 +124,15 @@ def proc_cpu_s(pid: int) -> float:
 
 
 @dataclass
+class Counters:
+    """The agents' /metrics counters summed: requests by kind, bytes served per node, TokenReviews."""
+
+    requests: dict[str, float] = field(default_factory=dict)
+    served: dict[str, float] = field(default_factory=dict)
+    reviews: float = 0.0
+
+
+@dataclass
 class StageRun:
     name: str
     nodes: list[str]
@@ -147,6 +156,8 @@ class StageRun:
     class_cpu_s: dict[str, float] = field(default_factory=dict)
     #: the agents' requests during the run, "<route> <status>" -> count (their /metrics), in all
     requests: dict[str, int] = field(default_factory=dict)
+    #: TokenReviews the agents sent the API server during the run (each checks each stager's token once)
+    token_reviews: int = 0
 
     @property
     def own_s(self) -> dict[str, float]:
@@ -196,21 +207,19 @@ class Scale:
         out["bench"] = t.user + t.system
         return out
 
-    def requests(self, agents: list[NetnsAgent]) -> dict[str, float]:
-        """The agents' requests so far, by kind and status, summed over ``agents``."""
-        out: dict[str, float] = {}
+    def counters(self, agents: list[NetnsAgent]) -> Counters:
+        """The agents' counters so far (one /metrics read each)."""
+        c = Counters()
         for a in agents:
-            for m in REQUESTS_LINE.finditer(a.metrics()):
+            text = a.metrics()
+            for m in REQUESTS_LINE.finditer(text):
                 key = " ".join(x for x in (m.group("route"), m.group("code"), m.group("state")) if x)
-                out[key] = out.get(key, 0.0) + float(m.group("n"))
-        return out
-
-    def served(self, agents: list[NetnsAgent]) -> dict[str, float]:
-        out = {}
-        for a in agents:
-            m = re.search(r"^dscache_node_peer_served_bytes_total (\S+)$", a.metrics(), re.M)
-            out[a.node] = float(m.group(1)) if m else 0.0
-        return out
+                c.requests[key] = c.requests.get(key, 0.0) + float(m.group("n"))
+            m = re.search(r"^dscache_node_peer_served_bytes_total (\S+)$", text, re.M)
+            c.served[a.node] = float(m.group(1)) if m else 0.0
+            m = re.search(r"^dscache_node_token_reviews_total (\S+)$", text, re.M)
+            c.reviews += float(m.group(1)) if m else 0.0
+        return c
 
     def up(self, stops: list[Callable[[], None]]) -> None:
         """The namespaces, the server in its own, the forwarder and an agent per node."""
@@ -330,8 +339,7 @@ class Scale:
         cpu0 = {a.node: proc_cpu_s(a.proc.pid) if a.proc else 0.0 for a in agents}
         daemons0 = self.daemons_cpu_s()
         node_rx0 = {a.node: a.host.rx_bytes() for a in agents if a.host}
-        served0 = self.served(agents)
-        requests0 = self.requests(agents)
+        counters0 = self.counters(agents)
         log_at = self.access_log.stat().st_size
         outs: dict[str, str] = {}
         codes: dict[str, int] = {}
@@ -367,12 +375,14 @@ class Scale:
         r.bucket_bytes = self.net.server.tx_bytes() - tx0
         r.bucket_host_rx_bytes = self.net.server.host_rx_bytes() - rx0
         r.rx_bytes = {a.node: a.host.rx_bytes() - node_rx0[a.node] for a in agents if a.host}
-        r.served_bytes = {n: v - served0[n] for n, v in self.served(agents).items()}
+        counters = self.counters(agents)
+        r.served_bytes = {n: v - counters0.served[n] for n, v in counters.served.items()}
         r.requests = {
-            k: int(v - requests0.get(k, 0.0))
-            for k, v in sorted(self.requests(agents).items())
-            if v > requests0.get(k, 0.0)
+            k: int(v - counters0.requests.get(k, 0.0))
+            for k, v in sorted(counters.requests.items())
+            if v > counters0.requests.get(k, 0.0)
         }
+        r.token_reviews = int(counters.reviews - counters0.reviews)
         with open(self.access_log, "rb") as f:
             f.seek(log_at)
             lines = f.read().decode(errors="replace").splitlines()
@@ -455,6 +465,9 @@ def by_n_entry(r: StageRun, one_s: float, dataset_bytes: int) -> dict[str, Any]:
         # nears all_ready_span_s, the run is bound by the one machine's CPU, not by the protocol.
         "cpu_floor_s": round(sum(r.class_cpu_s.values()) / len(os.sched_getaffinity(0)), 3),
         "agent_requests": r.requests,
+        # One per (agent, stager) pair that met: N x (N - 1) at most, each with a pod GET; what the
+        # API server's CPU in cpu_s_by_class grows with (the 256-node prediction).
+        "token_reviews": r.token_reviews,
         "stager_bucket_bytes": sum(int(s.get("bucket_bytes", 0)) for s in r.summaries.values()),
         "peer_bytes": sum(int(s.get("peer_bytes", 0)) for s in r.summaries.values()),
         "nodes_reading_bucket": sum(1 for s in r.summaries.values() if int(s.get("bucket_bytes", 0)) > 0),
