@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from dscache_contract import ManifestEntry, Selection, StageSummary
 
-from . import native
+from . import native, trace
 from .copyrun import CopyRun, Task
 from .cpus import available_cpus
 from .fetch import Fetcher
@@ -634,16 +634,35 @@ class _Run(CopyRun):
                 else None
             )
             try:
-                gots = await pn.ask(addr, wants, self._peer_tmp, claim, waits)
+                trace.mark("peer-go", len(wants))
+                early: set[int] = set()
+
+                def placed(i: int, tmp: str) -> None:
+                    # Into place as soon as it is here, not when the call's slowest object is
+                    # (its children may be asking this node for it): on the loop, from the reader.
+                    nonlocal owned
+                    self._peer_placed(group[i][0], tmp)
+                    early.add(i)
+                    owned -= 1
+                    room.release()
+
+                gots = await pn.ask(addr, wants, self._peer_tmp, claim, waits, placed)
+                if trace.ON:
+                    trace.mark("peer-placed", len(early))
+                    unclaimed = sum(1 for g in gots if g is not None and g.outcome is Outcome.UNCLAIMED)
+                    trace.mark("peer-unclaimed", unclaimed)
+                    trace.mark("peer-ms", int(1000 * (time.monotonic() - asked_at)))
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
-                for (item, hop, pause, since, patience, slow), got in zip(group, gots, strict=True):
+                for i, ((item, hop, pause, since, patience, slow), got) in enumerate(zip(group, gots, strict=True)):
                     if got is None or got.outcome is not Outcome.UNCLAIMED:
                         for marks in (behind, behind_hop):
                             if (mark := marks.get(addr)) is not None and item[0].key >= mark[0]:
                                 del marks[addr]  # it has come to the mark's key: the others are asked again
+                    if i in early:
+                        continue  # placed as it came
                     if got is not None and got.tmp:
-                        # Placed (most): here, without a task per object.
+                        # Placed, and no placed() (it is given one: kept for a call without)
                         self._peer_placed(item, got.tmp)
                         owned -= 1
                         room.release()
