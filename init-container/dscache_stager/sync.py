@@ -47,6 +47,7 @@ from .trace import mark
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
+    from .peer_listing import ListingWriter
     from .peer_native import NativePeers
     from .peers import Obtained, Peers
     from .store import AnyStore
@@ -132,6 +133,8 @@ class _Run(CopyRun):
         # Objects the peer workers read from the bucket after all, gathered into native batches.
         self._to_bucket: list[tuple[Task, asyncio.Future[None]]] = []
         self._bucket_batches: set[asyncio.Future[None]] = set()
+        # The listing this node lists for its peers, ahead of its copy (peer_listing.ahead).
+        self._ahead_writer: ListingWriter | None = None
 
     async def run(self) -> StageSummary:
         rev = self.rev
@@ -227,6 +230,8 @@ class _Run(CopyRun):
             ticker.cancel()
             if self.listing_writer is not None:
                 self.listing_writer.abort()  # a no-op once finished
+            if self._ahead_writer is not None:
+                self._ahead_writer.abort()
             if finder is not None:
                 finder.cancel()
             if self.peers is not None:
@@ -283,7 +288,14 @@ class _Run(CopyRun):
             got = await asyncio.to_thread(peer_listing.from_peers, self.peers, self.rev, self.progress.note)
             if got is not None:
                 return peer_listing.read(got)
-            self.listing_writer = peer_listing.ListingWriter(self.rev)
+            # Listed ahead of this node's copy, for the peers waiting for the whole of it
+            # (peer_listing.ahead writes and finishes it; _plan need not write it again).
+            self._ahead_writer = peer_listing.ListingWriter(self.rev)
+            if self.opts.as_of:
+                pages = list_versions(self.source, self.opts.as_of)
+            else:
+                pages = list_objects(self.store, self.source.prefix, self.started_listing)
+            return peer_listing.ahead(pages, self._ahead_writer, self.rev.rev, self.selection.relative)
         if self.opts.as_of:
             return list_versions(self.source, self.opts.as_of)
         return list_objects(self.store, self.source.prefix, self.started_listing)
