@@ -21,15 +21,22 @@ empty file where a marker was, or skip one empty file; no byte of any other obje
 The copy starts once the whole listing is here (the peer's listing must hash first). At a million
 keys that is the lister's ListObjectsV2 time before the first GET on the other nodes, where their
 own listing would have overlapped the copy; the bucket is listed once instead of once per node.
+So the lister lists ahead of its own copy (``ahead``: up to ``AHEAD_OBJECTS``), writes and hashes
+as the pages come, and puts the listing in place as soon as the whole of it hashed: pulled as its
+copy took the pages (paced, a page at a time), its peers waited for most of its copy before
+their first GET (issue 30: 20 s of a 35 s copy of 20,000 x 16 KiB on 4 nodes).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import http.client
 import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import IO
 
@@ -67,6 +74,9 @@ PEER_NAME = "listing.peer"
 #: lists: nodes that start together may each see only themselves at first (a label takes a moment
 #: to show), and would all list.
 SETTLE_S = 0.4
+#: Listed objects a lister holds ahead of its own copy, at most (a few tens of MB): its peers wait
+#: for the whole listing, and past this it is listed as fast as the copy takes it.
+AHEAD_OBJECTS = 1 << 17
 
 
 class ListingWriter:
@@ -230,3 +240,65 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+async def ahead(
+    pages: AsyncIterator[list[RemoteObject]],
+    writer: ListingWriter,
+    revision: str,
+    relative: Callable[[str], str | None],
+    most: int = AHEAD_OBJECTS,
+) -> AsyncIterator[list[RemoteObject]]:
+    """The bucket's ``pages`` as they come, listed ahead of the caller (``most`` objects at most):
+    each page written for the peers as it comes, hashed (the objects ``relative`` keeps, as the
+    copy hashes them), and the listing put in place once the whole of it hashed to ``revision``.
+    The copy hashes the pages again as it takes them and fails the run on a mismatch, as always."""
+    queue: deque[list[RemoteObject]] = deque()
+    held = 0
+    came = asyncio.Event()  # a page, or the end
+    room = asyncio.Event()
+    end: list[BaseException | None] = []
+
+    async def pull() -> None:
+        nonlocal held
+        hasher = RevisionHasher()
+        try:
+            async for page in pages:
+                for obj in page:
+                    if relative(obj.key) is not None:
+                        hasher.add(obj.key, obj.size, obj.etag, obj.version_id)
+                        writer.add(obj.key, obj.size, obj.etag, obj.version_id, obj.marker)
+                writer.flush()
+                queue.append(page)
+                held += len(page)
+                came.set()
+                while held >= most:
+                    room.clear()
+                    await room.wait()
+            if hasher.revision_id() == revision:
+                writer.finish()  # the agent serves it from now on
+            end.append(None)
+        except Exception as e:  # the copy's: raised where it takes the next page
+            end.append(e)
+        finally:
+            came.set()
+
+    task = asyncio.create_task(pull())
+    try:
+        while True:
+            if queue:
+                page = queue.popleft()
+                held -= len(page)
+                room.set()
+                yield page
+            elif end:
+                if end[0] is not None:
+                    raise end[0]
+                return
+            else:
+                came.clear()
+                await came.wait()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -43,8 +43,9 @@ The requests are blocking http.client calls on a small thread pool, over at most
 ``PER_PEER`` keep-alive connections per peer, shared by the threads: the agents serve
 with sendfile, and a held request (``?wait=``) costs a thread, not the event loop. With the
 native plane installed, the first request for most objects (small, plain MD5 ETag, first choice of
-the chain) is sent by peer_native.py instead, many objects per call on tokio tasks, with the same
-checks before a byte is written; an "unclaimed" answer is followed there as ``obtain`` follows it
+the chain) is sent by peer_native.py instead, many objects per call on tokio tasks (the small
+ones of a call in one request of the agents' batch path), with the same checks before a byte is
+written; an "unclaimed" answer is followed there as ``obtain`` follows it
 (the parent's parent at once, the root again after ``ROOT_PAUSE_S`` doubling), and what it does not
 place otherwise comes here, where every rule above applies.
 """

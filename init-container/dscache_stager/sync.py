@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from dscache_contract import ManifestEntry, Selection, StageSummary
 
-from . import native
+from . import native, trace
 from .copyrun import CopyRun, Task
 from .cpus import available_cpus
 from .fetch import Fetcher
@@ -47,6 +47,7 @@ from .trace import mark
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
+    from .peer_listing import ListingWriter
     from .peer_native import NativePeers
     from .peers import Obtained, Peers
     from .store import AnyStore
@@ -132,6 +133,8 @@ class _Run(CopyRun):
         # Objects the peer workers read from the bucket after all, gathered into native batches.
         self._to_bucket: list[tuple[Task, asyncio.Future[None]]] = []
         self._bucket_batches: set[asyncio.Future[None]] = set()
+        # The listing this node lists for its peers, ahead of its copy (peer_listing.ahead).
+        self._ahead_writer: ListingWriter | None = None
 
     async def run(self) -> StageSummary:
         rev = self.rev
@@ -227,6 +230,8 @@ class _Run(CopyRun):
             ticker.cancel()
             if self.listing_writer is not None:
                 self.listing_writer.abort()  # a no-op once finished
+            if self._ahead_writer is not None:
+                self._ahead_writer.abort()
             if finder is not None:
                 finder.cancel()
             if self.peers is not None:
@@ -283,7 +288,14 @@ class _Run(CopyRun):
             got = await asyncio.to_thread(peer_listing.from_peers, self.peers, self.rev, self.progress.note)
             if got is not None:
                 return peer_listing.read(got)
-            self.listing_writer = peer_listing.ListingWriter(self.rev)
+            # Listed ahead of this node's copy, for the peers waiting for the whole of it
+            # (peer_listing.ahead writes and finishes it; _plan need not write it again).
+            self._ahead_writer = peer_listing.ListingWriter(self.rev)
+            if self.opts.as_of:
+                pages = list_versions(self.source, self.opts.as_of)
+            else:
+                pages = list_objects(self.store, self.source.prefix, self.started_listing)
+            return peer_listing.ahead(pages, self._ahead_writer, self.rev.rev, self.selection.relative)
         if self.opts.as_of:
             return list_versions(self.source, self.opts.as_of)
         return list_objects(self.store, self.source.prefix, self.started_listing)
@@ -634,16 +646,35 @@ class _Run(CopyRun):
                 else None
             )
             try:
-                gots = await pn.ask(addr, wants, self._peer_tmp, claim, waits)
+                trace.mark("peer-go", len(wants))
+                early: set[int] = set()
+
+                def placed(i: int, tmp: str) -> None:
+                    # Into place as soon as it is here, not when the call's slowest object is
+                    # (its children may be asking this node for it): on the loop, from the reader.
+                    nonlocal owned
+                    self._peer_placed(group[i][0], tmp)
+                    early.add(i)
+                    owned -= 1
+                    room.release()
+
+                gots = await pn.ask(addr, wants, self._peer_tmp, claim, waits, placed)
+                if trace.ON:
+                    trace.mark("peer-placed", len(early))
+                    unclaimed = sum(1 for g in gots if g is not None and g.outcome is Outcome.UNCLAIMED)
+                    trace.mark("peer-unclaimed", unclaimed)
+                    trace.mark("peer-ms", int(1000 * (time.monotonic() - asked_at)))
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
-                for (item, hop, pause, since, patience, slow), got in zip(group, gots, strict=True):
+                for i, ((item, hop, pause, since, patience, slow), got) in enumerate(zip(group, gots, strict=True)):
                     if got is None or got.outcome is not Outcome.UNCLAIMED:
                         for marks in (behind, behind_hop):
                             if (mark := marks.get(addr)) is not None and item[0].key >= mark[0]:
                                 del marks[addr]  # it has come to the mark's key: the others are asked again
+                    if i in early:
+                        continue  # placed as it came
                     if got is not None and got.tmp:
-                        # Placed (most): here, without a task per object.
+                        # Placed, and no placed() (it is given one: kept for a call without)
                         self._peer_placed(item, got.tmp)
                         owned -= 1
                         room.release()

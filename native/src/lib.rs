@@ -18,8 +18,8 @@ mod creds;
 mod large;
 mod list;
 mod peer;
-mod splice;
 mod settings;
+mod splice;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -74,16 +74,27 @@ impl Copier {
         link_proc: bool,
     ) -> PyResult<Self> {
         let timeout = std::time::Duration::from_millis(
-            config.get("timeout_ms").and_then(|t| t.parse().ok()).unwrap_or(60_000),
+            config
+                .get("timeout_ms")
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(60_000),
         );
         let workers = workers.max(1);
-        let buffer_units = u32::try_from(buffer_bytes.div_ceil(copy::BUFFER_UNIT).max(1))
-            .map_err(|_| PyValueError::new_err(format!("buffer_bytes={buffer_bytes} is too large")))?;
-        let given =
-            creds::Given { access_key_id, secret_access_key, session_token, skip_signature, credential_provider };
+        let buffer_units =
+            u32::try_from(buffer_bytes.div_ceil(copy::BUFFER_UNIT).max(1)).map_err(|_| {
+                PyValueError::new_err(format!("buffer_bytes={buffer_bytes} is too large"))
+            })?;
+        let given = creds::Given {
+            access_key_id,
+            secret_access_key,
+            session_token,
+            skip_signature,
+            credential_provider,
+        };
         let builder = creds::apply(settings::builder(bucket, &config)?, given, "Copier")?;
-        let store: AmazonS3 =
-            builder.build().map_err(|e| PyValueError::new_err(format!("cannot configure the S3 client: {e}")))?;
+        let store: AmazonS3 = builder
+            .build()
+            .map_err(|e| PyValueError::new_err(format!("cannot configure the S3 client: {e}")))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(workers)
             .thread_name("dscache-native")
@@ -110,9 +121,17 @@ impl Copier {
             // The link goes through /proc (write_unnamed): without it, temp + rename.
             tmpfile: tmpfile && std::path::Path::new("/proc/self/fd").is_dir(),
             // Only through /proc, as kernels before 6.10 allow (tests of that way on newer ones).
-            link: std::sync::atomic::AtomicU8::new(if link_proc { copy::LINK_PROC } else { copy::LINK_UNKNOWN }),
+            link: std::sync::atomic::AtomicU8::new(if link_proc {
+                copy::LINK_PROC
+            } else {
+                copy::LINK_UNKNOWN
+            }),
         });
-        Ok(Copier { runtime, shared, workers })
+        Ok(Copier {
+            runtime,
+            shared,
+            workers,
+        })
     }
 
     #[getter]
@@ -125,21 +144,20 @@ impl Copier {
     /// when the batch failed, so the caller journals them. The first failure
     /// stops the rest of the batch (what has started finishes or is dropped
     /// before its temp file is renamed).
-    fn fetch(
-        &self,
-        py: Python<'_>,
-        tmp_dir: String,
-        items: Vec<Item>,
-    ) -> PyResult<BatchAnswer> {
+    fn fetch(&self, py: Python<'_>, tmp_dir: String, items: Vec<Item>) -> PyResult<BatchAnswer> {
         let shared = self.shared.clone();
         let (reply, answer) = tokio::sync::oneshot::channel();
         // One task onto the runtime (one wake of a worker); it spawns the
         // objects' tasks from inside, and the last of them answers (one wake
         // of this thread per batch).
-        self.runtime.spawn(async move { copy::batch(shared, tmp_dir, items, reply) });
+        self.runtime
+            .spawn(async move { copy::batch(shared, tmp_dir, items, reply) });
         let outcome = py.allow_threads(|| answer.blocking_recv());
         let (done, failure) = outcome.unwrap_or_else(|_| {
-            let f = copy::Failure::Store { kind: "generic", message: "native batch ended without an answer".into() };
+            let f = copy::Failure::Store {
+                kind: "generic",
+                message: "native batch ended without an answer".into(),
+            };
             (Vec::new(), Some((f, String::new())))
         });
         Ok((done, failure.map(|(f, key)| f.into_tuple(key))))
@@ -166,9 +184,14 @@ impl Copier {
             };
             let _ = reply.send(result);
         });
-        let outcome = py.allow_threads(|| answer.blocking_recv()).unwrap_or_else(|_| {
-            Err(copy::Failure::Store { kind: "generic", message: "native copy ended without an answer".into() })
-        });
+        let outcome = py
+            .allow_threads(|| answer.blocking_recv())
+            .unwrap_or_else(|_| {
+                Err(copy::Failure::Store {
+                    kind: "generic",
+                    message: "native copy ended without an answer".into(),
+                })
+            });
         Ok(match outcome {
             Ok(done) => (Some(done), None),
             Err(f) => (None, Some(f.into_tuple(key))),

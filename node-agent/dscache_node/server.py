@@ -9,6 +9,9 @@ POST /v1/peers      the stager: who else stages or holds its revision (a consume
                     on this node; it must hold C's lock and be copying that revision)
 GET  /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>
                     a peer's stager: one complete object (a consumer pod of the cache, any node)
+POST /v1/objects-batch
+                    a peer's stager: the small objects of a list that are whole here now, in one
+                    answer (never held; the same gate and bounds as one object)
 GET  /v1/listings/<namespace>/<cache>/<revision>?wait=<s>
                     a peer's stager: the revision's checked listing (listings.py; the same gate)
 
@@ -60,11 +63,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dscache_contract import RESERVE_PATH, WIPE_PATH, ArgsError, ReserveRequest, WipeRequest
 from dscache_contract.listings import LISTINGS_PATH
 from dscache_contract.peers import (
+    BATCH_OBJECT_MAX,
+    OBJECTS_BATCH_PATH,
     OBJECTS_PATH,
     PEERS_PATH,
     PROBE_PARAM,
     REVISION_HEADER,
     ObjectRequest,
+    ObjectsBatchRequest,
     PeersRequest,
     RevisionState,
     claims_path,
@@ -210,6 +216,8 @@ def _route(request: web.BaseRequest) -> str:
         return "objects_probe" if f"{PROBE_PARAM}=" in request.query_string else "objects"
     if path.startswith(LISTINGS_PATH):
         return "listings"
+    if path == OBJECTS_BATCH_PATH:
+        return "objects_batch"
     return {PEERS_PATH: "peers", RESERVE_PATH: "reserve", WIPE_PATH: "wipe", "/metrics": "metrics"}.get(
         path, "healthz" if path == "/healthz" else "other"
     )
@@ -360,6 +368,8 @@ class AgentServer:
                     return await self._object(request)
                 if request.path.startswith(LISTINGS_PATH):
                     return await serve_listing(self, request)
+            elif request.method == "POST" and request.path == OBJECTS_BATCH_PATH:
+                return await self._objects_batch(request)
             elif request.method == "POST" and request.path in (RESERVE_PATH, PEERS_PATH, WIPE_PATH):
                 return await self._post(request)
             return _error(404, f"no such path {request.method} {request.path}")
@@ -546,6 +556,104 @@ class AgentServer:
                 os.close(opened.fd)
         finally:
             self.objects.give(client)
+
+    async def _objects_batch(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Many small objects for a peer's stager in one answer (OBJECTS_BATCH_PATH): each one that
+        is whole here now, read into memory, the others' states, never held: a stager asks those
+        alone. One request of 32 objects cost the agent what one object cost (issue 30: 100,000 x
+        16 KiB through 4 nodes, ~0.25 ms of the agent's CPU per object request, aiohttp's)."""
+        if (request.content_length or 0) > MAX_BODY:
+            return _error(413, "request too large")
+        try:
+            async with asyncio.timeout(BODY_S):
+                raw = await request.read()
+        except TimeoutError:
+            return _error(408, f"the request body did not arrive within {BODY_S:.0f} s")
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, "request too large")
+        try:
+            req = ObjectsBatchRequest.from_json(raw)
+            check_request(req.namespace, req.cache, "x")
+        except (ArgsError, ValueError, KeyError, TypeError) as e:
+            return _error(400, f"bad request: {e}")
+        if (refused := await self.consumer_gate(request, OBJECTS_PATH, req.namespace, req.cache)) is not None:
+            return refused
+        client = _peer(request.transport) if request.transport else "?"
+        if not self.objects.take(client):
+            return _error(429, f"too many object requests in progress (from {client} or in all); ask another")
+        try:
+            c = self.agent.c(req.namespace, req.cache)
+            frames: list[bytes] = []
+            served = 0
+            missed: list[int] = []
+            for i, path in enumerate(req.paths):
+                try:
+                    check_request(req.namespace, req.cache, path)
+                except ValueError:
+                    frames.append(b"400 0 \n")
+                    continue
+                try:
+                    opened = open_object(c, req.revision, path)
+                except FileNotFoundError:
+                    frames.append(b"")  # its state below
+                    missed.append(i)
+                    continue
+                except OSError:
+                    frames.append(b"503 0 \n")
+                    continue
+                try:
+                    if opened.size > BATCH_OBJECT_MAX:
+                        frames.append(b"413 0 \n")  # a sending turn of its own: asked alone
+                        continue
+                    body = os.pread(opened.fd, opened.size, 0)
+                finally:
+                    os.close(opened.fd)
+                if len(body) != opened.size:
+                    frames.append(b"503 0 \n")  # shorter than a moment ago: no body, so no wrong one
+                    continue
+                frames.append(b"200 %d \n%s" % (len(body), body))
+                served += len(body)
+            if missed:
+                await self._batch_states(c, req, missed, frames)
+            self.agent.metrics.peer_served.inc(served)
+            return web.Response(
+                status=200,
+                body=b"".join(frames),
+                headers={"Content-Type": "application/octet-stream", REVISION_HEADER: req.revision},
+            )
+        finally:
+            self.objects.give(client)
+
+    async def _batch_states(self, c: str, req: ObjectsBatchRequest, missed: list[int], frames: list[bytes]) -> None:
+        """The frames of the batch's objects not here at its first look: one full look each (as a
+        held request's first), on the loop when the claims file to read is short, else on a thread."""
+
+        # poll_object raises NotHere for absent and unclaimed, returns it for staging.
+        def each() -> list[bytes]:
+            out = []
+            for i in missed:
+                try:
+                    got = poll_object(c, req.revision, req.paths[i], _locked, self.claims, True, req.relay, False)
+                except NotHere as e:
+                    out.append(b"404 0 %s\n" % e.state.value.encode())
+                    continue
+                except OSError:
+                    out.append(b"503 0 \n")
+                    continue
+                if isinstance(got, Opened):
+                    os.close(got.fd)  # placed since the first look: asked alone, at once
+                    state = RevisionState.STAGING
+                else:
+                    state = got.state
+                out.append(b"404 0 %s\n" % state.value.encode())
+            return out
+
+        if self._look_on_loop(c, req.revision, True):
+            got = each()
+        else:
+            got = await asyncio.get_running_loop().run_in_executor(None, each)
+        for i, frame in zip(missed, got, strict=True):
+            frames[i] = frame
 
     async def _wait_for(self, req: ObjectRequest) -> Opened:
         """The object once it is whole, waiting up to ``req.wait`` while a stager here copies it."""

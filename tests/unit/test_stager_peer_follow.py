@@ -134,10 +134,10 @@ class Script:
         return len(self.chains[key])
 
     async def ask(
-        self, addr: str, wants: list[Any], tmp: Any, claim: Any, waits: list[float] | None = None
+        self, addr: str, wants: list[Any], tmp: Any, claim: Any, waits: list[float] | None = None, placed: Any = None
     ) -> list[Obtained | None]:
         self.waits.append(waits)
-        return self.first(addr, wants, tmp, claim)
+        return self.first(addr, wants, tmp, claim)  # placed: not told early (sync places them after)
 
     def first(self, addr: str, wants: list[Any], tmp: Any, claim: Any) -> list[Obtained | None]:
         self.calls += 1

@@ -300,3 +300,79 @@ def test_the_agent_opens_the_whole_listing_only_through_real_directories(rev: Re
     os.symlink(secret, listing_path(c, REV))
     with pytest.raises(FileNotFoundError):
         open_listing(c, REV)
+
+
+# --- the lister lists ahead of its own copy (peer_listing.ahead) -----------------------------
+
+
+def _pages(objs: list[tuple[str, int, str, str | None, bool]], fail: BaseException | None = None):
+    from dscache_stager.objects import RemoteObject
+
+    async def gen():
+        for i in range(0, len(objs), 500):
+            await asyncio.sleep(0)
+            yield [RemoteObject(*o) for o in objs[i : i + 500]]
+        if fail is not None:
+            raise fail
+
+    return gen()
+
+
+def test_the_lister_puts_the_listing_in_place_before_its_copy_took_the_pages(rev: Revision):
+    """Its peers wait for the whole listing: it is in place once listed and hashed, while the
+    copy has taken one page, and what the copy takes is the listing, in order."""
+
+    async def go() -> list[str]:
+        w = peer_listing.ListingWriter(rev)
+        pages = peer_listing.ahead(_pages(OBJECTS), w, REV, lambda k: k)
+        got = [o.key for o in await pages.__anext__()]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert peer_listing.check_file(listing_path(rev.c, rev.rev), REV)  # in place already
+        async for page in pages:
+            got += [o.key for o in page]
+        return got
+
+    assert asyncio.run(go()) == [o[0] for o in OBJECTS]
+
+
+def test_the_lister_holds_at_most_its_bound_ahead_and_never_places_a_wrong_listing(rev: Revision):
+    async def bounded() -> None:
+        w = peer_listing.ListingWriter(rev)
+        pages = peer_listing.ahead(_pages(OBJECTS), w, REV, lambda k: k, most=1000)
+        await pages.__anext__()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        # 500 taken, 1000 held: the rest not listed yet, so not in place
+        assert not os.path.exists(listing_path(rev.c, rev.rev))
+        assert os.path.getsize(listing_part_path(rev.c, rev.rev)) == len(body_of(OBJECTS[:1500]))
+        await pages.aclose()
+        w.abort()
+
+    asyncio.run(bounded())
+    assert os.listdir(rev.tmp) == []
+
+    async def other_revision() -> None:
+        w = peer_listing.ListingWriter(rev)
+        async for _ in peer_listing.ahead(_pages(OBJECTS[:-1]), w, REV, lambda k: k):
+            pass
+        assert not os.path.exists(listing_path(rev.c, rev.rev))
+        w.abort()
+
+    asyncio.run(other_revision())
+
+
+def test_a_listing_that_fails_fails_where_the_copy_takes_the_next_page(rev: Revision):
+    async def go() -> int:
+        w = peer_listing.ListingWriter(rev)
+        n = 0
+        try:
+            async for page in peer_listing.ahead(_pages(OBJECTS, OSError("the bucket went away")), w, REV, lambda k: k):
+                n += len(page)
+        finally:
+            w.abort()
+        return n
+
+    with pytest.raises(OSError, match="went away"):
+        asyncio.run(go())
+    assert not os.path.exists(listing_path(rev.c, rev.rev))
