@@ -110,17 +110,11 @@ pub fn store_failure(e: object_store::Error) -> Failure {
     };
     // As obstore words its exceptions: the message, then the error's chain,
     // which source.source_error searches ("Connection refused", "403"...).
-    Failure::Store {
-        kind,
-        message: format!("{e}\n\nDebug source:\n{e:#?}"),
-    }
+    Failure::Store { kind, message: format!("{e}\n\nDebug source:\n{e:#?}") }
 }
 
 pub fn os_failure(e: io::Error, what: &str, path: &str) -> Failure {
-    Failure::Os {
-        errno: e.raw_os_error().unwrap_or(libc::EIO),
-        message: format!("{what} {path}: {e}"),
-    }
+    Failure::Os { errno: e.raw_os_error().unwrap_or(libc::EIO), message: format!("{what} {path}: {e}") }
 }
 
 /// What a batch hands back: (index, size, etag) of each object placed, and the failure that stopped the rest.
@@ -149,10 +143,7 @@ struct Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let result = self.result.take().unwrap_or_else(|| {
-            Err(Failure::Store {
-                kind: "generic",
-                message: "native task failed: it ended without a result".into(),
-            })
+            Err(Failure::Store { kind: "generic", message: "native task failed: it ended without a result".into() })
         });
         let mut g = self.gather.lock().unwrap_or_else(|e| e.into_inner());
         match result {
@@ -162,9 +153,7 @@ impl Drop for Slot {
                 // The first real failure wins over the cancellations it causes.
                 let first = match &g.failure {
                     None => true,
-                    Some((prev, _)) => {
-                        matches!(prev, Failure::Cancelled) && !matches!(f, Failure::Cancelled)
-                    }
+                    Some((prev, _)) => matches!(prev, Failure::Cancelled) && !matches!(f, Failure::Cancelled),
                 };
                 if first {
                     let key = g.keys[self.index].clone();
@@ -186,12 +175,7 @@ impl Drop for Slot {
 /// caller fails the run and cancels the others through Shared.stop). Called
 /// from a runtime worker, so the objects' tasks go to its local queue; the
 /// answer comes through ``reply`` once the last object has ended.
-pub fn batch(
-    shared: Arc<Shared>,
-    tmp_dir: String,
-    items: Vec<Item>,
-    reply: tokio::sync::oneshot::Sender<Outcome>,
-) {
+pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: tokio::sync::oneshot::Sender<Outcome>) {
     let n = items.len();
     if n == 0 {
         let _ = reply.send((Vec::new(), None));
@@ -208,12 +192,7 @@ pub fn batch(
         reply: Some(reply),
     }));
     for (index, item) in items.into_iter().enumerate() {
-        let mut slot = Slot {
-            gather: gather.clone(),
-            stop: stop.clone(),
-            index,
-            result: None,
-        };
+        let mut slot = Slot { gather: gather.clone(), stop: stop.clone(), index, result: None };
         let (shared, tmp_dir) = (shared.clone(), tmp_dir.clone());
         tokio::spawn(async move {
             let stop = slot.stop.clone();
@@ -231,18 +210,10 @@ pub fn batch(
 async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, String), Failure> {
     let (key, dest, etag, version, size) = item;
     // Held until the body is written (also across retries): what bounds memory.
-    let units = size
-        .div_ceil(BUFFER_UNIT)
-        .clamp(1, u64::from(shared.buffer_units)) as u32;
-    let _bytes = shared
-        .buffers
-        .acquire_many(units)
-        .await
-        .expect("the buffer semaphore is never closed");
-    let path = Path::parse(key).map_err(|e| Failure::Store {
-        kind: "generic",
-        message: format!("bad key {key:?}: {e}"),
-    })?;
+    let units = size.div_ceil(BUFFER_UNIT).clamp(1, u64::from(shared.buffer_units)) as u32;
+    let _bytes = shared.buffers.acquire_many(units).await.expect("the buffer semaphore is never closed");
+    let path =
+        Path::parse(key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
     let mut attempt = 1;
     loop {
         match once(shared, tmp_dir, &path, dest, etag, version).await {
@@ -273,16 +244,8 @@ async fn once(
         ..Default::default()
     };
     let (body, got_etag) = {
-        let _permit = shared
-            .requests
-            .acquire()
-            .await
-            .expect("the request semaphore is never closed");
-        let result = shared
-            .store
-            .get_opts(path, options)
-            .await
-            .map_err(store_failure)?;
+        let _permit = shared.requests.acquire().await.expect("the request semaphore is never closed");
+        let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
         let got_etag = result.meta.e_tag.clone().unwrap_or_default();
         (Body::collect(result.into_stream()).await?, got_etag)
     };
@@ -292,11 +255,7 @@ async fn once(
         match write_unnamed(dest, &body, &shared.link) {
             Ok(()) => return Ok((body.len, got_etag.trim_matches('"').to_string())),
             // A filesystem without O_TMPFILE: the named temp file below.
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)
-                ) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)) => {}
             Err(e) => return Err(os_failure(e, "placing", dest)),
         }
     }
@@ -322,13 +281,8 @@ struct Body {
 }
 
 impl Body {
-    async fn collect(
-        mut stream: BoxStream<'static, object_store::Result<Bytes>>,
-    ) -> Result<Body, Failure> {
-        let mut body = Body {
-            chunks: Vec::with_capacity(4),
-            len: 0,
-        };
+    async fn collect(mut stream: BoxStream<'static, object_store::Result<Bytes>>) -> Result<Body, Failure> {
+        let mut body = Body { chunks: Vec::with_capacity(4), len: 0 };
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(store_failure)?;
             body.len += chunk.len() as u64;
@@ -367,11 +321,7 @@ fn write_unnamed(dest: &str, body: &Body, way: &AtomicU8) -> io::Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     };
-    let mut f = OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_TMPFILE)
-        .mode(FILE_MODE)
-        .open(dir)?;
+    let mut f = OpenOptions::new().write(true).custom_flags(libc::O_TMPFILE).mode(FILE_MODE).open(dir)?;
     body.write_to(&mut f)?;
     let to = CString::new(dest).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     match link(&f, &to, way) {
@@ -403,26 +353,13 @@ fn link(f: &fs::File, to: &CStr, way_seen: &AtomicU8) -> io::Result<()> {
         return link_proc(f, to);
     }
     // SAFETY: a live descriptor and two NUL-terminated paths.
-    let r = unsafe {
-        libc::linkat(
-            f.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_FDCWD,
-            to.as_ptr(),
-            libc::AT_EMPTY_PATH,
-        )
-    };
+    let r = unsafe { libc::linkat(f.as_raw_fd(), c"".as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_EMPTY_PATH) };
     if r == 0 {
         way_seen.store(LINK_EMPTY_PATH, Ordering::Relaxed);
         return Ok(());
     }
     let e = io::Error::last_os_error();
-    if way == LINK_EMPTY_PATH
-        || !matches!(
-            e.raw_os_error(),
-            Some(libc::ENOENT | libc::EPERM | libc::EINVAL)
-        )
-    {
+    if way == LINK_EMPTY_PATH || !matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EPERM | libc::EINVAL)) {
         return Err(e);
     }
     // Refused, or the destination's directory is missing: /proc tells the two apart.
@@ -435,32 +372,15 @@ fn link(f: &fs::File, to: &CStr, way_seen: &AtomicU8) -> io::Result<()> {
 
 fn link_proc(f: &fs::File, to: &CStr) -> io::Result<()> {
     // linkat(AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH on older kernels; the /proc link does not.
-    let from =
-        CString::new(format!("/proc/self/fd/{}", f.as_raw_fd())).expect("no NUL in a number");
+    let from = CString::new(format!("/proc/self/fd/{}", f.as_raw_fd())).expect("no NUL in a number");
     // SAFETY: two live NUL-terminated paths.
-    let r = unsafe {
-        libc::linkat(
-            libc::AT_FDCWD,
-            from.as_ptr(),
-            libc::AT_FDCWD,
-            to.as_ptr(),
-            libc::AT_SYMLINK_FOLLOW,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    let r = unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
+    if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 fn write_new(tmp: &str, body: &Body) -> io::Result<()> {
     // O_EXCL: never write through a file (or symlink) someone left there.
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(FILE_MODE)
-        .open(tmp)?;
+    let mut f = OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).open(tmp)?;
     body.write_to(&mut f)
 }
 
@@ -479,10 +399,7 @@ pub fn place(tmp: &str, dest: &str) -> io::Result<()> {
 /// A number in [0, 1) for backoff jitter; no RNG crate needed for this.
 pub fn jitter() -> f64 {
     static STATE: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
     let mut x = STATE.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed) ^ nanos;
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);

@@ -25,10 +25,7 @@ impl std::fmt::Debug for PyCredentials {
 
 impl PyCredentials {
     pub fn new(provider: PyObject) -> Self {
-        PyCredentials {
-            provider,
-            cached: Mutex::new(None),
-        }
+        PyCredentials { provider, cached: Mutex::new(None) }
     }
 
     fn refresh(&self) -> object_store::Result<(Arc<AwsCredential>, Instant)> {
@@ -42,14 +39,7 @@ impl PyCredentials {
         // Renew a minute early (or at once for odd answers), as a request
         // signed just before expiry may reach S3 just after it.
         let valid = Duration::from_secs_f64((valid_s - 60.0).clamp(0.0, 86_400.0));
-        Ok((
-            Arc::new(AwsCredential {
-                key_id: key,
-                secret_key: secret,
-                token,
-            }),
-            Instant::now() + valid,
-        ))
+        Ok((Arc::new(AwsCredential { key_id: key, secret_key: secret, token }), Instant::now() + valid))
     }
 }
 
@@ -95,13 +85,8 @@ pub fn apply(
     } else if let Some(provider) = given.credential_provider {
         builder = builder.with_credentials(Arc::new(PyCredentials::new(provider)));
     } else if let (Some(key), Some(secret)) = (given.access_key_id, given.secret_access_key) {
-        let cred = AwsCredential {
-            key_id: key,
-            secret_key: secret,
-            token: given.session_token,
-        };
-        builder =
-            builder.with_credentials(Arc::new(object_store::StaticCredentialProvider::new(cred)));
+        let cred = AwsCredential { key_id: key, secret_key: secret, token: given.session_token };
+        builder = builder.with_credentials(Arc::new(object_store::StaticCredentialProvider::new(cred)));
     } else {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
             "dscache_native.{who} needs static keys, a credential_provider or skip_signature=True"

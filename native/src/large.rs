@@ -31,9 +31,7 @@ use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectStore};
 use tokio::task::JoinSet;
 
-use crate::copy::{
-    jitter, os_failure, place, store_failure, Failure, Item, Shared, BUFFER_UNIT, FILE_MODE,
-};
+use crate::copy::{jitter, os_failure, place, store_failure, Failure, Item, Shared, BUFFER_UNIT, FILE_MODE};
 use crate::splice::{self, Target};
 
 /// How long a presigned URL stays valid: longer than any part takes.
@@ -68,15 +66,10 @@ pub async fn object(
     part_bytes: u64,
 ) -> Result<(u64, String), Failure> {
     let (key, dest, etag, version, size) = item;
-    let path = Path::parse(&key).map_err(|e| Failure::Store {
-        kind: "generic",
-        message: format!("bad key {key:?}: {e}"),
-    })?;
+    let path =
+        Path::parse(&key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
     let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
-    let mut temp = Temp {
-        path: format!("{tmp_dir}/{}-L{seq}", shared.pid),
-        placed: false,
-    };
+    let mut temp = Temp { path: format!("{tmp_dir}/{}-L{seq}", shared.pid), placed: false };
     // O_EXCL: never write through a file (or symlink) someone left there.
     let file = OpenOptions::new()
         .write(true)
@@ -88,16 +81,11 @@ pub async fn object(
     // their offsets in any order. Not fallocate: ext4 then converts unwritten
     // extents on every write (fetch.py measured 0.3 s per 512 MiB); the free
     // space was checked against the whole revision before the copy began.
-    file.set_len(size)
-        .map_err(|e| os_failure(e, "sizing", &temp.path))?;
+    file.set_len(size).map_err(|e| os_failure(e, "sizing", &temp.path))?;
     let file = Arc::new(file);
     // Plain HTTP: splice(2) on a presigned URL, signed once for all the parts. A URL
     // cannot name a version (its query is signed), so a pinned version streams.
-    let target = if shared.splice && version.is_none() {
-        Some(Arc::new(presign(&shared, &path).await?))
-    } else {
-        None
-    };
+    let target = if shared.splice && version.is_none() { Some(Arc::new(presign(&shared, &path).await?)) } else { None };
     let part_bytes = part_bytes.max(1);
     let mut parts = JoinSet::new();
     let path = Arc::new(path);
@@ -105,16 +93,8 @@ pub async fn object(
     let mut start = 0;
     while start < size {
         let end = (start + part_bytes).min(size);
-        let (shared, path, pin, file, target) = (
-            shared.clone(),
-            path.clone(),
-            pin.clone(),
-            file.clone(),
-            target.clone(),
-        );
-        parts.spawn(async move {
-            part(&shared, &path, &pin.0, &pin.1, &file, &target, start, end).await
-        });
+        let (shared, path, pin, file, target) = (shared.clone(), path.clone(), pin.clone(), file.clone(), target.clone());
+        parts.spawn(async move { part(&shared, &path, &pin.0, &pin.1, &file, &target, start, end).await });
         start = end;
     }
     // Every part must end (or fail) before the file is renamed: JoinSet aborts
@@ -122,18 +102,13 @@ pub async fn object(
     // mid-write only ever writes into the temp file, which Temp removes.
     let mut etags: Option<String> = None;
     while let Some(joined) = parts.join_next().await {
-        let got = joined.map_err(|e| Failure::Store {
-            kind: "generic",
-            message: format!("a part's task failed: {e}"),
-        })??;
+        let got = joined.map_err(|e| Failure::Store { kind: "generic", message: format!("a part's task failed: {e}") })??;
         match &etags {
             // Without a listed ETag nothing pinned the parts: they must at least agree.
             Some(first) if *first != got => {
                 return Err(Failure::Store {
                     kind: "precondition",
-                    message: format!(
-                        "{key} changed while its parts were read: ETag {first} then {got}"
-                    ),
+                    message: format!("{key} changed while its parts were read: ETag {first} then {got}"),
                 })
             }
             _ => etags = Some(got),
@@ -143,23 +118,13 @@ pub async fn object(
     place(&temp.path, &dest).map_err(|e| os_failure(e, "placing", &dest))?;
     temp.placed = true;
     shared.large_objects.fetch_add(1, Ordering::Relaxed);
-    Ok((
-        size,
-        etags.unwrap_or_default().trim_matches('"').to_string(),
-    ))
+    Ok((size, etags.unwrap_or_default().trim_matches('"').to_string()))
 }
 
 async fn presign(shared: &Shared, path: &Path) -> Result<Target, Failure> {
     use object_store::signer::Signer;
-    let url = shared
-        .store
-        .signed_url(http::Method::GET, path, SIGNED_FOR)
-        .await
-        .map_err(store_failure)?;
-    let host = url.host_str().ok_or_else(|| Failure::Store {
-        kind: "generic",
-        message: format!("no host in {url}"),
-    })?;
+    let url = shared.store.signed_url(http::Method::GET, path, SIGNED_FOR).await.map_err(store_failure)?;
+    let host = url.host_str().ok_or_else(|| Failure::Store { kind: "generic", message: format!("no host in {url}") })?;
     let path = match url.query() {
         Some(q) => format!("{}?{q}", url.path()),
         None => url.path().to_string(),
@@ -168,16 +133,10 @@ async fn presign(shared: &Shared, path: &Path) -> Result<Target, Failure> {
     // getaddrinfo blocks: on a blocking thread, as the parts' connects are.
     // A failed lookup leaves the list empty: each part then resolves for itself, within its retries.
     let lookup = host.clone();
-    let addrs =
-        tokio::task::spawn_blocking(move || splice::resolve(&lookup, port).unwrap_or_default())
-            .await
-            .unwrap_or_default();
-    Ok(Target {
-        host,
-        port,
-        path,
-        addrs,
-    })
+    let addrs = tokio::task::spawn_blocking(move || splice::resolve(&lookup, port).unwrap_or_default())
+        .await
+        .unwrap_or_default();
+    Ok(Target { host, port, path, addrs })
 }
 
 /// Bytes [start, end) of the object into ``file`` at the same offsets, retried
@@ -195,17 +154,9 @@ async fn part(
 ) -> Result<String, Failure> {
     // Parts in flight (per copier), then the request limit and the byte budget
     // every request shares: a part holds at most FLUSH_BYTES of body at once.
-    let _part = shared
-        .parts
-        .acquire()
-        .await
-        .expect("the parts semaphore is never closed");
+    let _part = shared.parts.acquire().await.expect("the parts semaphore is never closed");
     let units = (FLUSH_BYTES as u64 / BUFFER_UNIT).min(u64::from(shared.buffer_units)) as u32;
-    let _bytes = shared
-        .buffers
-        .acquire_many(units)
-        .await
-        .expect("the buffer semaphore is never closed");
+    let _bytes = shared.buffers.acquire_many(units).await.expect("the buffer semaphore is never closed");
     let mut attempt = 1;
     loop {
         let tried = match target {
@@ -239,27 +190,13 @@ async fn spliced(
     start: u64,
     end: u64,
 ) -> Result<String, Failure> {
-    let _request = shared
-        .requests
-        .acquire()
-        .await
-        .expect("the request semaphore is never closed");
-    let (target, file, pin, timeout) = (
-        target.clone(),
-        file.clone(),
-        etag.to_string(),
-        shared.timeout,
-    );
+    let _request = shared.requests.acquire().await.expect("the request semaphore is never closed");
+    let (target, file, pin, timeout) = (target.clone(), file.clone(), etag.to_string(), shared.timeout);
     // Not abortable once started: a cancelled object's part ends on its own (or
     // times out), writing only into the temp file Temp removed.
-    tokio::task::spawn_blocking(move || {
-        splice::get_range_into(&target, file.as_raw_fd(), &pin, start, end, timeout)
-    })
-    .await
-    .map_err(|e| Failure::Store {
-        kind: "generic",
-        message: format!("a part's thread failed: {e}"),
-    })??;
+    tokio::task::spawn_blocking(move || splice::get_range_into(&target, file.as_raw_fd(), &pin, start, end, timeout))
+        .await
+        .map_err(|e| Failure::Store { kind: "generic", message: format!("a part's thread failed: {e}") })??;
     shared.spliced_parts.fetch_add(1, Ordering::Relaxed);
     Ok(etag.to_string())
 }
@@ -279,23 +216,12 @@ async fn once(
         range: Some(GetRange::Bounded(start..end)),
         ..Default::default()
     };
-    let _request = shared
-        .requests
-        .acquire()
-        .await
-        .expect("the request semaphore is never closed");
-    let result = shared
-        .store
-        .get_opts(path, options)
-        .await
-        .map_err(store_failure)?;
+    let _request = shared.requests.acquire().await.expect("the request semaphore is never closed");
+    let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
     if result.range != (start..end) {
         return Err(Failure::Store {
             kind: "generic",
-            message: format!(
-                "{path}: asked for bytes {start}-{end}, the server sent {:?}",
-                result.range
-            ),
+            message: format!("{path}: asked for bytes {start}-{end}, the server sent {:?}", result.range),
         });
     }
     let got_etag = result.meta.e_tag.clone().unwrap_or_default();
@@ -314,22 +240,17 @@ async fn once(
         held += chunk.len();
         pending.push(chunk);
         if held >= FLUSH_BYTES || pending.len() >= MAX_IOV {
-            offset = write_at(file, &pending, offset)
-                .map_err(|e| os_failure(e, "writing", path.as_ref()))?;
+            offset = write_at(file, &pending, offset).map_err(|e| os_failure(e, "writing", path.as_ref()))?;
             pending.clear();
             held = 0;
         }
     }
-    offset =
-        write_at(file, &pending, offset).map_err(|e| os_failure(e, "writing", path.as_ref()))?;
+    offset = write_at(file, &pending, offset).map_err(|e| os_failure(e, "writing", path.as_ref()))?;
     if offset != end {
         // Retried: the next attempt writes the whole part again at the same offsets.
         return Err(Failure::Store {
             kind: "generic",
-            message: format!(
-                "short read of {path} bytes {start}-{end}: got {}",
-                offset - start
-            ),
+            message: format!("short read of {path} bytes {start}-{end}: got {}", offset - start),
         });
     }
     Ok(got_etag)
@@ -349,19 +270,11 @@ fn write_at(file: &File, chunks: &[Bytes], mut offset: u64) -> io::Result<u64> {
                 continue;
             }
             let from = skip.saturating_sub(lo);
-            iov.push(libc::iovec {
-                iov_base: c[from..].as_ptr() as *mut libc::c_void,
-                iov_len: c.len() - from,
-            });
+            iov.push(libc::iovec { iov_base: c[from..].as_ptr() as *mut libc::c_void, iov_len: c.len() - from });
         }
         // SAFETY: every iovec points into a live Bytes of ``chunks`` for the call's duration.
         let n = unsafe {
-            libc::pwritev(
-                file.as_raw_fd(),
-                iov.as_ptr(),
-                iov.len() as libc::c_int,
-                offset as libc::off_t,
-            )
+            libc::pwritev(file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
         };
         if n < 0 {
             let e = io::Error::last_os_error();
@@ -371,10 +284,7 @@ fn write_at(file: &File, chunks: &[Bytes], mut offset: u64) -> io::Result<u64> {
             return Err(e);
         }
         if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::WriteZero,
-                "pwritev wrote nothing",
-            ));
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote nothing"));
         }
         skip += n as usize;
         offset += n as u64;

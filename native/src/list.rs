@@ -52,27 +52,18 @@ impl Store {
         skip_signature: bool,
         credential_provider: Option<PyObject>,
     ) -> PyResult<Self> {
-        let given = creds::Given {
-            access_key_id,
-            secret_access_key,
-            session_token,
-            skip_signature,
-            credential_provider,
-        };
+        let given =
+            creds::Given { access_key_id, secret_access_key, session_token, skip_signature, credential_provider };
         let builder = creds::apply(settings::builder(bucket, &config)?, given, "Store")?;
-        let store = builder
-            .build()
-            .map_err(|e| PyValueError::new_err(format!("cannot configure the S3 client: {e}")))?;
+        let store =
+            builder.build().map_err(|e| PyValueError::new_err(format!("cannot configure the S3 client: {e}")))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("dscache-list")
             .enable_all()
             .build()
             .map_err(|e| PyValueError::new_err(format!("cannot start the native runtime: {e}")))?;
-        Ok(Store {
-            runtime: Arc::new(runtime),
-            store: Arc::new(store),
-        })
+        Ok(Store { runtime: Arc::new(runtime), store: Arc::new(store) })
     }
 
     /// A listing of ``prefix`` ("" or ending in "/"), starting after ``offset`` when given
@@ -97,16 +88,11 @@ impl Store {
 
     /// HEAD ``key``: ((size, ETag unquoted), None), (None, None) when there is no such
     /// object, or (None, failure).
-    fn head(
-        &self,
-        py: Python<'_>,
-        key: &str,
-    ) -> PyResult<(Option<(u64, String)>, Option<FailureTuple>)> {
+    fn head(&self, py: Python<'_>, key: &str) -> PyResult<(Option<(u64, String)>, Option<FailureTuple>)> {
         let location = path(key)?;
         let store = self.store.clone();
         let runtime = self.runtime.clone();
-        let outcome =
-            py.allow_threads(|| runtime.block_on(async move { store.head(&location).await }));
+        let outcome = py.allow_threads(|| runtime.block_on(async move { store.head(&location).await }));
         Ok(match outcome {
             Ok(meta) => (Some((meta.size, etag(&meta))), None),
             Err(object_store::Error::NotFound { .. }) => (None, None),
@@ -178,11 +164,7 @@ fn path(key: &str) -> PyResult<Path> {
 }
 
 fn etag(meta: &ObjectMeta) -> String {
-    meta.e_tag
-        .as_deref()
-        .unwrap_or("")
-        .trim_matches('"')
-        .to_string()
+    meta.e_tag.as_deref().unwrap_or("").trim_matches('"').to_string()
 }
 
 /// The Copier's mapping, plus the kind a listing alone meets: a key object_store cannot
@@ -190,10 +172,7 @@ fn etag(meta: &ObjectMeta) -> String {
 fn list_failure(e: object_store::Error) -> Failure {
     let invalid = matches!(e, object_store::Error::InvalidPath { .. });
     match store_failure(e) {
-        Failure::Store { message, .. } if invalid => Failure::Store {
-            kind: "invalid_path",
-            message,
-        },
+        Failure::Store { message, .. } if invalid => Failure::Store { kind: "invalid_path", message },
         other => other,
     }
 }

@@ -18,11 +18,8 @@ fn get<'a>(config: &'a HashMap<String, String>, key: &str) -> PyResult<&'a str> 
 
 fn number<T: std::str::FromStr>(config: &HashMap<String, String>, key: &str) -> PyResult<T> {
     let text = get(config, key)?;
-    text.parse().map_err(|_| {
-        PyValueError::new_err(format!(
-            "native store setting {key}={text:?} is not a number"
-        ))
-    })
+    text.parse()
+        .map_err(|_| PyValueError::new_err(format!("native store setting {key}={text:?} is not a number")))
 }
 
 fn flag(config: &HashMap<String, String>, key: &str) -> PyResult<bool> {

@@ -44,10 +44,7 @@ pub fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, Failure> {
 }
 
 fn generic(message: String) -> Failure {
-    Failure::Store {
-        kind: "generic",
-        message,
-    }
+    Failure::Store { kind: "generic", message }
 }
 
 /// A status other than 206, as fetch.Fetcher._splice_part maps it: 5xx, 429 and a
@@ -55,37 +52,17 @@ fn generic(message: String) -> Failure {
 fn status_failure(status: u16, detail: &str) -> Failure {
     let message = format!("HTTP {status}: {detail}");
     match status {
-        404 => Failure::Store {
-            kind: "gone",
-            message,
-        },
-        401 | 403 => Failure::Store {
-            kind: "permission",
-            message,
-        },
-        412 => Failure::Store {
-            kind: "precondition",
-            message,
-        },
+        404 => Failure::Store { kind: "gone", message },
+        401 | 403 => Failure::Store { kind: "permission", message },
+        412 => Failure::Store { kind: "precondition", message },
         s if s >= 500 || s == 429 || s == 206 => generic(message),
-        _ => Failure::Store {
-            kind: "http",
-            message,
-        },
+        _ => Failure::Store { kind: "http", message },
     }
 }
 
 /// Bytes [start, end) of ``target`` into ``fd`` at the same offsets.
-pub fn get_range_into(
-    target: &Target,
-    fd: RawFd,
-    etag: &str,
-    start: u64,
-    end: u64,
-    timeout: Duration,
-) -> Result<(), Failure> {
-    let peer =
-        |e: io::Error, what: &str| generic(format!("{what} {}:{}: {e}", target.host, target.port));
+pub fn get_range_into(target: &Target, fd: RawFd, etag: &str, start: u64, end: u64, timeout: Duration) -> Result<(), Failure> {
+    let peer = |e: io::Error, what: &str| generic(format!("{what} {}:{}: {e}", target.host, target.port));
     let resolved;
     let addrs = if target.addrs.is_empty() {
         resolved = resolve(&target.host, target.port)?;
@@ -95,15 +72,9 @@ pub fn get_range_into(
     };
     let mut sock = connect(addrs, timeout).map_err(|e| peer(e, "connecting to"))?;
     // SO_RCVTIMEO also bounds each splice from the socket.
-    sock.set_read_timeout(Some(timeout))
-        .map_err(|e| peer(e, "configuring"))?;
-    sock.set_write_timeout(Some(timeout))
-        .map_err(|e| peer(e, "configuring"))?;
-    let host = if target.port == 80 {
-        target.host.clone()
-    } else {
-        format!("{}:{}", target.host, target.port)
-    };
+    sock.set_read_timeout(Some(timeout)).map_err(|e| peer(e, "configuring"))?;
+    sock.set_write_timeout(Some(timeout)).map_err(|e| peer(e, "configuring"))?;
+    let host = if target.port == 80 { target.host.clone() } else { format!("{}:{}", target.host, target.port) };
     let mut request = format!(
         "GET {} HTTP/1.1\r\nHost: {host}\r\nRange: bytes={start}-{}\r\nConnection: close\r\n",
         target.path,
@@ -113,26 +84,16 @@ pub fn get_range_into(
         request.push_str(&format!("If-Match: \"{etag}\"\r\n"));
     }
     request.push_str("\r\n");
-    sock.write_all(request.as_bytes())
-        .map_err(|e| peer(e, "sending to"))?;
+    sock.write_all(request.as_bytes()).map_err(|e| peer(e, "sending to"))?;
 
     let (head, body) = read_head(&mut sock).map_err(|e| peer(e, "reading the answer of"))?;
     let (status, length, chunked) = parse_head(&head)?;
     if status != 206 {
         let detail = String::from_utf8_lossy(if body.is_empty() { &head } else { &body });
-        return Err(status_failure(
-            status,
-            &detail.chars().take(300).collect::<String>(),
-        ));
+        return Err(status_failure(status, &detail.chars().take(300).collect::<String>()));
     }
     if chunked || length != Some(end - start) {
-        return Err(status_failure(
-            206,
-            &format!(
-                "unexpected framing (chunked {chunked}, length {length:?}) for {} bytes",
-                end - start
-            ),
-        ));
+        return Err(status_failure(206, &format!("unexpected framing (chunked {chunked}, length {length:?}) for {} bytes", end - start)));
     }
     if body.len() as u64 > end - start {
         return Err(generic(format!("the answer runs past bytes {start}-{end}")));
@@ -159,10 +120,7 @@ fn connect(addrs: &[SocketAddr], timeout: Duration) -> io::Result<TcpStream> {
 }
 
 fn os(e: io::Error) -> Failure {
-    Failure::Os {
-        errno: e.raw_os_error().unwrap_or(libc::EIO),
-        message: format!("writing a part: {e}"),
-    }
+    Failure::Os { errno: e.raw_os_error().unwrap_or(libc::EIO), message: format!("writing a part: {e}") }
 }
 
 fn read_head(sock: &mut TcpStream) -> io::Result<(Vec<u8>, Vec<u8>)> {
@@ -175,17 +133,11 @@ fn read_head(sock: &mut TcpStream) -> io::Result<(Vec<u8>, Vec<u8>)> {
             return Ok((buf, body));
         }
         if buf.len() > HEAD_LIMIT {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "response head too long",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "response head too long"));
         }
         let n = sock.read(&mut chunk)?;
         if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "connection closed before the response head",
-            ));
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed before the response head"));
         }
         buf.extend_from_slice(&chunk[..n]);
     }
@@ -203,13 +155,8 @@ fn parse_head(head: &[u8]) -> Result<(u16, Option<u64>, bool), Failure> {
         .ok_or_else(|| generic(format!("bad status line {first:?}")))?;
     let (mut length, mut chunked) = (None, false);
     for line in lines {
-        let Some((name, value)) = line.split_once(':') else {
-            continue;
-        };
-        let (name, value) = (
-            name.trim().to_ascii_lowercase(),
-            value.trim().to_ascii_lowercase(),
-        );
+        let Some((name, value)) = line.split_once(':') else { continue };
+        let (name, value) = (name.trim().to_ascii_lowercase(), value.trim().to_ascii_lowercase());
         if name == "content-length" {
             length = value.parse().ok();
         } else if name == "transfer-encoding" && value != "identity" {
@@ -222,14 +169,7 @@ fn parse_head(head: &[u8]) -> Result<(u16, Option<u64>, bool), Failure> {
 fn pwrite_all(fd: RawFd, mut data: &[u8], mut offset: u64) -> io::Result<()> {
     while !data.is_empty() {
         // SAFETY: data is a live slice for the call's duration.
-        let n = unsafe {
-            libc::pwrite(
-                fd,
-                data.as_ptr() as *const libc::c_void,
-                data.len(),
-                offset as libc::off_t,
-            )
-        };
+        let n = unsafe { libc::pwrite(fd, data.as_ptr() as *const libc::c_void, data.len(), offset as libc::off_t) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -257,14 +197,7 @@ fn splice_body(src: RawFd, dst: RawFd, mut offset: u64, end: u64) -> Result<(), 
         let want = PIPE_BYTES.min((end - offset) as usize);
         // SAFETY: plain descriptors; null offsets (the socket and the pipe have none).
         let n = unsafe {
-            libc::splice(
-                src,
-                std::ptr::null_mut(),
-                w.as_raw_fd(),
-                std::ptr::null_mut(),
-                want,
-                libc::SPLICE_F_MOVE,
-            )
+            libc::splice(src, std::ptr::null_mut(), w.as_raw_fd(), std::ptr::null_mut(), want, libc::SPLICE_F_MOVE)
         };
         if n < 0 {
             let e = io::Error::last_os_error();
@@ -274,24 +207,14 @@ fn splice_body(src: RawFd, dst: RawFd, mut offset: u64, end: u64) -> Result<(), 
             return Err(generic(format!("reading the body: {e}")));
         }
         if n == 0 {
-            return Err(generic(format!(
-                "short read: the connection closed {} bytes early",
-                end - offset
-            )));
+            return Err(generic(format!("short read: the connection closed {} bytes early", end - offset)));
         }
         let mut left = n as usize;
         while left > 0 {
             let mut off = offset as libc::loff_t;
             // SAFETY: off is a live loff_t the kernel advances; the pipe holds ``left`` bytes.
             let m = unsafe {
-                libc::splice(
-                    r.as_raw_fd(),
-                    std::ptr::null_mut(),
-                    dst,
-                    &mut off,
-                    left,
-                    libc::SPLICE_F_MOVE,
-                )
+                libc::splice(r.as_raw_fd(), std::ptr::null_mut(), dst, &mut off, left, libc::SPLICE_F_MOVE)
             };
             if m < 0 {
                 let e = io::Error::last_os_error();
@@ -301,10 +224,7 @@ fn splice_body(src: RawFd, dst: RawFd, mut offset: u64, end: u64) -> Result<(), 
                 return Err(os(e));
             }
             if m == 0 {
-                return Err(os(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "splice into the file wrote nothing",
-                )));
+                return Err(os(io::Error::new(io::ErrorKind::WriteZero, "splice into the file wrote nothing")));
             }
             left -= m as usize;
             offset += m as u64;
