@@ -672,13 +672,8 @@ class _Run(CopyRun):
                             if (mark := marks.get(addr)) is not None and item[0].key >= mark[0]:
                                 del marks[addr]  # it has come to the mark's key: the others are asked again
                     if i in early:
-                        continue  # placed as it came
-                    if got is not None and got.tmp:
-                        # Placed, and no placed() (it is given one: kept for a call without)
-                        self._peer_placed(item, got.tmp)
-                        owned -= 1
-                        room.release()
-                    elif got is not None and got.outcome is Outcome.UNCLAIMED:
+                        continue  # placed as it came (placed() above: every object placed goes there)
+                    if got is not None and got.outcome is Outcome.UNCLAIMED:
                         last = hop + 1 >= pn.hops(item[0].key, slow)
                         marks = behind if last else behind_hop
                         key, mark = item[0].key, marks.get(addr)
