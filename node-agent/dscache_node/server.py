@@ -209,6 +209,19 @@ def _peer(transport: asyncio.BaseTransport) -> str:
     return str(peername[0]) if peername else "?"
 
 
+async def _body(request: web.BaseRequest) -> bytes | web.Response:
+    """A POST's body, at most MAX_BODY and within BODY_S; else the answer that says which."""
+    if (request.content_length or 0) > MAX_BODY:
+        return _error(413, "request too large")
+    try:
+        async with asyncio.timeout(BODY_S):
+            return await request.read()
+    except TimeoutError:
+        return _error(408, f"the request body did not arrive within {BODY_S:.0f} s")
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, "request too large")
+
+
 def _route(request: web.BaseRequest) -> str:
     """The kind of a request, for the requests metric (a bounded set of values)."""
     path = request.path
@@ -381,15 +394,9 @@ class AgentServer:
 
     async def _post(self, request: web.BaseRequest) -> web.Response:
         started = time.monotonic()
-        if (request.content_length or 0) > MAX_BODY:
-            return _error(413, "request too large")
-        try:
-            async with asyncio.timeout(BODY_S):
-                raw = await request.read()
-        except TimeoutError:
-            return _error(408, f"the request body did not arrive within {BODY_S:.0f} s")
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, "request too large")
+        raw = await _body(request)
+        if isinstance(raw, web.Response):
+            return raw
         text = raw.decode(errors="replace")
         given, path, agent, gate = _bearer(request), request.path, self.agent, self.gate
         work: Callable[[], str]
@@ -562,15 +569,9 @@ class AgentServer:
         is whole here now, read into memory, the others' states, never held: a stager asks those
         alone. One request of 32 objects cost the agent what one object cost (issue 30: 100,000 x
         16 KiB through 4 nodes, ~0.25 ms of the agent's CPU per object request, aiohttp's)."""
-        if (request.content_length or 0) > MAX_BODY:
-            return _error(413, "request too large")
-        try:
-            async with asyncio.timeout(BODY_S):
-                raw = await request.read()
-        except TimeoutError:
-            return _error(408, f"the request body did not arrive within {BODY_S:.0f} s")
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, "request too large")
+        raw = await _body(request)
+        if isinstance(raw, web.Response):
+            return raw
         try:
             req = ObjectsBatchRequest.from_json(raw)
             check_request(req.namespace, req.cache, "x")
