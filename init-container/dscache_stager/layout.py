@@ -12,6 +12,7 @@ I/O on them:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -287,11 +288,23 @@ def make_dir_unnamed(path: str) -> None:
     Where ext4 places a directory made in a top of hierarchies (spread_subdirs) starts from a
     hash of its name: a revision staged again under the same name would start from the same
     block group as the copy wiped before it. A fresh name each time makes the start random.
-    The interim name has the GONE_PREFIX: if this process dies in between, no reader takes it
-    for a revision and the node agent removes it. Any failure of that route: plain makedirs.
+    The interim name has the NEW_PREFIX, which no reader takes for a revision. Not the
+    GONE_PREFIX: the node agent removes those whenever it sees them, and its removal (fd-based)
+    could run on inside the directory once renamed into place. An interim dir a killed process
+    left is empty (nothing is made in it before the rename), and only a stager holding the
+    cache's lock makes one: the next removes such leftovers here. Any failure of that route:
+    plain makedirs.
     """
     parent, name = os.path.split(path.rstrip("/"))
-    interim = os.path.join(parent, f"{GONE_PREFIX}new-{name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        with os.scandir(parent) as it:
+            for entry in it:
+                if entry.name.startswith(NEW_PREFIX):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(entry.path)  # empty, or not ours to touch
+    except OSError:
+        pass
+    interim = os.path.join(parent, f"{NEW_PREFIX}{name}-{os.getpid()}-{time.monotonic_ns()}")
     try:
         os.mkdir(interim, 0o755)
     except OSError:
@@ -342,6 +355,8 @@ def remove_tree(path: str) -> None:
 
 #: Prefix of a directory on its way out (see discard); readers and scanners skip it.
 GONE_PREFIX = ".gone-"
+#: Prefix of a revision directory on its way in (make_dir_unnamed); readers and scanners skip it.
+NEW_PREFIX = ".new-"
 
 
 def discard(path: str, remove: Callable[[str], None] | None = None) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dscache_stager import layout
-from dscache_stager.layout import FS_IOC_GETFLAGS, FS_TOPDIR_FL, GONE_PREFIX, Revision, make_dir_unnamed, spread_subdirs
+from dscache_stager.layout import FS_IOC_GETFLAGS, FS_TOPDIR_FL, NEW_PREFIX, Revision, make_dir_unnamed, spread_subdirs
 
 REV = "r-" + "a" * 20
 
@@ -137,7 +137,7 @@ def test_when_the_interim_dir_cannot_be_made_the_revision_dir_still_is(
     real_mkdir = os.mkdir
 
     def no_interim(p: str, mode: int = 0o777) -> None:
-        if os.path.basename(p).startswith(GONE_PREFIX):
+        if os.path.basename(p).startswith(NEW_PREFIX):
             raise OSError(errno.ENAMETOOLONG, "too long")
         real_mkdir(p, mode)
 
@@ -147,13 +147,29 @@ def test_when_the_interim_dir_cannot_be_made_the_revision_dir_still_is(
 
 
 def test_an_interim_dir_left_by_a_killed_run_is_no_revision(tmp_path: Path) -> None:
-    """It carries the GONE_PREFIX: the node agent's scan skips it and its leftovers pass removes it."""
+    """It carries the NEW_PREFIX: the node agent's scan skips it and its leftovers pass leaves it
+    alone (a stager may be between its mkdir and its rename: a removal running on inside the
+    renamed revision would take the stager's dirs); the next stager's prepare removes it."""
     from dscache_node import disk
 
     c = tmp_path / "ns" / "cache"
-    (c / "revs" / f"{GONE_PREFIX}new-{REV}-1-2").mkdir(parents=True)
+    left = c / "revs" / f"{NEW_PREFIX}{REV}-1-2"
+    left.mkdir(parents=True)
     assert disk.scan(str(tmp_path)) == []
-    assert disk.leftovers(str(tmp_path)) == [str(c / "revs" / f"{GONE_PREFIX}new-{REV}-1-2")]
+    assert disk.leftovers(str(tmp_path)) == []
+    Revision(str(c), REV).prepare()
+    assert sorted(os.listdir(c / "revs")) == [REV]
+
+
+def test_an_interim_name_that_is_not_empty_is_left_alone(tmp_path: Path) -> None:
+    """Only an empty leftover is removed (a killed run's always is): rmdir, never a tree."""
+    c = tmp_path / "c"
+    odd = c / "revs" / f"{NEW_PREFIX}someone-else"
+    odd.mkdir(parents=True)
+    (odd / "f").write_text("x")
+    Revision(str(c), REV).prepare()
+    assert sorted(os.listdir(c / "revs")) == sorted([REV, odd.name])
+    assert (odd / "f").read_text() == "x"
 
 
 def test_prepare_keeps_an_existing_revision(tmp_path: Path) -> None:
@@ -190,7 +206,7 @@ def test_prepare_makes_a_new_revision_dir_under_an_interim_name(
     rev = Revision(str(tmp_path / "c"), REV)
     rev.prepare()
     assert [dst for _, dst in renames] == [rev.dir]
-    assert renames[0][0].startswith(f"{GONE_PREFIX}new-{REV}-")
+    assert renames[0][0].startswith(f"{NEW_PREFIX}{REV}-")
     rev.prepare()  # it exists now: made once
     assert len(renames) == 1
 
