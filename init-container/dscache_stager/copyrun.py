@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from .layout import Revision
     from .listpage import Started
     from .native import NativeFetcher
-    from .peer_listing import ListingWriter
     from .progress import Progress
     from .store import AnyStore
     from .sync_options import SyncOptions
@@ -76,7 +75,6 @@ class CopyRun:
         self.needed = 0
         self.native: NativeFetcher | None = None
         self.started_listing = started
-        self.listing_writer: ListingWriter | None = None
         self.journal: IO[str]
         self.manifest: IO[str]
         self.started = time.monotonic()
@@ -99,15 +97,13 @@ class CopyRun:
 
     def _plan(self, batch: list[RemoteObject], known: dict[str, ManifestEntry]) -> list[Task]:
         """Hash, check and record one listing page; the objects of it still to copy (space reserved)."""
-        relative, hasher, progress, writer = self.selection.relative, self.hasher, self.progress, self.listing_writer
+        relative, hasher, progress = self.selection.relative, self.hasher, self.progress
         fetch: list[Task] = []
         for obj in batch:
             rel = relative(obj.key)
             if rel is None:
                 continue  # outside the selection, or the prefix's own directory marker
             hasher.add(obj.key, obj.size, obj.etag, obj.version_id)
-            if writer is not None:
-                writer.add(obj.key, obj.size, obj.etag, obj.version_id, obj.marker)
             if reason := unsafe_reason(rel):
                 self.hostile.append((obj.key, reason))
                 continue
@@ -133,8 +129,6 @@ class CopyRun:
             # can be written before the file exists.
             line = self._list_entry(ManifestEntry(obj.key, rel, obj.size, obj.etag, obj.version_id))
             fetch.append((obj, rel, line))
-        if writer is not None:
-            writer.flush()
         # Space is reserved a page at a time, so a short listing is
         # judged on its exact total before any of it is fetched.
         self._reserve([o for o, _, _ in fetch])

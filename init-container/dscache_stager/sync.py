@@ -133,8 +133,9 @@ class _Run(CopyRun):
         # Objects the peer workers read from the bucket after all, gathered into native batches.
         self._to_bucket: list[tuple[Task, asyncio.Future[None]]] = []
         self._bucket_batches: set[asyncio.Future[None]] = set()
-        # The listing this node lists for its peers, ahead of its copy (peer_listing.ahead).
-        self._ahead_writer: ListingWriter | None = None
+        # The listing this node lists for its peers, ahead of its copy (peer_listing.ahead writes
+        # it, and puts it in place once it hashed to the revision).
+        self.listing_writer: ListingWriter | None = None
 
     async def run(self) -> StageSummary:
         rev = self.rev
@@ -198,8 +199,6 @@ class _Run(CopyRun):
         async def feed() -> None:
             await self._produce(known, queue)
             self._check_revision()
-            if self.listing_writer is not None:
-                self.listing_writer.finish()  # it hashed to the revision: the agent may serve it
             for _ in range(bucket_workers):
                 await queue.put(None)
 
@@ -230,8 +229,6 @@ class _Run(CopyRun):
             ticker.cancel()
             if self.listing_writer is not None:
                 self.listing_writer.abort()  # a no-op once finished
-            if self._ahead_writer is not None:
-                self._ahead_writer.abort()
             if finder is not None:
                 finder.cancel()
             if self.peers is not None:
@@ -272,7 +269,7 @@ class _Run(CopyRun):
     async def _listing(self) -> AsyncIterator[list[RemoteObject]]:
         """Where the listing comes from: a peer's or this node's earlier one, checked against the
         revision (peer_listing.py), or the bucket; a node that lists the bucket with peers keeps
-        what it lists for them (``listing_writer``, in place once it hashed to the revision)."""
+        what it lists for them, listing ahead of its own copy (``listing_writer``)."""
         if self.peers is not None and self.started_listing is None:
             from . import peer_listing  # with peers only: http.client and the peers' modules
 
@@ -288,14 +285,14 @@ class _Run(CopyRun):
             got = await asyncio.to_thread(peer_listing.from_peers, self.peers, self.rev, self.progress.note)
             if got is not None:
                 return peer_listing.read(got)
-            # Listed ahead of this node's copy, for the peers waiting for the whole of it
-            # (peer_listing.ahead writes and finishes it; _plan need not write it again).
-            self._ahead_writer = peer_listing.ListingWriter(self.rev)
-            if self.opts.as_of:
-                pages = list_versions(self.source, self.opts.as_of)
-            else:
-                pages = list_objects(self.store, self.source.prefix, self.started_listing)
-            return peer_listing.ahead(pages, self._ahead_writer, self.rev.rev, self.selection.relative)
+            # Listed ahead of this node's copy, for the peers waiting for the whole of it.
+            self.listing_writer = peer_listing.ListingWriter(self.rev)
+            return peer_listing.ahead(
+                self._bucket_listing(), self.listing_writer, self.rev.rev, self.selection.relative
+            )
+        return self._bucket_listing()
+
+    def _bucket_listing(self) -> AsyncIterator[list[RemoteObject]]:
         if self.opts.as_of:
             return list_versions(self.source, self.opts.as_of)
         return list_objects(self.store, self.source.prefix, self.started_listing)

@@ -65,18 +65,16 @@ def listed_so_far(c: str, rev: str) -> int | None:
 
 async def serve_listing(server: AgentServer, request: web.BaseRequest) -> web.StreamResponse:
     """The route's handler (AgentServer._handle); the object route's gate and bounds."""
-    from .server import _error, _json, _peer  # the server imports this module
+    from .server import _error, _json  # the server imports this module
 
     try:
         req = ListingRequest.parse(request.path_qs)
         check_request(req.namespace, req.cache, LISTING_NAME)
     except (ValueError, contract.ArgsError) as e:
         return _error(400, f"bad request: {e}")
-    if (refused := await server.consumer_gate(request, LISTINGS_PATH, req.namespace, req.cache)) is not None:
-        return refused
-    client = _peer(request.transport) if request.transport else "?"
-    if not server.objects.take(client):
-        return _error(429, f"too many requests in progress (from {client} or in all); ask again")
+    client = await server.admit(request, LISTINGS_PATH, req.namespace, req.cache)
+    if isinstance(client, web.Response):
+        return client
     try:
         c = server.agent.c(req.namespace, req.cache)
         deadline = time.monotonic() + req.wait

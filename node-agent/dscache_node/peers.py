@@ -92,11 +92,12 @@ def revision_state(c: str, rev: str, locked: bool) -> RevisionState:
     return RevisionState.ABSENT
 
 
-def check_request(namespace: str, cache: str, path: str) -> None:
-    """ValueError when a requested name could step outside the revision's data dir."""
+def check_request(namespace: str, cache: str, path: str | None = None) -> None:
+    """ValueError when a requested name could step outside the revision's data dir (``path``
+    None: the namespace and cache only, as a batch's, whose paths are checked one by one)."""
     if not (valid_name(namespace) and valid_name(cache)):
         raise ValueError(f"{namespace!r}/{cache!r} is not a namespace/name")
-    if reason := unsafe_reason(path):
+    if path is not None and (reason := unsafe_reason(path)):
         raise ValueError(f"path {path!r}: {reason}")
 
 

@@ -519,6 +519,16 @@ class AgentServer:
         self.agent.metrics.peer_refused.inc()
         return _error(refused.status, refused.message)
 
+    async def admit(self, request: web.BaseRequest, route: str, namespace: str, cache: str) -> str | web.Response:
+        """A peer's read (objects, a batch, a listing) let in: its address, holding one of
+        ``self.objects``' slots (given back by the caller), or the answer that refuses it."""
+        if (refused := await self.consumer_gate(request, route, namespace, cache)) is not None:
+            return refused
+        client = _peer(request.transport) if request.transport else "?"
+        if not self.objects.take(client):
+            return _error(429, f"too many peer requests in progress (from {client} or in all); ask another")
+        return client
+
     async def _object(self, request: web.BaseRequest) -> web.StreamResponse:
         """One complete object for a peer's stager, streamed from the page cache (sendfile)."""
         try:
@@ -528,11 +538,9 @@ class AgentServer:
             check_request(req.namespace, req.cache, req.path)
         except (ValueError, ArgsError) as e:
             return _error(400, f"bad request: {e}")
-        if (refused := await self.consumer_gate(request, OBJECTS_PATH, req.namespace, req.cache)) is not None:
-            return refused
-        client = _peer(request.transport) if request.transport else "?"
-        if not self.objects.take(client):
-            return _error(429, f"too many object requests in progress (from {client} or in all); ask another")
+        client = await self.admit(request, OBJECTS_PATH, req.namespace, req.cache)
+        if isinstance(client, web.Response):
+            return client
         try:
             started = time.monotonic()
             try:
@@ -574,14 +582,12 @@ class AgentServer:
             return raw
         try:
             req = ObjectsBatchRequest.from_json(raw)
-            check_request(req.namespace, req.cache, "x")
+            check_request(req.namespace, req.cache)
         except (ArgsError, ValueError, KeyError, TypeError) as e:
             return _error(400, f"bad request: {e}")
-        if (refused := await self.consumer_gate(request, OBJECTS_PATH, req.namespace, req.cache)) is not None:
-            return refused
-        client = _peer(request.transport) if request.transport else "?"
-        if not self.objects.take(client):
-            return _error(429, f"too many object requests in progress (from {client} or in all); ask another")
+        client = await self.admit(request, OBJECTS_PATH, req.namespace, req.cache)
+        if isinstance(client, web.Response):
+            return client
         try:
             c = self.agent.c(req.namespace, req.cache)
             frames: list[bytes] = []
