@@ -53,6 +53,7 @@ def main() -> int:
         log.warning("no serving certificate (DSCACHE_AGENT_TLS_CERT): peers' bytes and tokens go in clear HTTP")
     gate = Gate(kube, settings.node, settings.controller_user)
     gate.reviews.on_review = agent.metrics.token_reviews.inc
+    gate.reviews.on_local = agent.metrics.token_local_checks.inc
     server = make_server(agent, gate, settings.port, tls=tls)
 
     def on_term(*_: object) -> None:

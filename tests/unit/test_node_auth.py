@@ -19,6 +19,7 @@ from dscache_node.auth import (
     NeedsApi,
     Reviews,
 )
+from dscache_node.jwks import DISCOVERY_PATH, JWKS_PATH
 
 CONTROLLER = "system:serviceaccount:dscache-system:dscache-controller"
 NOW = 1_800_000_000.0
@@ -41,7 +42,9 @@ def _name(token: str) -> str:
 class FakeReviews:
     """TokenReview and pod GETs: ``tokens``: name -> (namespace, pod, pod uid) of a pod-bound token
     for PEER_AUDIENCE (or a username str: a ServiceAccount's token for ``audiences[name]``);
-    ``pods``: uid -> (its dscache.io/cache, its node)."""
+    ``pods``: uid -> (its dscache.io/cache, its node). The issuer's discovery document and keys:
+    ``keys`` (``{"issuer": ..., "jwks": ...}``; None: not served, 404, as before local checks;
+    an ApiError: raised), their GETs in ``key_gets``."""
 
     def __init__(
         self,
@@ -52,6 +55,8 @@ class FakeReviews:
         self.tokens, self.pods, self.audiences = tokens, pods, audiences or {}
         self.reviews: list[str] = []
         self.gets: list[str] = []
+        self.keys: dict[str, Any] | Exception | None = None
+        self.key_gets: list[str] = []
 
     @classmethod
     def gate(cls, node: str, tokens: dict[str, Any], pods: dict[str, Any], clock: Any = None) -> Gate:
@@ -83,6 +88,13 @@ class FakeReviews:
         return {"status": {"authenticated": True, "audiences": [audience], "user": user}}
 
     def get(self, path: str) -> dict[str, Any] | None:
+        if path in (DISCOVERY_PATH, JWKS_PATH):
+            self.key_gets.append(path)
+            if isinstance(self.keys, Exception):
+                raise self.keys
+            if self.keys is None:
+                return None
+            return {"issuer": self.keys["issuer"]} if path == DISCOVERY_PATH else self.keys["jwks"]
         self.gets.append(path)
         name = path.rsplit("/", 1)[1]
         for uid, (cache, node) in self.pods.items():
