@@ -36,6 +36,8 @@ log = logging.getLogger("dscache-node")
 
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 JWKS_PATH = "/openid/v1/jwks"
+#: The only representation the API server serves the key set in (application/json: 406).
+JWKS_MEDIA_TYPE = "application/jwk-set+json"
 #: What the API server signs ServiceAccount tokens with (its key is RSA or P-256 ECDSA); anything
 #: else (none, HS256, ...) is refused.
 ALGORITHMS: Final = ("RS256", "ES256")
@@ -147,7 +149,7 @@ class IssuerKeys:
         issuer = discovery.get("issuer")
         if not isinstance(issuer, str) or not issuer:
             raise ValueError(f"{DISCOVERY_PATH} names no issuer")
-        jwks = self.kube.get(JWKS_PATH)
+        jwks = self.kube.get(JWKS_PATH, accept=JWKS_MEDIA_TYPE)
         if jwks is None:
             raise ValueError(f"{JWKS_PATH} not found")
         keys: dict[str, jwt.PyJWK] = {}

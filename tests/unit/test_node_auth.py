@@ -19,7 +19,8 @@ from dscache_node.auth import (
     NeedsApi,
     Reviews,
 )
-from dscache_node.jwks import DISCOVERY_PATH, JWKS_PATH
+from dscache_node.jwks import DISCOVERY_PATH, JWKS_MEDIA_TYPE, JWKS_PATH
+from dscache_node.kube import ApiError
 
 CONTROLLER = "system:serviceaccount:dscache-system:dscache-controller"
 NOW = 1_800_000_000.0
@@ -87,9 +88,12 @@ class FakeReviews:
             }
         return {"status": {"authenticated": True, "audiences": [audience], "user": user}}
 
-    def get(self, path: str) -> dict[str, Any] | None:
+    def get(self, path: str, accept: str = "application/json") -> dict[str, Any] | None:
         if path in (DISCOVERY_PATH, JWKS_PATH):
             self.key_gets.append(path)
+            # As the API server: the key set in its own media type only (406 for application/json).
+            if (path == JWKS_PATH) != (accept == JWKS_MEDIA_TYPE):
+                raise ApiError(406, f"Not Acceptable: {accept}")
             if isinstance(self.keys, Exception):
                 raise self.keys
             if self.keys is None:
