@@ -22,6 +22,7 @@ from dscache_contract.peers import PEER_AUDIENCE, agent_audience
 from dscache_node.auth import MAX_TRUST_S, Gate, NeedsApi, Reviews
 from dscache_node.jwks import KEYS_MAX_AGE_S, REFETCH_MIN_S, RETRY_S, SKEW_S, IssuerKeys, LocalVerifier
 from dscache_node.kube import ApiError
+from dscache_node.settings import AgentSettings
 from tests.unit.test_node_auth import CONTROLLER, NOW, Clock, FakeReviews
 
 ISSUER = "https://kubernetes.default.svc"
@@ -294,3 +295,15 @@ def test_a_verdict_is_kept_no_longer_than_before(gk, issuer: Issuer, clock: Cloc
     assert status(gate, token) == 200 and gate.reviews.local_checks == 1  # kept
     clock.t += MAX_TRUST_S + 1
     assert status(gate, token) == 200 and gate.reviews.local_checks == 2
+
+
+def test_turned_off_every_token_goes_to_token_review(issuer: Issuer, clock: Clock):
+    env = {"DSCACHE_NODE_NAME": "n1", "DSCACHE_CACHE_ROOT": "/x"}
+    assert AgentSettings.from_env(env).local_token_check
+    settings = AgentSettings.from_env({**env, "DSCACHE_LOCAL_TOKEN_CHECK": "false"})
+    assert not settings.local_token_check
+    kube = FakeReviews({"system:serviceaccount:ml:default": ("ml", "s", "u1")}, PODS)
+    kube.keys = {"issuer": ISSUER, "jwks": issuer.jwks()}
+    gate = Gate(kube, "n1", CONTROLLER, clock, Reviews(kube, clock, local=settings.local_token_check))  # type: ignore[arg-type]
+    assert status(gate, issuer.token()) == 200
+    assert kube.reviews == ["system:serviceaccount:ml:default"] and kube.key_gets == []
