@@ -298,7 +298,16 @@ class Gate:
             return pod
         if offline:
             raise NeedsApi
-        got = self.kube.get(f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/pods/{urllib.parse.quote(name)}")
+        path = f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/pods/{urllib.parse.quote(name)}"
+        # From the API server's watch cache first (resourceVersion=0): no etcd read, ~40% less API
+        # server and etcd CPU per GET (bench/token_checks.py), and these are N x N per staging. The
+        # cache lags etcd by milliseconds: a pod deleted that moment ago may still be seen, well
+        # inside the MAX_TRUST_S a pod is kept anyway. A pod not (yet) there, or another uid, is
+        # asked of etcd before the token is refused: a stager's pod created a moment ago is not
+        # refused because the cache has not seen it.
+        got = self.kube.get(f"{path}?resourceVersion=0")
+        if ((got or {}).get("metadata") or {}).get("uid") != uid:
+            got = self.kube.get(path)
         meta = (got or {}).get("metadata") or {}
         if meta.get("uid") != uid:
             return None  # gone, or another pod of that name since: the token's pod no longer exists

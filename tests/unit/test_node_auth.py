@@ -43,7 +43,8 @@ def _name(token: str) -> str:
 class FakeReviews:
     """TokenReview and pod GETs: ``tokens``: name -> (namespace, pod, pod uid) of a pod-bound token
     for PEER_AUDIENCE (or a username str: a ServiceAccount's token for ``audiences[name]``);
-    ``pods``: uid -> (its dscache.io/cache, its node). The issuer's discovery document and keys:
+    ``pods``: uid -> (its dscache.io/cache, its node), and ``cached`` the watch cache's if it lags
+    (None: the same). The issuer's discovery document and keys:
     ``keys`` (``{"issuer": ..., "jwks": ...}``; None: not served, 404, as before local checks;
     an ApiError: raised), their GETs in ``key_gets``."""
 
@@ -57,6 +58,7 @@ class FakeReviews:
         self.reviews: list[str] = []
         self.gets: list[str] = []
         self.keys: dict[str, Any] | Exception | None = None
+        self.cached: dict[str, tuple[str | None, str]] | None = None
         self.key_gets: list[str] = []
 
     @classmethod
@@ -100,8 +102,11 @@ class FakeReviews:
                 return None
             return {"issuer": self.keys["issuer"]} if path == DISCOVERY_PATH else self.keys["jwks"]
         self.gets.append(path)
+        path, _, query = path.partition("?")
         name = path.rsplit("/", 1)[1]
-        for uid, (cache, node) in self.pods.items():
+        # resourceVersion=0: the API server's watch cache, ``cached`` when a test sets it apart.
+        pods = self.cached if query == "resourceVersion=0" and self.cached is not None else self.pods
+        for uid, (cache, node) in pods.items():
             who = next((w for w in self.tokens.values() if not isinstance(w, str) and w[2] == uid), None)
             if who is not None and who[1] == name:
                 ann = {"dscache.io/cache": cache} if cache else {}

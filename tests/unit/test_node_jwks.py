@@ -120,7 +120,7 @@ def test_a_stager_token_is_verified_here_with_one_pod_get(gk, issuer: Issuer):
     for _ in range(3):
         assert status(gate, token, here=True) == 200
     assert kube.reviews == []  # no TokenReview at all
-    assert kube.gets == ["/api/v1/namespaces/ml/pods/s"]  # the pod, once
+    assert kube.gets == ["/api/v1/namespaces/ml/pods/s?resourceVersion=0"]  # the pod, once, from the cache
     assert kube.key_gets == ["/.well-known/openid-configuration", "/openid/v1/jwks"]  # the keys, once
     assert gate.reviews.local_checks == 1 and gate.reviews.calls == 0
     assert status(gate, issuer.token(pod=("e", "u2"))) == 200  # a peer's stager, another node
@@ -307,3 +307,18 @@ def test_turned_off_every_token_goes_to_token_review(issuer: Issuer, clock: Cloc
     gate = Gate(kube, "n1", CONTROLLER, clock, Reviews(kube, clock, local=settings.local_token_check))  # type: ignore[arg-type]
     assert status(gate, issuer.token()) == 200
     assert kube.reviews == ["system:serviceaccount:ml:default"] and kube.key_gets == []
+
+
+def test_the_pod_is_read_from_the_watch_cache_and_etcd_on_a_miss(gk, issuer: Issuer):
+    """The pod GET is N x N per staging: from the API server's watch cache (no etcd read), and
+    only when the pod is not there (or has another uid) from etcd, so a pod created a moment
+    ago is not refused for the cache's lag."""
+    gate, kube = gk
+    kube.cached = {}  # the cache has not seen the stager's pod yet
+    assert status(gate, issuer.token()) == 200
+    assert kube.gets == ["/api/v1/namespaces/ml/pods/s?resourceVersion=0", "/api/v1/namespaces/ml/pods/s"]
+    assert status(gate, issuer.token(pod=("gone", "u9"))) == 401  # in neither: gone
+    assert kube.gets[2:] == ["/api/v1/namespaces/ml/pods/gone?resourceVersion=0", "/api/v1/namespaces/ml/pods/gone"]
+    kube.cached = dict(PODS)  # caught up
+    assert status(gate, issuer.token(pod=("e", "u2"))) == 200
+    assert kube.gets[4:] == ["/api/v1/namespaces/ml/pods/e?resourceVersion=0"]
