@@ -31,12 +31,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dscache_contract.peers import PEER_AUDIENCE  # noqa: E402
-from dscache_node.auth import REVIEW_PATH  # noqa: E402
-from dscache_node.jwks import IssuerKeys, LocalVerifier  # noqa: E402
-from dscache_node.kube import Kube  # noqa: E402
-from tests.support.agentauth import consumer_pod, pod_token  # noqa: E402
-from tests.support.kubeapi import KubeAPI  # noqa: E402
+from dscache_contract.peers import PEER_AUDIENCE
+from dscache_node.auth import REVIEW_PATH
+from dscache_node.jwks import IssuerKeys, LocalVerifier
+from dscache_node.kube import Kube
+from tests.support.agentauth import consumer_pod, pod_token
+from tests.support.kubeapi import KubeAPI
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -107,9 +107,7 @@ def main() -> int:
             "tokens": args.tokens,
             "token_review": measure("token_review", pids, len(tokens), reviews),
             "pod_get": measure("pod_get", pids, len(pods), gets),
-            "pod_get_watch_cache": measure(
-                "pod_get_watch_cache", pids, len(pods), lambda: gets("?resourceVersion=0")
-            ),
+            "pod_get_watch_cache": measure("pod_get_watch_cache", pids, len(pods), lambda: gets("?resourceVersion=0")),
             "local": measure("local", pids, len(tokens), local),
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
         }
