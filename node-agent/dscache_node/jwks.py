@@ -21,6 +21,7 @@ agent says once in its log why.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import threading
 import time
@@ -80,22 +81,20 @@ class IssuerKeys:
     def __init__(self, kube: Kube, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.kube, self.monotonic = kube, monotonic
         self._set: _KeySet | None = None
-        #: Why the keys are not used (None: they are, or were never asked for) and until when.
-        self._unavailable: tuple[str, float] | None = None
+        #: After a failed fetch: TokenReview until then.
+        self._retry_at = float("-inf")
         self._last_fetch = float("-inf")
         self._lock = threading.Lock()
         self._said: str | None = None
         self._issuers_logged: set[str] = set()
-        #: GETs of the discovery document and the key set (tests, and the metrics' view of cost).
-        self.fetches = 0
 
     def current(self, offline: bool) -> _KeySet | None:
         """The keys to verify with; None: use TokenReview (they cannot be had now)."""
         now = self.monotonic()
-        s, unavailable = self._set, self._unavailable
+        s = self._set
         if s is not None and now - s.fetched < KEYS_MAX_AGE_S:
             return s
-        if unavailable is not None and now < unavailable[1]:
+        if now < self._retry_at:
             return None
         if offline:
             raise NeedsFetch
@@ -117,25 +116,23 @@ class IssuerKeys:
             now = self.monotonic()
             if self._set is not stale:  # another thread fetched meanwhile
                 return self._set
-            if self._unavailable is not None and now < self._unavailable[1]:
+            if now < self._retry_at:
                 return None  # another thread failed to, a moment ago
             self._last_fetch = now
-            self.fetches += 1
             try:
                 got = self._get_set(now)
-            except (ApiError, OSError, ValueError, jwt.PyJWTError) as e:
+            except (ApiError, OSError, http.client.HTTPException, ValueError, jwt.PyJWTError) as e:
                 # Not kept on failure, even if a set is held: past KEYS_MAX_AGE_S it may hold a key
                 # the API server no longer trusts, and TokenReview (which asks the API server) is
                 # the safe answer meanwhile.
                 self._set = None
-                reason = _why(e)
-                self._unavailable = (reason, now + RETRY_S)
+                self._retry_at = now + RETRY_S
                 self._say(
                     f"checking tokens by TokenReview: the API server's ServiceAccount keys could not be fetched "
-                    f"({reason}); trying again every {RETRY_S:.0f} s"
+                    f"({_why(e)}); trying again every {RETRY_S:.0f} s"
                 )
                 return None
-            self._set, self._unavailable = got, None
+            self._set, self._retry_at = got, float("-inf")
             self._say(
                 f"verifying ServiceAccount tokens of issuer {got.issuer} locally "
                 f"({len(got.keys)} key(s) from {JWKS_PATH}); other issuers by TokenReview"
@@ -158,8 +155,8 @@ class IssuerKeys:
                 continue
             try:
                 k = jwt.PyJWK(entry)
-            except jwt.PyJWTError:
-                continue  # a key type or curve we do not verify with: its tokens will be refused
+            except (jwt.PyJWTError, ValueError, TypeError, KeyError):
+                continue  # a key type or curve we do not verify with (or malformed): its tokens are refused
             if k.algorithm_name in ALGORITHMS:
                 keys[str(entry["kid"])] = k
         if not keys:
