@@ -322,3 +322,20 @@ def test_the_pod_is_read_from_the_watch_cache_and_etcd_on_a_miss(gk, issuer: Iss
     kube.cached = dict(PODS)  # caught up
     assert status(gate, issuer.token(pod=("e", "u2"))) == 200
     assert kube.gets[4:] == ["/api/v1/namespaces/ml/pods/e?resourceVersion=0"]
+
+
+def test_only_rs256_and_es256_keys_of_the_set_are_used(gk, issuer: Issuer, clock: Clock):
+    """A symmetric or malformed entry in the key set is skipped: a token naming it is refused."""
+    gate, kube = gk
+    secret = b"s" * 32
+    jwks = issuer.jwks()
+    jwks["keys"] += [
+        {"kty": "oct", "k": base64.urlsafe_b64encode(secret).rstrip(b"=").decode(), "kid": "hs", "alg": "HS256"},
+        {"kty": "RSA", "kid": "broken", "n": "!!", "e": "AQAB"},
+        {"kty": "EC", "crv": "P-384", "kid": "p384", "x": "AA", "y": "AA"},
+    ]
+    kube.keys = {"issuer": ISSUER, "jwks": jwks}
+    claims = jwt.decode(issuer.token(), options={"verify_signature": False})
+    assert status(gate, jwt.encode(claims, secret, "HS256", headers={"kid": "hs"})) == 401
+    assert status(gate, issuer.token()) == 200  # the good key still is
+    assert kube.reviews == []
