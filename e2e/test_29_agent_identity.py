@@ -5,7 +5,9 @@
   TLS checked against the chart's CA for the agents' name. A pod of another namespace, a pod of
   the right namespace that names no cache, that pod's token expired (signed with the cluster's
   own service-account key, only ``exp`` in the past), and a tenant's tokens on the wipe endpoint
-  all get 401 or 403 and no byte; the copy is still there afterwards.
+  all get 401 or 403 and no byte; the copy is still there afterwards. The consumer's token is
+  verified by the agent itself (issue 30): its local-check counter moves, its TokenReviews do not
+  (this also proves the image carries PyJWT and the chart's RBAC lets the agent read the keys).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from conftest import cache_status, send_go, wait_verified
 from support import workloads as w
-from support.agent import agent_call
+from support.agent import agent_call, agent_log
 from support.kube import node_sh
 
 import dscache_contract as contract
@@ -84,6 +86,18 @@ def _expired(token: str, sa_key_pem: bytes) -> str:
     return f"{signing_input}.{base64.urlsafe_b64encode(sig).rstrip(b'=').decode()}"
 
 
+def _token_checks(call) -> tuple[float, float]:
+    """The agent's counters: tokens it verified itself, TokenReviews it sent."""
+    code, text = call("GET", "/metrics", None)
+    assert code == 200, code
+    lines = text.decode().splitlines()
+
+    def value(name: str) -> float:
+        return float(next(x for x in lines if x.startswith(f"{name}_total ")).split()[-1])
+
+    return value("dscache_node_token_local_checks"), value("dscache_node_token_reviews")
+
+
 def _control_plane(kube) -> str:
     nodes = kube.items("nodes", selector="node-role.kubernetes.io/control-plane")
     assert nodes, "no control-plane node to read the service-account key from"
@@ -108,9 +122,13 @@ def test_agent_trusts_pod_identity(cfg, kube, cache_factory, dataset, namespaces
         want = dataset.files[KEY]
         sa = pod["spec"].get("serviceAccountName") or "default"
 
-        # The consumer's own token (as its projected volume holds it): served, over TLS.
+        # The consumer's own token (as its projected volume holds it): served, over TLS, verified
+        # by the agent itself against the cluster's published keys (issue 30): no TokenReview.
+        checks_before = _token_checks(call)
         own = _token(kube, ns, sa, PEER_AUDIENCE, pod)
         assert call("GET", path, own) == (200, want), "the cache's own consumer pod must read its objects"
+        local, reviews = (after - before for after, before in zip(_token_checks(call), checks_before, strict=True))
+        assert local >= 1 and reviews == 0, (local, reviews, agent_log(kube, node)[-2000:])
 
         other_ns = namespaces["baseline"] if namespaces["baseline"] != ns else namespaces["restricted"]
         stranger = _bystander(kube, other_ns, cfg.stager_image)

@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 from .agent import Agent
-from .auth import Gate
+from .auth import Gate, Reviews
 from .kube import Kube
 from .metrics import AgentMetrics
 from .pods import watch_forever
@@ -51,8 +51,9 @@ def main() -> int:
     tls = tls_context(settings.tls_cert, settings.tls_key or settings.tls_cert) if settings.tls_cert else None
     if tls is None:
         log.warning("no serving certificate (DSCACHE_AGENT_TLS_CERT): peers' bytes and tokens go in clear HTTP")
-    gate = Gate(kube, settings.node, settings.controller_user)
+    gate = Gate(kube, settings.node, settings.controller_user, reviews=Reviews(kube, local=settings.local_token_check))
     gate.reviews.on_review = agent.metrics.token_reviews.inc
+    gate.reviews.on_local = agent.metrics.token_local_checks.inc
     server = make_server(agent, gate, settings.port, tls=tls)
 
     def on_term(*_: object) -> None:

@@ -78,8 +78,8 @@ class Kube:
         ctx = ssl.create_default_context(cafile=f"{SA_DIR}/ca.crt")
         return cls(f"https://{host}:{port}", ctx, f"{SA_DIR}/token")
 
-    def _headers(self, content_type: str | None = None) -> dict[str, str]:
-        h = {"Accept": "application/json"}
+    def _headers(self, content_type: str | None = None, accept: str = "application/json") -> dict[str, str]:
+        h = {"Accept": accept}
         if self.token_file:
             with open(self.token_file) as f:
                 h["Authorization"] = f"Bearer {f.read().strip()}"
@@ -88,11 +88,17 @@ class Kube:
         return h
 
     def request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        accept: str = "application/json",
     ) -> dict[str, Any] | None:
-        """One call; None on 404; ApiError on any other failure."""
+        """One call; None on 404; ApiError on any other failure. ``accept``: a JSON media type
+        (the API server serves its key set only as application/jwk-set+json: 406 otherwise)."""
         data = json.dumps(body).encode() if body is not None else None
-        headers = self._headers(content_type if data else None)
+        headers = self._headers(content_type if data else None, accept)
         started = time.monotonic()
         try:
             return self._request(method, path, data, headers)
@@ -159,8 +165,8 @@ class Kube:
                 return
         conn.close()
 
-    def get(self, path: str) -> dict[str, Any] | None:
-        return self.request("GET", path)
+    def get(self, path: str, accept: str = "application/json") -> dict[str, Any] | None:
+        return self.request("GET", path, accept=accept)
 
     def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         return self.request("PATCH", path, patch, "application/merge-patch+json")

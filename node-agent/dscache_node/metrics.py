@@ -45,6 +45,12 @@ class AgentMetrics:
         self.token_reviews = Counter(
             "dscache_node_token_reviews", "TokenReviews sent to the API server (a verified token is kept)", registry=r
         )
+        self.token_local_checks = Counter(
+            "dscache_node_token_local_checks",
+            "Tokens checked by the agent itself against the API server's ServiceAccount keys, no TokenReview "
+            "(a verified token is kept)",
+            registry=r,
+        )
 
     def observe(self, node: str, room: Room, revs: Iterable[OnDisk], evicted: int) -> None:
         revs = list(revs)

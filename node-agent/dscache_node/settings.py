@@ -80,6 +80,10 @@ class AgentSettings:
     stager_uid: int = 65532
     #: The release, as the CSI driver reports it (GetPluginInfo's vendor_version).
     version: str = "dev"
+    #: Verify callers' ServiceAccount tokens here, against the API server's published keys (auth.py,
+    #: jwks.py; issue 30). False (DSCACHE_LOCAL_TOKEN_CHECK=false): every token by TokenReview, as
+    #: before, which also checks that the ServiceAccount still exists, at one call per token and agent.
+    local_token_check: bool = True
 
     @property
     def controller_user(self) -> str:
@@ -117,4 +121,5 @@ class AgentSettings:
             kubelet_dir=(env.get("DSCACHE_KUBELET_DIR") or d.kubelet_dir).rstrip("/"),
             stager_uid=int(env.get("DSCACHE_STAGER_UID") or d.stager_uid),
             version=env.get("DSCACHE_VERSION") or d.version,
+            local_token_check=(env.get("DSCACHE_LOCAL_TOKEN_CHECK") or "true").lower() not in ("0", "false", "no"),
         )

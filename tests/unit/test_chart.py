@@ -538,7 +538,7 @@ def test_operator_pods_run_restricted(helm: str):
 
 def _rules(doc: dict[str, Any]) -> list[tuple]:
     return sorted(
-        (tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(sorted(r["verbs"])))
+        (tuple(r.get("apiGroups", [])), tuple(r.get("resources") or r["nonResourceURLs"]), tuple(sorted(r["verbs"])))
         + ((tuple(r["resourceNames"]),) if "resourceNames" in r else ())
         for r in doc["rules"]
     )
@@ -583,8 +583,9 @@ def test_rbac_least_privilege(helm: str):
         roles = {(d["kind"], d["metadata"]["name"]): d for d in find(docs, "ClusterRole") + find(docs, "Role")}
         for doc in roles.values():
             for rule in doc["rules"]:
-                assert "*" not in rule["verbs"] and "*" not in rule["resources"], (name, rule)
-                if "secrets" in rule["resources"]:
+                what = rule.get("resources", []) + rule.get("nonResourceURLs", [])
+                assert "*" not in rule["verbs"] and "*" not in what and "/*" not in str(what), (name, rule)
+                if "secrets" in rule.get("resources", []):
                     # Reading by name only; no Secret is written (no peer tokens since issue 29).
                     assert rule["verbs"] == ["get"], (name, rule)
         # Secrets cluster-wide only in the cluster-wide default (readSecrets, no
@@ -595,7 +596,7 @@ def test_rbac_least_privilege(helm: str):
         )
         for crb in find(docs, "ClusterRoleBinding"):
             role = roles[("ClusterRole", crb["roleRef"]["name"])]
-            if any("secrets" in r["resources"] for r in role["rules"]):
+            if any("secrets" in r.get("resources", []) for r in role["rules"]):
                 assert clusterwide_ok, (name, crb)
                 assert [(s["kind"], s["name"]) for s in crb["subjects"]] == [
                     (
@@ -1124,6 +1125,7 @@ def test_agent_certificate_is_kept_across_upgrades():
 def test_node_agent_rbac(default_docs):
     rules = _rules(one(default_docs, "ClusterRole", "dscache-node"))
     assert rules == [
+        ((), ("/.well-known/openid-configuration", "/openid/v1/jwks"), ("get",)),
         (("",), ("nodes",), ("get", "list", "patch", "watch")),
         (("",), ("pods",), ("get", "list", "watch")),
         (("", "events.k8s.io"), ("events",), ("create", "patch")),

@@ -45,7 +45,13 @@ def test_image_requirements_are_the_locks_export(uv: str, extra: str):
 
 
 #: Import name -> distribution, for the third-party modules the shipped packages import.
-DISTRIBUTIONS = {"google": "protobuf", "grpc": "grpcio", "prometheus_client": "prometheus-client", "yaml": "pyyaml"}
+DISTRIBUTIONS = {
+    "google": "protobuf",
+    "grpc": "grpcio",
+    "jwt": "pyjwt",
+    "prometheus_client": "prometheus-client",
+    "yaml": "pyyaml",
+}
 #: What each image installs from its requirements, and the packages it ships.
 IMAGES = {
     "stager": ["init-container/dscache_stager", "node-agent/dscache_node", "contract/dscache_contract"],

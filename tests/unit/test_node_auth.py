@@ -19,6 +19,8 @@ from dscache_node.auth import (
     NeedsApi,
     Reviews,
 )
+from dscache_node.jwks import DISCOVERY_PATH, JWKS_MEDIA_TYPE, JWKS_PATH
+from dscache_node.kube import ApiError
 
 CONTROLLER = "system:serviceaccount:dscache-system:dscache-controller"
 NOW = 1_800_000_000.0
@@ -41,7 +43,10 @@ def _name(token: str) -> str:
 class FakeReviews:
     """TokenReview and pod GETs: ``tokens``: name -> (namespace, pod, pod uid) of a pod-bound token
     for PEER_AUDIENCE (or a username str: a ServiceAccount's token for ``audiences[name]``);
-    ``pods``: uid -> (its dscache.io/cache, its node)."""
+    ``pods``: uid -> (its dscache.io/cache, its node), and ``cached`` the watch cache's if it lags
+    (None: the same). The issuer's discovery document and keys:
+    ``keys`` (``{"issuer": ..., "jwks": ...}``; None: not served, 404, as before local checks;
+    an ApiError: raised), their GETs in ``key_gets``."""
 
     def __init__(
         self,
@@ -52,6 +57,9 @@ class FakeReviews:
         self.tokens, self.pods, self.audiences = tokens, pods, audiences or {}
         self.reviews: list[str] = []
         self.gets: list[str] = []
+        self.keys: dict[str, Any] | Exception | None = None
+        self.cached: dict[str, tuple[str | None, str]] | None = None
+        self.key_gets: list[str] = []
 
     @classmethod
     def gate(cls, node: str, tokens: dict[str, Any], pods: dict[str, Any], clock: Any = None) -> Gate:
@@ -82,10 +90,23 @@ class FakeReviews:
             }
         return {"status": {"authenticated": True, "audiences": [audience], "user": user}}
 
-    def get(self, path: str) -> dict[str, Any] | None:
+    def get(self, path: str, accept: str = "application/json") -> dict[str, Any] | None:
+        if path in (DISCOVERY_PATH, JWKS_PATH):
+            self.key_gets.append(path)
+            # As the API server: the key set in its own media type only (406 for application/json).
+            if (path == JWKS_PATH) != (accept == JWKS_MEDIA_TYPE):
+                raise ApiError(406, f"Not Acceptable: {accept}")
+            if isinstance(self.keys, Exception):
+                raise self.keys
+            if self.keys is None:
+                return None
+            return {"issuer": self.keys["issuer"]} if path == DISCOVERY_PATH else self.keys["jwks"]
         self.gets.append(path)
+        path, _, query = path.partition("?")
         name = path.rsplit("/", 1)[1]
-        for uid, (cache, node) in self.pods.items():
+        # resourceVersion=0: the API server's watch cache, ``cached`` when a test sets it apart.
+        pods = self.cached if query == "resourceVersion=0" and self.cached is not None else self.pods
+        for uid, (cache, node) in pods.items():
             who = next((w for w in self.tokens.values() if not isinstance(w, str) and w[2] == uid), None)
             if who is not None and who[1] == name:
                 ann = {"dscache.io/cache": cache} if cache else {}
