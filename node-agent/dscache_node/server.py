@@ -114,7 +114,7 @@ MAX_OBJECTS = 256
 OBJECTS_PER_CLIENT = 128
 #: Bodies sent at once (the others wait their turn, within their request's wait, at least
 #: MIN_TURN_S): the uplink is shared by that many, not by every request held here.
-MAX_SENDING = 8
+MAX_SENDING = int(os.environ.get("DSCACHE_T38_SENDING", "8"))
 MIN_TURN_S = 1.0
 #: Bodies up to this size are read into memory and sent with their headers in one write, without
 #: a sending turn: a stager's small objects (issue 30: 100,000 x 16 KiB) spent a third of the
