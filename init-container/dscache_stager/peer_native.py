@@ -142,12 +142,6 @@ class NativePeers:
         """How many nodes the chain of ``key`` has now (its parent ... its root)."""
         return len(self._chain(key, slow))
 
-    def above(self, key: str, addr: str, hop: int, slow: frozenset[str] = frozenset()) -> int:
-        """The index in the chain of ``key`` now of the hop above ``addr`` (asked as hop ``hop``):
-        ``hop`` when the chain lost ``addr`` meanwhile (passed over as slow: the next one is there)."""
-        chain = self._chain(key, slow)
-        return chain.index(addr) + 1 if addr in chain else hop
-
     def _chain(self, key: str, slow: frozenset[str]) -> list[str]:
         hops = self.peers.chain(key)
         if slow and (whole := self.peers.complete()) and any(h in whole for h in hops):

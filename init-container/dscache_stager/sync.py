@@ -63,9 +63,9 @@ BUCKET_GATHER_S = 0.01
 #: How long a root's "not come to it yet" for one key holds for the keys after it, unless that key
 #: is asked again meanwhile (it is, every ROOT_PAUSE_MAX_S and jitter at most).
 BEHIND_S = 0.5
-#: Whether an object held at a hop of its chain without coming is looked for whole up the chain
-#: first (the native peer worker's sweep).
-SWEEP = os.environ.get("DSCACHE_PEER_SWEEP", "1").strip().lower() not in ("0", "false", "no", "off")
+#: Nodes asked whether they hold an object whole now when its chain held a request for it without
+#: sending (the native peer worker's sweep; 0: none).
+SWEEP = int(os.environ.get("DSCACHE_PEER_SWEEP", "4"))
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
@@ -73,9 +73,10 @@ Work = Task | None
 # An object for the native peer worker: the task, which node of its chain to ask (0: its parent),
 # the pause before the root is asked again if it has not come to the object yet, when (monotonic)
 # it was first asked, per peer when its patience for the object ends (None until one held a
-# request for it without sending), the hops that did so (peers.obtain's "slow"), and whether this
-# request is a sweep's (held 0 s: whether that hop holds it whole now; see _native_peer_worker).
-_Ask = tuple[Task, int, float, float, dict[str, float] | None, frozenset[str], bool]
+# request for it without sending), the hops that did so (peers.obtain's "slow"), and the sweep's
+# nodes still to ask whether they hold it whole now (the first is asked, not held; () when the chain
+# is asked: see _native_peer_worker).
+_Ask = tuple[Task, int, float, float, dict[str, float] | None, frozenset[str], tuple[str, ...]]
 
 
 def cold(
@@ -596,6 +597,14 @@ class _Run(CopyRun):
             """Whether ``addr`` said, within BEHIND_S, that it has not come to a key before ``key``."""
             return any((mark := m.get(addr)) is not None and key > mark[0] and now - mark[1] < BEHIND_S for m in marks)
 
+        def sweep_of(held: str) -> tuple[str, ...]:
+            """The nodes a sweep asks after ``held`` held a request without sending: up to SWEEP
+            others at random (spread: not the tree's top, whose uplinks are the busiest)."""
+            if not SWEEP:
+                return ()
+            others = [a for a in peers.others() if a != held and a not in peers.failed]
+            return tuple(random.sample(others, min(SWEEP, len(others))))
+
         def dispatch(asks: list[_Ask], claimed: bool) -> None:
             """Each object to the peer its chain names now (``hop``), in one native call per peer;
             the rest to the native copier (this node's turn) or to peers.obtain. ``claimed``: asked
@@ -606,16 +615,9 @@ class _Run(CopyRun):
             for ask in asks:
                 obj = ask[0][0]
                 chain = pn.route(obj.key, obj.etag, obj.size, ask[5])  # []: not on the native plane
-                if ask[6] and ask[1] >= len(chain):
-                    ask = (
-                        ask[0],
-                        0,
-                        ask[2],
-                        ask[3],
-                        ask[4],
-                        ask[5],
-                        False,
-                    )  # the chain got shorter: held at its parent
+                if chain and ask[6]:
+                    groups.setdefault(ask[6][0], []).append(ask)  # a sweep's: not held, no marks
+                    continue
                 if chain and (behind_hop or behind):
                     # Parents that have not come to an earlier key: the next hop up at once.
                     hop, last = ask[1], len(chain) - 1
@@ -627,7 +629,7 @@ class _Run(CopyRun):
                     if claimed and hop >= last and passed([behind], chain[-1], obj.key, now):
                         pause = ask[2]
                         wait_more.setdefault(pause, []).append(
-                            (ask[0], 0, min(pause * 2, ROOT_PAUSE_MAX_S), ask[3], ask[4], ask[5], False)
+                            (ask[0], 0, min(pause * 2, ROOT_PAUSE_MAX_S), ask[3], ask[4], ask[5], ())
                         )
                         continue
                 if chain:
@@ -653,8 +655,8 @@ class _Run(CopyRun):
             # a sweep's is not held.
             waits = (
                 [
-                    0.0 if sweep else min(RERANK_S, max(0.0, p[addr] - asked_at)) if p and addr in p else RERANK_S
-                    for _, _, _, _, p, _, sweep in group
+                    0.0 if swept else min(RERANK_S, max(0.0, p[addr] - asked_at)) if p and addr in p else RERANK_S
+                    for _, _, _, _, p, _, swept in group
                 ]
                 if any(a[4] or a[6] for a in group)
                 else None
@@ -685,6 +687,13 @@ class _Run(CopyRun):
                 for i, ((item, hop, pause, since, patience, slow, sweep), got) in enumerate(
                     zip(group, gots, strict=True)
                 ):
+                    if sweep and got is not None and got.outcome in (Outcome.UNCLAIMED, Outcome.WAIT):
+                        # Not whole there: the sweep's next node, or, after its last, the chain held
+                        # again from its parent. (No mark: the sweep asks nodes off the chain too.)
+                        if trace.ON:
+                            trace.mark(f"obj sweep-{got.outcome.value} {addr} {item[1]} h{hop}", _ms(asked_at))
+                        nxt.append((item, 0, pause, since, patience, slow, sweep[1:]))
+                        continue
                     if got is None or got.outcome is not Outcome.UNCLAIMED:
                         for marks in (behind, behind_hop):
                             if (mark := marks.get(addr)) is not None and item[0].key >= mark[0]:
@@ -702,7 +711,7 @@ class _Run(CopyRun):
                             marks[addr] = (key, time.monotonic())
                         if not last:
                             # a parent not there yet: its parent
-                            nxt.append((item, hop + 1, pause, since, patience, slow, sweep))
+                            nxt.append((item, hop + 1, pause, since, patience, slow, ()))
                         elif time.monotonic() - since >= PATIENCE_S:
                             owned -= 1
                             pn.handed["unclaimed past patience"] += 1
@@ -710,41 +719,27 @@ class _Run(CopyRun):
                         else:
                             # The root has not come to it yet: ask again in a moment (not the
                             # bucket: that would read it twice).
-                            again_ask = (item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since, patience, slow, False)
+                            again_ask = (item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since, patience, slow, ())
                             later.setdefault(pause, []).append(again_ask)
                     elif got is not None and got.outcome is Outcome.WAIT:
                         # Still copying it after the held request: as obtain, rank again and ask at
-                        # once, within this peer's patience for the object. But first the sweep:
-                        # the hops above this one, each asked whether it holds the object whole
-                        # NOW (not held), nearest first: they had it before this hop could, and a
-                        # hop that held a request without sending is late (its own parent, or its
-                        # uplink, is slow) while the nodes above it send at once (issue 30: the
-                        # last objects of the slowest node waited 5-10 s at a parent while its
-                        # grandparent or root held them whole). Only when none does is the chain
-                        # held again from its parent: the tree, not its top, serves the rest.
-                        if sweep:
-                            # Not whole there either (nothing was held): the next hop up, or, past
-                            # the root, the chain held again from its parent.
-                            up = pn.above(item[0].key, addr, hop, slow)
-                            nxt.append(
-                                (item, up, pause, since, patience, slow, True)
-                                if up < pn.hops(item[0].key, slow)
-                                else (item, 0, pause, since, patience, slow, False)
-                            )
-                            continue
+                        # once, within this peer's patience for the object. But first the sweep: a
+                        # few other nodes, each asked whether it holds the object whole NOW (not
+                        # held). A hop that held a request without sending is late (its own parent,
+                        # or its uplink, is slow) while other nodes may hold the object whole, and
+                        # idle (issue 30: the last objects of the slowest node waited 5-10 s at a
+                        # parent while most nodes held them whole, their links idle). Only when
+                        # none does is the chain held again from its parent.
                         patience = dict(patience or {})
                         deadline = patience.setdefault(addr, asked_at + PATIENCE_S)
-                        if below_root := hop + 1 < pn.hops(item[0].key, slow):
+                        if hop + 1 < pn.hops(item[0].key, slow):
                             slow = slow | {addr}  # below the root: passed over for a complete copy
                         if time.monotonic() >= deadline:
                             owned -= 1
                             pn.handed["copying past patience"] += 1
                             spawn(one(item, None, patience, slow))  # obtain writes the peer off
-                        elif below_root and SWEEP:
-                            up = pn.above(item[0].key, addr, hop, slow)
-                            nxt.append((item, up, pause, since, patience, slow, True))
                         else:
-                            nxt.append((item, 0, pause, since, patience, slow, False))
+                            nxt.append((item, 0, pause, since, patience, slow, sweep_of(addr)))
                     else:
                         owned -= 1
                         spawn(one(item, got))
@@ -800,7 +795,7 @@ class _Run(CopyRun):
                 for item in batch:
                     self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
                 now = time.monotonic()
-                dispatch([(item, 0, ROOT_PAUSE_S, now, None, frozenset(), False) for item in batch], False)
+                dispatch([(item, 0, ROOT_PAUSE_S, now, None, frozenset(), ()) for item in batch], False)
             while tasks:
                 await asyncio.wait(set(tasks))
         except asyncio.CancelledError:
