@@ -324,7 +324,9 @@ def owner_ranking(key: str, answer: PeersAnswer) -> list[str]:
     return by_weight(complete) + by_weight(cohort) + by_weight(later)
 
 
-def fetch_chain(key: str, order: list[str], me: str, fanout: int = TREE_FANOUT) -> list[str]:
+def fetch_chain(
+    key: str, order: list[str], me: str, fanout: int = TREE_FANOUT, leaves: frozenset[str] = frozenset()
+) -> list[str]:
     """Where ``me`` takes ``key`` from: its parent in the object's tree, that one's parent, and so
     on up to the root ``order[0]`` ([]: ``me`` is the root, or not in ``order``). ``order``: an
     ``owner_ranking`` (without the nodes this one gave up on). The tree is a ``fanout``-ary heap
@@ -332,14 +334,36 @@ def fetch_chain(key: str, order: list[str], me: str, fanout: int = TREE_FANOUT) 
     each node sends each object to ``fanout`` nodes at most, about half the nodes send it to
     none, and which nodes do changes from object to object, so every node serves about as much
     as it receives, and a chain is log(N) long. (The cohort's other members are not put first:
-    then they would send every object, the bottleneck issue 30 measured.)"""
+    then they would send every object, the bottleneck issue 30 measured.) ``leaves``: nodes put
+    last in the heap, where they pass nothing on (``early_starters``)."""
     if me not in order or not order:
         return []
     root = order[0]
-    tree = [root, *sorted(order[1:], key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)]
+    rest = sorted(order[1:], key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)
+    if leaves:
+        rest = [a for a in rest if a not in leaves] + [a for a in rest if a in leaves]
+    tree = [root, *rest]
     i = tree.index(me)
     chain: list[str] = []
     while i > 0:
         i = (i - 1) // fanout
         chain.append(tree[i])
     return chain
+
+
+#: Stagers that started this close to the first one are its early starters (``early_starters``).
+EARLY_S = 1.0
+
+
+def early_starters(answer: PeersAnswer) -> frozenset[str]:
+    """The nodes that started within ``EARLY_S`` of the first (when more than one node stages):
+    before the others came they read from the bucket whatever they listed, the others' objects too
+    (a small revision: all of it), and every other node takes those from them. Inside the trees
+    they would pass each on again to two children, on uplinks already the busiest (issue 30, N = 8:
+    the two first starters sent 33 of 56 copies of the large objects); as leaves they pass nothing
+    on, so each of their copies leaves them once, to its root, which serves its tree."""
+    staging = [p for p in answer.staging if p.since > 0]
+    if len(staging) + len(answer.complete) < 3:
+        return frozenset()
+    first = min(p.since for p in staging)
+    return frozenset(p.addr for p in staging if p.since <= first + EARLY_S)

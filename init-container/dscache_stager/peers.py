@@ -76,6 +76,7 @@ from dscache_contract.peers import (
     PeersAnswer,
     PeersRequest,
     RevisionState,
+    early_starters,
     fetch_chain,
     owner_ranking,
 )
@@ -117,6 +118,8 @@ ROOT_PAUSE_MAX_S = 0.25
 #: Connections (requests at once) to one peer: an agent sends MAX_SENDING bodies at once anyway,
 #: and takes MAX_CONNECTIONS in all (31 peers x 12 fit in 512).
 PER_PEER = 12
+#: Whether the early starters are leaves of every object's tree (contract early_starters).
+EARLY_LEAVES = os.environ.get("DSCACHE_PEER_EARLY_LEAVES", "1").strip().lower() not in ("0", "false", "no", "off")
 #: The token file is read again this often (the kubelet renews the projected token in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
@@ -346,7 +349,7 @@ class Peers:
 
     def _chain(self, a: PeersAnswer, key: str, skip: frozenset[str] | set[str]) -> list[str]:
         order = [x for x in owner_ranking(key, a) if x == a.me or (x not in self.failed and x not in skip)]
-        return fetch_chain(key, order, a.me)
+        return fetch_chain(key, order, a.me, leaves=early_starters(a) if EARLY_LEAVES else frozenset())
 
     def early_peers(self, key: str = "") -> list[str]:
         """Peers that may have read objects now ranked to this node before they knew of it: those
