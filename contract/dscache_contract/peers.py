@@ -46,6 +46,7 @@ import os
 import re
 import time
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
@@ -325,7 +326,7 @@ def owner_ranking(key: str, answer: PeersAnswer) -> list[str]:
 
 
 def fetch_chain(
-    key: str, order: list[str], me: str, fanout: int = TREE_FANOUT, leaves: frozenset[str] = frozenset()
+    key: str, order: list[str], me: str, fanout: int = TREE_FANOUT, tiers: Mapping[str, int] | None = None
 ) -> list[str]:
     """Where ``me`` takes ``key`` from: its parent in the object's tree, that one's parent, and so
     on up to the root ``order[0]`` ([]: ``me`` is the root, or not in ``order``). ``order``: an
@@ -334,14 +335,15 @@ def fetch_chain(
     each node sends each object to ``fanout`` nodes at most, about half the nodes send it to
     none, and which nodes do changes from object to object, so every node serves about as much
     as it receives, and a chain is log(N) long. (The cohort's other members are not put first:
-    then they would send every object, the bottleneck issue 30 measured.) ``leaves``: nodes put
-    last in the heap, where they pass nothing on (``early_starters``)."""
+    then they would send every object, the bottleneck issue 30 measured.) ``tiers``: nodes of a
+    higher tier come after every node of a lower one in the heap (absent: tier 0), the last ones
+    leaves that pass nothing on (``tree_tiers``)."""
     if me not in order or not order:
         return []
     root = order[0]
     rest = sorted(order[1:], key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)
-    if leaves:
-        rest = [a for a in rest if a not in leaves] + [a for a in rest if a in leaves]
+    if tiers:
+        rest.sort(key=lambda a: tiers.get(a, 0))  # stable: by weight within a tier
     tree = [root, *rest]
     i = tree.index(me)
     chain: list[str] = []
@@ -356,14 +358,45 @@ EARLY_S = 1.0
 
 
 def early_starters(answer: PeersAnswer) -> frozenset[str]:
-    """The nodes that started within ``EARLY_S`` of the first (when more than one node stages):
+    """The nodes that started within ``EARLY_S`` of the first (of three nodes or more):
     before the others came they read from the bucket whatever they listed, the others' objects too
     (a small revision: all of it), and every other node takes those from them. Inside the trees
     they would pass each on again to two children, on uplinks already the busiest (issue 30, N = 8:
     the two first starters sent 33 of 56 copies of the large objects); as leaves they pass nothing
-    on, so each of their copies leaves them once, to its root, which serves its tree."""
+    on, so each of their copies leaves them once, to its root, which serves its tree. None when
+    more than a quarter of the nodes are: a cohort that started together has no early ones.)"""
     staging = [p for p in answer.staging if p.since > 0]
-    if len(staging) + len(answer.complete) < 3:
+    nodes = len(staging) + len(answer.complete)
+    if nodes < 3:
         return frozenset()
     first = min(p.since for p in staging)
-    return frozenset(p.addr for p in staging if p.since <= first + EARLY_S)
+    early = frozenset(p.addr for p in staging if p.since <= first + EARLY_S)
+    # More than a quarter started together: none came first (all of them leaves would leave the
+    # few others to pass every object on, two copies each).
+    return early if len(early) * 4 <= nodes else frozenset()
+
+
+def tree_tiers(answer: PeersAnswer) -> dict[str, int]:
+    """The tiers of ``fetch_chain``'s heap: the cohort's nodes first (0), then the later stagers
+    (1: they hold nothing when they come, and a node that joins late then no longer reshapes every
+    object's tree near its top, where the cohort's requests are held), the early starters last (2:
+    ``early_starters``)."""
+    staging = [p for p in answer.staging if p.since > 0]
+    if not staging:
+        return {}
+    first = min(p.since for p in staging)
+    tiers = {p.addr: 1 for p in staging if p.since > first + COHORT_WINDOW_S}
+    tiers.update(dict.fromkeys(early_starters(answer), 2))
+    return tiers
+
+
+#: After the first stager's start, the cohort's members may still come for COHORT_WINDOW_S, and
+#: every node knows of them a refresh later (the stager's REFRESH_S, the agent's answer's age).
+SETTLE_S = COHORT_WINDOW_S + 1.5
+
+
+def settles_at(answer: PeersAnswer) -> float:
+    """When (epoch) the cohort is known to every node: until then each object's ranking and tree
+    may change as its members come (0: no start known)."""
+    starts = [p.since for p in answer.staging if p.since > 0]
+    return min(starts) + SETTLE_S if starts else 0.0

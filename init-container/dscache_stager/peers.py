@@ -76,9 +76,10 @@ from dscache_contract.peers import (
     PeersAnswer,
     PeersRequest,
     RevisionState,
-    early_starters,
     fetch_chain,
     owner_ranking,
+    settles_at,
+    tree_tiers,
 )
 
 from . import agentcall, agenttls, trace
@@ -118,8 +119,11 @@ ROOT_PAUSE_MAX_S = 0.25
 #: Connections (requests at once) to one peer: an agent sends MAX_SENDING bodies at once anyway,
 #: and takes MAX_CONNECTIONS in all (31 peers x 12 fit in 512).
 PER_PEER = 12
-#: Whether the early starters are leaves of every object's tree (contract early_starters).
-EARLY_LEAVES = os.environ.get("DSCACHE_PEER_EARLY_LEAVES", "1").strip().lower() not in ("0", "false", "no", "off")
+#: Whether each object's tree puts the later stagers and the early starters last (contract tree_tiers).
+TIERS = os.environ.get("DSCACHE_PEER_TIERS", "1").strip().lower() not in ("0", "false", "no", "off")
+#: Whether requests are held only until the cohort is known (Peers.hold_s), and at least this long.
+SETTLE = os.environ.get("DSCACHE_PEER_SETTLE", "1").strip().lower() not in ("0", "false", "no", "off")
+MIN_HOLD_S = 0.5
 #: The token file is read again this often (the kubelet renews the projected token in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
@@ -257,6 +261,7 @@ class Peers:
         # (seven SHA-256 and two sorts on 4 nodes) was a tenth of the stager's Python time with
         # peers, computed two or three times per object (issue 30, 20,000 x 16 KiB on 4 nodes).
         self._chains: tuple[PeersAnswer | None, int, dict[str, list[str]] | None] = (None, 0, None)
+        self._tiers_of: tuple[PeersAnswer | None, dict[str, int]] = (None, {})
 
     # --- who -----------------------------------------------------------------------------
 
@@ -349,7 +354,27 @@ class Peers:
 
     def _chain(self, a: PeersAnswer, key: str, skip: frozenset[str] | set[str]) -> list[str]:
         order = [x for x in owner_ranking(key, a) if x == a.me or (x not in self.failed and x not in skip)]
-        return fetch_chain(key, order, a.me, leaves=early_starters(a) if EARLY_LEAVES else frozenset())
+        return fetch_chain(key, order, a.me, tiers=self._tiers(a))
+
+    def _tiers(self, a: PeersAnswer) -> dict[str, int]:
+        """contract tree_tiers of ``a``, kept with it (every chain of one answer uses them)."""
+        if self._tiers_of[0] is not a:
+            self._tiers_of = (a, tree_tiers(a) if TIERS else {})
+        return self._tiers_of[1]
+
+    def hold_s(self, most: float = RERANK_S) -> float:
+        """How long a request may be held at a peer now: ``most``, but only until the cohort is
+        known (contract settles_at) while it may still change. A request held on a ranking made
+        before its later members came was answered by the node it named, whatever the ranking
+        says by then: the early starters sent each object to every node that had ranked itself
+        its root, or their child, on its own first view (issue 30, N = 8: one sent 25 copies of
+        the 8 large objects, and that run took 24 s). Asked again after the hold, the object
+        goes to its tree in the settled ranking."""
+        a = self.answer
+        if a is None or not SETTLE:
+            return most
+        left = settles_at(a) - time.time()
+        return most if left <= 0 else min(most, max(MIN_HOLD_S, left))
 
     def early_peers(self, key: str = "") -> list[str]:
         """Peers that may have read objects now ranked to this node before they knew of it: those
@@ -504,7 +529,7 @@ class Peers:
                     self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
                     break
                 asked_at, path = time.time(), tmp()
-                outcome, md5 = self.take(addr, rel, size, etag, path, True, min(RERANK_S, deadline - now), relay)
+                outcome, md5 = self.take(addr, rel, size, etag, path, True, min(self.hold_s(), deadline - now), relay)
                 if trace.ON:
                     trace.mark(f"obj-py {outcome.value} {addr} {rel} h{i}", int(1000 * (time.monotonic() - now)))
                 if outcome is Outcome.PLACED:

@@ -651,14 +651,17 @@ class _Run(CopyRun):
             claim = None if claimed else self._relay_claim
             owned = len(group)  # room this call holds: released, or handed on with its object
             asked_at = time.monotonic()
-            # A held request lasts RERANK_S, or what is left of the peer's patience for the object;
-            # a sweep's is not held.
+            # A held request lasts RERANK_S (until the cohort is known, no longer than that:
+            # Peers.hold_s), or what is left of the peer's patience for the object; a sweep's is
+            # not held.
+            hold = peers.hold_s()
+            settled = hold >= RERANK_S
             waits = (
                 [
-                    0.0 if swept else min(RERANK_S, max(0.0, p[addr] - asked_at)) if p and addr in p else RERANK_S
+                    0.0 if swept else min(hold, max(0.0, p[addr] - asked_at)) if p and addr in p else hold
                     for _, _, _, _, p, _, swept in group
                 ]
-                if any(a[4] or a[6] for a in group)
+                if not settled or any(a[4] or a[6] for a in group)
                 else None
             )
             try:
@@ -732,14 +735,16 @@ class _Run(CopyRun):
                         # none does is the chain held again from its parent.
                         patience = dict(patience or {})
                         deadline = patience.setdefault(addr, asked_at + PATIENCE_S)
-                        if hop + 1 < pn.hops(item[0].key, slow):
+                        if settled and hop + 1 < pn.hops(item[0].key, slow):
                             slow = slow | {addr}  # below the root: passed over for a complete copy
                         if time.monotonic() >= deadline:
                             owned -= 1
                             pn.handed["copying past patience"] += 1
                             spawn(one(item, None, patience, slow))  # obtain writes the peer off
                         else:
-                            nxt.append((item, 0, pause, since, patience, slow, sweep_of(addr)))
+                            # (A hold cut short while the cohort was not known says nothing of
+                            # the hop: no sweep then.)
+                            nxt.append((item, 0, pause, since, patience, slow, sweep_of(addr) if settled else ()))
                     else:
                         owned -= 1
                         spawn(one(item, got))

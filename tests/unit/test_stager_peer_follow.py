@@ -165,6 +165,17 @@ def fake_run(pn: Script, own: set[str]) -> Any:
     run = SimpleNamespace(placed=[], obtained=[], obtained_with={}, to_bucket=[], claimed=[], relays=[])
 
     class FakePeers:
+        def __init__(self) -> None:
+            self.failed: dict[str, str] = {}
+            #: The other nodes a sweep may ask (none unless a test says so).
+            self.sweepable: list[str] = []
+
+        def hold_s(self) -> float:
+            return RERANK_S  # the cohort is known: held the whole RERANK_S
+
+        def others(self) -> list[str]:
+            return list(self.sweepable)
+
         def obtain(self, key: str, *a: Any) -> Obtained:
             run.obtained.append(key)
             run.obtained_with[key] = a[5:]  # (patience, held)
@@ -191,8 +202,9 @@ def fake_run(pn: Script, own: set[str]) -> Any:
     return run
 
 
-def work(pn: Script, keys: list[str], own: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
+def work(pn: Script, keys: list[str], own: set[str] = frozenset(), others: list[str] | None = None) -> Any:  # type: ignore[assignment]
     run = fake_run(pn, set(own))
+    run.peers.sweepable = list(others or [])
 
     async def go() -> None:
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -284,6 +296,38 @@ def test_a_copy_still_in_progress_is_asked_again_natively() -> None:
     assert pn.waits[0] is None  # the first request: obtain's RERANK_S hold
     assert pn.waits[1] is not None and 0 < pn.waits[1][0] <= RERANK_S
     assert run.relays == ["+a"]
+
+
+def test_a_request_held_without_sending_sweeps_other_nodes_for_a_whole_copy() -> None:
+    """Held at its parent without coming, an object is asked of a few other nodes, not held: one
+    that holds it whole sends it at once (issue 30: the slowest node's last objects waited 5-10 s
+    at a parent while most nodes held them whole)."""
+    parent, root, s1, s2 = "p:1", "r:1", "s:1", "s:2"
+    pn = Script(
+        {"a": [parent, root]},
+        {("a", parent): ["wait", "placed"], ("a", root): ["wait"], ("a", s1): ["unclaimed"], ("a", s2): ["placed"]},
+    )
+    run = work(pn, ["a"], others=[parent, root, s1, s2])
+    assert run.placed == ["a"] and run.obtained == []
+    asked = [addr for _, addr, _ in pn.asked]
+    assert asked[0] == parent and asked[-1] == s2 and parent not in asked[1:]
+    assert set(asked[1:]) <= {root, s1, s2}  # the parent that held is not swept
+    for waits in pn.waits[1:]:
+        assert waits == [0.0]  # a sweep's request is not held
+    assert run.relays == ["+a"]  # claimed once, by the first request
+
+
+def test_a_sweep_that_finds_no_whole_copy_holds_the_chain_again() -> None:
+    parent, root, s1 = "p:1", "r:1", "s:1"
+    pn = Script(
+        {"a": [parent, root]},
+        {("a", parent): ["wait", "placed"], ("a", root): ["wait"], ("a", s1): ["unclaimed"]},
+    )
+    run = work(pn, ["a"], others=[parent, root, s1])
+    assert run.placed == ["a"] and run.obtained == []
+    asked = [addr for _, addr, _ in pn.asked]
+    assert asked[0] == parent and sorted(asked[1:3]) == [root, s1] and asked[3:] == [parent]
+    assert pn.waits[3] is not None and 0 < pn.waits[3][0] <= RERANK_S  # held again, within patience
 
 
 def test_a_peer_still_copying_past_its_patience_goes_to_obtain_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
