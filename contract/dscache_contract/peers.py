@@ -340,11 +340,14 @@ def fetch_chain(
     leaves that pass nothing on (``tree_tiers``)."""
     if me not in order or not order:
         return []
-    root = order[0]
-    rest = sorted(order[1:], key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)
+    tree = sorted(order, key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)
     if tiers:
-        rest.sort(key=lambda a: tiers.get(a, 0))  # stable: by weight within a tier
-    tree = [root, *rest]
+        tree.sort(key=lambda a: tiers.get(a, 0))  # stable: by weight within a tier
+    # The root to the top, in the place of the node there: when the root changes (a node that
+    # completes is the root of every object, owner_ranking) two nodes move, not every node between
+    # (a reshaped tree's new parents had claimed nothing: their children went up to the root).
+    j = tree.index(order[0])
+    tree[0], tree[j] = tree[j], tree[0]
     i = tree.index(me)
     chain: list[str] = []
     while i > 0:

@@ -73,6 +73,7 @@ from dscache_contract.peers import (
     RELAY_MARK,
     REVISION_HEADER,
     ObjectRequest,
+    Peer,
     PeersAnswer,
     PeersRequest,
     RevisionState,
@@ -262,6 +263,7 @@ class Peers:
         # peers, computed two or three times per object (issue 30, 20,000 x 16 KiB on 4 nodes).
         self._chains: tuple[PeersAnswer | None, int, dict[str, list[str]] | None] = (None, 0, None)
         self._tiers_of: tuple[PeersAnswer | None, dict[str, int]] = (None, {})
+        self._since_seen: dict[str, float] = {}
 
     # --- who -----------------------------------------------------------------------------
 
@@ -359,7 +361,14 @@ class Peers:
     def _tiers(self, a: PeersAnswer) -> dict[str, int]:
         """contract tree_tiers of ``a``, kept with it (every chain of one answer uses them)."""
         if self._tiers_of[0] is not a:
-            self._tiers_of = (a, tree_tiers(a) if TIERS else {})
+            # A node that completed has no start in the answer any more: it keeps the start it had
+            # while it staged, as far as this node saw it, so the tiers (and the trees) keep their
+            # shape when the first nodes complete.
+            for p in a.staging:
+                self._since_seen[p.addr] = p.since
+            seen = [Peer(p.addr, self._since_seen[p.addr]) for p in a.complete if p.addr in self._since_seen]
+            both = PeersAnswer(a.me, [*a.staging, *seen], [p for p in a.complete if p.addr not in self._since_seen])
+            self._tiers_of = (a, tree_tiers(both) if TIERS else {})
         return self._tiers_of[1]
 
     def hold_s(self, most: float = RERANK_S) -> float:
