@@ -371,6 +371,11 @@ class Peers:
             self._tiers_of = (a, tree_tiers(both) if TIERS else {})
         return self._tiers_of[1]
 
+    def settled(self) -> bool:
+        """Whether the cohort is known (contract settles_at): rankings made now stay."""
+        a = self.answer
+        return a is None or not SETTLE or settles_at(a) <= time.time()
+
     def hold_s(self, most: float = RERANK_S) -> float:
         """How long a request may be held at a peer now: ``most``, but only until the cohort is
         known (contract settles_at) while it may still change. A request held on a ranking made

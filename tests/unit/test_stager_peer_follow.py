@@ -170,8 +170,11 @@ def fake_run(pn: Script, own: set[str]) -> Any:
             #: The other nodes a sweep may ask (none unless a test says so).
             self.sweepable: list[str] = []
 
-        def hold_s(self) -> float:
-            return RERANK_S  # the cohort is known: held the whole RERANK_S
+        def hold_s(self, most: float = RERANK_S) -> float:
+            return most  # the cohort is known: held the whole RERANK_S
+
+        def settled(self) -> bool:
+            return True
 
         def others(self) -> list[str]:
             return list(self.sweepable)
