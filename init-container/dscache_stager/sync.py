@@ -66,8 +66,6 @@ BEHIND_S = 0.5
 #: Nodes asked whether they hold an object whole now when its chain held a request for it without
 #: sending (the native peer worker's sweep; 0: none).
 SWEEP = int(os.environ.get("DSCACHE_PEER_SWEEP", "4"))
-#: How long the native peer worker's requests are held (peers.RERANK_S by default).
-HOLD_S = float(os.environ.get("DSCACHE_T38_HOLD", "5"))
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
@@ -656,7 +654,7 @@ class _Run(CopyRun):
             # A held request lasts RERANK_S (until the cohort is known, no longer than that:
             # Peers.hold_s), or what is left of the peer's patience for the object; a sweep's is
             # not held.
-            hold, settled = peers.hold_s(HOLD_S), peers.settled()
+            hold, settled = peers.hold_s(), peers.settled()
             waits = (
                 [
                     0.0 if swept else min(hold, max(0.0, p[addr] - asked_at)) if p and addr in p else hold
