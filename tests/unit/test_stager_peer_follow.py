@@ -383,3 +383,55 @@ def test_a_parent_behind_an_earlier_key_is_passed_for_the_root_at_once() -> None
     assert asked_parent == keys[:8]  # the first batch asked it; the later objects did not
     assert sorted(k for k, addr, _ in pn.asked if addr == root) == keys
     assert sorted(run.relays) == sorted("+" + k for k in keys)  # every relay claimed, once
+
+
+# --- holds while the cohort forms, the trees' tiers, the paced bucket reads (issue 30) ----------
+
+
+def test_requests_are_held_only_until_the_cohort_is_known(tmp_path: Path) -> None:
+    p = peers_for(tmp_path)
+    assert p.answer is not None
+    p.answer = PeersAnswer(ME, [Peer(a, time.time() - 1.0) for a in [ME, *OTHERS]])
+    assert not p.settled()
+    assert peers_mod.MIN_HOLD_S <= p.hold_s() < RERANK_S  # a ranking that may still change
+    p.answer = PeersAnswer(ME, [Peer(a, time.time() - 60.0) for a in [ME, *OTHERS]])
+    assert p.settled() and p.hold_s() == RERANK_S
+
+
+def test_a_node_that_completes_keeps_its_tier(tmp_path: Path) -> None:
+    """The early starters are the trees' leaves; one that completes has no start in the answer
+    any more, and keeps its tier (the trees keep their shape)."""
+    nodes = [f"10.0.1.{i}:1" for i in range(8)]
+    staging = [Peer(nodes[0], 1000.0), Peer(nodes[1], 1000.5)] + [Peer(a, 1002.0) for a in nodes[2:]]
+    p = peers_for(tmp_path, me=nodes[2], others=nodes[3:])
+    first = PeersAnswer(nodes[2], staging)
+    assert p._tiers(first) == {nodes[0]: 2, nodes[1]: 2}
+    done = PeersAnswer(nodes[2], staging[1:], [Peer(nodes[0])])
+    assert p._tiers(done) == {nodes[0]: 2, nodes[1]: 2}
+
+
+def test_the_peer_workers_bucket_reads_are_paced_the_largest_first() -> None:
+    from dscache_stager.peers_pace import MIN_BYTES, Pace
+
+    chunks: list[list[int]] = []
+
+    async def given(chunk: list[Any], pace: Pace, nbytes: int) -> None:
+        chunks.append([t[0].size for t, _ in chunk])
+        await asyncio.sleep(0.01)
+        await pace.give(nbytes)
+        for _, f in chunk:
+            f.set_result(None)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        kept: list[asyncio.Future[None]] = []
+        run = SimpleNamespace(_keep=kept.append, _bucket_given=given)
+        sizes = [16 << 10] * 40 + [MIN_BYTES] * 3
+        pending = [((RemoteObject(f"k{i}", n, ETAG), f"k{i}", ""), loop.create_future()) for i, n in enumerate(sizes)]
+        await sync._Run._bucket_paced(run, pending, Pace(), 64)  # type: ignore[arg-type]
+        await asyncio.gather(*kept, *(f for _, f in pending))
+
+    asyncio.run(go())
+    assert chunks[0] == [MIN_BYTES]  # the window at first: one large object, not everything at once
+    flat = [n for c in chunks for n in c]
+    assert flat == sorted(flat, reverse=True) and len(flat) == 43
