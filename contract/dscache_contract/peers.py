@@ -34,7 +34,10 @@ passes an object on to two nodes at most and about as many objects as it receive
 every node that has a copy serves it on, and no early node serves everyone. A node
 that is getting an object from a peer says so in its claims (a ``/`` before the path), so its
 children wait for it (``?relay=1``); a parent that neither holds nor gets the object is skipped
-for its own parent, up to the root.
+for its own parent, up to the root. The heap's order puts the cohort first, then the later
+stagers, then the early starters (``tree_tiers``: those hold nothing yet, these already read the
+most and are its leaves), and its root is swapped to the top, so that a change of root (a node
+completes) moves two nodes, not all (issue 30, the fan-out's tail).
 """
 
 from __future__ import annotations

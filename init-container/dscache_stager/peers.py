@@ -22,7 +22,9 @@ Failure costs a retry, never a wrong byte:
   every node; so is a peer that breaks the protocol (an "unclaimed" answer to a
   request that was no probe);
 - a peer still copying an object is asked again for it only after the ranking was
-  computed afresh (``RERANK_S``): the cohort may have changed meanwhile (a node
+  computed afresh (``RERANK_S``; until the cohort is known, ``Peers.hold_s``, no longer than
+  that: a ranking made before its members came named nodes it no longer names, and those
+  answered): the cohort may have changed meanwhile (a node
   completed, a stale label went), and the object's new chain is asked; each peer gets
   ``PATIENCE_S`` per object in all; before the root reads an object, the peers that
   started before it are probed (they may have read it before they knew of it), and one

@@ -522,7 +522,12 @@ class _Run(CopyRun):
         Python of a stager at 16 nodes.) The native calls run on the loop (NativePeers.ask): no
         thread of the pool waits on one (a thread start and two hops per call, hundreds per node).
         An object that is this node's own to read by now goes to the native copier, in a batch
-        with the others (``_bucket_native``), not through obtain and fetch.py."""
+        with the others (``_bucket_native``, paced as the copy's own bucket reads, the largest
+        first), not through obtain and fetch.py.
+        A held request answered "still copying" is first followed by the sweep: up to SWEEP other
+        nodes, at random, asked whether they hold the object whole now (not held; an agent whose
+        sending slots are all busy says "not yet" at once), before the chain is held again: the
+        tail of issue 30 was objects held at a late parent while other nodes held them whole."""
         from .peer_native import BATCH
         from .peers import PATIENCE_S, RERANK_S, ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
 
