@@ -34,10 +34,8 @@ passes an object on to two nodes at most and about as many objects as it receive
 every node that has a copy serves it on, and no early node serves everyone. A node
 that is getting an object from a peer says so in its claims (a ``/`` before the path), so its
 children wait for it (``?relay=1``); a parent that neither holds nor gets the object is skipped
-for its own parent, up to the root. The heap's order puts the cohort first, then the later
-stagers, then the early starters (``tree_tiers``: those hold nothing yet, these already read the
-most and are its leaves), and its root is swapped to the top, so that a change of root (a node
-completes) moves two nodes, not all (issue 30, the fan-out's tail).
+for its own parent, up to the root. The heap's root is swapped to its top, so that a change of
+root (a node completes) moves three nodes at most, not all (issue 30, the fan-out's tail).
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ import os
 import re
 import time
 import urllib.parse
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
@@ -328,9 +325,7 @@ def owner_ranking(key: str, answer: PeersAnswer) -> list[str]:
     return by_weight(complete) + by_weight(cohort) + by_weight(later)
 
 
-def fetch_chain(
-    key: str, order: list[str], me: str, fanout: int = TREE_FANOUT, tiers: Mapping[str, int] | None = None
-) -> list[str]:
+def fetch_chain(key: str, order: list[str], me: str, fanout: int = TREE_FANOUT) -> list[str]:
     """Where ``me`` takes ``key`` from: its parent in the object's tree, that one's parent, and so
     on up to the root ``order[0]`` ([]: ``me`` is the root, or not in ``order``). ``order``: an
     ``owner_ranking`` (without the nodes this one gave up on). The tree is a ``fanout``-ary heap
@@ -338,16 +333,12 @@ def fetch_chain(
     each node sends each object to ``fanout`` nodes at most, about half the nodes send it to
     none, and which nodes do changes from object to object, so every node serves about as much
     as it receives, and a chain is log(N) long. (The cohort's other members are not put first:
-    then they would send every object, the bottleneck issue 30 measured.) ``tiers``: nodes of a
-    higher tier come after every node of a lower one in the heap (absent: tier 0), the last ones
-    leaves that pass nothing on (``tree_tiers``)."""
+    then they would send every object, the bottleneck issue 30 measured.)"""
     if me not in order or not order:
         return []
     tree = sorted(order, key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)
-    if tiers:
-        tree.sort(key=lambda a: tiers.get(a, 0))  # stable: by weight within a tier
     # The root to the top, in the place of the node there: when the root changes (a node that
-    # completes is the root of every object, owner_ranking) two nodes move, not every node between
+    # completes is the root of every object, owner_ranking) three nodes move, not every node between
     # (a reshaped tree's new parents had claimed nothing: their children went up to the root).
     j = tree.index(order[0])
     tree[0], tree[j] = tree[j], tree[0]
@@ -357,43 +348,6 @@ def fetch_chain(
         i = (i - 1) // fanout
         chain.append(tree[i])
     return chain
-
-
-#: Stagers that started this close to the first one are its early starters (``early_starters``).
-EARLY_S = 1.0
-
-
-def early_starters(answer: PeersAnswer) -> frozenset[str]:
-    """The nodes that started within ``EARLY_S`` of the first (of three nodes or more):
-    before the others came they read from the bucket whatever they listed, the others' objects too
-    (a small revision: all of it), and every other node takes those from them. Inside the trees
-    they would pass each on again to two children, on uplinks already the busiest (issue 30, N = 8:
-    the two first starters sent 33 of 56 copies of the large objects); as leaves they pass nothing
-    on, so each of their copies leaves them once, to its root, which serves its tree. None when
-    more than a quarter of the nodes are: a cohort that started together has no early ones.)"""
-    staging = [p for p in answer.staging if p.since > 0]
-    nodes = len(staging) + len(answer.complete)
-    if nodes < 3:
-        return frozenset()
-    first = min(p.since for p in staging)
-    early = frozenset(p.addr for p in staging if p.since <= first + EARLY_S)
-    # More than a quarter started together: none came first (all of them leaves would leave the
-    # few others to pass every object on, two copies each).
-    return early if len(early) * 4 <= nodes else frozenset()
-
-
-def tree_tiers(answer: PeersAnswer) -> dict[str, int]:
-    """The tiers of ``fetch_chain``'s heap: the cohort's nodes first (0), then the later stagers
-    (1: they hold nothing when they come, and a node that joins late then no longer reshapes every
-    object's tree near its top, where the cohort's requests are held), the early starters last (2:
-    ``early_starters``)."""
-    staging = [p for p in answer.staging if p.since > 0]
-    if not staging:
-        return {}
-    first = min(p.since for p in staging)
-    tiers = {p.addr: 1 for p in staging if p.since > first + COHORT_WINDOW_S}
-    tiers.update(dict.fromkeys(early_starters(answer), 2))
-    return tiers
 
 
 #: After the first stager's start, the cohort's members may still come for COHORT_WINDOW_S, and

@@ -75,14 +75,12 @@ from dscache_contract.peers import (
     RELAY_MARK,
     REVISION_HEADER,
     ObjectRequest,
-    Peer,
     PeersAnswer,
     PeersRequest,
     RevisionState,
     fetch_chain,
     owner_ranking,
     settles_at,
-    tree_tiers,
 )
 
 from . import agentcall, agenttls, trace
@@ -122,8 +120,6 @@ ROOT_PAUSE_MAX_S = 0.25
 #: Connections (requests at once) to one peer: an agent sends MAX_SENDING bodies at once anyway,
 #: and takes MAX_CONNECTIONS in all (31 peers x 12 fit in 512).
 PER_PEER = 12
-#: Whether each object's tree puts the later stagers and the early starters last (contract tree_tiers).
-TIERS = os.environ.get("DSCACHE_PEER_TIERS", "1").strip().lower() not in ("0", "false", "no", "off")
 #: Whether requests are held only until the cohort is known (Peers.hold_s), and at least this long.
 SETTLE = os.environ.get("DSCACHE_PEER_SETTLE", "1").strip().lower() not in ("0", "false", "no", "off")
 MIN_HOLD_S = 0.5
@@ -264,8 +260,6 @@ class Peers:
         # (seven SHA-256 and two sorts on 4 nodes) was a tenth of the stager's Python time with
         # peers, computed two or three times per object (issue 30, 20,000 x 16 KiB on 4 nodes).
         self._chains: tuple[PeersAnswer | None, int, dict[str, list[str]] | None] = (None, 0, None)
-        self._tiers_of: tuple[PeersAnswer | None, dict[str, int]] = (None, {})
-        self._since_seen: dict[str, float] = {}
 
     # --- who -----------------------------------------------------------------------------
 
@@ -358,20 +352,7 @@ class Peers:
 
     def _chain(self, a: PeersAnswer, key: str, skip: frozenset[str] | set[str]) -> list[str]:
         order = [x for x in owner_ranking(key, a) if x == a.me or (x not in self.failed and x not in skip)]
-        return fetch_chain(key, order, a.me, tiers=self._tiers(a))
-
-    def _tiers(self, a: PeersAnswer) -> dict[str, int]:
-        """contract tree_tiers of ``a``, kept with it (every chain of one answer uses them)."""
-        if self._tiers_of[0] is not a:
-            # A node that completed has no start in the answer any more: it keeps the start it had
-            # while it staged, as far as this node saw it, so the tiers (and the trees) keep their
-            # shape when the first nodes complete.
-            for p in a.staging:
-                self._since_seen[p.addr] = p.since
-            seen = [Peer(p.addr, self._since_seen[p.addr]) for p in a.complete if p.addr in self._since_seen]
-            both = PeersAnswer(a.me, [*a.staging, *seen], [p for p in a.complete if p.addr not in self._since_seen])
-            self._tiers_of = (a, tree_tiers(both) if TIERS else {})
-        return self._tiers_of[1]
+        return fetch_chain(key, order, a.me)
 
     def settled(self) -> bool:
         """Whether the cohort is known (contract settles_at): rankings made now stay."""

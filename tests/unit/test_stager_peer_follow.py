@@ -385,7 +385,7 @@ def test_a_parent_behind_an_earlier_key_is_passed_for_the_root_at_once() -> None
     assert sorted(run.relays) == sorted("+" + k for k in keys)  # every relay claimed, once
 
 
-# --- holds while the cohort forms, the trees' tiers, the paced bucket reads (issue 30) ----------
+# --- holds while the cohort forms, the paced bucket reads (issue 30) ---------------------------
 
 
 def test_requests_are_held_only_until_the_cohort_is_known(tmp_path: Path) -> None:
@@ -396,18 +396,6 @@ def test_requests_are_held_only_until_the_cohort_is_known(tmp_path: Path) -> Non
     assert peers_mod.MIN_HOLD_S <= p.hold_s() < RERANK_S  # a ranking that may still change
     p.answer = PeersAnswer(ME, [Peer(a, time.time() - 60.0) for a in [ME, *OTHERS]])
     assert p.settled() and p.hold_s() == RERANK_S
-
-
-def test_a_node_that_completes_keeps_its_tier(tmp_path: Path) -> None:
-    """The early starters are the trees' leaves; one that completes has no start in the answer
-    any more, and keeps its tier (the trees keep their shape)."""
-    nodes = [f"10.0.1.{i}:1" for i in range(8)]
-    staging = [Peer(nodes[0], 1000.0), Peer(nodes[1], 1000.5)] + [Peer(a, 1002.0) for a in nodes[2:]]
-    p = peers_for(tmp_path, me=nodes[2], others=nodes[3:])
-    first = PeersAnswer(nodes[2], staging)
-    assert p._tiers(first) == {nodes[0]: 2, nodes[1]: 2}
-    done = PeersAnswer(nodes[2], staging[1:], [Peer(nodes[0])])
-    assert p._tiers(done) == {nodes[0]: 2, nodes[1]: 2}
 
 
 def test_the_peer_workers_bucket_reads_are_paced_the_largest_first() -> None:
