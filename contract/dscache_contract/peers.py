@@ -34,8 +34,7 @@ passes an object on to two nodes at most and about as many objects as it receive
 every node that has a copy serves it on, and no early node serves everyone. A node
 that is getting an object from a peer says so in its claims (a ``/`` before the path), so its
 children wait for it (``?relay=1``); a parent that neither holds nor gets the object is skipped
-for its own parent, up to the root. The heap's root is swapped to its top, so that a change of
-root (a node completes) moves three nodes at most, not all (issue 30, the fan-out's tail).
+for its own parent, up to the root.
 """
 
 from __future__ import annotations
@@ -336,27 +335,11 @@ def fetch_chain(key: str, order: list[str], me: str, fanout: int = TREE_FANOUT) 
     then they would send every object, the bottleneck issue 30 measured.)"""
     if me not in order or not order:
         return []
-    tree = sorted(order, key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)
-    # The root to the top, in the place of the node there: when the root changes (a node that
-    # completes is the root of every object, owner_ranking) three nodes move, not every node between
-    # (a reshaped tree's new parents had claimed nothing: their children went up to the root).
-    j = tree.index(order[0])
-    tree[0], tree[j] = tree[j], tree[0]
+    root = order[0]
+    tree = [root, *sorted(order[1:], key=lambda a: _weight(a, f"tree\n{key}"), reverse=True)]
     i = tree.index(me)
     chain: list[str] = []
     while i > 0:
         i = (i - 1) // fanout
         chain.append(tree[i])
     return chain
-
-
-#: After the first stager's start, the cohort's members may still come for COHORT_WINDOW_S, and
-#: every node knows of them a refresh later (the stager's REFRESH_S, the agent's answer's age).
-SETTLE_S = COHORT_WINDOW_S + 1.5
-
-
-def settles_at(answer: PeersAnswer) -> float:
-    """When (epoch) the cohort is known to every node: until then each object's ranking and tree
-    may change as its members come (0: no start known)."""
-    starts = [p.since for p in answer.staging if p.since > 0]
-    return min(starts) + SETTLE_S if starts else 0.0

@@ -22,9 +22,7 @@ Failure costs a retry, never a wrong byte:
   every node; so is a peer that breaks the protocol (an "unclaimed" answer to a
   request that was no probe);
 - a peer still copying an object is asked again for it only after the ranking was
-  computed afresh (``RERANK_S``; until the cohort is known, ``Peers.hold_s``, no longer than
-  that: a ranking made before its members came named nodes it no longer names, and those
-  answered): the cohort may have changed meanwhile (a node
+  computed afresh (``RERANK_S``): the cohort may have changed meanwhile (a node
   completed, a stale label went), and the object's new chain is asked; each peer gets
   ``PATIENCE_S`` per object in all; before the root reads an object, the peers that
   started before it are probed (they may have read it before they knew of it), and one
@@ -80,7 +78,6 @@ from dscache_contract.peers import (
     RevisionState,
     fetch_chain,
     owner_ranking,
-    settles_at,
 )
 
 from . import agentcall, agenttls, trace
@@ -120,9 +117,6 @@ ROOT_PAUSE_MAX_S = 0.25
 #: Connections (requests at once) to one peer: an agent sends MAX_SENDING bodies at once anyway,
 #: and takes MAX_CONNECTIONS in all (31 peers x 12 fit in 512).
 PER_PEER = 12
-#: Whether requests are held only until the cohort is known (Peers.hold_s), and at least this long.
-SETTLE = os.environ.get("DSCACHE_PEER_SETTLE", "1").strip().lower() not in ("0", "false", "no", "off")
-MIN_HOLD_S = 0.5
 #: The token file is read again this often (the kubelet renews the projected token in place).
 TOKEN_TTL_S = 30.0
 CHUNK = 1 << 20
@@ -354,25 +348,6 @@ class Peers:
         order = [x for x in owner_ranking(key, a) if x == a.me or (x not in self.failed and x not in skip)]
         return fetch_chain(key, order, a.me)
 
-    def settled(self) -> bool:
-        """Whether the cohort is known (contract settles_at): rankings made now stay."""
-        a = self.answer
-        return a is None or not SETTLE or settles_at(a) <= time.time()
-
-    def hold_s(self, most: float = RERANK_S) -> float:
-        """How long a request may be held at a peer now: ``most``, but only until the cohort is
-        known (contract settles_at) while it may still change. A request held on a ranking made
-        before its later members came was answered by the node it named, whatever the ranking
-        says by then: the early starters sent each object to every node that had ranked itself
-        its root, or their child, on its own first view (issue 30, N = 8: one sent 25 copies of
-        the 8 large objects, and that run took 24 s). Asked again after the hold, the object
-        goes to its tree in the settled ranking."""
-        a = self.answer
-        if a is None or not SETTLE:
-            return most
-        left = settles_at(a) - time.time()
-        return most if left <= 0 else min(most, max(MIN_HOLD_S, left))
-
     def early_peers(self, key: str = "") -> list[str]:
         """Peers that may have read objects now ranked to this node before they knew of it: those
         that started before it, or less than ``PROBE_S`` after it (their first answer may have
@@ -526,7 +501,7 @@ class Peers:
                     self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
                     break
                 asked_at, path = time.time(), tmp()
-                outcome, md5 = self.take(addr, rel, size, etag, path, True, min(self.hold_s(), deadline - now), relay)
+                outcome, md5 = self.take(addr, rel, size, etag, path, True, min(RERANK_S, deadline - now), relay)
                 if trace.ON:
                     trace.mark(f"obj-py {outcome.value} {addr} {rel} h{i}", int(1000 * (time.monotonic() - now)))
                 if outcome is Outcome.PLACED:

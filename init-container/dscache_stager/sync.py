@@ -63,9 +63,6 @@ BUCKET_GATHER_S = 0.01
 #: How long a root's "not come to it yet" for one key holds for the keys after it, unless that key
 #: is asked again meanwhile (it is, every ROOT_PAUSE_MAX_S and jitter at most).
 BEHIND_S = 0.5
-#: Nodes asked whether they hold an object whole now when its chain held a request for it without
-#: sending (the native peer worker's sweep; 0: none).
-SWEEP = int(os.environ.get("DSCACHE_PEER_SWEEP", "4"))
 
 
 # One object for a copier: (object, path under data/, its manifest line), or None: no more work.
@@ -73,10 +70,8 @@ Work = Task | None
 # An object for the native peer worker: the task, which node of its chain to ask (0: its parent),
 # the pause before the root is asked again if it has not come to the object yet, when (monotonic)
 # it was first asked, per peer when its patience for the object ends (None until one held a
-# request for it without sending), the hops that did so (peers.obtain's "slow"), and the sweep's
-# nodes still to ask whether they hold it whole now (the first is asked, not held; () when the chain
-# is asked: see _native_peer_worker).
-_Ask = tuple[Task, int, float, float, dict[str, float] | None, frozenset[str], tuple[str, ...]]
+# request for it without sending), and the hops that did so (peers.obtain's "slow").
+_Ask = tuple[Task, int, float, float, dict[str, float] | None, frozenset[str]]
 
 
 def cold(
@@ -522,12 +517,7 @@ class _Run(CopyRun):
         Python of a stager at 16 nodes.) The native calls run on the loop (NativePeers.ask): no
         thread of the pool waits on one (a thread start and two hops per call, hundreds per node).
         An object that is this node's own to read by now goes to the native copier, in a batch
-        with the others (``_bucket_native``, paced as the copy's own bucket reads, the largest
-        first), not through obtain and fetch.py.
-        A held request answered "still copying" is first followed by the sweep: up to SWEEP other
-        nodes, at random, asked whether they hold the object whole now (not held; an agent whose
-        sending slots are all busy says "not yet" at once), before the chain is held again: the
-        tail of issue 30 was objects held at a late parent while other nodes held them whole."""
+        with the others (``_bucket_native``), not through obtain and fetch.py."""
         from .peer_native import BATCH
         from .peers import PATIENCE_S, RERANK_S, ROOT_PAUSE_MAX_S, ROOT_PAUSE_S, Outcome
 
@@ -602,14 +592,6 @@ class _Run(CopyRun):
             """Whether ``addr`` said, within BEHIND_S, that it has not come to a key before ``key``."""
             return any((mark := m.get(addr)) is not None and key > mark[0] and now - mark[1] < BEHIND_S for m in marks)
 
-        def sweep_of(held: str) -> tuple[str, ...]:
-            """The nodes a sweep asks after ``held`` held a request without sending: up to SWEEP
-            others at random (spread: not the tree's top, whose uplinks are the busiest)."""
-            if not SWEEP:
-                return ()
-            others = [a for a in peers.others() if a != held and a not in peers.failed]
-            return tuple(random.sample(others, min(SWEEP, len(others))))
-
         def dispatch(asks: list[_Ask], claimed: bool) -> None:
             """Each object to the peer its chain names now (``hop``), in one native call per peer;
             the rest to the native copier (this node's turn) or to peers.obtain. ``claimed``: asked
@@ -620,9 +602,6 @@ class _Run(CopyRun):
             for ask in asks:
                 obj = ask[0][0]
                 chain = pn.route(obj.key, obj.etag, obj.size, ask[5])  # []: not on the native plane
-                if chain and ask[6]:
-                    groups.setdefault(ask[6][0], []).append(ask)  # a sweep's: not held, no marks
-                    continue
                 if chain and (behind_hop or behind):
                     # Parents that have not come to an earlier key: the next hop up at once.
                     hop, last = ask[1], len(chain) - 1
@@ -633,9 +612,7 @@ class _Run(CopyRun):
                     # Asked before, its root behind: a pause more (its first request claims the relay).
                     if claimed and hop >= last and passed([behind], chain[-1], obj.key, now):
                         pause = ask[2]
-                        wait_more.setdefault(pause, []).append(
-                            (ask[0], 0, min(pause * 2, ROOT_PAUSE_MAX_S), ask[3], ask[4], ask[5], ())
-                        )
+                        wait_more.setdefault(pause, []).append((ask[0], 0, min(pause * 2, ROOT_PAUSE_MAX_S), *ask[3:]))
                         continue
                 if chain:
                     groups.setdefault(chain[min(ask[1], len(chain) - 1)], []).append(ask)
@@ -656,16 +633,13 @@ class _Run(CopyRun):
             claim = None if claimed else self._relay_claim
             owned = len(group)  # room this call holds: released, or handed on with its object
             asked_at = time.monotonic()
-            # A held request lasts RERANK_S (until the cohort is known, no longer than that:
-            # Peers.hold_s), or what is left of the peer's patience for the object; a sweep's is
-            # not held.
-            hold, settled = peers.hold_s(), peers.settled()
+            # A held request lasts RERANK_S, or what is left of the peer's patience for the object.
             waits = (
                 [
-                    0.0 if swept else min(hold, max(0.0, p[addr] - asked_at)) if p and addr in p else hold
-                    for _, _, _, _, p, _, swept in group
+                    min(RERANK_S, max(0.0, p[addr] - asked_at)) if p and addr in p else RERANK_S
+                    for _, _, _, _, p, _ in group
                 ]
-                if hold != RERANK_S or any(a[4] or a[6] for a in group)
+                if any(a[4] for a in group)
                 else None
             )
             try:
@@ -691,16 +665,7 @@ class _Run(CopyRun):
                     trace.mark("peer-ms", int(1000 * (time.monotonic() - asked_at)))
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
-                for i, ((item, hop, pause, since, patience, slow, sweep), got) in enumerate(
-                    zip(group, gots, strict=True)
-                ):
-                    if sweep and got is not None and got.outcome in (Outcome.UNCLAIMED, Outcome.WAIT):
-                        # Not whole there: the sweep's next node, or, after its last, the chain held
-                        # again from its parent. (No mark: the sweep asks nodes off the chain too.)
-                        if trace.ON:
-                            trace.mark(f"obj sweep-{got.outcome.value} {addr} {item[1]} h{hop}", _ms(asked_at))
-                        nxt.append((item, 0, pause, since, patience, slow, sweep[1:]))
-                        continue
+                for i, ((item, hop, pause, since, patience, slow), got) in enumerate(zip(group, gots, strict=True)):
                     if got is None or got.outcome is not Outcome.UNCLAIMED:
                         for marks in (behind, behind_hop):
                             if (mark := marks.get(addr)) is not None and item[0].key >= mark[0]:
@@ -718,7 +683,7 @@ class _Run(CopyRun):
                             marks[addr] = (key, time.monotonic())
                         if not last:
                             # a parent not there yet: its parent
-                            nxt.append((item, hop + 1, pause, since, patience, slow, ()))
+                            nxt.append((item, hop + 1, pause, since, patience, slow))
                         elif time.monotonic() - since >= PATIENCE_S:
                             owned -= 1
                             pn.handed["unclaimed past patience"] += 1
@@ -726,29 +691,21 @@ class _Run(CopyRun):
                         else:
                             # The root has not come to it yet: ask again in a moment (not the
                             # bucket: that would read it twice).
-                            again_ask = (item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since, patience, slow, ())
+                            again_ask = (item, 0, min(pause * 2, ROOT_PAUSE_MAX_S), since, patience, slow)
                             later.setdefault(pause, []).append(again_ask)
                     elif got is not None and got.outcome is Outcome.WAIT:
                         # Still copying it after the held request: as obtain, rank again and ask at
-                        # once, within this peer's patience for the object. But first the sweep: a
-                        # few other nodes, each asked whether it holds the object whole NOW (not
-                        # held). A hop that held a request without sending is late (its own parent,
-                        # or its uplink, is slow) while other nodes may hold the object whole, and
-                        # idle (issue 30: the last objects of the slowest node waited 5-10 s at a
-                        # parent while most nodes held them whole, their links idle). Only when
-                        # none does is the chain held again from its parent.
+                        # once, within this peer's patience for the object.
                         patience = dict(patience or {})
                         deadline = patience.setdefault(addr, asked_at + PATIENCE_S)
-                        if settled and hop + 1 < pn.hops(item[0].key, slow):
+                        if hop + 1 < pn.hops(item[0].key, slow):
                             slow = slow | {addr}  # below the root: passed over for a complete copy
                         if time.monotonic() >= deadline:
                             owned -= 1
                             pn.handed["copying past patience"] += 1
                             spawn(one(item, None, patience, slow))  # obtain writes the peer off
                         else:
-                            # (A hold cut short while the cohort was not known says nothing of
-                            # the hop: no sweep then.)
-                            nxt.append((item, 0, pause, since, patience, slow, sweep_of(addr) if settled else ()))
+                            nxt.append((item, 0, pause, since, patience, slow))
                     else:
                         owned -= 1
                         spawn(one(item, got))
@@ -804,7 +761,7 @@ class _Run(CopyRun):
                 for item in batch:
                     self.tree.ensure_parent(item[1])  # on the loop: LocalTree is not shared with threads
                 now = time.monotonic()
-                dispatch([(item, 0, ROOT_PAUSE_S, now, None, frozenset(), ()) for item in batch], False)
+                dispatch([(item, 0, ROOT_PAUSE_S, now, None, frozenset()) for item in batch], False)
             while tasks:
                 await asyncio.wait(set(tasks))
         except asyncio.CancelledError:
@@ -833,46 +790,10 @@ class _Run(CopyRun):
         assert self.native is not None
         pending, self._to_bucket = self._to_bucket, []
         size = self.native.batch_size
-        if self._pacing():
-            self._keep(asyncio.ensure_future(self._bucket_paced(pending, self.pace, size)))
-            return
         for i in range(0, len(pending), size):
-            self._keep(asyncio.ensure_future(self._bucket_batch(pending[i : i + size])))
-
-    def _keep(self, t: asyncio.Future[None]) -> None:
-        self._bucket_batches.add(t)
-        t.add_done_callback(self._bucket_batches.discard)
-
-    async def _bucket_paced(self, pending: list[tuple[Task, asyncio.Future[None]]], pace: Pace, size: int) -> None:
-        """The peer workers' bucket reads through the bucket's pace (peers_pace.py), as the copy's
-        own, the largest first: an early starter's objects, when the first peers it probed had not
-        read them, came this way unpaced, all at once, and its large ones out of the bucket last,
-        sharing the link with every small one (issue 30, N = 8: the 1 MiB objects whole at 11 s of
-        an 8.4 s bucket transfer, then passed on hop by hop for 6-8 s more: the run's tail)."""
-        pending = sorted(pending, key=lambda p: -p[0][0].size)
-        i = 0
-        try:
-            while i < len(pending):
-                async with pace.lock:
-                    await pace.room()
-                    room = pace.room_left()
-                    j, nbytes = i, 0
-                    while j < len(pending) and j - i < size and (j == i or nbytes < room):
-                        nbytes += pending[j][0][0].size
-                        j += 1
-                    pace.take(nbytes)
-                self._keep(asyncio.ensure_future(self._bucket_given(pending[i:j], pace, nbytes)))
-                i = j
-        except BaseException:
-            for _, f in pending[i:]:
-                f.cancel()  # each waiting object's task ends: the run does
-            raise
-
-    async def _bucket_given(self, chunk: list[tuple[Task, asyncio.Future[None]]], pace: Pace, nbytes: int) -> None:
-        try:
-            await self._bucket_batch(chunk)
-        finally:
-            await pace.give(nbytes)
+            t = asyncio.ensure_future(self._bucket_batch(pending[i : i + size]))
+            self._bucket_batches.add(t)
+            t.add_done_callback(self._bucket_batches.discard)
 
     async def _bucket_batch(self, chunk: list[tuple[Task, asyncio.Future[None]]]) -> None:
         small = [task for task, _ in chunk]

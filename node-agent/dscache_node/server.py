@@ -113,12 +113,8 @@ SLOW_ANSWER_S = 2.0
 MAX_OBJECTS = 256
 OBJECTS_PER_CLIENT = 128
 #: Bodies sent at once (the others wait their turn, within their request's wait, at least
-#: MIN_TURN_S): the uplink is shared by that many, not by every request held here. Few: a node
-#: passes an object on only once it is whole, so bodies sent one after the other reach their
-#: nodes sooner, and these pass them on sooner, than as many sent at once and done together (issue
-#: 30: 8 at once, a 1 MiB object took 2-4 s a hop on a 16 mbit link, 0.5 s alone); and a free slot
-#: says that the uplink has room (a request asked not to wait takes one or hears "not yet").
-MAX_SENDING = 3
+#: MIN_TURN_S): the uplink is shared by that many, not by every request held here.
+MAX_SENDING = 8
 MIN_TURN_S = 1.0
 #: Bodies up to this size are read into memory and sent with their headers in one write, without
 #: a sending turn: a stager's small objects (issue 30: 100,000 x 16 KiB) spent a third of the
@@ -561,12 +557,6 @@ class AgentServer:
                 # longer than a stager allows (issue 30: 31 nodes wrote the first one off).
                 # A request that finds no turn within its wait hears "not yet", as if in flight.
                 assert self._sending is not None
-                if req.wait <= 0 and self._sending.locked():
-                    # Asked not to wait (a stager's sweep for a whole copy, issue 30): only an uplink
-                    # with a free slot sends; a busy one says "not yet" at once, and the stager asks
-                    # another node. (Taken in turn, every sweep went to the node that held the most,
-                    # whose uplink was already the busiest: one sent 23 of 56 large copies.)
-                    return _not_here(RevisionState.STAGING, f"{req.path}: every sending slot is busy")
                 turn = max(req.wait, MIN_TURN_S) - (time.monotonic() - started)
                 try:
                     async with asyncio.timeout(max(turn, MIN_TURN_S)):

@@ -165,20 +165,6 @@ def fake_run(pn: Script, own: set[str]) -> Any:
     run = SimpleNamespace(placed=[], obtained=[], obtained_with={}, to_bucket=[], claimed=[], relays=[])
 
     class FakePeers:
-        def __init__(self) -> None:
-            self.failed: dict[str, str] = {}
-            #: The other nodes a sweep may ask (none unless a test says so).
-            self.sweepable: list[str] = []
-
-        def hold_s(self, most: float = RERANK_S) -> float:
-            return most  # the cohort is known: held the whole RERANK_S
-
-        def settled(self) -> bool:
-            return True
-
-        def others(self) -> list[str]:
-            return list(self.sweepable)
-
         def obtain(self, key: str, *a: Any) -> Obtained:
             run.obtained.append(key)
             run.obtained_with[key] = a[5:]  # (patience, held)
@@ -205,9 +191,8 @@ def fake_run(pn: Script, own: set[str]) -> Any:
     return run
 
 
-def work(pn: Script, keys: list[str], own: set[str] = frozenset(), others: list[str] | None = None) -> Any:  # type: ignore[assignment]
+def work(pn: Script, keys: list[str], own: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
     run = fake_run(pn, set(own))
-    run.peers.sweepable = list(others or [])
 
     async def go() -> None:
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -301,38 +286,6 @@ def test_a_copy_still_in_progress_is_asked_again_natively() -> None:
     assert run.relays == ["+a"]
 
 
-def test_a_request_held_without_sending_sweeps_other_nodes_for_a_whole_copy() -> None:
-    """Held at its parent without coming, an object is asked of a few other nodes, not held: one
-    that holds it whole sends it at once (issue 30: the slowest node's last objects waited 5-10 s
-    at a parent while most nodes held them whole)."""
-    parent, root, s1, s2 = "p:1", "r:1", "s:1", "s:2"
-    pn = Script(
-        {"a": [parent, root]},
-        {("a", parent): ["wait", "placed"], ("a", root): ["wait"], ("a", s1): ["unclaimed"], ("a", s2): ["placed"]},
-    )
-    run = work(pn, ["a"], others=[parent, root, s1, s2])
-    assert run.placed == ["a"] and run.obtained == []
-    asked = [addr for _, addr, _ in pn.asked]
-    assert asked[0] == parent and asked[-1] == s2 and parent not in asked[1:]
-    assert set(asked[1:]) <= {root, s1, s2}  # the parent that held is not swept
-    for waits in pn.waits[1:]:
-        assert waits == [0.0]  # a sweep's request is not held
-    assert run.relays == ["+a"]  # claimed once, by the first request
-
-
-def test_a_sweep_that_finds_no_whole_copy_holds_the_chain_again() -> None:
-    parent, root, s1 = "p:1", "r:1", "s:1"
-    pn = Script(
-        {"a": [parent, root]},
-        {("a", parent): ["wait", "placed"], ("a", root): ["wait"], ("a", s1): ["unclaimed"]},
-    )
-    run = work(pn, ["a"], others=[parent, root, s1])
-    assert run.placed == ["a"] and run.obtained == []
-    asked = [addr for _, addr, _ in pn.asked]
-    assert asked[0] == parent and sorted(asked[1:3]) == [root, s1] and asked[3:] == [parent]
-    assert pn.waits[3] is not None and 0 < pn.waits[3][0] <= RERANK_S  # held again, within patience
-
-
 def test_a_peer_still_copying_past_its_patience_goes_to_obtain_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past peers.PATIENCE_S of "still copying", obtain gets the object with the patience spent
     (it writes that peer off at once) and the hop that held without sending (passed over)."""
@@ -383,43 +336,3 @@ def test_a_parent_behind_an_earlier_key_is_passed_for_the_root_at_once() -> None
     assert asked_parent == keys[:8]  # the first batch asked it; the later objects did not
     assert sorted(k for k, addr, _ in pn.asked if addr == root) == keys
     assert sorted(run.relays) == sorted("+" + k for k in keys)  # every relay claimed, once
-
-
-# --- holds while the cohort forms, the paced bucket reads (issue 30) ---------------------------
-
-
-def test_requests_are_held_only_until_the_cohort_is_known(tmp_path: Path) -> None:
-    p = peers_for(tmp_path)
-    assert p.answer is not None
-    p.answer = PeersAnswer(ME, [Peer(a, time.time() - 1.0) for a in [ME, *OTHERS]])
-    assert not p.settled()
-    assert peers_mod.MIN_HOLD_S <= p.hold_s() < RERANK_S  # a ranking that may still change
-    p.answer = PeersAnswer(ME, [Peer(a, time.time() - 60.0) for a in [ME, *OTHERS]])
-    assert p.settled() and p.hold_s() == RERANK_S
-
-
-def test_the_peer_workers_bucket_reads_are_paced_the_largest_first() -> None:
-    from dscache_stager.peers_pace import MIN_BYTES, Pace
-
-    chunks: list[list[int]] = []
-
-    async def given(chunk: list[Any], pace: Pace, nbytes: int) -> None:
-        chunks.append([t[0].size for t, _ in chunk])
-        await asyncio.sleep(0.01)
-        await pace.give(nbytes)
-        for _, f in chunk:
-            f.set_result(None)
-
-    async def go() -> None:
-        loop = asyncio.get_running_loop()
-        kept: list[asyncio.Future[None]] = []
-        run = SimpleNamespace(_keep=kept.append, _bucket_given=given)
-        sizes = [16 << 10] * 40 + [MIN_BYTES] * 3
-        pending = [((RemoteObject(f"k{i}", n, ETAG), f"k{i}", ""), loop.create_future()) for i, n in enumerate(sizes)]
-        await sync._Run._bucket_paced(run, pending, Pace(), 64)  # type: ignore[arg-type]
-        await asyncio.gather(*kept, *(f for _, f in pending))
-
-    asyncio.run(go())
-    assert chunks[0] == [MIN_BYTES]  # the window at first: one large object, not everything at once
-    flat = [n for c in chunks for n in c]
-    assert flat == sorted(flat, reverse=True) and len(flat) == 43
