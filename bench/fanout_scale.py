@@ -407,6 +407,11 @@ class Scale:
                 if born:
                     r.writes.append(max(0.0, mtime - born))
         r.latencies = propagation(arrivals, r.starts)
+        # Every (node, object) arrival and every node's start (epoch seconds), kept with the logs:
+        # what a tail is made of (which node had which object whole when) is read from them.
+        (logs / f"{name}-arrivals.json").write_text(
+            json.dumps({"starts": r.starts, "ends": r.ends, "arrivals": arrivals})
+        )
         for a in agents:
             code2, text = a.wipe(contract.WipeRequest(NS, name, all_revisions=True))
             if code2 != 200:

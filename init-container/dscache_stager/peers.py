@@ -80,7 +80,7 @@ from dscache_contract.peers import (
     owner_ranking,
 )
 
-from . import agentcall, agenttls
+from . import agentcall, agenttls, trace
 from .fetch import FILE_MODE
 
 log = logging.getLogger("dscache-stage")
@@ -502,6 +502,8 @@ class Peers:
                     break
                 asked_at, path = time.time(), tmp()
                 outcome, md5 = self.take(addr, rel, size, etag, path, True, min(RERANK_S, deadline - now), relay)
+                if trace.ON:
+                    trace.mark(f"obj-py {outcome.value} {addr} {rel} h{i}", int(1000 * (time.monotonic() - now)))
                 if outcome is Outcome.PLACED:
                     return Obtained(outcome, path)
                 if outcome is Outcome.SUSPECT:

@@ -650,6 +650,8 @@ class _Run(CopyRun):
                     # Into place as soon as it is here, not when the call's slowest object is
                     # (its children may be asking this node for it): on the loop, from the reader.
                     nonlocal owned
+                    if trace.ON:
+                        trace.mark(f"obj placed {addr} {group[i][0][1]} h{group[i][1]}", _ms(asked_at))
                     self._peer_placed(group[i][0], tmp)
                     early.add(i)
                     owned -= 1
@@ -670,6 +672,9 @@ class _Run(CopyRun):
                                 del marks[addr]  # it has come to the mark's key: the others are asked again
                     if i in early:
                         continue  # placed as it came (placed() above: every object placed goes there)
+                    if trace.ON:
+                        said = "handed" if got is None else got.outcome.value
+                        trace.mark(f"obj {said} {addr} {item[1]} h{hop}", _ms(asked_at))
                     if got is not None and got.outcome is Outcome.UNCLAIMED:
                         last = hop + 1 >= pn.hops(item[0].key, slow)
                         marks = behind if last else behind_hop
@@ -849,6 +854,11 @@ class _Run(CopyRun):
             if not self.journal.closed:
                 self.journal.flush()  # a killed run loses at most one interval of records
             self.progress.report()
+
+
+def _ms(since: float) -> int:
+    """Milliseconds from ``since`` (monotonic) to now: a trace line's count."""
+    return int(1000 * (time.monotonic() - since))
 
 
 async def _take(queue: asyncio.Queue[Work], most: int, room: int | None = None) -> tuple[list[Task], bool]:
