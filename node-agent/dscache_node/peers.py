@@ -347,16 +347,20 @@ def poll_object(
     probe: bool = False,
     relay: bool = False,
     first: bool = True,
+    state: RevisionState | None = None,
 ) -> Opened | NotHere:
     """One look: the object if it is whole here; raises NotHere when it will not come (absent,
     or a probe for an object nobody here reads); returns NotHere(STAGING) while it may still come.
-    ``first``: try to open it first (False: the caller just did, and it was not there)."""
+    ``first``: try to open it first (False: the caller just did, and it was not there).
+    ``state``: the revision's state, looked at once by a caller asking about many of its
+    objects (a batch), so the lock and the marker are not looked at again for each."""
     if first:
         try:
             return open_object(c, rev, path)
         except FileNotFoundError:
             pass
-    state = revision_state(c, rev, locked(c))
+    if state is None:
+        state = revision_state(c, rev, locked(c))
     if state is RevisionState.COMPLETE:
         # Re-check: the last object may have been placed between the open and the marker.
         try:

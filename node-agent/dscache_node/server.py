@@ -82,7 +82,7 @@ from .arrivals import Arrivals
 from .auth import Gate, NeedsApi, Refusal
 from .kube import ApiError
 from .listings import serve_listing
-from .peers import REVISION_DIRS, Claims, NotHere, Opened, check_request, open_object, poll_object
+from .peers import REVISION_DIRS, Claims, NotHere, Opened, check_request, open_object, poll_object, revision_state
 
 log = logging.getLogger("dscache-node")
 T = TypeVar("T")
@@ -632,15 +632,22 @@ class AgentServer:
             self.objects.give(client)
 
     async def _batch_states(self, c: str, req: ObjectsBatchRequest, missed: list[int], frames: list[bytes]) -> None:
-        """The frames of the batch's objects not here at its first look: one full look each (as a
-        held request's first), on the loop when the claims file to read is short, else on a thread."""
+        """The frames of the batch's objects not here at its first look: the revision's state
+        looked at once (the lock, the marker), then each object's own look (as a held request's
+        first), on the loop when the claims file to read is short, else on a thread."""
 
         # poll_object raises NotHere for absent and unclaimed, returns it for staging.
         def each() -> list[bytes]:
+            try:
+                revision = revision_state(c, req.revision, _locked(c))
+            except OSError:
+                return [b"503 0 \n"] * len(missed)
             out = []
             for i in missed:
                 try:
-                    got = poll_object(c, req.revision, req.paths[i], _locked, self.claims, True, req.relay, False)
+                    got = poll_object(
+                        c, req.revision, req.paths[i], _locked, self.claims, True, req.relay, False, revision
+                    )
                 except NotHere as e:
                     out.append(b"404 0 %s\n" % e.state.value.encode())
                     continue

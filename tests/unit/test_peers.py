@@ -33,7 +33,7 @@ from dscache_contract.peers import (
     staging_label,
 )
 from dscache_node.agent import _locked
-from dscache_node.peers import Claims, NotHere, check_request, open_object, wait_for_object
+from dscache_node.peers import Claims, NotHere, Opened, check_request, open_object, poll_object, wait_for_object
 from dscache_stager.peers import Digest, verifiable
 
 REV = "r-" + "0123456789abcdef0123"
@@ -548,3 +548,20 @@ def test_a_revision_nobody_copies_says_absent_at_once(cache):
     with pytest.raises(NotHere) as e:
         wait_for_object(cache, "r-" + "e" * 20, "a.bin", 5.0, _locked, Claims())
     assert e.value.state is RevisionState.ABSENT
+
+
+def test_a_look_given_the_revisions_state_does_not_look_at_the_lock_again(cache, stager_lock):
+    """A batch looks at the revision's state once, then at each object it misses (server.py
+    _batch_states): the lock is not opened again per object."""
+
+    def no_lock(c: str) -> bool:
+        raise AssertionError("the lock was looked at again")
+
+    got = poll_object(cache, REV, "later.bin", no_lock, Claims(), first=False, state=RevisionState.STAGING)
+    assert isinstance(got, NotHere) and got.state is RevisionState.STAGING
+    with pytest.raises(NotHere) as e:
+        poll_object(cache, REV, "later.bin", no_lock, Claims(), True, False, False, RevisionState.STAGING)
+    assert e.value.state is RevisionState.UNCLAIMED
+    # Whole here: served whatever state the caller looked at.
+    opened = poll_object(cache, REV, "a.bin", no_lock, Claims(), state=RevisionState.ABSENT)
+    assert isinstance(opened, Opened) and read(opened) == b"A" * 1000
