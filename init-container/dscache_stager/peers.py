@@ -503,7 +503,7 @@ class Peers:
                 asked_at, path = time.time(), tmp()
                 outcome, md5 = self.take(addr, rel, size, etag, path, True, min(RERANK_S, deadline - now), relay)
                 if trace.ON:
-                    trace.mark(f"obj-py {outcome.value} {addr} {rel} h{i}", int(1000 * (time.monotonic() - now)))
+                    trace.mark(f"obj-py {outcome.value} {addr} {rel} h{i}", trace.ms_since(now))
                 if outcome is Outcome.PLACED:
                     return Obtained(outcome, path)
                 if outcome is Outcome.SUSPECT:

@@ -651,7 +651,7 @@ class _Run(CopyRun):
                     # (its children may be asking this node for it): on the loop, from the reader.
                     nonlocal owned
                     if trace.ON:
-                        trace.mark(f"obj placed {addr} {group[i][0][1]} h{group[i][1]}", _ms(asked_at))
+                        trace.mark(f"obj placed {addr} {group[i][0][1]} h{group[i][1]}", trace.ms_since(asked_at))
                     self._peer_placed(group[i][0], tmp)
                     early.add(i)
                     owned -= 1
@@ -662,7 +662,7 @@ class _Run(CopyRun):
                     trace.mark("peer-placed", len(early))
                     unclaimed = sum(1 for g in gots if g is not None and g.outcome is Outcome.UNCLAIMED)
                     trace.mark("peer-unclaimed", unclaimed)
-                    trace.mark("peer-ms", int(1000 * (time.monotonic() - asked_at)))
+                    trace.mark("peer-ms", trace.ms_since(asked_at))
                 nxt: list[_Ask] = []
                 later: dict[float, list[_Ask]] = {}
                 for i, ((item, hop, pause, since, patience, slow), got) in enumerate(zip(group, gots, strict=True)):
@@ -674,7 +674,7 @@ class _Run(CopyRun):
                         continue  # placed as it came (placed() above: every object placed goes there)
                     if trace.ON:
                         said = "handed" if got is None else got.outcome.value
-                        trace.mark(f"obj {said} {addr} {item[1]} h{hop}", _ms(asked_at))
+                        trace.mark(f"obj {said} {addr} {item[1]} h{hop}", trace.ms_since(asked_at))
                     if got is not None and got.outcome is Outcome.UNCLAIMED:
                         last = hop + 1 >= pn.hops(item[0].key, slow)
                         marks = behind if last else behind_hop
@@ -854,11 +854,6 @@ class _Run(CopyRun):
             if not self.journal.closed:
                 self.journal.flush()  # a killed run loses at most one interval of records
             self.progress.report()
-
-
-def _ms(since: float) -> int:
-    """Milliseconds from ``since`` (monotonic) to now: a trace line's count."""
-    return int(1000 * (time.monotonic() - since))
 
 
 async def _take(queue: asyncio.Queue[Work], most: int, room: int | None = None) -> tuple[list[Task], bool]:

@@ -4,7 +4,10 @@ Each line is ``dscache-trace <CLOCK_MONOTONIC seconds> <event> <count>``, the cl
 /proc/<pid>/stat (or perf, or strace -ttt's monotonic twin) can line up with. The events:
 ``start`` (stage.sync entered), ``first-page`` (the access proof's page is in: its keys),
 ``page`` (a listing page reached the copy: its keys), ``batch-go`` and ``batch-done`` (objects
-handed to the native copier, and back), ``done`` (the revision is sealed).
+handed to the native copier, and back), ``done`` (the revision is sealed). With peers, per native
+call ``peer-go``, ``peer-placed``, ``peer-unclaimed``, ``peer-ms``, and per object ``obj <outcome>
+<peer> <path> h<hop>`` (``obj-py`` on peers.py's path) with its milliseconds since it was asked
+(bench/fanout_tail.py reads them).
 
 Issue 30 (smallwan36) found with it where bench/stager.py's small set idles: the listing pages
 after the first are answered by the server only once the GETs of the page before have drained
@@ -27,3 +30,8 @@ def mark(event: str, count: int = 0) -> None:
     """One timeline line on stderr when tracing is on; nothing otherwise."""
     if ON:
         sys.stderr.write(f"dscache-trace {time.monotonic():.4f} {event} {count}\n")
+
+
+def ms_since(since: float) -> int:
+    """Milliseconds from ``since`` (time.monotonic) to now: an ``obj`` line's count."""
+    return int(1000 * (time.monotonic() - since))
