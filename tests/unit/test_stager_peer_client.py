@@ -320,6 +320,32 @@ def test_an_early_peer_is_left_out_once_it_knew_of_this_node(tmp_path, fakes, mo
     assert p.early_peers(" " + key) == [early.addr]
 
 
+def test_a_no_for_a_key_it_ranked_to_a_third_node_says_nothing_of_the_keys_after(tmp_path, fakes):
+    """An earlier peer that says it does not read a key it would have given to a third node may have
+    read this node's keys listed after it before it knew of this node: it is still probed about
+    them. Its "no" for a key it would have read itself says it had not come that far, so it is left
+    out from there on. (A first node reading at once had read 21 such keys at N = 8, bench/fanout.py,
+    each read again by the node it was ranked to.)"""
+    early = fakes(not_found("unclaimed"))
+    third = "127.0.0.1:5"
+    now = time.time()
+    answer = PeersAnswer(me=ME, staging=[Peer(early.addr, now - 11.0), Peer(ME, now - 10.0), Peer(third, now - 10.5)])
+    mine = [k for k in (f"k{i:04d}.bin" for i in range(4000)) if owner_ranking(k, answer)[0] == ME]
+    # Among the nodes it can have known of before this one (all but this one), who comes first.
+    its_view = PeersAnswer(me=early.addr, staging=[p for p in answer.staging if p.addr != ME])
+    thirds = [k for k in mine if owner_ranking(k, its_view)[0] == third]
+    its_own = [k for k in mine if owner_ranking(k, its_view)[0] == early.addr]
+    assert thirds and its_own
+    k = thirds[0]
+    p = client(tmp_path, answer)
+    assert p.obtain(k, k, 10, '"' + "0" * 32 + '"', tmp_maker(tmp_path)).outcome is Outcome.BUCKET
+    assert p.early_peers(k + "~") == [early.addr], "still asked about the keys after"
+    k = its_own[0]
+    assert p.obtain(k, k, 10, '"' + "0" * 32 + '"', tmp_maker(tmp_path)).outcome is Outcome.BUCKET
+    assert p.early_peers(k) == [] and p.early_peers(k + "~") == []
+    assert early.requests == 2
+
+
 def test_a_probe_answered_unclaimed_ends_at_the_bucket(tmp_path, fakes):
     """The other side of the above: an early peer that has not claimed the object, asked after
     PROBE_S (it knows of this node), is probed once."""
