@@ -125,11 +125,13 @@ def proc_cpu_s(pid: int) -> float:
 
 @dataclass
 class Counters:
-    """The agents' /metrics counters summed: requests by kind, bytes served per node, TokenReviews."""
+    """The agents' /metrics counters summed: requests by kind, bytes served per node, TokenReviews
+    and local token checks."""
 
     requests: dict[str, float] = field(default_factory=dict)
     served: dict[str, float] = field(default_factory=dict)
     reviews: float = 0.0
+    local_checks: float = 0.0
 
 
 @dataclass
@@ -156,8 +158,10 @@ class StageRun:
     class_cpu_s: dict[str, float] = field(default_factory=dict)
     #: the agents' requests during the run, "<route> <status>" -> count (their /metrics), in all
     requests: dict[str, int] = field(default_factory=dict)
-    #: TokenReviews the agents sent the API server during the run (each checks each stager's token once)
+    #: TokenReviews the agents sent the API server during the run, and the tokens they checked
+    #: themselves against its published keys (each agent checks each stager's token once)
     token_reviews: int = 0
+    token_local_checks: int = 0
 
     @property
     def own_s(self) -> dict[str, float]:
@@ -219,6 +223,8 @@ class Scale:
             c.served[a.node] = float(m.group(1)) if m else 0.0
             m = re.search(r"^dscache_node_token_reviews_total (\S+)$", text, re.M)
             c.reviews += float(m.group(1)) if m else 0.0
+            m = re.search(r"^dscache_node_token_local_checks_total (\S+)$", text, re.M)
+            c.local_checks += float(m.group(1)) if m else 0.0
         return c
 
     def up(self, stops: list[Callable[[], None]]) -> None:
@@ -383,6 +389,7 @@ class Scale:
             if v > counters0.requests.get(k, 0.0)
         }
         r.token_reviews = int(counters.reviews - counters0.reviews)
+        r.token_local_checks = int(counters.local_checks - counters0.local_checks)
         with open(self.access_log, "rb") as f:
             f.seek(log_at)
             lines = f.read().decode(errors="replace").splitlines()
@@ -470,9 +477,12 @@ def by_n_entry(r: StageRun, one_s: float, dataset_bytes: int) -> dict[str, Any]:
         # nears all_ready_span_s, the run is bound by the one machine's CPU, not by the protocol.
         "cpu_floor_s": round(sum(r.class_cpu_s.values()) / len(os.sched_getaffinity(0)), 3),
         "agent_requests": r.requests,
-        # One per (agent, stager) pair that met: N x (N - 1) at most, each with a pod GET; what the
-        # API server's CPU in cpu_s_by_class grows with (the 256-node prediction).
+        # One check per (agent, stager) pair that met, its own node's stager too: N x N at most (16
+        # at N = 4), each with a pod GET (what the API server's CPU in cpu_s_by_class grows with, the
+        # 256-node prediction): local while the agents can read the API server's keys, else a
+        # TokenReview.
         "token_reviews": r.token_reviews,
+        "token_local_checks": r.token_local_checks,
         "stager_bucket_bytes": sum(int(s.get("bucket_bytes", 0)) for s in r.summaries.values()),
         "peer_bytes": sum(int(s.get("peer_bytes", 0)) for s in r.summaries.values()),
         "nodes_reading_bucket": sum(1 for s in r.summaries.values() if int(s.get("bucket_bytes", 0)) > 0),
