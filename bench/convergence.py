@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.procstat import cpu_seconds
+
 CACHES = "/apis/dscache.io/v1alpha1/datasetcaches"
 
 
@@ -128,11 +130,6 @@ def count_listed(k: Any) -> tuple[int, int]:
     items = [c for c in k.request("GET", CACHES)["items"] if counted(c["metadata"]["namespace"])]
     states = [converged_state(c) for c in items]
     return sum(r for r, _ in states), sum(n for _, n in states)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:

@@ -52,6 +52,7 @@ from bench.fanout_stats import (
     propagation,
     ratio,
 )
+from bench.procstat import cpu_seconds
 from tests.support.kubeapi import KubeAPI
 from tests.support.nodeagent import NodeAgent, register_node
 from tests.support.s3server import S3Server
@@ -117,10 +118,9 @@ def _python() -> str:
 def proc_cpu_s(pid: int) -> float:
     """User + sys CPU seconds of a running process so far (/proc/<pid>/stat; 0 if it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

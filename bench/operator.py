@@ -58,6 +58,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "operator"))
 
 from bench.convergence import ConvergenceWatch, CpuMeter, controller_requests, count_listed, source_counts  # noqa: E402
+from bench.procstat import cpu_seconds  # noqa: E402
 from tests.support.kubeapi import OPERATOR_NS, KubeAPI, Operator  # noqa: E402
 from tests.support.s3server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
 from tests.support.tools import TOOLS_SH, built_tool_bin  # noqa: E402
@@ -79,13 +80,6 @@ def hwm_mib(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    import os
-
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- webhook load ---------------------------------------------------------------------

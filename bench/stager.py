@@ -64,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import shipped  # noqa: E402
+from bench.procstat import cpu_seconds  # noqa: E402
 from dscache_stager.fetch import PART_SIZE, SPLICE_THREADS  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 from tests.support.tools import tool_bin  # noqa: E402
@@ -328,13 +329,6 @@ class Run:
     read_mib: float = 0.0  # read from disk (ru_inblock): after a page-cache drop, its binaries and modules
 
 
-def proc_cpu_s(pid: int, tid: int | None = None) -> float:
-    """User + sys seconds a running process (or one of its threads) has used so far."""
-    with open(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 GNU_TIME = shutil.which("time") and "/usr/bin/time"
 
 
@@ -466,16 +460,16 @@ def small_profile(
             dest = work / "dest" / tool
             fresh(dest)
             cmd = tools.command(tool, prefix, dest, revision=revision, pod=f"cold-{r}", endpoint=endpoint)
-            before = proc_cpu_s(server_pid) if server_pid else 0.0
-            proxy_before = proc_cpu_s(proxy.pid) if proxy else 0.0
+            before = cpu_seconds(server_pid) if server_pid else 0.0
+            proxy_before = cpu_seconds(proxy.pid) if proxy else 0.0
             conns_before = proxy.connections() if proxy else 0
             run = run_child(cmd, tool_env(tool, env))
             if server_pid:
-                run = dataclasses.replace(run, server_cpu_s=proc_cpu_s(server_pid) - before)
+                run = dataclasses.replace(run, server_cpu_s=cpu_seconds(server_pid) - before)
             if proxy:
                 run = dataclasses.replace(
                     run,
-                    proxy_cpu_s=proc_cpu_s(proxy.pid) - proxy_before,
+                    proxy_cpu_s=cpu_seconds(proxy.pid) - proxy_before,
                     connections=proxy.connections() - conns_before,
                 )
             n, b = tree_bytes(dest / "revs" / revision / "data" if tool in STAGED else dest)
@@ -803,14 +797,14 @@ def large_set(tools, env, work, args, large_size, digests, revs) -> dict:
         for tool in list(large)[r % len(large) :] + list(large)[: r % len(large)]:
             dest = work / "dest" / f"large-{tool}"
             fresh(dest)
-            before = proc_cpu_s(server_pid) if server_pid else 0.0
+            before = cpu_seconds(server_pid) if server_pid else 0.0
             run = run_child(
                 tools.command(tool, "large", dest, large_size, args.large_count, revision=revs["large"]),
                 tool_env(tool, env),
                 keep_stdout=tool == "get",
             )
             if server_pid:
-                run = dataclasses.replace(run, server_cpu_s=proc_cpu_s(server_pid) - before)
+                run = dataclasses.replace(run, server_cpu_s=cpu_seconds(server_pid) - before)
             if tool in STAGED:
                 verify_dscache(dest, revs["large"], "large", digests, json.loads(run.out), warm=False)
             if tool == "get":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -31,19 +30,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.procstat import cpu_seconds
 from dscache_contract.peers import PEER_AUDIENCE
 from dscache_node.auth import REVIEW_PATH
 from dscache_node.jwks import IssuerKeys, LocalVerifier
 from dscache_node.kube import Kube
 from tests.support.agentauth import consumer_pod, pod_token
 from tests.support.kubeapi import KubeAPI
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def self_cpu() -> float:
@@ -52,11 +45,11 @@ def self_cpu() -> float:
 
 
 def measure(name: str, pids: dict[str, int], n: int, fn: Any) -> dict[str, float]:
-    before = {k: proc_cpu(p) for k, p in pids.items()}
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
     mine, wall = self_cpu(), time.monotonic()
     fn()
     wall, mine = time.monotonic() - wall, self_cpu() - mine
-    out = {f"{k}_us": round((proc_cpu(p) - before[k]) * 1e6 / n, 1) for k, p in pids.items()}
+    out = {f"{k}_us": round((cpu_seconds(p) - before[k]) * 1e6 / n, 1) for k, p in pids.items()}
     out.update(caller_us=round(mine * 1e6 / n, 1), wall_ms=round(wall * 1e3 / n, 3))
     print(f"{name}: {out}", flush=True)
     return out
