@@ -113,7 +113,7 @@ class Refusal:
 
 
 def _expiry(token: str) -> float | None:
-    """The ``exp`` of a JWT just verified (here or by the API server), so its payload can be read unverified."""
+    """The ``exp`` of a JWT the API server has just verified (so its payload can be read unverified)."""
     try:
         payload = token.split(".")[1]
         claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
@@ -200,7 +200,9 @@ class Reviews:
                 self.local_checks += 1
                 if self.on_local is not None:
                     self.on_local()
-                return self._keep(key, _from_claims(claims) if isinstance(claims, dict) else None, token)
+                if not isinstance(claims, dict):
+                    return self._keep(key, None)
+                return self._keep(key, _from_claims(claims), float(claims["exp"]))  # exp: checked a number
         if offline:
             raise NeedsApi
         body = {
@@ -213,7 +215,7 @@ class Reviews:
             self.on_review()
         status = (self.kube.post(REVIEW_PATH, body) or {}).get("status") or {}
         if not status.get("authenticated") or audience not in (status.get("audiences") or []):
-            return self._keep(key, None, token)
+            return self._keep(key, None)
         user = status.get("user") or {}
         username = str(user.get("username") or "")
         extra = user.get("extra") or {}
@@ -222,16 +224,15 @@ class Reviews:
             namespace = username[len(SA_PREFIX) :].split(":")[0] or None
         pod = (extra.get(POD_NAME_EXTRA) or [None])[0]
         uid = (extra.get(POD_UID_EXTRA) or [None])[0]
-        return self._keep(key, Identity(username, namespace, pod, uid), token)
+        return self._keep(key, Identity(username, namespace, pod, uid), _expiry(token))
 
-    def _keep(self, key: str, ident: Identity | None, token: str) -> Identity | None:
+    def _keep(self, key: str, ident: Identity | None, exp: float | None = None) -> Identity | None:
         """``ident`` (None: refused), kept for the next ask: a refusal REFUSED_TTL_S, a verified
-        token until EXPIRY_MARGIN_S before its expiry and never over MAX_TRUST_S."""
+        token until EXPIRY_MARGIN_S before its expiry ``exp`` and never over MAX_TRUST_S."""
         now = self.clock()
         if ident is None:
             self._refused.put(key, True, now + REFUSED_TTL_S)
             return None
-        exp = _expiry(token)
         until = now + MAX_TRUST_S if exp is None else min(exp - EXPIRY_MARGIN_S, now + MAX_TRUST_S)
         if until > now:
             self._ok.put(key, ident, until)

@@ -195,14 +195,14 @@ class LocalVerifier:
         ask TokenReview. Whose it is, read from the claims, is auth.py's.
         NeedsFetch when ``offline`` and the keys must be fetched."""
         try:
-            header = jwt.get_unverified_header(token)
-            unverified = jwt.decode(token, options={"verify_signature": False})
+            unverified = jwt.decode_complete(token, options={"verify_signature": False})
         except jwt.PyJWTError:
             return None  # not a JWT: no issuer would vouch for it
+        header, payload = unverified["header"], unverified["payload"]
         keys = self.keys.current(offline)
         if keys is None:
             return DEFER
-        iss = unverified.get("iss")
+        iss = payload.get("iss")
         if iss != keys.issuer:
             self.keys.deferred_issuer(str(iss), keys.issuer)
             return DEFER

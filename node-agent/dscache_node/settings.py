@@ -117,9 +117,15 @@ class AgentSettings:
             scan_interval=float(env.get("DSCACHE_NODE_SCAN_INTERVAL") or d.scan_interval),
             unknown_lease_grace=float(env.get("DSCACHE_NODE_UNKNOWN_LEASE_GRACE") or d.unknown_lease_grace),
             log_level=(env.get("DSCACHE_LOG_LEVEL") or d.log_level).upper(),
-            csi=(env.get("DSCACHE_CSI") or "").lower() in ("1", "true", "yes"),
+            csi=_flag(env.get("DSCACHE_CSI"), False),
             kubelet_dir=(env.get("DSCACHE_KUBELET_DIR") or d.kubelet_dir).rstrip("/"),
             stager_uid=int(env.get("DSCACHE_STAGER_UID") or d.stager_uid),
             version=env.get("DSCACHE_VERSION") or d.version,
-            local_token_check=(env.get("DSCACHE_LOCAL_TOKEN_CHECK") or "true").lower() not in ("0", "false", "no"),
+            local_token_check=_flag(env.get("DSCACHE_LOCAL_TOKEN_CHECK"), True),
         )
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    """A yes/no setting: 1/true/yes/on or 0/false/no/off (any case); unset or empty: ``default``."""
+    v = (value or "").strip().lower()
+    return default if not v else v in ("1", "true", "yes", "on")
