@@ -16,7 +16,8 @@ a token that fails is refused, never handed to TokenReview for a second opinion.
 issuer (an external OIDC issuer the API server trusts, a second ``--service-account-issuer``
 during a migration, legacy Secret tokens) and every token while the keys cannot be fetched
 (RBAC without the discovery URLs: 403; no discovery: 404; unreachable) go to TokenReview; the
-agent says once in its log why.
+agent says once in its log why. So does a token naming a key id the agent has not seen while the keys
+were fetched less than REFETCH_MIN_S ago (a rotation just made: TokenReview knows the new key).
 """
 
 from __future__ import annotations
@@ -100,12 +101,19 @@ class IssuerKeys:
             raise NeedsFetch
         return self._fetch(stale=s)
 
-    def key(self, keys: _KeySet, kid: str, offline: bool) -> jwt.PyJWK | None:
+    def key(self, keys: _KeySet, kid: str, offline: bool) -> jwt.PyJWK | Defer | None:
         """The key ``kid`` names; fetched again once if unknown (a rotation), at most every
-        REFETCH_MIN_S."""
+        REFETCH_MIN_S; None: not in the set fetched afresh, so not the API server's (refused).
+        An unknown kid that cannot be fetched yet is TokenReview's to judge (DEFER): the key may be
+        newer than the last fetch, and its tokens were refused here for up to REFETCH_MIN_S (and
+        that refusal kept for auth.REFUSED_TTL_S) right after a rotation. A caller inventing key
+        ids then costs TokenReviews, as a token of another issuer does, within its share of the
+        check pool."""
         got = keys.keys.get(kid)
-        if got is not None or self.monotonic() - self._last_fetch < REFETCH_MIN_S:
+        if got is not None:
             return got
+        if self.monotonic() - self._last_fetch < REFETCH_MIN_S:
+            return DEFER
         if offline:
             raise NeedsFetch
         fresh = self._fetch(stale=keys)
@@ -210,6 +218,8 @@ class LocalVerifier:
         if alg not in ALGORITHMS or not isinstance(kid, str):
             return None
         key = self.keys.key(keys, kid, offline)
+        if isinstance(key, Defer):
+            return DEFER
         if key is None or key.algorithm_name != alg:
             return None
         try:

@@ -169,25 +169,30 @@ def test_what_is_refused_and_never_asked_of_token_review(gk, issuer: Issuer):
     assert status(gate, issuer.token(nbf=NOW + SKEW_S - 5, iat=NOW + SKEW_S - 5)) == 200  # within the skew
 
 
-def test_an_unknown_key_fetches_the_keys_again_at_most_so_often(gk, issuer: Issuer, clock: Clock):
-    gate, kube = gk
+def test_an_unknown_key_fetches_the_keys_again_at_most_so_often(issuer: Issuer, clock: Clock):
+    # TokenReview authenticates the ServiceAccount's real tokens (as the API server does: it knows
+    # every key it signs with), not those of another one ("mallory": the forgeries below).
+    gate, kube = make_gate(issuer, clock, {"system:serviceaccount:ml:default": ("ml", "s", "u1")})
     assert status(gate, issuer.token()) == 200
     assert len(kube.key_gets) == 2
     issuer.add("k2", ec.generate_private_key(ec.SECP256R1()))  # the API server rotates (to ES256)
     kube.keys = {"issuer": ISSUER, "jwks": issuer.jwks()}
-    assert status(gate, issuer.token(kid="k2")) == 401  # within REFETCH_MIN_S of the last fetch: not yet
-    assert len(kube.key_gets) == 2
+    # Within REFETCH_MIN_S of the last fetch: not fetched again, but not refused either: the key
+    # may be newer than that fetch, so TokenReview judges it.
+    assert status(gate, issuer.token(kid="k2")) == 200
+    assert len(kube.key_gets) == 2 and kube.reviews == ["system:serviceaccount:ml:default"]
     clock.t += REFETCH_MIN_S + 1
-    assert status(gate, issuer.token(kid="k2", iat=NOW + 1)) == 200  # fetched again, found
-    assert len(kube.key_gets) == 4
-    forged = issuer.token(kid="k9", key=rsa.generate_private_key(public_exponent=65537, key_size=2048))
+    assert status(gate, issuer.token(kid="k2", iat=NOW + 1)) == 200  # fetched again, found: checked here
+    assert len(kube.key_gets) == 4 and len(kube.reviews) == 1
+    mallory = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    forged = issuer.token(kid="k9", key=mallory, sa="mallory")
     clock.t += REFETCH_MIN_S + 1
-    assert status(gate, forged) == 401  # fetched again, still unknown: refused
-    assert len(kube.key_gets) == 6
-    forged2 = issuer.token(kid="k8", key=rsa.generate_private_key(public_exponent=65537, key_size=2048))
-    assert status(gate, forged2) == 401
-    assert len(kube.key_gets) == 6  # not again within REFETCH_MIN_S
-    assert kube.reviews == []
+    assert status(gate, forged) == 401  # fetched again, still unknown: refused here
+    assert len(kube.key_gets) == 6 and len(kube.reviews) == 1
+    forged2 = issuer.token(kid="k8", key=mallory, sa="mallory")
+    assert status(gate, forged2) == 401  # within REFETCH_MIN_S: TokenReview refuses it
+    assert len(kube.key_gets) == 6  # not fetched again within REFETCH_MIN_S
+    assert kube.reviews == ["system:serviceaccount:ml:default", "system:serviceaccount:ml:mallory"]
 
 
 def test_the_pod_check_stays(gk, issuer: Issuer):
@@ -280,12 +285,18 @@ def test_the_keys_are_fetched_again_and_a_failed_refresh_drops_them(gk, issuer: 
     assert len(kube.key_gets) == 2
     assert status(gate, issuer.token(kid="k2", iat=NOW + 1)) == 200
     assert len(kube.key_gets) == 4
-    assert status(gate, issuer.token(kid="k1", key=old, iat=NOW + 1)) == 401  # the old key's new token
+    # The old key's new token: not in the set just fetched, so not fetched again before REFETCH_MIN_S:
+    # TokenReview's, which refuses it (the fake knows no ServiceAccount "retired").
+    assert status(gate, issuer.token(kid="k1", key=old, iat=NOW + 1, sa="retired")) == 401
+    assert kube.reviews == ["system:serviceaccount:ml:retired"]
+    clock.t += REFETCH_MIN_S + 1
+    assert status(gate, issuer.token(kid="k1", key=old, iat=NOW + 2, sa="retired")) == 401  # refused here
+    assert len(kube.key_gets) == 6 and len(kube.reviews) == 1
     # A refresh that fails: not the stale keys, TokenReview (which asks the API server).
     kube.keys = ApiError(503, "unavailable")
     clock.t += KEYS_MAX_AGE_S + 1
     assert status(gate, issuer.token(kid="k2", iat=NOW + 2)) == 200
-    assert kube.reviews == ["system:serviceaccount:ml:default"]
+    assert kube.reviews == ["system:serviceaccount:ml:retired", "system:serviceaccount:ml:default"]
 
 
 def test_a_verdict_is_kept_no_longer_than_before(gk, issuer: Issuer, clock: Clock):
