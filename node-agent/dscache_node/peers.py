@@ -48,6 +48,15 @@ log = logging.getLogger("dscache-node")
 
 #: How long an answer about one revision is reused while its labels are listed, not watched.
 ANSWER_TTL_S = 0.2
+#: A node gone from a revision's staging view (watched) is still answered as staging this long, unless
+#: the warm view has it by then. A copy that completes moves its Node from the staging label to the
+#: warm one in one patch, but the two labels are watched apart: an answer between their events
+#: lacks that node altogether, and a stager ranking with it takes itself for the root of objects
+#: that node read, and reads them again from the bucket. (Issue 30 saw such reads, 1.5-4 s after
+#: the first node completed, in 3 of 16 runs at N = 8; this is one way to them, not shown to be
+#: theirs.) A node whose copy ended without completing stays as long: a stager that asks it
+#: meanwhile hears that it holds nothing, and asks the next node, as a moment earlier.
+LEFT_GRACE_S = 5.0
 #: A label's view is dropped (its watch ended) once no stager asked about it for this long.
 VIEW_IDLE_S = 60.0
 #: Each watch lasts this long, then the label is listed and watched anew (a watch that went
@@ -506,6 +515,8 @@ class Directory:
         self._views: dict[str, LabelView] = {}
         #: When each revision's first question started its views (prepare), until it is answered.
         self._prepared: dict[tuple[str, str, str], float] = {}
+        #: Per revision, each node its staging view had: (its label's value, when it was last there).
+        self._staged: dict[tuple[str, str, str], dict[str, tuple[str, float]]] = {}
         self._me = ""
 
     def prepare(self, namespace: str, cache: str, revision: str) -> None:
@@ -541,6 +552,8 @@ class Directory:
                 if hit and not fresh and now - hit[0] < ANSWER_TTL_S:
                     return hit[1]
             views = self._nodes(staging_key), self._nodes(warm_key)
+        else:
+            views = self._with_left(key, views[0], {addr for addr, _ in views[1]}), views[1]
         me = self.me()
         stages = views[0]
         if me and since is not None:
@@ -555,7 +568,29 @@ class Directory:
             for k, (at, _) in list(self._cache.items()):
                 if now - at > 60:
                     del self._cache[k]
+                    self._staged.pop(k, None)
         return out
+
+    def _with_left(
+        self, key: tuple[str, str, str], stages: list[tuple[str, str]], warm: set[str]
+    ) -> list[tuple[str, str]]:
+        """``stages`` and the nodes that left them less than LEFT_GRACE_S ago and are not in ``warm``
+        (a completed copy between its two label events)."""
+        now = time.monotonic()
+        with self._lock:
+            seen = self._staged.setdefault(key, {})
+            for addr, value in stages:
+                seen[addr] = (value, now)
+            there = {addr for addr, _ in stages}
+            left = []
+            for addr, (value, at) in list(seen.items()):
+                if addr in there:
+                    continue
+                if addr in warm or now - at >= LEFT_GRACE_S:
+                    del seen[addr]
+                else:
+                    left.append((addr, value))
+        return stages + left
 
     def _read_views(self, *labels: str, wait: float = 0.0) -> tuple[list[tuple[str, str]], ...] | None:
         """Each label's Nodes from its view (started if there is none; up to ``wait`` seconds for its

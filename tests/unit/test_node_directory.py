@@ -114,6 +114,7 @@ def test_answers_come_from_the_view_without_an_api_call(kube: WatchKube) -> None
 
 def test_watch_events_change_the_answer(kube: WatchKube, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_peers, "ANSWER_TTL_S", 0.0)
+    monkeypatch.setattr(agent_peers, "LEFT_GRACE_S", 0.0)  # a node that leaves goes at once (see below)
     d = Directory(kube, "me")  # type: ignore[arg-type]
     d.answer(NS, CACHE, REV, fresh=True)
     wait_until(lambda: len(kube.watches) == 2)
@@ -134,6 +135,7 @@ def test_a_failed_watch_falls_back_to_listing_then_watches_again(
     kube: WatchKube, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(agent_peers, "RETRY_S", 0.2)
+    monkeypatch.setattr(agent_peers, "LEFT_GRACE_S", 0.0)  # b, gone below, goes at once
     d = Directory(kube, "me")  # type: ignore[arg-type]
     d.answer(NS, CACHE, REV, fresh=True)
     wait_until(lambda: len(kube.watches) == 2)
@@ -165,3 +167,41 @@ def test_a_view_nobody_asks_about_ends(kube: WatchKube, monkeypatch: pytest.Monk
     d.answer(NS, CACHE, REV)
     wait_until(lambda: len(kube.watches) == 4)
     assert not any(t.name == "label-view" and not t.is_alive() for t in threading.enumerate())
+
+
+def test_a_completed_copy_stays_in_the_answer_between_its_two_label_events(
+    kube: WatchKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy that completes moves its Node from the staging label to the warm one in one patch; the
+    two labels are watched apart. An answer between the two events lacked the node altogether, and
+    its peers read again from the bucket what it had read (issue 30, N = 8): it stays staging until
+    the warm view has it, or LEFT_GRACE_S."""
+    monkeypatch.setattr(agent_peers, "ANSWER_TTL_S", 0.0)
+    monkeypatch.setattr(agent_peers, "LEFT_GRACE_S", 2.0)
+    d = Directory(kube, "me")  # type: ignore[arg-type]
+    d.answer(NS, CACHE, REV, fresh=True)
+    wait_until(lambda: len(kube.watches) == 2)
+
+    def staged() -> list[str]:
+        view = d._views[STAGING].read() or []
+        return [addr for addr, _ in view]
+
+    def answered() -> tuple[list[str], list[str]]:
+        a = d.answer(NS, CACHE, REV)
+        return [p.addr for p in a.staging], [p.addr for p in a.complete]
+
+    kube.events[STAGING].put({"type": "DELETED", "object": node("b", "10.0.0.2", {})})
+    wait_until(lambda: "10.0.0.2:9478" not in staged())
+    # The staging view without b, the warm view without it yet: b is still a peer that stages.
+    assert answered() == (["10.0.0.1:9478", "10.0.0.2:9478"], ["10.0.0.3:9478"])
+    kube.events[WARM].put({"type": "ADDED", "object": node("b", "10.0.0.2", {WARM: "true"})})
+    wait_until(lambda: answered() == (["10.0.0.1:9478"], ["10.0.0.2:9478", "10.0.0.3:9478"]))
+    # A node that leaves without completing is answered LEFT_GRACE_S more, then no longer.
+    kube.events[STAGING].put({"type": "ADDED", "object": node("d", "10.0.0.4", {STAGING: "102.0"})})
+    wait_until(lambda: "10.0.0.4:9478" in staged())
+    assert "10.0.0.4:9478" in answered()[0]
+    kube.events[STAGING].put({"type": "DELETED", "object": node("d", "10.0.0.4", {})})
+    wait_until(lambda: "10.0.0.4:9478" not in staged())
+    assert "10.0.0.4:9478" in answered()[0]
+    time.sleep(agent_peers.LEFT_GRACE_S)
+    assert answered()[0] == ["10.0.0.1:9478"]
