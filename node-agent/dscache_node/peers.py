@@ -52,8 +52,8 @@ ANSWER_TTL_S = 0.2
 #: the warm view has it by then. A copy that completes moves its Node from the staging label to the
 #: warm one in one patch, but the two labels are watched apart: an answer between their events
 #: lacks that node altogether, and a stager ranking with it takes itself for the root of objects
-#: that node read, and reads them again from the bucket. (Issue 30 saw such reads, 1.5-4 s after
-#: the first node completed, in 3 of 16 runs at N = 8; this is one way to them, not shown to be
+#: that node read, and reads them again from the bucket. (Issue 30 saw such reads, 1-4 s after
+#: the first node completed, in 3 of 17 runs at N = 8; this is one way to them, not shown to be
 #: theirs.) A node whose copy ended without completing stays as long: a stager that asks it
 #: meanwhile hears that it holds nothing, and asks the next node, as a moment earlier.
 LEFT_GRACE_S = 5.0
