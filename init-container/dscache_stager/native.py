@@ -57,6 +57,7 @@ from typing import Any
 from .objects import OBJECT_ATTEMPTS, PART_SIZE, SMALL_LIMIT, SPLICE_THREADS, Fetched, ObjectGone
 from .source import S3Source, credentials_for_store
 from .store import ENV, failure
+from .switches import env_flag
 from .sync_options import BUFFER_BYTES
 
 __all__ = ["ENV", "NativeFetcher", "handles", "load", "threads"]
@@ -134,7 +135,7 @@ class NativeFetcher:
             splice=(source.endpoint_url or "").startswith("http://") if splice is None else splice,
             # Small objects into unnamed files (O_TMPFILE) linked into place; "0": temp + rename
             # in tmp/ (bench/stager.py measures both).
-            tmpfile=os.environ.get(TMPFILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
+            tmpfile=env_flag(TMPFILE_ENV, True),
             link_proc=os.environ.get(LINK_ENV, "").strip().lower() == "proc",
         )
         self.workers: int = self.copier.workers

@@ -30,7 +30,6 @@ the same runs: 0.100/0.094 and 0.099/0.099 s CPU. At load 17-54 (three pairs) CP
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TYPE_CHECKING
@@ -42,6 +41,7 @@ from .copyrun import CopyRun, Task
 from .cpus import available_cpus
 from .objects import Fetched, remote_objects
 from .store import head
+from .switches import env_flag
 
 if TYPE_CHECKING:
     from .layout import Revision
@@ -56,7 +56,7 @@ ENV = "DSCACHE_ONEPAGE"
 
 def fits(opts: SyncOptions, listing: Started | None) -> bool:
     """Whether this path copies the revision (stage.py asks once the access proof listed)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(ENV, True):
         return False
     if listing is None or listing.rest is not None or opts.as_of is not None:
         return False

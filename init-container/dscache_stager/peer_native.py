@@ -48,6 +48,7 @@ from dscache_contract.peers import AGENT_TLS_NAME, MAX_WAIT_S, PEER_CA_ENV, RELA
 
 from .objects import SMALL_LIMIT
 from .peers import MIN_RATE, PER_PEER, READ_TIMEOUT_S, RERANK_S, Obtained, Outcome, Peers
+from .switches import env_flag
 
 log = logging.getLogger("dscache-stage")
 
@@ -76,7 +77,7 @@ def load(module: ModuleType | None) -> ModuleType | None:
     """dscache_native, if it has the peer fetcher and it is not switched off."""
     if module is None or not hasattr(module, "PeerFetcher"):
         return None
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(ENV, True):
         return None
     return module
 
@@ -118,7 +119,7 @@ class NativePeers:
         )
         # The agents' batch path (OBJECTS_BATCH_PATH) for the small objects of each call: one request
         # for many objects (the native code asks alone what a batch does not carry).
-        self.batches = os.environ.get(BATCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        self.batches = env_flag(BATCH_ENV, True)
         self.placed = 0  # objects this path placed (the rest went back to obtain)
         self.calls = 0  # native calls (batches) made
         # Objects handed to peers.obtain, by why (an answer's kind or status; sync's own reasons).

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from .switches import env_flag
+
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
     from typing import TypeAlias
@@ -44,7 +46,7 @@ Listed = tuple[str, int, str]
 
 def load_native() -> ModuleType | None:
     """dscache_native, unless it is absent or switched off."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(ENV, True):
         return None
     try:
         import dscache_native

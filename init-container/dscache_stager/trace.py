@@ -16,14 +16,15 @@ after the first are answered by the server only once the GETs of the page before
 
 from __future__ import annotations
 
-import os
 import sys
 import time
+
+from .switches import env_flag
 
 ENV = "DSCACHE_TRACE"
 
 #: Read once: the events are many (two per batch), the switch is the process's.
-ON = os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+ON = env_flag(ENV, False)
 
 
 def mark(event: str, count: int = 0) -> None:

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from dscache_contract import AGENT_PORT
+from dscache_stager.switches import flag
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 _UNITS = {
@@ -117,15 +118,9 @@ class AgentSettings:
             scan_interval=float(env.get("DSCACHE_NODE_SCAN_INTERVAL") or d.scan_interval),
             unknown_lease_grace=float(env.get("DSCACHE_NODE_UNKNOWN_LEASE_GRACE") or d.unknown_lease_grace),
             log_level=(env.get("DSCACHE_LOG_LEVEL") or d.log_level).upper(),
-            csi=_flag(env.get("DSCACHE_CSI"), False),
+            csi=flag(env.get("DSCACHE_CSI"), False),
             kubelet_dir=(env.get("DSCACHE_KUBELET_DIR") or d.kubelet_dir).rstrip("/"),
             stager_uid=int(env.get("DSCACHE_STAGER_UID") or d.stager_uid),
             version=env.get("DSCACHE_VERSION") or d.version,
-            local_token_check=_flag(env.get("DSCACHE_LOCAL_TOKEN_CHECK"), True),
+            local_token_check=flag(env.get("DSCACHE_LOCAL_TOKEN_CHECK"), True),
         )
-
-
-def _flag(value: str | None, default: bool) -> bool:
-    """A yes/no setting: 1/true/yes/on or 0/false/no/off (any case); unset or empty: ``default``."""
-    v = (value or "").strip().lower()
-    return default if not v else v in ("1", "true", "yes", "on")
