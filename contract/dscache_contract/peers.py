@@ -164,6 +164,17 @@ def query_wait(query: dict[str, list[str]], most: float) -> float:
 _PLAIN = re.compile(r"/v1/objects/[A-Za-z0-9._~/!$&'()*,;=:@-]*(\?[A-Za-z0-9._~/!$&'()*,;=:@?-]*)?")
 
 
+#: Characters urllib.parse.quote leaves alone whatever ``safe`` says (RFC 3986's unreserved ones).
+_UNRESERVED = re.compile(r"[A-Za-z0-9._~-]*")
+
+
+def _quote(text: str, plus: bool = False) -> str:
+    """urllib.parse.quote(text, safe="") (``plus``: quote_plus, as urlencode quotes a value)."""
+    if _UNRESERVED.fullmatch(text):
+        return text
+    return urllib.parse.quote_plus(text, safe="") if plus else urllib.parse.quote(text, safe="")
+
+
 def _split_plain(target: str) -> tuple[list[str], dict[str, list[str]]]:
     """split_target(target, OBJECTS_PATH) of a _PLAIN target."""
     path, _, query = target.partition("?")
@@ -190,14 +201,18 @@ class ObjectRequest:
     relay: bool = False
 
     def target(self) -> str:
+        # What urllib's quote of each component and urlencode of the query make, without them for
+        # what has nothing to quote: a stager builds a target each time it asks a peer for an
+        # object (1.1 times per object taken from peers in a fan-out of 20,000 small files on 4
+        # nodes); 2.2 us each, urllib's way 6.0 (issue 30: of ~75 us of event-loop CPU per object).
         parts = (self.namespace, self.cache, self.revision, *self.path.split("/"))
-        query = {"wait": f"{self.wait:g}"} if self.wait > 0 else {}
+        quoted = "/".join(_quote(p) for p in parts)
+        query = [f"wait={_quote(f'{self.wait:g}', plus=True)}"] if self.wait > 0 else []
         if self.probe:
-            query[PROBE_PARAM] = "1"
+            query.append(f"{PROBE_PARAM}=1")
             if self.relay:
-                query[RELAY_PARAM] = "1"
-        quoted = "/".join(urllib.parse.quote(p, safe="") for p in parts)
-        return f"{OBJECTS_PATH}{quoted}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+                query.append(f"{RELAY_PARAM}=1")
+        return f"{OBJECTS_PATH}{quoted}" + (f"?{'&'.join(query)}" if query else "")
 
     @classmethod
     def parse(cls, target: str) -> ObjectRequest:

@@ -1,13 +1,24 @@
 """ObjectRequest.parse's hand-split of a plain target (issue 30: the agent's CPU per object) gives what
-urllib's split gives (split_target), for the stagers' own targets and for random ones alike."""
+urllib's split gives (split_target), for the stagers' own targets and for random ones alike; and
+ObjectRequest.target, which quotes by hand only what has something to quote (the stager's CPU per
+object), builds what urllib's quote and urlencode build."""
 
 from __future__ import annotations
 
 import random
+import urllib.parse
 
 import pytest
 
-from dscache_contract.peers import _PLAIN, OBJECTS_PATH, ObjectRequest, _split_plain, split_target
+from dscache_contract.peers import (
+    _PLAIN,
+    OBJECTS_PATH,
+    PROBE_PARAM,
+    RELAY_PARAM,
+    ObjectRequest,
+    _split_plain,
+    split_target,
+)
 
 REV = "r-" + "a" * 20
 
@@ -40,3 +51,29 @@ def test_repeated_blank_and_odd_query_items_split_alike():
         target = f"{OBJECTS_PATH}a/b/{REV}/x?{query}"
         assert _PLAIN.fullmatch(target)
         assert _split_plain(target) == split_target(target, OBJECTS_PATH), target
+
+
+def _urllib_target(req: ObjectRequest) -> str:
+    """The target as urllib builds it (what ObjectRequest.target built before issue 30)."""
+    parts = (req.namespace, req.cache, req.revision, *req.path.split("/"))
+    query = {"wait": f"{req.wait:g}"} if req.wait > 0 else {}
+    if req.probe:
+        query[PROBE_PARAM] = "1"
+        if req.relay:
+            query[RELAY_PARAM] = "1"
+    quoted = "/".join(urllib.parse.quote(p, safe="") for p in parts)
+    return f"{OBJECTS_PATH}{quoted}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_target_is_what_urllib_builds(seed):
+    rnd = random.Random(seed)
+    alphabet = "aZ09._~-/?=&;%+#:@ \tü\u2603"
+    waits = (0.0, 0.25, 5.0, 20.0, 1e-7, 1e6, float("inf"))
+    for _ in range(3000):
+        name = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 24)))
+        probe = rnd.random() < 0.5
+        req = ObjectRequest(
+            rnd.choice(("ml", "a b")), "c", REV, name, rnd.choice(waits), probe, probe and rnd.random() < 0.5
+        )
+        assert req.target() == _urllib_target(req), req
