@@ -349,6 +349,8 @@ class Scale:
         log_at = self.access_log.stat().st_size
         outs: dict[str, str] = {}
         codes: dict[str, int] = {}
+        assert self.net.server is not None
+        links = netsim.LinkTimeline({"bucket": self.net.server, **{a.node: a.host for a in agents if a.host}})
         t0 = time.time()
 
         def one(node: str) -> None:
@@ -378,6 +380,8 @@ class Scale:
         }
         r.loadavg = [round(x, 2) for x in os.getloadavg()]
         time.sleep(0.2)  # the last segments are counted
+        # Every link's counters over the run, kept with the logs (bench/fanout_tail.py reads them).
+        (logs / f"{name}-links.json").write_text(json.dumps(links.stop()))
         r.bucket_bytes = self.net.server.tx_bytes() - tx0
         r.bucket_host_rx_bytes = self.net.server.host_rx_bytes() - rx0
         r.rx_bytes = {a.node: a.host.rx_bytes() - node_rx0[a.node] for a in agents if a.host}

@@ -9,6 +9,10 @@ peer worker, ``obj-py`` from peers.obtain). Prints:
  - per kind of object (the first path component: ``large``, ``small``), when it was first whole
    anywhere (read from the bucket) and how long it then took to be whole on every node;
  - the bytes that became whole per second over all nodes (what the N links carried);
+ - from ``logs/RUN-links.json`` (every link's byte counters every 0.1 s, netsim.LinkTimeline):
+   when the bucket's link carried its bytes and at what rate, what share of their bytes the nodes
+   had by its end (the rest is the peers' tail), and per second the bucket's and the nodes' mean
+   downlink rates;
  - per serving node, how many objects of each kind it sent (a node that sends most copies is the
    run's bottleneck), and how long a large object took from its sender having it to placed;
  - the slowest node's last K objects: whom it asked, what each answered, and who held the object
@@ -50,6 +54,52 @@ def asks(logs: Path, run: str, nodes: list[str], t0: float) -> dict[tuple[str, s
     return out
 
 
+def link_tail(links: dict[str, Any], t0: float, bucket: str = "bucket") -> dict[str, Any]:
+    """What a run's link timeline (netsim.LinkTimeline.stop) says of its tail: when the bucket's
+    link (host ``bucket``) had sent 1% and 99% of what it sent in the run (s from ``t0``), its
+    rate between the two, and per node the share of what it received in the run that it had
+    received by the bucket's 99% (the rest came from peers after the bucket was done); {} for a
+    timeline without traffic."""
+    t = [x - t0 for x in links["t"]]
+    sent = [b - links["up"][bucket][0] for b in links["up"][bucket]]
+    total = sent[-1]
+    if len(t) < 2 or total <= 0:
+        return {}
+    first = next(i for i, b in enumerate(sent) if b >= 0.01 * total)
+    last = next(i for i, b in enumerate(sent) if b >= 0.99 * total)
+    busy = max(t[last] - t[first], links["interval_s"])
+    had = {}
+    for node, down in links["down"].items():
+        if node == bucket or down[-1] <= down[0]:
+            continue
+        had[node] = round((down[last] - down[0]) / (down[-1] - down[0]), 3)
+    return {
+        "bucket_from_s": round(t[first], 2),
+        "bucket_to_s": round(t[last], 2),
+        "bucket_mbit": round(0.98 * total * 8 / busy / 1e6, 1),
+        "end_s": round(t[-1], 2),
+        "had_at_bucket_end": had,
+    }
+
+
+def per_second(links: dict[str, Any], t0: float) -> list[str]:
+    """``<s>:<bucket mbit>/<mean node downlink mbit>`` for each second of a link timeline."""
+    t, up, down = links["t"], links["up"]["bucket"], links["down"]
+    nodes = [n for n in down if n != "bucket"]
+    out = []
+    i = 0
+    for sec in range(int(t[-1] - t0) + 1):
+        j = i
+        while j + 1 < len(t) and t[j + 1] - t0 <= sec + 1:
+            j += 1
+        span = max(t[j] - t[i], 1e-9)
+        bucket = (up[j] - up[i]) * 8 / span / 1e6
+        mean = sum(down[n][j] - down[n][i] for n in nodes) * 8 / span / 1e6 / max(len(nodes), 1)
+        out.append(f"{sec}:{bucket:.0f}/{mean:.0f}")
+        i = j
+    return out
+
+
 def report(work: Path, run: str, last: int) -> None:
     data: dict[str, Any] = json.loads((work / "logs" / f"{run}-arrivals.json").read_text())
     starts: dict[str, float] = data["starts"]
@@ -75,6 +125,17 @@ def report(work: Path, run: str, last: int) -> None:
     print("objects whole per second, all nodes:", " ".join(f"{s}:{per_s[s]}" for s in range(max(per_s) + 1)))
     own = {n: ends[n] - starts[n] for n in nodes}
     print("own time (start to exit), s:", {n[-2:]: round(v, 1) for n, v in own.items()})
+    if (links_file := work / "logs" / f"{run}-links.json").exists():
+        links = json.loads(links_file.read_text())
+        tail = link_tail(links, t0)
+        if tail:
+            had = sorted(tail["had_at_bucket_end"].values())
+            print(
+                f"links: the bucket's link sent 98% of its bytes from {tail['bucket_from_s']:.1f} s to "
+                f"{tail['bucket_to_s']:.1f} s ({tail['bucket_mbit']:.1f} mbit); by then the nodes had received "
+                f"{had[0]:.0%}-{had[-1]:.0%} of their bytes, the rest from peers until {tail['end_s']:.1f} s"
+            )
+        print("per second, the bucket's mbit / the nodes' mean downlink mbit:", " ".join(per_second(links, t0)))
     traced = asks(work / "logs", run, nodes, t0)
     if not traced:
         print("(no per-object trace: run the bench with DSCACHE_TRACE=1)")

@@ -31,9 +31,11 @@ import random
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CLONE_NEWNET = 0x40000000
 PREFIX = "dsn"
@@ -205,6 +207,50 @@ class Net:
         if self.bridge_up:
             run("ip", "link", "del", self.bridge, check=False)
             self.bridge_up = False
+
+
+class LinkTimeline:
+    """Every ``interval_s``, the byte counters of some hosts' links, at their bridge ends (tx: what
+    the namespace received, rx: what it sent), on a thread of its own until ``stop``: where a run's
+    time went on each link, e.g. whether the bucket's link was full and what the nodes still lacked
+    when it fell idle (bench/fanout_tail.py). Reading two sysfs files per link costs the run
+    next to nothing."""
+
+    def __init__(self, hosts: dict[str, Host], interval_s: float = 0.1) -> None:
+        self.hosts, self.interval_s = hosts, interval_s
+        self.rows: list[tuple[float, dict[str, tuple[int, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        row = {}
+        for name, h in self.hosts.items():
+            stats = Path("/sys/class/net") / h.host_if / "statistics"
+            try:
+                row[name] = (int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text()))
+            except OSError:
+                return  # a link going away: this moment is left out
+        self.rows.append((time.time(), row))
+
+    def _run(self) -> None:
+        self._sample()
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+        self._sample()
+
+    def stop(self) -> dict[str, Any]:
+        """The timeline: sample times (epoch s), and per host its cumulative bytes received
+        (``down``) and sent (``up``) at each."""
+        self._stop.set()
+        self._thread.join()
+        names = list(self.hosts)
+        return {
+            "interval_s": self.interval_s,
+            "t": [round(t, 3) for t, _ in self.rows],
+            "down": {n: [row[n][0] for _, row in self.rows] for n in names},
+            "up": {n: [row[n][1] for _, row in self.rows] for n in names},
+        }
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ def load(name: str) -> ModuleType:
 
 stats = load("fanout_stats")
 netsim = load("netsim")
+tail = load("fanout_tail")
 
 
 def test_percentile_nearest_rank() -> None:
@@ -123,3 +124,28 @@ def test_bucket_reads_finds_keys_read_twice() -> None:
     assert out["keys_read_twice_or_more"] == 1  # k2 twice by the same node is one reader (a ranged GET, a retry)
     assert out["extra_bytes"] == 10
     assert out["extra_reads_by_pair"] == {"a+b": 1}
+
+
+def test_the_link_tail_is_what_the_nodes_lacked_when_the_bucket_was_done() -> None:
+    # 0.5 s apart: the bucket sends 1 MB/s for 2 s from t0 + 1; node a receives it all as it is
+    # sent, node b half of it meanwhile and the rest from a over the next second.
+    t0 = 1000.0
+    t = [t0 + 0.5 * i for i in range(9)]
+    bucket_up = [0, 0, 0, 500_000, 1_000_000, 1_500_000, 2_000_000, 2_000_000, 2_000_000]
+    a_down = [0, 0, 0, 500_000, 1_000_000, 1_500_000, 2_000_000, 2_000_000, 2_000_000]
+    b_down = [0, 0, 0, 250_000, 500_000, 750_000, 1_000_000, 1_500_000, 2_000_000]
+    links = {
+        "interval_s": 0.5,
+        "t": t,
+        "up": {"bucket": bucket_up, "a": [0] * 9, "b": [0] * 9},
+        "down": {"bucket": [0] * 9, "a": a_down, "b": b_down},
+    }
+    got = tail.link_tail(links, t0)
+    assert got["bucket_from_s"] == 1.5  # the first sample past 1% of its bytes
+    assert got["bucket_to_s"] == 3.0
+    assert got["bucket_mbit"] == round(0.98 * 2_000_000 * 8 / 1.5 / 1e6, 1)
+    assert got["had_at_bucket_end"] == {"a": 1.0, "b": 0.5}
+    assert got["end_s"] == 4.0
+    assert tail.per_second(links, t0) == ["0:0/0", "1:8/6", "2:8/6", "3:0/4", "4:0/0"]
+    quiet = {**links, "up": {"bucket": [0] * 9, "a": [0] * 9, "b": [0] * 9}}
+    assert tail.link_tail(quiet, t0) == {}
