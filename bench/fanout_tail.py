@@ -68,7 +68,7 @@ def link_tail(links: dict[str, Any], t0: float, bucket: str = "bucket") -> dict[
     first = next(i for i, b in enumerate(sent) if b >= 0.01 * total)
     last = next(i for i, b in enumerate(sent) if b >= 0.99 * total)
     busy = max(t[last] - t[first], links["interval_s"])
-    had = {}
+    had: dict[str, float] = {}
     for node, down in links["down"].items():
         if node == bucket or down[-1] <= down[0]:
             continue
@@ -82,11 +82,11 @@ def link_tail(links: dict[str, Any], t0: float, bucket: str = "bucket") -> dict[
     }
 
 
-def per_second(links: dict[str, Any], t0: float) -> list[str]:
+def per_second(links: dict[str, Any], t0: float, bucket: str = "bucket") -> list[str]:
     """``<s>:<bucket mbit>/<mean node downlink mbit>`` for each second of a link timeline."""
-    t, up, down = links["t"], links["up"]["bucket"], links["down"]
-    nodes = [n for n in down if n != "bucket"]
-    out = []
+    t, up, down = links["t"], links["up"][bucket], links["down"]
+    nodes = [n for n in down if n != bucket]
+    out: list[str] = []
     i = 0
     for sec in range(int(t[-1] - t0) + 1):
         j = i

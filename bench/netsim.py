@@ -78,9 +78,14 @@ class Host:
         (dev,) = json.loads(run("ip", "-n", self.netns, "-j", "-s", "link", "show", "dev", self.ns_if))
         return int(dev["stats64"]["rx"]["bytes"])
 
+    def host_counters(self) -> tuple[int, int]:
+        """Its link's bytes as the bridge side counts them: (sent to it, received from it)."""
+        stats = Path("/sys/class/net") / self.host_if / "statistics"
+        return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
     def host_rx_bytes(self) -> int:
         """What the bridge side received from it (a cross-check of ``tx_bytes``)."""
-        return int(Path(f"/sys/class/net/{self.host_if}/statistics/rx_bytes").read_text())
+        return self.host_counters()[1]
 
     def argv(self, *cmd: str) -> list[str]:
         """``cmd`` run inside this namespace (``ip netns exec`` execs it: the pid is the command's)."""
@@ -224,13 +229,10 @@ class LinkTimeline:
         self._thread.start()
 
     def _sample(self) -> None:
-        row = {}
-        for name, h in self.hosts.items():
-            stats = Path("/sys/class/net") / h.host_if / "statistics"
-            try:
-                row[name] = (int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text()))
-            except OSError:
-                return  # a link going away: this moment is left out
+        try:
+            row = {name: h.host_counters() for name, h in self.hosts.items()}
+        except OSError:
+            return  # a link going away: this moment is left out
         self.rows.append((time.time(), row))
 
     def _run(self) -> None:
