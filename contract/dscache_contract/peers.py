@@ -113,6 +113,19 @@ PROBE_PARAM = "probe"
 RELAY_PARAM = "relay"
 #: The claims line of an object a node is taking from a peer (no path under data/ starts so).
 RELAY_MARK = "/"
+#: ``&size=<bytes>`` with a probe: the object's listed size, so that the peer may answer with the
+#: bytes of its copy in progress (a grow file) as they come, under that Content-Length.
+SIZE_PARAM = "size"
+#: While its revision is shared, a node writes each object of at least this many bytes it reads
+#: (from the bucket or a peer) into ``tmp/<grow_name(path)>`` as the body comes, and its agent
+#: serves those bytes to the peers that ask meanwhile, following the file as it grows: each hop
+#: of an object's tree costs a few packets, not the whole object (issue 30: a node passed an object
+#: on only once whole, and the fan-out's last seconds were 1 MiB objects in store and forward).
+#: The receiver checks the whole body against the ETag before it places it, as always; the
+#: writer removes its file unless the body is whole and checks, and renames it into place if so.
+GROW_MIN = 256 << 10
+#: Such files' names start so (the native plane writes a temp file so named as it comes).
+GROW_PREFIX = "grow-"
 #: How many nodes one node passes each object on to, at most (fetch_chain).
 TREE_FANOUT = 2
 
@@ -140,6 +153,11 @@ def parse_staging_label(key: str) -> tuple[str, str] | None:
 
 def claims_path(c: str, rev: str) -> str:
     return os.path.join(tmp_dir(c, rev), CLAIMS_NAME)
+
+
+def grow_name(path: str) -> str:
+    """The name under the revision's tmp/ of the file ``path``'s body grows in (GROW_MIN)."""
+    return GROW_PREFIX + hashlib.sha256(path.encode()).hexdigest()[:40]
 
 
 def split_target(target: str, prefix: str) -> tuple[list[str], dict[str, list[str]]]:
@@ -188,9 +206,11 @@ def _split_plain(target: str) -> tuple[list[str], dict[str, list[str]]]:
 
 @dataclass(frozen=True)
 class ObjectRequest:
-    """``GET /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>[&probe=1]``: ``wait``: how long
-    a peer still copying the revision holds the request for the object; ``probe``: only while the
-    object is claimed there (in flight), else answer at once."""
+    """``GET /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>[&probe=1[&relay=1][&size=<n>]]``:
+    ``wait``: how long a peer still copying the revision holds the request for the object;
+    ``probe``: only while the object is claimed there (in flight), else answer at once; ``relay``:
+    see RELAY_PARAM; ``size``: the object's listed size, so that a copy still growing there may
+    answer as it comes (GROW_MIN)."""
 
     namespace: str
     cache: str
@@ -199,6 +219,7 @@ class ObjectRequest:
     wait: float = 0.0
     probe: bool = False
     relay: bool = False
+    size: int = 0
 
     def target(self) -> str:
         # What urllib's quote of each component and urlencode of the query make, without them for
@@ -212,6 +233,8 @@ class ObjectRequest:
             query.append(f"{PROBE_PARAM}=1")
             if self.relay:
                 query.append(f"{RELAY_PARAM}=1")
+            if self.size > 0:
+                query.append(f"{SIZE_PARAM}={self.size}")
         return f"{OBJECTS_PATH}{quoted}" + (f"?{'&'.join(query)}" if query else "")
 
     @classmethod
@@ -230,7 +253,18 @@ class ObjectRequest:
             wait,
             probe,
             probe and q.get(RELAY_PARAM) == ["1"],
+            _size(q) if probe else 0,
         )
+
+
+def _size(query: dict[str, list[str]]) -> int:
+    """A probe's ``size``: 0 when absent; ValueError unless a count of bytes."""
+    given = query.get(SIZE_PARAM)
+    if not given:
+        return 0
+    if not re.fullmatch(r"[0-9]{1,18}", given[0]):
+        raise ValueError(f"{SIZE_PARAM}={given[0]!r} is not a number of bytes")
+    return int(given[0])
 
 
 @dataclass(frozen=True)

@@ -144,18 +144,23 @@ class NativeFetcher:
         self.pool = ThreadPoolExecutor(self.batches, thread_name_prefix="native-batch")
         self.closed = False
 
-    async def fetch(self, items: list[Item]) -> tuple[list[tuple[int, Fetched]], BaseException | None]:
+    async def fetch(
+        self, items: list[Item], grow: list[str] | None = None
+    ) -> tuple[list[tuple[int, Fetched]], BaseException | None]:
         """Copy a batch on a thread of the pool; (index, Fetched) of each object placed, and the
-        failure that stopped the rest."""
+        failure that stopped the rest. ``grow``: per item, the temp file its body is written into
+        as it comes, for the node agent to pass on to peers meanwhile ("": written whole)."""
         import asyncio  # here, not at the top: onepage.py uses this module without asyncio
 
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self.fetch_blocking, items)
+        return await loop.run_in_executor(self.pool, self.fetch_blocking, items, grow)
 
-    def fetch_blocking(self, items: list[Item]) -> tuple[list[tuple[int, Fetched]], BaseException | None]:
+    def fetch_blocking(
+        self, items: list[Item], grow: list[str] | None = None
+    ) -> tuple[list[tuple[int, Fetched]], BaseException | None]:
         """:meth:`fetch` on this thread: the copier bounds its own requests and buffers, so a
         whole listing page may be handed down at once (onepage.py)."""
-        done, failure = self.copier.fetch(self.tmp_dir, items)
+        done, failure = self.copier.fetch(self.tmp_dir, items, grow or [])
         placed = [(i, Fetched(size, etag)) for i, size, etag in done]
         return placed, (_exception(*failure) if failure is not None else None)
 

@@ -44,7 +44,15 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from dscache_contract.peers import AGENT_TLS_NAME, MAX_WAIT_S, PEER_CA_ENV, RELAY_MARK, REVISION_HEADER, ObjectRequest
+from dscache_contract.peers import (
+    AGENT_TLS_NAME,
+    MAX_WAIT_S,
+    PEER_CA_ENV,
+    RELAY_MARK,
+    REVISION_HEADER,
+    ObjectRequest,
+    grow_name,
+)
 
 from .objects import SMALL_LIMIT
 from .peers import MIN_RATE, PER_PEER, READ_TIMEOUT_S, RERANK_S, Obtained, Outcome, Peers
@@ -163,10 +171,23 @@ class NativePeers:
         if claim is not None:
             claim("\n".join(RELAY_MARK + rel for _, rel, _, _ in wants))
         paths = [tmp() for _ in wants]
+        # An object of GROW_MIN bytes or more grows in a file named for it as it comes (the native
+        # side writes a file so named as it comes), and the request gives its size: a peer that is
+        # still taking it answers with what it has so far, as it comes (contract: GROW_MIN).
+        grows = [p.grows(size) for _, _, size, _ in wants]
+        paths = [
+            os.path.join(os.path.dirname(path), grow_name(rel)) if grows_ else path
+            for (_, rel, _, _), path, grows_ in zip(wants, paths, grows, strict=True)
+        ]
         held = waits or [RERANK_S] * len(wants)
         items = [
-            (ObjectRequest(p.namespace, p.cache, p.revision, rel, wait, True, True).target(), size, etag, path)
-            for (_, rel, size, etag), path, wait in zip(wants, paths, held, strict=True)
+            (
+                ObjectRequest(p.namespace, p.cache, p.revision, rel, wait, True, True, size if grows_ else 0).target(),
+                size,
+                etag,
+                path,
+            )
+            for (_, rel, size, etag), path, wait, grows_ in zip(wants, paths, held, grows, strict=True)
         ]
         return paths, items
 

@@ -68,6 +68,8 @@ from enum import Enum
 
 from dscache_contract.peers import (
     COHORT_WINDOW_S,
+    GROW_MIN,
+    GROW_PREFIX,
     MAX_WAIT_S,
     PEERS_PATH,
     RELAY_MARK,
@@ -77,14 +79,18 @@ from dscache_contract.peers import (
     PeersRequest,
     RevisionState,
     fetch_chain,
+    grow_name,
     owner_ranking,
 )
 
 from . import agentcall, agenttls, trace
 from .fetch import FILE_MODE
+from .switches import env_flag
 
 log = logging.getLogger("dscache-stage")
 
+#: "0" turns off passing large objects on as they come (GROW_MIN): each is passed on once whole.
+GROW_ENV = "DSCACHE_GROW"
 #: A peer that sends no byte for this long is taken for stalled.
 READ_TIMEOUT_S = 30.0
 #: A body slower than this (after READ_TIMEOUT_S of grace) is a stalled peer too: one byte every
@@ -254,6 +260,13 @@ class Peers:
         # (seven SHA-256 and two sorts on 4 nodes) was a tenth of the stager's Python time with
         # peers, computed two or three times per object (issue 30, 20,000 x 16 KiB on 4 nodes).
         self._chains: tuple[PeersAnswer | None, int, dict[str, list[str]] | None] = (None, 0, None)
+        # GROW_MIN's way for large objects, unless switched off (GROW_ENV).
+        self._grow = env_flag(GROW_ENV, True)
+
+    def grows(self, size: int) -> bool:
+        """Whether an object of ``size`` bytes is passed on as it comes (dscache_contract.peers.GROW_MIN):
+        written into its grow file as its body comes here, and asked of peers with its size."""
+        return self._grow and size >= GROW_MIN
 
     # --- who -----------------------------------------------------------------------------
 
@@ -515,6 +528,8 @@ class Peers:
                     self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
                     break
                 asked_at, path = time.time(), tmp()
+                if self.grows(size):  # written as it comes, for this node's agent to pass on meanwhile
+                    path = os.path.join(os.path.dirname(path), grow_name(rel))
                 outcome, md5 = self.take(addr, rel, size, etag, path, True, min(RERANK_S, deadline - now), relay)
                 if trace.ON:
                     trace.mark(f"obj-py {outcome.value} {addr} {rel} h{i}", trace.ms_since(now))
@@ -575,8 +590,17 @@ class Peers:
         ``wait`` seconds while the peer is still copying it (``probe``: only if it has it now, or is
         reading it; ``relay``: or taking it from a peer). The second item: the MD5 of a SUSPECT body.
         Blocking."""
+        # GROW_MIN: a peer still taking a large object passes it on as it comes (the body is
+        # checked whole, as any); this path writes it whole, so its own children wait for that.
         req = ObjectRequest(
-            self.namespace, self.cache, self.revision, rel, max(0.0, min(wait, MAX_WAIT_S)), probe, relay
+            self.namespace,
+            self.cache,
+            self.revision,
+            rel,
+            max(0.0, min(wait, MAX_WAIT_S)),
+            probe,
+            relay,
+            size if self.grows(size) else 0,
         )
         try:
             status, state = self._get(addr, req, size, etag, tmp)
@@ -728,6 +752,8 @@ class Peers:
         # The whole body within READ_TIMEOUT_S plus its size at MIN_RATE: each read waits at most
         # what is left of that (a byte now and then does not keep a worker forever).
         deadline = time.monotonic() + READ_TIMEOUT_S + size / MIN_RATE
+        if os.path.basename(tmp).startswith(GROW_PREFIX):
+            _unlink(tmp)  # a grow file an earlier attempt of this node left (each object has one name)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         except OSError as e:

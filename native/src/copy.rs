@@ -175,7 +175,17 @@ impl Drop for Slot {
 /// caller fails the run and cancels the others through Shared.stop). Called
 /// from a runtime worker, so the objects' tasks go to its local queue; the
 /// answer comes through ``reply`` once the last object has ended.
-pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: tokio::sync::oneshot::Sender<Outcome>) {
+///
+/// ``grow``: per item (or none at all), the named temp file its body is written into as it
+/// comes (``""``: held in memory and written at once, as always): the node agent serves the bytes
+/// written so far to peers that ask for the object meanwhile (dscache_contract.peers.grow_name).
+pub fn batch(
+    shared: Arc<Shared>,
+    tmp_dir: String,
+    items: Vec<Item>,
+    grow: Vec<String>,
+    reply: tokio::sync::oneshot::Sender<Outcome>,
+) {
     let n = items.len();
     if n == 0 {
         let _ = reply.send((Vec::new(), None));
@@ -191,7 +201,9 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
         left: n,
         reply: Some(reply),
     }));
+    let mut grow = grow.into_iter();
     for (index, item) in items.into_iter().enumerate() {
+        let grow = grow.next().unwrap_or_default();
         let mut slot = Slot { gather: gather.clone(), stop: stop.clone(), index, result: None };
         let (shared, tmp_dir) = (shared.clone(), tmp_dir.clone());
         tokio::spawn(async move {
@@ -199,7 +211,7 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
             let result = tokio::select! {
                 biased;
                 _ = stop.cancelled() => Err(Failure::Cancelled),
-                r = object(&shared, &tmp_dir, &item) => r,
+                r = object(&shared, &tmp_dir, &item, &grow) => r,
             };
             slot.result = Some(result);
             drop(slot); // records the result (Slot's Drop)
@@ -207,7 +219,7 @@ pub fn batch(shared: Arc<Shared>, tmp_dir: String, items: Vec<Item>, reply: toki
     }
 }
 
-async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, String), Failure> {
+async fn object(shared: &Shared, tmp_dir: &str, item: &Item, grow: &str) -> Result<(u64, String), Failure> {
     let (key, dest, etag, version, size) = item;
     // Held until the body is written (also across retries): what bounds memory.
     let units = size.div_ceil(BUFFER_UNIT).clamp(1, u64::from(shared.buffer_units)) as u32;
@@ -216,7 +228,12 @@ async fn object(shared: &Shared, tmp_dir: &str, item: &Item) -> Result<(u64, Str
         Path::parse(key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
     let mut attempt = 1;
     loop {
-        match once(shared, tmp_dir, &path, dest, etag, version).await {
+        let got = if grow.is_empty() {
+            once(shared, tmp_dir, &path, dest, etag, version).await
+        } else {
+            growing(shared, &path, dest, etag, version, grow).await
+        };
+        match got {
             Ok(got) => return Ok(got),
             Err(f) if f.fatal() || attempt >= shared.attempts => return Err(f),
             Err(_) => {
@@ -270,6 +287,75 @@ async fn once(
         return Err(os_failure(e, "placing", dest));
     }
     Ok((body.len, got_etag.trim_matches('"').to_string()))
+}
+
+/// One GET whose body goes into the named temp file ``grow`` chunk by chunk as it comes, then
+/// renamed into place: the file's size is how much of it is there, which the node agent serves to
+/// the peers asking for the object meanwhile (issue 30: a node passed an object on only once it
+/// was whole, so each hop of a large object's tree cost the whole object's time). A file left by
+/// an earlier attempt is replaced (a peer following it sees it unlinked and ends its answer); the
+/// file is removed unless placed, also when the task is dropped.
+async fn growing(
+    shared: &Shared,
+    path: &Path,
+    dest: &str,
+    etag: &str,
+    version: &Option<String>,
+    grow: &str,
+) -> Result<(u64, String), Failure> {
+    let options = GetOptions {
+        if_match: (!etag.is_empty()).then(|| format!("\"{etag}\"")),
+        version: version.clone(),
+        ..Default::default()
+    };
+    let _permit = shared.requests.acquire().await.expect("the request semaphore is never closed");
+    let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
+    let got_etag = result.meta.e_tag.clone().unwrap_or_default();
+    let mut temp = Growing::create(grow).map_err(|e| os_failure(e, "writing", grow))?;
+    let mut stream = result.into_stream();
+    let mut len: u64 = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(store_failure)?;
+        len += chunk.len() as u64;
+        temp.file.write_all(&chunk).map_err(|e| os_failure(e, "writing", grow))?;
+    }
+    place(grow, dest).map_err(|e| os_failure(e, "placing", dest))?;
+    temp.kept = true;
+    Ok((len, got_etag.trim_matches('"').to_string()))
+}
+
+/// A growing temp file (``growing``, peer.rs): removed when dropped unless kept (placed, or
+/// whole and checked for the caller to place).
+pub struct Growing {
+    pub file: fs::File,
+    path: String,
+    pub kept: bool,
+}
+
+impl Growing {
+    /// A new file at ``path`` (O_EXCL: never written through a file or symlink someone left);
+    /// one an earlier attempt of this node left there is unlinked first.
+    pub fn create(path: &str) -> io::Result<Growing> {
+        let open = || {
+            OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).custom_flags(libc::O_CLOEXEC).open(path)
+        };
+        let file = match open() {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                fs::remove_file(path)?;
+                open()?
+            }
+            other => other?,
+        };
+        Ok(Growing { file, path: path.to_string(), kept: false })
+    }
+}
+
+impl Drop for Growing {
+    fn drop(&mut self) {
+        if !self.kept {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
 }
 
 /// A body as it came off the connection: the response's chunks, not copied into one buffer.

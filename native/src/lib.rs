@@ -144,14 +144,18 @@ impl Copier {
     /// when the batch failed, so the caller journals them. The first failure
     /// stops the rest of the batch (what has started finishes or is dropped
     /// before its temp file is renamed).
-    fn fetch(&self, py: Python<'_>, tmp_dir: String, items: Vec<Item>) -> PyResult<BatchAnswer> {
+    ///
+    /// ``grow``: per item, a named temp file its body is written into as it comes, so that the
+    /// node agent can serve it before it is whole (copy::growing; "": held in memory as always).
+    #[pyo3(signature = (tmp_dir, items, grow=Vec::new()))]
+    fn fetch(&self, py: Python<'_>, tmp_dir: String, items: Vec<Item>, grow: Vec<String>) -> PyResult<BatchAnswer> {
         let shared = self.shared.clone();
         let (reply, answer) = tokio::sync::oneshot::channel();
         // One task onto the runtime (one wake of a worker); it spawns the
         // objects' tasks from inside, and the last of them answers (one wake
         // of this thread per batch).
         self.runtime
-            .spawn(async move { copy::batch(shared, tmp_dir, items, reply) });
+            .spawn(async move { copy::batch(shared, tmp_dir, items, grow, reply) });
         let outcome = py.allow_threads(|| answer.blocking_recv());
         let (done, failure) = outcome.unwrap_or_else(|_| {
             let f = copy::Failure::Store {

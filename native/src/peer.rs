@@ -9,7 +9,9 @@
 //!   its Content-Length and deliver exactly that many bytes;
 //! - the body must hash to the listed ETag, a plain MD5 (multipart ETags stay on the Python path,
 //!   which rebuilds them for candidate part sizes);
-//! - only then is it written, into a new file (O_EXCL, read-only) that Python places.
+//! - only then is it written, into a new file (O_EXCL, read-only) that Python places; or, for
+//!   a temp file named to grow (GROW_PREFIX), written as it comes for this node's agent to pass
+//!   on meanwhile, and removed unless it checks (a peer that took those bytes checks them itself).
 //!
 //! The agents' certificate names one AGENT_TLS_NAME, and a peer is reached by its IP: the client
 //! of each peer resolves that name to the peer's address (reqwest's ``resolve``), so the name is
@@ -32,7 +34,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::copy::FILE_MODE;
+use crate::copy::{Growing, FILE_MODE};
 
 /// (request target, listed size, ETag unquoted (a plain MD5), temp path to create)
 pub type PeerItem = (String, u64, String, String);
@@ -644,6 +646,16 @@ impl Job {
             + self.read_timeout
             + Duration::from_secs_f64(size as f64 / self.min_rate);
         let mut chunks: Vec<Bytes> = Vec::new();
+        // A growing temp file (its name says so: GROW_PREFIX) takes each chunk as it comes, for
+        // this node's agent to pass on to the peers that ask meanwhile (copy::growing); removed
+        // unless the body is whole and hashes to the ETag. Any other is written once checked.
+        let mut growing = None;
+        if is_growing(&tmp) {
+            match Growing::create(&tmp) {
+                Ok(g) => growing = Some(g),
+                Err(e) => return local(&tmp, &e),
+            }
+        }
         let mut hash = Md5::new();
         let mut got: u64 = 0;
         while got < size {
@@ -684,24 +696,46 @@ impl Job {
                 );
             }
             hash.update(&chunk);
-            chunks.push(chunk);
+            match growing.as_mut() {
+                Some(g) => {
+                    if let Err(e) = g.file.write_all(&chunk) {
+                        return local(&tmp, &e);
+                    }
+                }
+                None => chunks.push(chunk),
+            }
         }
         let md5 = hex(&hash.finalize());
         if md5 != etag.trim_matches('"').to_ascii_lowercase() {
             return ("suspect".into(), 200, md5);
         }
+        if let Some(mut g) = growing {
+            g.kept = true; // whole and checked: the caller places it
+            return ("placed".into(), 200, String::new());
+        }
         match write_new(&tmp, &chunks) {
             Ok(()) => ("placed".into(), 200, String::new()),
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
-                (
-                    "local".into(),
-                    e.raw_os_error().unwrap_or(libc::EIO),
-                    format!("writing {tmp}: {e}"),
-                )
+                local(&tmp, &e)
             }
         }
     }
+}
+
+/// The temp files whose name starts with this grow as their body comes (dscache_contract.peers.GROW_PREFIX).
+const GROW_PREFIX: &str = "grow-";
+
+fn is_growing(tmp: &str) -> bool {
+    tmp.rsplit('/').next().is_some_and(|name| name.starts_with(GROW_PREFIX))
+}
+
+fn local(tmp: &str, e: &std::io::Error) -> PeerOutcome {
+    (
+        "local".into(),
+        e.raw_os_error().unwrap_or(libc::EIO),
+        format!("writing {tmp}: {e}"),
+    )
 }
 
 /// A request that failed below HTTP: no connection at all is "refused" (peers.py writes the peer

@@ -13,7 +13,9 @@
   the cache's token (dscache_contract.peers). Only files under ``revs/<rev>/data/`` are
   served, opened one path component at a time without following any symlink, and a
   file is there only once it is whole (the stager renames it into place), so a copy in
-  progress serves exactly the objects it has completed. Nothing is ever written here.
+  progress serves exactly the objects it has completed. Nothing is ever written here;
+- ``open_growing``: an object a stager here is still writing, for a peer that gave its size
+  (GROW_MIN): its bytes are passed on as they come, and the peer checks the whole body.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dscache_contract.peers import (
     PeersAnswer,
     RevisionState,
     claims_path,
+    grow_name,
     staging_label,
 )
 from dscache_stager.keys import unsafe_reason
@@ -83,6 +86,9 @@ POLL_S = 0.05
 class Opened:
     fd: int
     size: int
+    #: A body a stager here is still writing (its grow file): ``size`` is what the peer says it
+    #: will be, and the file is followed as it grows (server.AgentServer._follow).
+    growing: bool = False
 
 
 class NotHere(Exception):
@@ -308,6 +314,25 @@ def open_object(c: str, rev: str, path: str) -> Opened:
         os.close(fd)
         raise FileNotFoundError(path)
     return Opened(fd, st.st_size)
+
+
+def open_tmp_dir(c: str, rev: str) -> int:
+    """The revision's tmp/ directory (where grow files are), as every object is opened."""
+    return _open_beneath(c, [contract.REVS_DIR, rev, contract.TMP_DIR], os.O_RDONLY | os.O_DIRECTORY)
+
+
+def open_growing(c: str, rev: str, path: str, size: int) -> Opened | None:
+    """The file ``path``'s body grows in while a stager here takes it (dscache_contract.peers.GROW_MIN),
+    as ``size`` bytes to come; None when there is none. Like an object, opened one component at a
+    time without following a symlink, and only a regular file."""
+    try:
+        fd = _open_beneath(c, [contract.REVS_DIR, rev, contract.TMP_DIR, grow_name(path)])
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return Opened(fd, size, growing=True)
 
 
 class Claims:

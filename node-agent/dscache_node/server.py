@@ -7,8 +7,9 @@ POST /v1/reserve    the stager: room for a copy (a consumer pod of the cache on 
 POST /v1/wipe       the controller: release leases, remove a revision (its token for this node)
 POST /v1/peers      the stager: who else stages or holds its revision (a consumer pod of the cache
                     on this node; it must hold C's lock and be copying that revision)
-GET  /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>
-                    a peer's stager: one complete object (a consumer pod of the cache, any node)
+GET  /v1/objects/<namespace>/<cache>/<revision>/<path>?wait=<s>[&probe=1...&size=<n>]
+                    a peer's stager: one complete object (a consumer pod of the cache, any node),
+                    or, given its size, one a stager here still writes, as it comes (_follow)
 POST /v1/objects-batch
                     a peer's stager: the small objects of a list that are whole here now, in one
                     answer (never held; the same gate and bounds as one object)
@@ -74,6 +75,7 @@ from dscache_contract.peers import (
     PeersRequest,
     RevisionState,
     claims_path,
+    grow_name,
 )
 from dscache_stager.errors import BusyError, UsageError
 
@@ -82,7 +84,18 @@ from .arrivals import Arrivals
 from .auth import Gate, NeedsApi, Refusal
 from .kube import ApiError
 from .listings import serve_listing
-from .peers import REVISION_DIRS, Claims, NotHere, Opened, check_request, open_object, poll_object, revision_state
+from .peers import (
+    REVISION_DIRS,
+    Claims,
+    NotHere,
+    Opened,
+    check_request,
+    open_growing,
+    open_object,
+    open_tmp_dir,
+    poll_object,
+    revision_state,
+)
 
 log = logging.getLogger("dscache-node")
 T = TypeVar("T")
@@ -129,6 +142,15 @@ MIN_RATE = 1 << 20
 #: revision's state and the claims too.
 POLL_S = 0.05
 FULL_LOOK_S = 1.0
+#: A body followed as it grows (a stager's grow file) is looked at this often while it has fewer
+#: than GROW_SEND new bytes (and is not whole), and given up (the connection closed, the peer asks
+#: again) after GROW_STALL_S without any. A send per GROW_SEND, not per look: each send is a wake
+#: of the loop and a syscall through the network stack, paid per follower (issue 30).
+GROW_POLL_S = 0.02
+GROW_SEND = 64 << 10
+GROW_STALL_S = 30.0
+#: And passed on in reads of at most this much.
+GROW_CHUNK = 256 << 10
 #: A full look (the lock, the revision's state, the claims) is made on the loop, not on a thread,
 #: while the revision's claims file grew by less than this since the last look: a few syscalls and
 #: a short read, where the thread hop cost a sixth of the agent's loop (issue 30: 20,000 x 16 KiB
@@ -550,7 +572,7 @@ class AgentServer:
             except OSError as e:
                 return _error(503, f"cannot read {req.path}: {e}")
             try:
-                if opened.size <= SMALL_BODY:
+                if opened.size <= SMALL_BODY and not opened.growing:
                     return self._small(req.revision, opened)
                 # At most MAX_SENDING bodies at once, first come first served: all the requests
                 # of many nodes at once would share the uplink so thin that every body took
@@ -564,6 +586,8 @@ class AgentServer:
                 except TimeoutError:
                     return _not_here(RevisionState.STAGING, f"{req.path}: every sending slot is busy")
                 try:
+                    if opened.growing:
+                        return await self._follow(request, req.revision, opened)
                     return await self._send(request, req.revision, opened)
                 finally:
                     self._sending.release()
@@ -680,6 +704,9 @@ class AgentServer:
             return open_object(c, req.revision, req.path)
         except FileNotFoundError:
             pass
+        # One a stager here is still writing, to a peer that gave its size: passed on as it comes.
+        if req.size > 0 and (growing := open_growing(c, req.revision, req.path, req.size)) is not None:
+            return growing
         just_tried = True  # the look just made: the next full look need not open the file again at once
         while True:
             look = (c, req.revision, req.path, _locked, self.claims, req.probe, req.relay, not just_tried)
@@ -699,47 +726,60 @@ class AgentServer:
                 now = time.monotonic()
                 if now >= deadline:
                     raise got
-                await self._placed(c, req.revision, req.path, min(full, deadline) - now)
+                await self._placed(c, req.revision, req.path, min(full, deadline) - now, req.size > 0)
                 try:
                     return open_object(c, req.revision, req.path)
                 except FileNotFoundError:
                     just_tried = True
+                if req.size > 0 and (growing := open_growing(c, req.revision, req.path, req.size)) is not None:
+                    return growing
                 if time.monotonic() >= full:
                     break
 
-    async def _placed(self, c: str, revision: str, path: str, most: float) -> None:
+    async def _placed(self, c: str, revision: str, path: str, most: float, grow: bool = False) -> None:
         """Until something is placed on the way to ``data/<path>`` (its file, or a directory it is
-        to be in), ``most`` seconds at most; POLL_S when that cannot be watched."""
+        to be in), or (``grow``) its grow file is created in the revision's tmp/, ``most`` seconds
+        at most; POLL_S when that cannot be watched."""
         arrivals = self._arrivals
         nearest = REVISION_DIRS.nearest(c, revision, path) if arrivals is not None and arrivals.working else None
         if nearest is None:
             await asyncio.sleep(min(POLL_S, most))
             return
-        dir_fd, name = nearest
-        try:
-            assert arrivals is not None
-            expected = arrivals.expect(dir_fd, name)
+        assert arrivals is not None
+        watched = [nearest]
+        if grow:
             try:
-                # Placed between the walk and the watch? (Or there and not a file: then poll.)
-                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                there = True
-            except OSError:
-                there = False
-        finally:
-            os.close(dir_fd)
-        if expected is None or there:
-            if expected is not None:
-                expected[1]()
-            await asyncio.sleep(min(POLL_S, most))
-            return
-        fut, done = expected
+                tmp = open_tmp_dir(c, revision)
+            except FileNotFoundError:
+                pass
+            else:
+                watched.append((tmp, grow_name(path)))
+        expected = []
+        there = False
         try:
-            async with asyncio.timeout(most):
-                await fut
-        except TimeoutError:
-            pass
+            for dir_fd, name in watched:
+                if (one := arrivals.expect(dir_fd, name)) is None:
+                    there = True  # cannot be watched: poll
+                    break
+                expected.append(one)
+                try:
+                    # Placed (or created) between the walk and the watch? (Or there and not a file: poll.)
+                    os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    there = True
+                    break
+                except OSError:
+                    pass
         finally:
-            done()
+            for dir_fd, _ in watched:
+                os.close(dir_fd)
+        try:
+            if there:
+                await asyncio.sleep(min(POLL_S, most))
+                return
+            await asyncio.wait([fut for fut, _ in expected], timeout=most, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for _, done in expected:
+                done()
 
     def _look_on_loop(self, c: str, revision: str, probe: bool) -> bool:
         """Whether the next full look at ``revision`` reads little enough to be made on the loop
@@ -794,6 +834,49 @@ class AgentServer:
         self.agent.metrics.peer_served.inc(sent)
         if sent < opened.size:
             transport.abort()  # the file is shorter than it was: the peer sees a short body
+            return resp
+        await resp.write_eof()
+        return resp
+
+    async def _follow(self, request: web.BaseRequest, revision: str, opened: Opened) -> web.StreamResponse:
+        """A body a stager here is still writing (its grow file), passed on as it grows, under the
+        size the peer gave, which checks the whole against the ETag before placing it. The file
+        keeps its inode when the stager renames it into place; a stager that gives it up unlinks
+        it, and then, or when the file outgrows that size or has no new byte for GROW_STALL_S, the
+        connection is closed and the peer sees a short body (it asks again, or another node)."""
+        resp = web.StreamResponse(
+            status=200, headers={"Content-Type": "application/octet-stream", REVISION_HEADER: revision}
+        )
+        resp.content_length = opened.size
+        await resp.prepare(request)
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("the peer went away")
+        sent = 0
+        try:
+            async with asyncio.timeout(READ_GRACE_S + opened.size / MIN_RATE):
+                last, seen = time.monotonic(), -1
+                while sent < opened.size:
+                    st = os.fstat(opened.fd)
+                    if st.st_size > opened.size:
+                        break  # not the object the peer expects
+                    if st.st_size != seen:
+                        last, seen = time.monotonic(), st.st_size
+                    if st.st_size - sent >= min(GROW_SEND, opened.size - sent):
+                        chunk = os.pread(opened.fd, min(st.st_size - sent, GROW_CHUNK), sent)
+                        if not chunk:
+                            break
+                        await resp.write(chunk)
+                        sent += len(chunk)
+                        continue
+                    if st.st_nlink == 0 or time.monotonic() - last > GROW_STALL_S:
+                        break  # given up before it was whole, or stalled
+                    await asyncio.sleep(GROW_POLL_S)
+        except TimeoutError:
+            log.info(f"a peer at {_peer(transport)} took its object too slowly; connection closed")
+        self.agent.metrics.peer_served.inc(sent)
+        if sent < opened.size:
+            transport.abort()
             return resp
         await resp.write_eof()
         return resp
