@@ -126,6 +126,10 @@ SIZE_PARAM = "size"
 GROW_MIN = 256 << 10
 #: Such files' names start so (the native plane writes a temp file so named as it comes).
 GROW_PREFIX = "grow-"
+#: A grow file sized before its parts land (a large object's ranged parts, in any order) says in
+#: this extended attribute how many bytes from its start are written; set (to 0) before the file
+#: is sized, removed once it is whole. Without it, a grow file's size is what is written.
+GROWN_XATTR = "user.dscache.grown"
 #: How many nodes one node passes each object on to, at most (fetch_chain).
 TREE_FANOUT = 2
 

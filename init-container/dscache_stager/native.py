@@ -164,7 +164,7 @@ class NativeFetcher:
         placed = [(i, Fetched(size, etag)) for i, size, etag in done]
         return placed, (_exception(*failure) if failure is not None else None)
 
-    async def fetch_large(self, item: Item, on_bytes: Callable[[int], None] | None = None) -> Fetched:
+    async def fetch_large(self, item: Item, on_bytes: Callable[[int], None] | None = None, grow: str = "") -> Fetched:
         """Copy one large object in ranged parts and place it; raises as fetch.Fetcher.fetch does.
 
         The object completes to Python once; meanwhile ``on_bytes`` hears of its parts as they are
@@ -173,17 +173,18 @@ class NativeFetcher:
         import asyncio
 
         loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self.pool, self.fetch_large_blocking, item)
+        job = loop.run_in_executor(self.pool, self.fetch_large_blocking, item, grow)
         if on_bytes is not None:
             while not job.done():
                 await asyncio.wait({job}, timeout=PROGRESS_S)
                 self.report_large(on_bytes)
         return await job
 
-    def fetch_large_blocking(self, item: Item) -> Fetched:
+    def fetch_large_blocking(self, item: Item, grow: str = "") -> Fetched:
         """:meth:`fetch_large` on this thread, without progress (onepage.py runs it on the pool's
-        threads and reads :meth:`report_large` itself)."""
-        done, failure = self.copier.fetch_large(self.tmp_dir, item, self.part_bytes)
+        threads and reads :meth:`report_large` itself). ``grow``: the object's grow file, so that
+        the node agent passes it on as its parts land ("": a temp file, passed on once whole)."""
+        done, failure = self.copier.fetch_large(self.tmp_dir, item, self.part_bytes, grow)
         if failure is not None:
             raise _exception(*failure)
         size, etag = done

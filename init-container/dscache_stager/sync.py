@@ -405,28 +405,27 @@ class _Run(CopyRun):
     async def _fetch_native(self, small: list[Task], items: list[native.Item]) -> None:
         assert self.native is not None
         mark("batch-go", len(items))
-        placed, failure = await self.native.fetch(items, self._grow(small))
+        grow = [self._grow(obj, rel) for obj, rel, _ in small]
+        placed, failure = await self.native.fetch(items, grow if any(grow) else None)
         mark("batch-done", len(placed))
         self._record_native(small, placed)
         if failure is not None:
             raise failure
 
-    def _grow(self, tasks: list[Task]) -> list[str] | None:
-        """Per object, the file its body grows in as it comes from the bucket, for this node's
-        agent to pass on meanwhile ("": written whole): objects of GROW_MIN bytes or more while
-        other nodes share the revision (dscache_contract.peers.GROW_MIN); None when none is."""
-        if self.native is None or self.peers is None or not self._pacing():
-            return None
+    def _grow(self, obj: RemoteObject, rel: str) -> str:
+        """The file ``obj``'s body grows in as it comes from the bucket, for this node's agent to
+        pass on meanwhile: for an object of GROW_MIN bytes or more while other nodes share the
+        revision (dscache_contract.peers.GROW_MIN); else "" (written whole, then passed on)."""
+        if self.native is None or self.peers is None or not self.peers.grows(obj.size) or not self._pacing():
+            return ""
         from dscache_contract.peers import grow_name
 
-        tmp, grows = self.native.tmp_dir, self.peers.grows
-        grow = [os.path.join(tmp, grow_name(rel)) if grows(obj.size) else "" for obj, rel, _ in tasks]
-        return grow if any(grow) else None
+        return os.path.join(self.native.tmp_dir, grow_name(rel))
 
     async def _fetch_native_large(self, obj: RemoteObject, rel: str) -> None:
         assert self.native is not None
         item = (obj.key, self.tree.path(rel), obj.etag, obj.version_id, obj.size)
-        got = await self.native.fetch_large(item, self.progress.add_bytes)
+        got = await self.native.fetch_large(item, self.progress.add_bytes, self._grow(obj, rel))
         self._record(obj, rel, got)
 
     async def _fetch_one(self, obj: RemoteObject, rel: str) -> None:

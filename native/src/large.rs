@@ -20,7 +20,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,44 +58,103 @@ impl Drop for Temp {
     }
 }
 
+/// How much of a grow file is written from its start, when the file was sized first (its parts
+/// land in any order): dscache_contract.peers.GROWN_XATTR, read by the node agent.
+const GROWN_XATTR: &std::ffi::CStr = c"user.dscache.grown";
+/// A grow file's mode until it is whole (then FILE_MODE).
+const GROW_MODE: u32 = 0o644;
+
+/// The parts of a grow file written so far, and how far from its start it is whole (GROWN_XATTR).
+struct Grown {
+    file: Arc<File>,
+    state: std::sync::Mutex<GrownState>,
+}
+
+struct GrownState {
+    /// Per part in order: (its start, its end, where it is written up to from its start).
+    parts: Vec<(u64, u64, u64)>,
+    /// The prefix last set in GROWN_XATTR.
+    published: u64,
+}
+
+impl Grown {
+    fn new(file: Arc<File>, size: u64, part_bytes: u64) -> Grown {
+        let parts = (0..size).step_by(part_bytes as usize).map(|s| (s, (s + part_bytes).min(size), s)).collect();
+        Grown { file, state: std::sync::Mutex::new(GrownState { parts, published: 0 }) }
+    }
+
+    /// Part ``index`` is written up to ``upto``: publish the whole prefix if it grew. A part tried
+    /// again writes the same pinned bytes at the same offsets, so what was published stays true.
+    fn written(&self, index: usize, upto: u64) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let part = &mut state.parts[index];
+        part.2 = part.2.max(upto);
+        let mut prefix = 0;
+        for &(_, end, upto) in &state.parts {
+            prefix = upto;
+            if upto < end {
+                break;
+            }
+        }
+        if prefix > state.published && set_grown(&self.file, prefix).is_ok() {
+            state.published = prefix;
+        }
+    }
+}
+
+fn set_grown(file: &File, prefix: u64) -> io::Result<()> {
+    let value = prefix.to_string();
+    // SAFETY: a live fd, a NUL-terminated name and a buffer of the given length.
+    let r = unsafe {
+        libc::fsetxattr(file.as_raw_fd(), GROWN_XATTR.as_ptr(), value.as_ptr().cast(), value.len(), 0)
+    };
+    if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// The file's GROWN_XATTR gone, once it is whole (the placed file carries no trace of it).
+fn clear_grown(file: &File) {
+    // SAFETY: a live fd and a NUL-terminated name.
+    unsafe { libc::fremovexattr(file.as_raw_fd(), GROWN_XATTR.as_ptr()) };
+}
+
 /// Copy one object of ``item.4`` bytes in parts of ``part_bytes``; (size, ETag unquoted).
+/// ``grow``: the object's grow file (dscache_contract.peers.grow_name), so that the node agent
+/// passes it on as its parts land, from its start (GROWN_XATTR says how far); "": a temp file.
 pub async fn object(
     shared: Arc<Shared>,
     tmp_dir: String,
     item: Item,
     part_bytes: u64,
+    grow: String,
 ) -> Result<(u64, String), Failure> {
     let (key, dest, etag, version, size) = item;
     let path =
         Path::parse(&key).map_err(|e| Failure::Store { kind: "generic", message: format!("bad key {key:?}: {e}") })?;
-    let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
-    let mut temp = Temp { path: format!("{tmp_dir}/{}-L{seq}", shared.pid), placed: false };
-    // O_EXCL: never write through a file (or symlink) someone left there.
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(FILE_MODE)
-        .open(&temp.path)
-        .map_err(|e| os_failure(e, "creating", &temp.path))?;
+    let (mut temp, file, growing) = create(&shared, &tmp_dir, &grow)?;
     // The file has its final size before any part lands, so parts write at
     // their offsets in any order. Not fallocate: ext4 then converts unwritten
     // extents on every write (fetch.py measured 0.3 s per 512 MiB); the free
     // space was checked against the whole revision before the copy began.
+    // A grow file has its GROWN_XATTR (0) before: its size says nothing of what is there.
     file.set_len(size).map_err(|e| os_failure(e, "sizing", &temp.path))?;
     let file = Arc::new(file);
+    let part_bytes = part_bytes.max(1);
+    let grown = growing.then(|| Arc::new(Grown::new(file.clone(), size, part_bytes)));
     // Plain HTTP: splice(2) on a presigned URL, signed once for all the parts. A URL
     // cannot name a version (its query is signed), so a pinned version streams.
     let target = if shared.splice && version.is_none() { Some(Arc::new(presign(&shared, &path).await?)) } else { None };
-    let part_bytes = part_bytes.max(1);
     let mut parts = JoinSet::new();
     let path = Arc::new(path);
     let pin = Arc::new((etag, version));
     let mut start = 0;
+    let mut index = 0;
     while start < size {
         let end = (start + part_bytes).min(size);
         let (shared, path, pin, file, target) = (shared.clone(), path.clone(), pin.clone(), file.clone(), target.clone());
-        parts.spawn(async move { part(&shared, &path, &pin.0, &pin.1, &file, &target, start, end).await });
+        let grown = grown.clone().map(|g| (g, index));
+        parts.spawn(async move { part(&shared, &path, &pin.0, &pin.1, &file, &target, start, end, grown).await });
         start = end;
+        index += 1;
     }
     // Every part must end (or fail) before the file is renamed: JoinSet aborts
     // the rest when this future is dropped (cancelled), and a part aborted
@@ -114,11 +173,46 @@ pub async fn object(
             _ => etags = Some(got),
         }
     }
+    if growing {
+        clear_grown(&file); // whole: its size says so now
+        // Read-only from now on, as every placed file (writable until now: see create).
+        file.set_permissions(fs::Permissions::from_mode(FILE_MODE)).map_err(|e| os_failure(e, "sealing", &temp.path))?;
+    }
+    drop(grown);
     drop(file);
     place(&temp.path, &dest).map_err(|e| os_failure(e, "placing", &dest))?;
     temp.placed = true;
     shared.large_objects.fetch_add(1, Ordering::Relaxed);
     Ok((size, etags.unwrap_or_default().trim_matches('"').to_string()))
+}
+
+/// The object's temp file, new: its grow file (with GROWN_XATTR at 0) when ``grow`` names one and
+/// the filesystem keeps user xattrs, else a temp file of its own; (it, its file, whether it grows).
+fn create(shared: &Shared, tmp_dir: &str, grow: &str) -> Result<(Temp, File, bool), Failure> {
+    // O_EXCL: never write through a file (or symlink) someone left there.
+    let open = |path: &str, mode: u32| OpenOptions::new().write(true).create_new(true).mode(mode).open(path);
+    if !grow.is_empty() {
+        // Owner-writable while it grows: a user xattr is set by permission on the file, not the
+        // descriptor (a stager that is not root could not raise it on a read-only file).
+        let file = match open(grow, GROW_MODE) {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                // An earlier attempt's (a peer following it sees it gone).
+                fs::remove_file(grow).map_err(|e| os_failure(e, "replacing", grow))?;
+                open(grow, GROW_MODE)
+            }
+            other => other,
+        }
+        .map_err(|e| os_failure(e, "creating", grow))?;
+        let temp = Temp { path: grow.to_string(), placed: false };
+        if set_grown(&file, 0).is_ok() {
+            return Ok((temp, file, true));
+        }
+        drop(temp); // no user xattrs here: passed on once whole, from a temp file of its own
+    }
+    let seq = shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
+    let temp = Temp { path: format!("{tmp_dir}/{}-L{seq}", shared.pid), placed: false };
+    let file = open(&temp.path, FILE_MODE).map_err(|e| os_failure(e, "creating", &temp.path))?;
+    Ok((temp, file, false))
 }
 
 async fn presign(shared: &Shared, path: &Path) -> Result<Target, Failure> {
@@ -151,6 +245,7 @@ async fn part(
     target: &Option<Arc<Target>>,
     start: u64,
     end: u64,
+    grown: Option<(Arc<Grown>, usize)>,
 ) -> Result<String, Failure> {
     // Parts in flight (per copier), then the request limit and the byte budget
     // every request shares: a part holds at most FLUSH_BYTES of body at once.
@@ -161,10 +256,13 @@ async fn part(
     loop {
         let tried = match target {
             Some(target) => spliced(shared, target, etag, file, start, end).await,
-            None => once(shared, path, etag, version, file, start, end).await,
+            None => once(shared, path, etag, version, file, start, end, &grown).await,
         };
         match tried {
             Ok(got) => {
+                if let Some((g, index)) = &grown {
+                    g.written(*index, end);
+                }
                 shared.large_parts.fetch_add(1, Ordering::Relaxed);
                 shared.large_bytes.fetch_add(end - start, Ordering::Relaxed);
                 return Ok(got);
@@ -201,6 +299,7 @@ async fn spliced(
     Ok(etag.to_string())
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn once(
     shared: &Shared,
     path: &Path,
@@ -209,6 +308,7 @@ async fn once(
     file: &File,
     start: u64,
     end: u64,
+    grown: &Option<(Arc<Grown>, usize)>,
 ) -> Result<String, Failure> {
     let options = GetOptions {
         if_match: (!etag.is_empty()).then(|| format!("\"{etag}\"")),
@@ -243,6 +343,9 @@ async fn once(
             offset = write_at(file, &pending, offset).map_err(|e| os_failure(e, "writing", path.as_ref()))?;
             pending.clear();
             held = 0;
+            if let Some((g, index)) = grown {
+                g.written(*index, offset);
+            }
         }
     }
     offset = write_at(file, &pending, offset).map_err(|e| os_failure(e, "writing", path.as_ref()))?;

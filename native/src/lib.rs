@@ -169,12 +169,17 @@ impl Copier {
 
     /// Copy one large object in ranged parts of ``part_bytes`` (large.rs) and
     /// place it; (size, ETag unquoted), or the failure, once the object ends.
+    ///
+    /// ``grow``: the object's grow file, so that the node agent passes it on as its parts land
+    /// (large::object; "": a temp file of its own, passed on once whole).
+    #[pyo3(signature = (tmp_dir, item, part_bytes, grow=String::new()))]
     fn fetch_large(
         &self,
         py: Python<'_>,
         tmp_dir: String,
         item: Item,
         part_bytes: u64,
+        grow: String,
     ) -> PyResult<LargeAnswer> {
         let shared = self.shared.clone();
         let key = item.0.clone();
@@ -184,7 +189,7 @@ impl Copier {
             let result = tokio::select! {
                 biased;
                 _ = stop.cancelled() => Err(copy::Failure::Cancelled),
-                r = large::object(shared, tmp_dir, item, part_bytes) => r,
+                r = large::object(shared, tmp_dir, item, part_bytes, grow) => r,
             };
             let _ = reply.send(result);
         });

@@ -65,6 +65,7 @@ from dscache_contract import RESERVE_PATH, WIPE_PATH, ArgsError, ReserveRequest,
 from dscache_contract.listings import LISTINGS_PATH
 from dscache_contract.peers import (
     BATCH_OBJECT_MAX,
+    GROWN_XATTR,
     OBJECTS_BATCH_PATH,
     OBJECTS_PATH,
     PEERS_PATH,
@@ -860,10 +861,11 @@ class AgentServer:
                     st = os.fstat(opened.fd)
                     if st.st_size > opened.size:
                         break  # not the object the peer expects
-                    if st.st_size != seen:
-                        last, seen = time.monotonic(), st.st_size
-                    if st.st_size - sent >= min(GROW_SEND, opened.size - sent):
-                        chunk = os.pread(opened.fd, min(st.st_size - sent, GROW_CHUNK), sent)
+                    have = _written(opened.fd, st.st_size)
+                    if have != seen:
+                        last, seen = time.monotonic(), have
+                    if have - sent >= min(GROW_SEND, opened.size - sent):
+                        chunk = os.pread(opened.fd, min(have - sent, GROW_CHUNK), sent)
                         if not chunk:
                             break
                         await resp.write(chunk)
@@ -880,6 +882,15 @@ class AgentServer:
             return resp
         await resp.write_eof()
         return resp
+
+
+def _written(fd: int, size: int) -> int:
+    """How much of a grow file is written from its start: its GROWN_XATTR while it has one (a
+    file sized before its parts land), else its size."""
+    try:
+        return int(os.getxattr(fd, GROWN_XATTR))
+    except (OSError, ValueError):
+        return size
 
 
 def _json_text(code: int, text: str) -> web.Response:

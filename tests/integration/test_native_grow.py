@@ -2,7 +2,8 @@
 the native copier writes such a body into the object's grow file as it comes and renames that file
 into place, so its agent can follow it meanwhile (tests/unit/test_node_agent_grow.py). A body cut
 short, or one the pin refuses, leaves no grow file behind (a peer following it sees it gone),
-and the object is read again into a fresh one. A real Copier against the real S3 server, through a
+and the object is read again into a fresh one. A large object's parts land in any order in a file
+sized first: its grow file says in an extended attribute how much of it is there from its start. A real Copier against the real S3 server, through a
 proxy that cuts answers short."""
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from dscache_contract.peers import grow_name
+from dscache_contract.peers import GROWN_XATTR, grow_name
 from dscache_stager import native
 from dscache_stager.source import S3Source
 from dscache_stager.store import PreconditionError
@@ -81,3 +84,56 @@ def test_the_pin_refuses_other_bytes_and_leaves_no_grow_file(s3_server: S3Server
     placed, failure, grow = copy(s3_server, bucket, tmp_path / "d", "0" * 32)
     assert placed == [] and isinstance(failure, PreconditionError)
     assert not grow.exists() and os.listdir(tmp_path / "d" / "tmp") == []
+
+
+def test_a_large_objects_grow_file_says_how_much_of_it_is_there_from_its_start(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A large object's parts land in any order in a file sized first: its GROWN_XATTR says how far
+    from the start it is whole (what the agent passes on), and is gone once the file is placed."""
+    module = pytest.importorskip("dscache_native")
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    part = 256 << 10
+    body = os.urandom(4 * part)
+    s3_server.put_tree(bucket, {"ckpt/w.bin": body})
+    # The second part's GET is held 3 s: the first, third and fourth land meanwhile.
+    proxy = FaultProxy(
+        (s3_server.host, s3_server.port),
+        lambda n, line: "pass",
+        hold_s=3.0,
+        hold_match=rf"(?im)^range: bytes={part}-",
+        hold_head=True,
+    ).start()
+    dest = tmp_path / "d"
+    (dest / "tmp").mkdir(parents=True)
+    grow = dest / "tmp" / grow_name("ckpt/w.bin")
+    seen: list[tuple[int, int]] = []
+    try:
+        source = S3Source(bucket, "", endpoint_url=proxy.endpoint)
+        fetcher = native.NativeFetcher(module, source, 8, workers=2, tmp_dir=str(dest / "tmp"), part_bytes=part)
+        try:
+            item = ("ckpt/w.bin", str(dest / "w.bin"), hashlib.md5(body).hexdigest(), None, len(body))
+            job = threading.Thread(target=lambda: seen.append(fetcher.fetch_large_blocking(item, str(grow))))
+            job.start()
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                try:
+                    seen.append((os.stat(grow).st_size, int(os.getxattr(grow, GROWN_XATTR))))
+                except OSError:
+                    pass
+                time.sleep(0.05)
+            job.join(30)
+        finally:
+            fetcher.close()
+    finally:
+        proxy.stop()
+    *looks, done = seen
+    # Its attribute never past the first part while the second is held, the file sized meanwhile.
+    assert looks and all(grown <= part for _, grown in looks), looks
+    assert looks[-1] == (len(body), part), looks[-1]
+    assert done.size == len(body)
+    assert (dest / "w.bin").read_bytes() == body and not grow.exists()
+    assert os.stat(dest / "w.bin").st_mode & 0o777 == 0o444  # read-only once placed, as every file
+    with pytest.raises(OSError):
+        os.getxattr(dest / "w.bin", GROWN_XATTR)

@@ -81,6 +81,9 @@ class FaultProxy:
     hold_s: float = 0.0
     #: Only requests whose line this regex matches are held ("": all of them).
     hold_match: str = ""
+    #: hold_match is searched in the whole request head (its line and headers), not the line only
+    #: (a ranged part is told from the others by its Range header).
+    hold_head: bool = False
     #: Requests arrived and not yet forwarded upstream, now and at most (counted
     #: while held, before any answer byte: a client that waits for one answer before
     #: sending another request is never counted twice, however fast it turns around).
@@ -148,7 +151,8 @@ class FaultProxy:
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                 try:
-                    if self.hold_s and (not self.hold_match or re.search(self.hold_match, line)):
+                    where = head.decode("latin-1") if self.hold_head else line
+                    if self.hold_s and (not self.hold_match or re.search(self.hold_match, where)):
                         await asyncio.sleep(self.hold_s)
                 finally:
                     self.in_flight -= 1

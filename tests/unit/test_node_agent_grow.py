@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import dscache_contract as contract
-from dscache_contract.peers import GROW_PREFIX, REVISION_HEADER, ObjectRequest, grow_name
+from dscache_contract.peers import GROW_PREFIX, GROWN_XATTR, REVISION_HEADER, ObjectRequest, grow_name
 from tests.unit.test_node_agent import R1
 from tests.unit.test_node_agent_held import staging  # noqa: F401 (a fixture)
 from tests.unit.test_node_auth import jwt
@@ -186,3 +186,24 @@ def test_a_held_request_follows_a_grow_file_as_soon_as_it_appears(staging):  # n
     place(c, grow)
     t.join(10)
     assert got["rest"] == body[100_000:]
+
+
+def test_a_grow_file_sized_first_is_passed_on_as_far_as_its_attribute_says(staging):  # noqa: F811
+    port, c = staging
+    body = os.urandom(SIZE)
+    grow = grow_file(c)
+    with open(grow, "wb") as f:  # as large.rs makes it: the attribute, then the size, then parts
+        os.setxattr(f.fileno(), GROWN_XATTR, b"0")
+        f.truncate(SIZE)
+        f.flush()
+        os.pwrite(f.fileno(), body[400_000:], 400_000)  # a later part lands first
+        resp = ask(port, SIZE)
+        assert resp.status == 200
+        time.sleep(0.3)
+        os.pwrite(f.fileno(), body[:100_000], 0)
+        os.setxattr(f.fileno(), GROWN_XATTR, b"100000")
+        assert resp.read(100_000) == body[:100_000]  # what the attribute says, no more
+        os.pwrite(f.fileno(), body[100_000:400_000], 100_000)
+        os.removexattr(f.fileno(), GROWN_XATTR)  # whole: its size says so now
+    place(c, grow)
+    assert resp.read() == body[100_000:]
