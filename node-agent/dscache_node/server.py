@@ -815,14 +815,7 @@ class AgentServer:
         )
 
     async def _send(self, request: web.BaseRequest, revision: str, opened: Opened) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            status=200, headers={"Content-Type": "application/octet-stream", REVISION_HEADER: revision}
-        )
-        resp.content_length = opened.size
-        await resp.prepare(request)
-        transport = request.transport
-        if transport is None:
-            raise ConnectionResetError("the peer went away")
+        resp, transport = await _body_start(request, revision, opened.size)
         sent = 0
         try:
             async with asyncio.timeout(READ_GRACE_S + opened.size / MIN_RATE):
@@ -830,11 +823,16 @@ class AgentServer:
                     sent = await asyncio.get_running_loop().sendfile(transport, f, 0, opened.size)
         except TimeoutError:
             log.info(f"a peer at {_peer(transport)} took its object too slowly; connection closed")
-            transport.abort()
-            return resp
+        # Short (the file is shorter than it was, or the peer too slow): the peer sees a short body.
+        return await self._body_end(resp, transport, sent, opened.size)
+
+    async def _body_end(
+        self, resp: web.StreamResponse, transport: asyncio.Transport, sent: int, size: int
+    ) -> web.StreamResponse:
+        """An object's answer ended: whole, or cut short (the connection closed) if ``sent`` < ``size``."""
         self.agent.metrics.peer_served.inc(sent)
-        if sent < opened.size:
-            transport.abort()  # the file is shorter than it was: the peer sees a short body
+        if sent < size:
+            transport.abort()
             return resp
         await resp.write_eof()
         return resp
@@ -845,14 +843,7 @@ class AgentServer:
         keeps its inode when the stager renames it into place; a stager that gives it up unlinks
         it, and then, or when the file outgrows that size or has no new byte for GROW_STALL_S, the
         connection is closed and the peer sees a short body (it asks again, or another node)."""
-        resp = web.StreamResponse(
-            status=200, headers={"Content-Type": "application/octet-stream", REVISION_HEADER: revision}
-        )
-        resp.content_length = opened.size
-        await resp.prepare(request)
-        transport = request.transport
-        if transport is None:
-            raise ConnectionResetError("the peer went away")
+        resp, transport = await _body_start(request, revision, opened.size)
         sent = 0
         try:
             async with asyncio.timeout(READ_GRACE_S + opened.size / MIN_RATE):
@@ -876,12 +867,23 @@ class AgentServer:
                     await asyncio.sleep(GROW_POLL_S)
         except TimeoutError:
             log.info(f"a peer at {_peer(transport)} took its object too slowly; connection closed")
-        self.agent.metrics.peer_served.inc(sent)
-        if sent < opened.size:
-            transport.abort()
-            return resp
-        await resp.write_eof()
-        return resp
+        return await self._body_end(resp, transport, sent, opened.size)
+
+
+async def _body_start(
+    request: web.BaseRequest, revision: str, size: int
+) -> tuple[web.StreamResponse, asyncio.Transport]:
+    """An object's answer with its headers sent (its revision, ``size`` as its length), and the
+    connection its body goes on."""
+    resp = web.StreamResponse(
+        status=200, headers={"Content-Type": "application/octet-stream", REVISION_HEADER: revision}
+    )
+    resp.content_length = size
+    await resp.prepare(request)
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("the peer went away")
+    return resp, transport
 
 
 def _written(fd: int, size: int) -> int:
