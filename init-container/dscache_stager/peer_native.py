@@ -51,7 +51,6 @@ from dscache_contract.peers import (
     RELAY_MARK,
     REVISION_HEADER,
     ObjectRequest,
-    grow_name,
 )
 
 from .objects import SMALL_LIMIT
@@ -170,24 +169,21 @@ class NativePeers:
         # One write for the batch (claim adds the last newline).
         if claim is not None:
             claim("\n".join(RELAY_MARK + rel for _, rel, _, _ in wants))
-        paths = [tmp() for _ in wants]
-        # An object of GROW_MIN bytes or more grows in a file named for it as it comes (the native
-        # side writes a file so named as it comes), and the request gives its size: a peer that is
-        # still taking it answers with what it has so far, as it comes (contract: GROW_MIN).
-        grows = [p.grows(size) for _, _, size, _ in wants]
-        paths = [
-            os.path.join(os.path.dirname(path), grow_name(rel)) if grows_ else path
-            for (_, rel, _, _), path, grows_ in zip(wants, paths, grows, strict=True)
-        ]
+        # An object of GROW_MIN bytes or more goes into its grow file (the native side writes a file
+        # so named as its body comes), and the request gives its size: a peer still taking it
+        # answers with what it has so far, as it comes (contract: GROW_MIN).
+        paths = [p.temp_for(rel, size, tmp) for _, rel, size, _ in wants]
         held = waits or [RERANK_S] * len(wants)
         items = [
             (
-                ObjectRequest(p.namespace, p.cache, p.revision, rel, wait, True, True, size if grows_ else 0).target(),
+                ObjectRequest(
+                    p.namespace, p.cache, p.revision, rel, wait, True, True, size if p.grows(size) else 0
+                ).target(),
                 size,
                 etag,
                 path,
             )
-            for (_, rel, size, etag), path, wait, grows_ in zip(wants, paths, held, grows, strict=True)
+            for (_, rel, size, etag), path, wait in zip(wants, paths, held, strict=True)
         ]
         return paths, items
 

@@ -268,6 +268,12 @@ class Peers:
         written into its grow file as its body comes here, and asked of peers with its size."""
         return self._grow and size >= GROW_MIN
 
+    def temp_for(self, rel: str, size: int, tmp: Callable[[], str]) -> str:
+        """The temp file to take ``rel`` into from a peer: its grow file (in the same tmp/) when it
+        grows, for this node's agent to pass on as it comes; else a new one of ``tmp``."""
+        path = tmp()
+        return os.path.join(os.path.dirname(path), grow_name(rel)) if self.grows(size) else path
+
     # --- who -----------------------------------------------------------------------------
 
     def token(self) -> str:
@@ -527,9 +533,7 @@ class Peers:
                 if now >= deadline:
                     self._fail(addr, f"has not copied {rel} in {PATIENCE_S:.0f} s (stalled)")
                     break
-                asked_at, path = time.time(), tmp()
-                if self.grows(size):  # written as it comes, for this node's agent to pass on meanwhile
-                    path = os.path.join(os.path.dirname(path), grow_name(rel))
+                asked_at, path = time.time(), self.temp_for(rel, size, tmp)
                 outcome, md5 = self.take(addr, rel, size, etag, path, True, min(RERANK_S, deadline - now), relay)
                 if trace.ON:
                     trace.mark(f"obj-py {outcome.value} {addr} {rel} h{i}", trace.ms_since(now))
@@ -591,7 +595,7 @@ class Peers:
         reading it; ``relay``: or taking it from a peer). The second item: the MD5 of a SUSPECT body.
         Blocking."""
         # GROW_MIN: a peer still taking a large object passes it on as it comes (the body is
-        # checked whole, as any); this path writes it whole, so its own children wait for that.
+        # checked whole, as any).
         req = ObjectRequest(
             self.namespace,
             self.cache,
