@@ -44,14 +44,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from dscache_contract.peers import (
-    AGENT_TLS_NAME,
-    MAX_WAIT_S,
-    PEER_CA_ENV,
-    RELAY_MARK,
-    REVISION_HEADER,
-    ObjectRequest,
-)
+from dscache_contract.peers import AGENT_TLS_NAME, MAX_WAIT_S, PEER_CA_ENV, RELAY_MARK, REVISION_HEADER
 
 from .objects import SMALL_LIMIT
 from .peers import MIN_RATE, PER_PEER, READ_TIMEOUT_S, RERANK_S, Obtained, Outcome, Peers
@@ -175,14 +168,7 @@ class NativePeers:
         paths = [p.temp_for(rel, size, tmp) for _, rel, size, _ in wants]
         held = waits or [RERANK_S] * len(wants)
         items = [
-            (
-                ObjectRequest(
-                    p.namespace, p.cache, p.revision, rel, wait, True, True, size if p.grows(size) else 0
-                ).target(),
-                size,
-                etag,
-                path,
-            )
+            (p.object_request(rel, wait, True, True, size).target(), size, etag, path)
             for (_, rel, size, etag), path, wait in zip(wants, paths, held, strict=True)
         ]
         return paths, items

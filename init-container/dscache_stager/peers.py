@@ -268,6 +268,13 @@ class Peers:
         written into its grow file as its body comes here, and asked of peers with its size."""
         return self._grow and size >= GROW_MIN
 
+    def object_request(self, rel: str, wait: float, probe: bool, relay: bool, size: int) -> ObjectRequest:
+        """A request for ``rel`` of this revision; with its size when it grows (a peer still taking
+        it then answers as it comes)."""
+        return ObjectRequest(
+            self.namespace, self.cache, self.revision, rel, wait, probe, relay, size if self.grows(size) else 0
+        )
+
     def temp_for(self, rel: str, size: int, tmp: Callable[[], str]) -> str:
         """The temp file to take ``rel`` into from a peer: its grow file (in the same tmp/) when it
         grows, for this node's agent to pass on as it comes; else a new one of ``tmp``."""
@@ -594,18 +601,7 @@ class Peers:
         ``wait`` seconds while the peer is still copying it (``probe``: only if it has it now, or is
         reading it; ``relay``: or taking it from a peer). The second item: the MD5 of a SUSPECT body.
         Blocking."""
-        # GROW_MIN: a peer still taking a large object passes it on as it comes (the body is
-        # checked whole, as any).
-        req = ObjectRequest(
-            self.namespace,
-            self.cache,
-            self.revision,
-            rel,
-            max(0.0, min(wait, MAX_WAIT_S)),
-            probe,
-            relay,
-            size if self.grows(size) else 0,
-        )
+        req = self.object_request(rel, max(0.0, min(wait, MAX_WAIT_S)), probe, relay, size)
         try:
             status, state = self._get(addr, req, size, etag, tmp)
         except _Busy:

@@ -246,6 +246,16 @@ async fn object(shared: &Shared, tmp_dir: &str, item: &Item, grow: &str) -> Resu
     }
 }
 
+/// A GET's options that pin its bytes to the listed revision: If-Match on the listed ETag (when
+/// there is one) and the versionId (fetch._pinned).
+pub fn pinned(etag: &str, version: &Option<String>) -> GetOptions {
+    GetOptions {
+        if_match: (!etag.is_empty()).then(|| format!("\"{etag}\"")),
+        version: version.clone(),
+        ..Default::default()
+    }
+}
+
 async fn once(
     shared: &Shared,
     tmp_dir: &str,
@@ -254,12 +264,7 @@ async fn once(
     etag: &str,
     version: &Option<String>,
 ) -> Result<(u64, String), Failure> {
-    let options = GetOptions {
-        // If-Match pins the bytes to the listed revision (fetch._pinned).
-        if_match: (!etag.is_empty()).then(|| format!("\"{etag}\"")),
-        version: version.clone(),
-        ..Default::default()
-    };
+    let options = pinned(etag, version);
     let (body, got_etag) = {
         let _permit = shared.requests.acquire().await.expect("the request semaphore is never closed");
         let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
@@ -303,11 +308,7 @@ async fn growing(
     version: &Option<String>,
     grow: &str,
 ) -> Result<(u64, String), Failure> {
-    let options = GetOptions {
-        if_match: (!etag.is_empty()).then(|| format!("\"{etag}\"")),
-        version: version.clone(),
-        ..Default::default()
-    };
+    let options = pinned(etag, version);
     let _permit = shared.requests.acquire().await.expect("the request semaphore is never closed");
     let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
     let got_etag = result.meta.e_tag.clone().unwrap_or_default();

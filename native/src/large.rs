@@ -31,7 +31,7 @@ use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectStore};
 use tokio::task::JoinSet;
 
-use crate::copy::{jitter, os_failure, place, store_failure, Failure, Item, Shared, BUFFER_UNIT, FILE_MODE};
+use crate::copy::{jitter, os_failure, pinned, place, store_failure, Failure, Item, Shared, BUFFER_UNIT, FILE_MODE};
 use crate::splice::{self, Target};
 
 /// How long a presigned URL stays valid: longer than any part takes.
@@ -310,12 +310,7 @@ async fn once(
     end: u64,
     grown: &Option<(Arc<Grown>, usize)>,
 ) -> Result<String, Failure> {
-    let options = GetOptions {
-        if_match: (!etag.is_empty()).then(|| format!("\"{etag}\"")),
-        version: version.clone(),
-        range: Some(GetRange::Bounded(start..end)),
-        ..Default::default()
-    };
+    let options = GetOptions { range: Some(GetRange::Bounded(start..end)), ..pinned(etag, version) };
     let _request = shared.requests.acquire().await.expect("the request semaphore is never closed");
     let result = shared.store.get_opts(path, options).await.map_err(store_failure)?;
     if result.range != (start..end) {

@@ -701,13 +701,8 @@ class AgentServer:
         loop = asyncio.get_running_loop()
         # Most objects asked for are whole here already: a few openat on the loop, no thread hop
         # (poll_object's first look, without its claims file).
-        try:
-            return open_object(c, req.revision, req.path)
-        except FileNotFoundError:
-            pass
-        # One a stager here is still writing, to a peer that gave its size: passed on as it comes.
-        if req.size > 0 and (growing := open_growing(c, req.revision, req.path, req.size)) is not None:
-            return growing
+        if (here := _open_now(c, req)) is not None:
+            return here
         just_tried = True  # the look just made: the next full look need not open the file again at once
         while True:
             look = (c, req.revision, req.path, _locked, self.claims, req.probe, req.relay, not just_tried)
@@ -728,12 +723,9 @@ class AgentServer:
                 if now >= deadline:
                     raise got
                 await self._placed(c, req.revision, req.path, min(full, deadline) - now, req.size > 0)
-                try:
-                    return open_object(c, req.revision, req.path)
-                except FileNotFoundError:
-                    just_tried = True
-                if req.size > 0 and (growing := open_growing(c, req.revision, req.path, req.size)) is not None:
-                    return growing
+                if (here := _open_now(c, req)) is not None:
+                    return here
+                just_tried = True
                 if time.monotonic() >= full:
                     break
 
@@ -886,13 +878,25 @@ async def _body_start(
     return resp, transport
 
 
+def _open_now(c: str, req: ObjectRequest) -> Opened | None:
+    """The object if it is whole here, or, to a peer that gave its size, the grow file a stager
+    here is still writing it into (passed on as it comes); None if neither is there now."""
+    try:
+        return open_object(c, req.revision, req.path)
+    except FileNotFoundError:
+        pass
+    return open_growing(c, req.revision, req.path, req.size) if req.size > 0 else None
+
+
 def _written(fd: int, size: int) -> int:
     """How much of a grow file is written from its start: its GROWN_XATTR while it has one (a
-    file sized before its parts land), else its size."""
+    file sized before its parts land), else its size. An attribute that is no count says nothing
+    is known to be there (the file's size would count bytes not written yet)."""
     try:
-        return int(os.getxattr(fd, GROWN_XATTR))
-    except (OSError, ValueError):
+        value = os.getxattr(fd, GROWN_XATTR)
+    except OSError:
         return size
+    return int(value) if value.isdigit() else 0
 
 
 def _json_text(code: int, text: str) -> web.Response:
