@@ -597,3 +597,19 @@ def test_planning_and_recording_wipes_leave_the_prior_entries_alone():
     wipe.settle(plan.entry, plan, NOW)
     assert plan.entry.state == "Wiped" and all(r.wipedAt for r in plan.entry.revisions)
     assert [n.model_dump() for n in prior] == before
+
+
+def test_a_wipe_kept_by_the_lease_of_a_pod_we_never_saw_is_sent_again_at_once():
+    """A pod that ran and was deleted before a reconciliation saw it finish: the first wipe
+    (no pod to release) comes back kept by its lease, and the next plan releases that lease
+    (_releasable). The cache is then due again at once, not a reconcile interval later
+    (integration: test_short_pod_between_ticks_is_wiped, which failed under load on that)."""
+    unreleased = wipe.Release(REV, ())
+    kept = wipe.WipeResult(wipe.Outcome.KEPT, wipe.WipeCount.KEPT, "kept", leases=("uid-gone",))
+    assert wipe.release_next(unreleased, kept, known=frozenset())
+    # A lease of a pod in our view is the plan's to release (or not) as that pod goes: no hurry.
+    assert not wipe.release_next(unreleased, kept, known=frozenset({"uid-gone"}))
+    # Once only: a wipe that already tried to release it and was kept does not loop at once.
+    assert not wipe.release_next(wipe.Release(REV, ("uid-gone",)), kept, known=frozenset())
+    removed = wipe.WipeResult(wipe.Outcome.REMOVED, wipe.WipeCount.SUCCEEDED, None)
+    assert not wipe.release_next(unreleased, removed, known=frozenset())

@@ -491,6 +491,16 @@ def record_wipe(entry: NodeStatus, step: Release, result: WipeResult, now: datet
             r.strayLeases, r.keptAt = sorted(set(result.leases))[:MAX_STRAY_LEASES], fmt_time(now)
 
 
+def release_next(step: Release, result: WipeResult, known: frozenset[str]) -> bool:
+    """Whether a wipe kept by leases it did not release found one of a pod that is in no view
+    of ours (``known``: the cache's pods we see): the next plan releases it (_releasable), so
+    the cache is worth reconciling again at once, not at the next interval. A pod that ran and
+    was deleted before a reconciliation saw it finish leaves exactly that (its lease, and no
+    pod to release it with). Once only per lease: one the wipe already tried to release is
+    not asked again sooner."""
+    return result.outcome is Outcome.KEPT and any(u not in known and u not in step.release for u in result.leases)
+
+
 def settle(entry: NodeStatus, plan: NodePlan, now: datetime.datetime) -> bool:
     """After the node's wipes: mark it Wiped when nothing is left; True if a copy remains there."""
     if plan.wipes and not entry.consumers and all(r.wipedAt for r in entry.revisions):

@@ -52,6 +52,7 @@ from .nodeplan import (
     judge_wipe,
     plan_nodes,
     record_wipe,
+    release_next,
     request_for,
     settle,
 )
@@ -72,6 +73,10 @@ AUTH_FAILURE_LIMIT = 300.0
 #: A cache whose reconciliations change nothing is still reconciled in full this often
 #: (quiet.py: what it reads is then known not to have changed, but a full pass is cheap at this rate).
 QUIET_AT_MOST = 300.0
+#: When a wipe found a lease that the next plan releases (nodeplan.release_next), the cache is
+#: due again this soon: the copy of a pod deleted before a reconciliation saw it finish goes
+#: then, not a whole reconcile interval later.
+RELEASE_AGAIN_S = 1.0
 
 
 class Outbox:
@@ -83,6 +88,8 @@ class Outbox:
         self.status: dict[str, Any] = {}
         #: What it read, if another reconciliation with the same would change nothing until then.
         self.quiet: Quiet | None = None
+        #: A wipe's answer that the next reconciliation acts on at once (RELEASE_AGAIN_S).
+        self.again = False
 
     def event(self, type: str, reason: str, message: str) -> None:
         self.events.append(Event(self.view.involved(), type, reason, message))
@@ -146,7 +153,8 @@ async def reconcile(ctx: ControlContext, view: CacheView, out: Outbox) -> tuple[
     keep = {n.name: frozenset({revision.id}) for n in chosen} if revision is not None else {}
 
     plans = plan_nodes(prior, pods, owners, cache.retention, now, deleting=deleting, keep=keep)
-    entries, live, pending = await _carry_out(ctx, out, plans, nodes, now)
+    known = frozenset(p.uid for p in pods if p.uid)
+    entries, live, pending = await _carry_out(ctx, out, plans, nodes, now, known)
     _events_for_transitions(out, {p.node: p for p in prior}, entries)
     wanted.update(st.nodes_fragment(entries))
     wanted["owners"] = st.owner_pins(pods, owners, current.get("owners") or [])
@@ -273,11 +281,16 @@ async def _check_source(
 
 
 async def _carry_out(
-    ctx: ControlContext, out: Outbox, plans: dict[str, NodePlan], nodes: dict[str, NodeInfo], now: datetime.datetime
+    ctx: ControlContext,
+    out: Outbox,
+    plans: dict[str, NodePlan],
+    nodes: dict[str, NodeInfo],
+    now: datetime.datetime,
+    known: frozenset[str],
 ) -> tuple[list[NodeStatus], int, int]:
     """Send each planned wipe to its node's agent, and record what its answer means
     (nodeplan.py decides all of it). Returns the entries to show, the live consumers,
-    and the copies not wiped yet."""
+    and the copies not wiped yet. ``known``: the UIDs of the cache's pods in our view."""
     namespace, name = out.view.key
     gone = await _gone_nodes(ctx.api(), [node for node, plan in plans.items() if plan.wipes])
     entries: list[NodeStatus] = []
@@ -301,6 +314,7 @@ async def _carry_out(
             )
             result = judge_wipe(entry, step, answer, ctx.settings.namespace)
             record_wipe(entry, step, result, now)
+            out.again |= release_next(step, result, known)
             ctx.metrics.wipe(namespace, name, result.metric)
             if result.event is not None:
                 out.event(*result.event)
@@ -383,7 +397,7 @@ async def run_once(ctx: ControlContext, key: Key) -> float | None:
     for e in out.events:
         ctx.post(e)
     if not view.deleting:
-        return ctx.settings.reconcile_interval
+        return min(ctx.settings.reconcile_interval, RELEASE_AGAIN_S) if out.again else ctx.settings.reconcile_interval
     return await _finalize(ctx, view, result)
 
 
