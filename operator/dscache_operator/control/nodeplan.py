@@ -496,8 +496,10 @@ def release_next(step: Release, result: WipeResult, known: frozenset[str]) -> bo
     of ours (``known``: the cache's pods we see): the next plan releases it (_releasable), so
     the cache is worth reconciling again at once, not at the next interval. A pod that ran and
     was deleted before a reconciliation saw it finish leaves exactly that (its lease, and no
-    pod to release it with). Once only per lease: one the wipe already tried to release is
-    not asked again sooner."""
+    pod to release it with). A lease the wipe already asked to release does not count: a
+    kept answer to that is not asked again sooner. (One that a fresh read showed still running,
+    so not asked, is asked again each RELEASE_AGAIN_S until our view shows its pod, the watch's
+    lag: only a pod our webhook admitted runs a stager, which writes leases.)"""
     return result.outcome is Outcome.KEPT and any(u not in known and u not in step.release for u in result.leases)
 
 
