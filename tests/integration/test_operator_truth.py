@@ -7,6 +7,7 @@ and webhook as subprocesses with the shipped RBAC (see test_operator_api.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -20,6 +21,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -725,14 +727,10 @@ def test_relist_never_releases_a_live_lease(kube_api, dscache_operator, ready_ca
 # --- a pod seen between two ticks: its copy is known, and wiped ----------------------------
 
 
-def test_short_pod_between_ticks_is_wiped(kube_api, dscache_operator, ready_cache, agents):  # noqa: F811
-    """A pod that lands on a node, stages, finishes and is deleted well within one reconcile
-    interval (here 600 s): the controller still learns that its node holds a copy and has it
-    wiped. Reconciling only on the interval, it never saw the pod, the copy was in no node entry,
-    and not even the cache's deletion removed it (found by e2e/test_99 after a short Job)."""
-    k, op = kube_api, dscache_operator
-    ns, name = ready_cache
-    node = agents.start("node-s")
+@contextlib.contextmanager
+def reconciling_every_600_s(k, op) -> Iterator[None]:
+    """The controller restarted with a 600 s reconcile interval (so that only events make a
+    cache due within a test), past its first pass over the caches; restored on the way out."""
     op.stop("controller")
     op.extra_env["DSCACHE_RECONCILE_INTERVAL"] = "600"
     op.start("controller")
@@ -746,6 +744,22 @@ def test_short_pod_between_ticks_is_wiped(kube_api, dscache_operator, ready_cach
 
         k.wait_for(up, what="the controller up")
         time.sleep(3)
+        yield
+    finally:
+        op.stop("controller")
+        op.extra_env.pop("DSCACHE_RECONCILE_INTERVAL", None)
+        op.start("controller")
+
+
+def test_short_pod_between_ticks_is_wiped(kube_api, dscache_operator, ready_cache, agents):  # noqa: F811
+    """A pod that lands on a node, stages, finishes and is deleted well within one reconcile
+    interval (here 600 s): the controller still learns that its node holds a copy and has it
+    wiped. Reconciling only on the interval, it never saw the pod, the copy was in no node entry,
+    and not even the cache's deletion removed it (found by e2e/test_99 after a short Job)."""
+    k, op = kube_api, dscache_operator
+    ns, name = ready_cache
+    node = agents.start("node-s")
+    with reconciling_every_600_s(k, op):
         job = create_job(k, ns, job_body("short", name))
         pod = start_job_pod(k, ns, job, "node-s")
         copy = staged(node, ns, name, pod)
@@ -755,10 +769,6 @@ def test_short_pod_between_ticks_is_wiped(kube_api, dscache_operator, ready_cach
         k.delete(f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}?gracePeriodSeconds=0")
         k.wait_for(lambda: not copy.exists(), timeout=60, what=f"{copy} wiped long before the next tick")
         assert any(line.endswith(": removed") for line in wipe_lines(node, ns, name)), wipe_lines(node, ns, name)
-    finally:
-        op.stop("controller")
-        op.extra_env.pop("DSCACHE_RECONCILE_INTERVAL", None)
-        op.start("controller")
 
 
 def test_a_pod_gone_before_its_end_was_seen_is_wiped_at_once(kube_api, dscache_operator, ready_cache, agents):  # noqa: F811
@@ -770,19 +780,7 @@ def test_a_pod_gone_before_its_end_was_seen_is_wiped_at_once(kube_api, dscache_o
     k, op = kube_api, dscache_operator
     ns, name = ready_cache
     node = agents.start("node-g")
-    op.stop("controller")
-    op.extra_env["DSCACHE_RECONCILE_INTERVAL"] = "600"
-    op.start("controller")
-    try:
-
-        def up() -> bool:
-            try:
-                return op.healthz("controller") == 200
-            except OSError:
-                return False
-
-        k.wait_for(up, what="the controller up")
-        time.sleep(3)
+    with reconciling_every_600_s(k, op):
         job = create_job(k, ns, job_body("gone", name))
         pod = start_job_pod(k, ns, job, "node-g")
         copy = staged(node, ns, name, pod)
@@ -800,7 +798,3 @@ def test_a_pod_gone_before_its_end_was_seen_is_wiped_at_once(kube_api, dscache_o
         lines = wipe_lines(node, ns, name)
         assert lines and lines[-1].endswith(": removed"), lines
         assert pod["metadata"]["uid"] in lines[-1], lines  # released by the plan, not left to a TTL
-    finally:
-        op.stop("controller")
-        op.extra_env.pop("DSCACHE_RECONCILE_INTERVAL", None)
-        op.start("controller")
