@@ -751,6 +751,16 @@ def reconciling_every_600_s(k, op) -> Iterator[None]:
         op.start("controller")
 
 
+def run_to_the_end_and_delete(k, ns: str, pod: dict, job: str) -> None:
+    """What the kubelet and the Job controller do to a short pod: it runs, succeeds, its Job
+    completes, and it is deleted, within a moment."""
+    name = pod["metadata"]["name"]
+    kubelet_status(k, ns, name, phase="Running", init="done", message=json.dumps(SUMMARY))
+    kubelet_status(k, ns, name, phase="Succeeded", init="done", message=json.dumps(SUMMARY))
+    complete_job(k, ns, job)
+    k.delete(f"/api/v1/namespaces/{ns}/pods/{name}?gracePeriodSeconds=0")
+
+
 def test_short_pod_between_ticks_is_wiped(kube_api, dscache_operator, ready_cache, agents):  # noqa: F811
     """A pod that lands on a node, stages, finishes and is deleted well within one reconcile
     interval (here 600 s): the controller still learns that its node holds a copy and has it
@@ -763,10 +773,7 @@ def test_short_pod_between_ticks_is_wiped(kube_api, dscache_operator, ready_cach
         job = create_job(k, ns, job_body("short", name))
         pod = start_job_pod(k, ns, job, "node-s")
         copy = staged(node, ns, name, pod)
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
-        kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
-        complete_job(k, ns, "short")
-        k.delete(f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}?gracePeriodSeconds=0")
+        run_to_the_end_and_delete(k, ns, pod, "short")
         k.wait_for(lambda: not copy.exists(), timeout=60, what=f"{copy} wiped long before the next tick")
         assert any(line.endswith(": removed") for line in wipe_lines(node, ns, name)), wipe_lines(node, ns, name)
 
@@ -788,10 +795,7 @@ def test_a_pod_gone_before_its_end_was_seen_is_wiped_at_once(kube_api, dscache_o
         controller = op.procs["controller"]
         controller.send_signal(signal.SIGSTOP)
         try:
-            kubelet_status(k, ns, pod["metadata"]["name"], phase="Running", init="done", message=json.dumps(SUMMARY))
-            kubelet_status(k, ns, pod["metadata"]["name"], phase="Succeeded", init="done", message=json.dumps(SUMMARY))
-            complete_job(k, ns, "gone")
-            k.delete(f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}?gracePeriodSeconds=0")
+            run_to_the_end_and_delete(k, ns, pod, "gone")
         finally:
             controller.send_signal(signal.SIGCONT)
         k.wait_for(lambda: not copy.exists(), timeout=60, what=f"{copy} wiped long before the next tick")
